@@ -1,0 +1,116 @@
+"""Common interface of KV-cache formats and their paged pools (PyTorch reference).
+
+A *format* says how one token's K and V vectors of one KV head become bytes. A *pool* is the
+paged KV cache of one attention layer in that format, addressed the way vLLM addresses it:
+``slot = block_id * block_size + offset``; slot ``-1`` marks padding and is skipped.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+
+def check_positive_int(name: str, value: int) -> None:
+    """Raise ``ValueError`` naming ``name`` unless ``value`` is an int > 0."""
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def check_kv(key: torch.Tensor, value: torch.Tensor, num_kv_heads: int, head_dim: int) -> None:
+    """Check K/V of shape ``[num_tokens, num_kv_heads, head_dim]``; raise ``ValueError``."""
+    for name, x in (("key", key), ("value", value)):
+        if x.dim() != 3 or tuple(x.shape[1:]) != (num_kv_heads, head_dim):
+            raise ValueError(
+                f"{name} must have shape [num_tokens, {num_kv_heads}, {head_dim}], got {tuple(x.shape)}"
+            )
+    if key.shape != value.shape:
+        raise ValueError(f"key shape {tuple(key.shape)} != value shape {tuple(value.shape)}")
+
+
+class KVPool(ABC):
+    """Paged KV cache of one layer. ``data`` is the tensor a kernel would read.
+
+    Attributes:
+        num_blocks, num_kv_heads, head_dim, block_size: pool geometry.
+        data: the stored bytes; shape and dtype depend on the format.
+    """
+
+    def __init__(self, fmt: "KVFormat", num_blocks: int, num_kv_heads: int, head_dim: int,
+                 block_size: int) -> None:
+        check_positive_int("num_blocks", num_blocks)
+        check_positive_int("num_kv_heads", num_kv_heads)
+        check_positive_int("head_dim", head_dim)
+        check_positive_int("block_size", block_size)
+        self.fmt = fmt
+        self.num_blocks = num_blocks
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.block_size = block_size
+        self.data: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+    def _split_slots(self, slot_mapping: torch.Tensor, num_tokens: int):
+        if slot_mapping.dim() != 1 or slot_mapping.numel() != num_tokens:
+            raise ValueError(
+                f"slot_mapping must have shape [num_tokens={num_tokens}], got {tuple(slot_mapping.shape)}"
+            )
+        slot_mapping = slot_mapping.to(torch.int64)
+        keep = slot_mapping >= 0
+        slots = slot_mapping[keep]
+        if slots.numel() and int(slots.max()) >= self.num_blocks * self.block_size:
+            raise ValueError(
+                f"slot_mapping holds slot {int(slots.max())} >= num_blocks * block_size = "
+                f"{self.num_blocks * self.block_size}"
+            )
+        return keep, slots // self.block_size, slots % self.block_size
+
+    @abstractmethod
+    def write(self, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Store ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` (bf16/fp16/fp32)
+        into the slots ``slot_mapping`` (int ``[num_tokens]``, -1 = padding, skipped)."""
+
+    @abstractmethod
+    def gather(self, block_ids: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantized K and V of one sequence, float32 ``[seq_len, num_kv_heads, head_dim]``.
+
+        ``block_ids``: int ``[>= ceil(seq_len / block_size)]``, the sequence's block-table row.
+        """
+
+    def _pages_needed(self, block_ids: torch.Tensor, seq_len: int) -> torch.Tensor:
+        check_positive_int("seq_len", seq_len)
+        n = -(-seq_len // self.block_size)
+        if block_ids.numel() < n:
+            raise ValueError(f"block table row has {block_ids.numel()} blocks, seq_len={seq_len} needs {n}")
+        return block_ids[:n].to(torch.int64)
+
+
+class KVFormat(ABC):
+    """A KV-cache storage format. Subclasses document method, shapes, dtypes and source."""
+
+    name: str
+
+    @abstractmethod
+    def bytes_per_token_per_head(self, head_dim: int) -> int:
+        """Bytes stored per token per KV head, K and V together, scales included."""
+
+    @abstractmethod
+    def new_pool(self, num_blocks: int, num_kv_heads: int, head_dim: int, block_size: int = 16,
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16) -> KVPool:
+        """Allocate an empty pool. ``dtype`` is the model dtype (used by 16-bit formats)."""
+
+    def describe(self) -> str:
+        return self.name
+
+    def roundtrip(self, key: torch.Tensor, value: torch.Tensor, block_size: int = 16
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store then read back ``[num_tokens, num_kv_heads, head_dim]`` K/V through a fresh
+        pool; returns float32 K/V of the same shape (what attention would see)."""
+        n, h, d = key.shape
+        num_blocks = -(-n // block_size)
+        pool = self.new_pool(num_blocks, h, d, block_size, device=key.device, dtype=key.dtype)
+        pool.write(key, value, torch.arange(n, device=key.device))
+        return pool.gather(torch.arange(num_blocks, device=key.device), n)
