@@ -22,8 +22,8 @@ def _kv(n, h, d, seed, dtype=torch.bfloat16):
     return (torch.randn(n, h, d, generator=g).to(dtype), torch.randn(n, h, d, generator=g).to(dtype))
 
 
-@pytest.mark.parametrize("d,expected", [(128, {"bf16": 512, "fp8": 256, "k4v4": 136, "k8v4": 200, "k4v2": 104}),
-                                        (64, {"bf16": 256, "fp8": 128, "k4v4": 72, "k8v4": 104, "k4v2": 56})])
+@pytest.mark.parametrize("d,expected", [(128, {"bf16": 512, "fp8": 256, "k4v4": 134, "k8v4": 198, "k4v2": 102}),
+                                        (64, {"bf16": 256, "fp8": 128, "k4v4": 70, "k8v4": 102, "k4v2": 54})])
 def test_bytes_per_token_per_head(d, expected):
     for name, b in expected.items():
         fmt = get_format(name)
@@ -34,6 +34,11 @@ def test_bytes_per_token_per_head(d, expected):
 
 def test_k4v4_fits_issue_budget():
     assert get_format("k4v4").bytes_per_token_per_head(128) <= 136
+    # 13 users x ceil(132,096 / 16) blocks must fit the KV bytes vLLM gave bf16 at an emulated
+    # 80 GB budget (455,392 tokens x 147,456 B, REPRODUCTION-CARD): needs <= 135.77 B/token/head.
+    kv_bytes = 455_392 * 147_456
+    page_all_layers = 16 * get_format("k4v4").bytes_per_token_per_head(128) * 8 * 36
+    assert kv_bytes // page_all_layers // -(-132_096 // 16) >= 13
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])
@@ -77,16 +82,22 @@ def test_compressed_matches_float64_reference(name, d):
     k, v = _kv(37, 3, d, seed=d + kb)
     kh, vh = get_format(name).roundtrip(k, v)
     r = _np_rotation(d)
-    for x, xh, bits in ((k, kh, kb), (v, vh, vb)):
+    for x, xh, bits, sym in ((k, kh, kb, False), (v, vh, vb, True)):
         xr = x.double().numpy() @ r
         lo, hi = xr.min(-1, keepdims=True), xr.max(-1, keepdims=True)
-        s = ((hi - lo) / ((1 << bits) - 1)).astype(np.float16).astype(np.float64)
-        z = lo.astype(np.float16).astype(np.float64)
+        if sym:  # values: mid-rise symmetric, scale only
+            c = ((1 << bits) - 1) / 2
+            s = (np.maximum(-lo, hi) / c).astype(np.float16).astype(np.float64)
+            z = -c * s
+        else:  # keys: min/max asymmetric
+            s = ((hi - lo) / ((1 << bits) - 1)).astype(np.float16).astype(np.float64)
+            z = lo.astype(np.float16).astype(np.float64)
         codes = np.clip(np.round((xr - z) / s), 0, (1 << bits) - 1)
         expect = (codes * s + z) @ r.T
         err = np.abs(xh.double().numpy() - expect)
-        # identical except round-half ties and float32 rounding: at most one step on a few elements
-        assert (err < 1e-4).mean() > 0.995
+        # identical except round-half ties and float32-vs-float64 rounding (which can move a stored
+        # float16 scale by one ulp for a whole vector): at most one step on a few elements
+        assert (err < 1e-4).mean() > 0.98
         assert err.max() <= s.max() * 1.01 + 1e-4
 
 
@@ -127,8 +138,8 @@ def test_paged_scatter_gather_with_padding_and_shuffled_blocks(name):
 
 # Attention over each format vs float32 attention on the raw K/V: compression error bound per format.
 # Bounds: relative L2 error of the attention output on N(0,1) K/V (diffuse attention, the hard case for
-# relative error). Measured on these inputs (2026-11-29, CPU): fp8 0.037-0.039, k8v4 0.092-0.099,
-# k4v4 0.122-0.140, k4v2 0.46-0.52; bounds are ~1.5x the worst.
+# relative error). Measured on these inputs (2026-11-29, CPU): fp8 0.037-0.039, k8v4 0.101-0.110,
+# k4v4 0.132-0.148, k4v2 0.51-0.56; bounds are ~1.4x the worst.
 ATTN_BOUND = {"bf16": 1e-6, "fp8": 0.06, "k8v4": 0.15, "k4v4": 0.21, "k4v2": 0.78}
 
 
@@ -254,7 +265,7 @@ def test_outlier_keys_attention_output_error(channels):
     """Row 1, measured part: attention-output error (not K cosine). 8-bit keys keep it small."""
     q, k = _outlier_case(channels)
     _, err8 = _top1_and_err("k8v4", q, k)
-    assert err8 < 0.075  # measured 0.050 and 0.027 (2026-11-29, CPU)
+    assert err8 < 0.09  # measured 0.061 and 0.026 (2026-11-29, CPU)
 
 
 @pytest.mark.xfail(strict=True, reason="known limitation (NOTES.md): with a 600-norm key bias, per-token "

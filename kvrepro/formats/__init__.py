@@ -4,9 +4,9 @@
 | ----- | -------------------------------------------------- | ---------------------------- |
 | bf16  | 16-bit KV in the model dtype (vLLM ``auto``)       | 512 |
 | fp8   | E4M3, per-layer scale (vLLM ``fp8``)               | 256 |
-| k8v4  | compressed: 8-bit K, 4-bit V                       | 200 |
-| k4v4  | compressed: 4-bit K, 4-bit V (kvrepro's default)   | 136 |
-| k4v2  | compressed: 4-bit K, 2-bit V (sub-4-bit: 3 b/elem) | 104 |
+| k8v4  | compressed: 8-bit K, 4-bit V                       | 198 |
+| k4v4  | compressed: 4-bit K, 4-bit V (kvrepro's default)   | 134 |
+| k4v2  | compressed: 4-bit K, 2-bit V (sub-4-bit: 3 b/elem) | 102 |
 """
 from __future__ import annotations
 

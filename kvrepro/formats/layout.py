@@ -8,10 +8,14 @@ A pool for one attention layer is a ``uint8`` tensor of shape
 ``block_size`` tokens in four contiguous regions::
 
     offset 0          K codes   [block_size, head_dim * key_bits / 8]    uint8
-    k_meta_offset...  (see below)
     v_code_offset     V codes   [block_size, head_dim * value_bits / 8]  uint8
-    k_meta_offset     K meta    [block_size, 2]  float16  (scale, zero)
-    v_meta_offset     V meta    [block_size, 2]  float16  (scale, zero)
+    k_meta_offset     K meta    [block_size, 2]  float16  (scale, zero): k = code * scale + zero
+    v_meta_offset     V meta    [block_size]     float16  (scale):       v = (code - (2**vb - 1) / 2) * scale
+
+Keys are quantized asymmetrically (min/max), values with a symmetric mid-rise quantizer (no zero
+point; levels at odd multiples of scale/2), which saves 2 bytes per token per head: ``k4v4`` is
+134 B per token per head at head_dim 128, so 13 users of 131,072 + 1,024 tokens fit an emulated
+A100-80GB budget where 136 B would give 12.98 (see NOTES.md).
 
 Codes are "split-plane" packed: with ``n = 8 / bits`` codes per byte and ``P = head_dim / n``
 bytes per token, byte ``j`` holds the code of channel ``j + i * P`` in bits
@@ -30,7 +34,8 @@ from kvrepro.formats.hadamard import check_head_dim
 
 SUPPORTED_BITS = (2, 4, 8)
 SUPPORTED_BLOCK_SIZES = (16, 32, 64)
-META_BYTES = 4  # float16 scale + float16 zero, per token, per head, per K or V
+K_META_BYTES = 4  # float16 scale + float16 zero, per token, per head
+V_META_BYTES = 2  # float16 scale, per token, per head
 
 
 @dataclass(frozen=True)
@@ -70,7 +75,7 @@ class PageLayout:
     @property
     def bytes_per_token(self) -> int:
         """K + V bytes per token per KV head, codes and metadata."""
-        return self.k_code_bytes + self.v_code_bytes + 2 * META_BYTES
+        return self.k_code_bytes + self.v_code_bytes + K_META_BYTES + V_META_BYTES
 
     @property
     def k_code_offset(self) -> int:
@@ -86,9 +91,9 @@ class PageLayout:
 
     @property
     def v_meta_offset(self) -> int:
-        return self.k_meta_offset + self.block_size * META_BYTES
+        return self.k_meta_offset + self.block_size * K_META_BYTES
 
     @property
     def page_bytes(self) -> int:
         """Bytes of one page (one block, one KV head)."""
-        return self.v_meta_offset + self.block_size * META_BYTES
+        return self.v_meta_offset + self.block_size * V_META_BYTES
