@@ -1,0 +1,276 @@
+"""Load, check and render committed capacity-sweep results (``results/capacity/*.jsonl``), and the
+reference data they are compared with (the seed's published points, REPRODUCTION-CARD.md's measurements).
+
+A result file is JSON Lines written by ``kvrepro.sweep``: one object per (mode, num_users) run with at
+least the fields of :data:`REQUIRED_FIELDS`. "Max clean capacity" of a mode = the largest ``num_users``
+whose run was clean (``clean`` true and ``preemptions == 0``), the seed's metric.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import kvrepro
+
+# field -> accepted Python types (bool is checked apart: it is an int subclass).
+REQUIRED_FIELDS: dict[str, tuple[type, ...]] = {
+    "mode": (str,), "kv_cache_dtype": (str,), "num_users": (int,), "clean": (bool,), "preemptions": (int,),
+    "aggregate_decode_tok_s": (int, float), "ttft_s_mean": (int, float), "ttft_s_max": (int, float),
+    "tpot_ms_mean": (int, float), "kv_cache_tokens": (int,), "users_fit_arithmetic": (int,),
+    "prompt_tokens": (int,), "decode_tokens": (int,), "gpu": (str,), "gpu_memory_gb": (int, float),
+    "gpu_memory_utilization": (int, float), "vllm_version": (str,), "torch_version": (str,),
+    "kvrepro_version": (str,), "model": (str,), "load_format": (str,), "date": (str,), "run_id": (str,),
+    "measured": (bool,),
+}
+DEFAULT_RESULTS_DIR = "results/capacity"
+BASELINE_ALIASES = {"bf16": ("bf16", "fp16", "auto"), "fp8": ("fp8",)}
+
+SEED_SOURCE = "seed (published; A100 80GB, vLLM 0.20.2, 128K + 1024 per user)"
+CARD_SOURCE = "REPRODUCTION-CARD.md (measured; H200 emulating 80 GiB, vLLM 0.20.2, 128K + 256 per user, 2026-11-29)"
+# (mode, num_users, aggregate_decode_tok_s, source, is max clean capacity)
+_REFERENCE = [
+    ("fp16", 2, 66.6, SEED_SOURCE, True),
+    ("fp8", 5, 105.0, SEED_SOURCE, True),
+    ("compressed (seed)", 6, 140.9, SEED_SOURCE, True),
+    ("bf16", 3, 163.6, CARD_SOURCE, True),  # 3 users = all that fit (arithmetic), 0 preemptions
+    ("fp8", 6, 174.5, CARD_SOURCE, True),  # 6 = all that fit, 0 preemptions
+    ("turboquant_4bit_nc", 3, 35.0, CARD_SOURCE, False),  # 10 fit, only 3 were run
+]
+
+
+def repo_root() -> Path:
+    """The checkout holding kvrepro (editable install), else the current directory."""
+    root = Path(kvrepro.__file__).resolve().parents[1]
+    return root if (root / "pyproject.toml").exists() else Path.cwd()
+
+
+def resolve_results_dir(results_dir: str | Path = DEFAULT_RESULTS_DIR) -> Path:
+    """``results_dir`` as a path; a relative one is taken from :func:`repo_root`."""
+    p = Path(results_dir)
+    return p if p.is_absolute() else repo_root() / p
+
+
+def _check_record(rec, where: str) -> None:
+    if not isinstance(rec, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(rec).__name__}")
+    missing = [k for k in REQUIRED_FIELDS if k not in rec]
+    if missing:
+        raise ValueError(f"{where}: missing field(s) {', '.join(missing)}")
+    for key, types in REQUIRED_FIELDS.items():
+        val = rec[key]
+        ok = isinstance(val, bool) if types == (bool,) else (isinstance(val, types) and not isinstance(val, bool))
+        if not ok:
+            names = "/".join(t.__name__ for t in types)
+            raise ValueError(f"{where}: field {key!r} must be {names}, got {val!r}")
+    if rec["num_users"] <= 0:
+        raise ValueError(f"{where}: num_users must be positive, got {rec['num_users']}")
+    if rec["preemptions"] < 0:
+        raise ValueError(f"{where}: preemptions must be >= 0, got {rec['preemptions']}")
+    if not math.isfinite(rec["aggregate_decode_tok_s"]) or rec["aggregate_decode_tok_s"] < 0:
+        raise ValueError(f"{where}: aggregate_decode_tok_s must be finite and >= 0, got {rec['aggregate_decode_tok_s']}")
+    if rec["measured"] is not True:
+        raise ValueError(f"{where}: measured must be true for a replayable result")
+
+
+def load_jsonl(path: str | Path):
+    """Read and validate one result file; return a DataFrame (one row per run, plus ``source_file``).
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: empty file, a line that is not JSON, a missing field or a field of the wrong type
+            (the message gives file, line number and field).
+    """
+    import pandas as pd
+
+    path = Path(path)
+    records = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{n}"
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
+        _check_record(rec, where)
+        records.append(rec)
+    if not records:
+        raise ValueError(f"{path}: no result records")
+    df = pd.DataFrame(records)
+    df["source_file"] = str(path)
+    return df
+
+
+def find_result_files(results_dir: str | Path = DEFAULT_RESULTS_DIR) -> list[Path]:
+    """Sorted ``*.jsonl`` files under ``results_dir`` (relative paths are from the repo root); [] if none."""
+    d = resolve_results_dir(results_dir)
+    return sorted(d.glob("*.jsonl")) if d.is_dir() else []
+
+
+def load_results(results_dir: str | Path = DEFAULT_RESULTS_DIR):
+    """All result files under ``results_dir`` concatenated, or None when there are none.
+    Raises ValueError on the first malformed file (see :func:`load_jsonl`)."""
+    import pandas as pd
+
+    files = find_result_files(results_dir)
+    if not files:
+        return None
+    return pd.concat([load_jsonl(f) for f in files], ignore_index=True)
+
+
+def replay_labels(df) -> list[str]:
+    """One label per source file: ``"replayed from <file>, measured on <GPU> <date>"`` (file relative to
+    the repo root when inside it; several GPUs/dates are joined with "/")."""
+    labels = []
+    root = repo_root()
+    for src, g in df.groupby("source_file", sort=True):
+        p = Path(src)
+        try:
+            p = p.resolve().relative_to(root)
+        except ValueError:
+            pass
+        gpus = "/".join(sorted(set(g["gpu"])))
+        dates = "/".join(sorted(set(g["date"])))
+        labels.append(f"replayed from {p}, measured on {gpus} {dates}")
+    return labels
+
+
+def max_clean_capacity(df):
+    """Per mode: the largest clean ``num_users`` and its aggregate decode tok/s.
+
+    Args:
+        df: runs with columns mode, num_users, aggregate_decode_tok_s and either ``clean`` + ``preemptions``
+            (measured results) or ``max_clean`` (reference data, taken as given).
+
+    Returns:
+        DataFrame indexed by nothing, columns mode, max_clean_users (0 when no run was clean),
+        aggregate_decode_tok_s (NaN when none), plus ``source`` when the input has it.
+    """
+    import pandas as pd
+
+    keys = ["mode", "source"] if "source" in df.columns else ["mode"]
+    if "max_clean" in df.columns:
+        ok = df["max_clean"].astype(bool)
+    else:
+        ok = df["clean"].astype(bool) & (df["preemptions"] == 0)
+    rows = []
+    for key, g in df.groupby(keys, sort=False):
+        key = key if isinstance(key, tuple) else (key,)
+        good = g[ok.loc[g.index]]
+        row = dict(zip(keys, key))
+        if len(good):
+            best = good.loc[good["num_users"].idxmax()]
+            row.update(max_clean_users=int(best["num_users"]), aggregate_decode_tok_s=float(best["aggregate_decode_tok_s"]))
+        else:
+            row.update(max_clean_users=0, aggregate_decode_tok_s=float("nan"))
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def _baseline(cap, name: str):
+    for alias in BASELINE_ALIASES[name]:
+        hit = cap[cap["mode"] == alias]
+        if len(hit):
+            return hit.iloc[0]
+    return None
+
+
+def ratios(cap):
+    """Capacity and throughput ratios vs bf16 (or fp16/auto) and fp8, per source when ``cap`` has one.
+
+    Args:
+        cap: output of :func:`max_clean_capacity`.
+
+    Returns:
+        ``cap`` plus columns users_vs_bf16, tok_s_vs_bf16, users_vs_fp8, tok_s_vs_fp8 (NaN where the
+        baseline is missing or zero).
+    """
+    import pandas as pd
+
+    parts = [cap] if "source" not in cap.columns else [g for _, g in cap.groupby("source", sort=False)]
+    out = []
+    for g in parts:
+        g = g.copy()
+        for name in ("bf16", "fp8"):
+            base = _baseline(g, name)
+            for col, ref in (("users", "max_clean_users"), ("tok_s", "aggregate_decode_tok_s")):
+                denom = float(base[ref]) if base is not None else float("nan")
+                g[f"{col}_vs_{name}"] = g[ref] / denom if denom and not math.isnan(denom) else float("nan")
+        out.append(g)
+    return pd.concat(out, ignore_index=True)
+
+
+def reference_points():
+    """The seed's published points and the card's measurements as one DataFrame: mode, num_users,
+    aggregate_decode_tok_s, max_clean (bool), source. Reference data, not measured by this run."""
+    import pandas as pd
+
+    return pd.DataFrame(_REFERENCE, columns=["mode", "num_users", "aggregate_decode_tok_s", "source", "max_clean"])
+
+
+def plot_throughput(df, ax=None, title: str = "Aggregate decode tok/s vs concurrent users"):
+    """The seed-style chart: aggregate decode tok/s (y) vs concurrent users (x), one line per mode
+    (marker style = source when several), the max-clean-capacity point of each mode marked with a
+    large star in the mode's colour and annotated.
+
+    Args:
+        df: runs (measured: clean/preemptions columns; reference: max_clean column).
+        ax: matplotlib Axes (default: a new figure).
+
+    Returns:
+        the Axes.
+    """
+    import matplotlib.pyplot as plt
+    import seaborn as sns
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(9, 4.5))
+    modes = list(dict.fromkeys(df["mode"]))
+    palette = dict(zip(modes, sns.color_palette("tab10", len(modes))))
+    style = "source" if "source" in df.columns and df["source"].nunique() > 1 else None
+    data = df.sort_values("num_users")
+    sns.lineplot(data=data, x="num_users", y="aggregate_decode_tok_s", hue="mode", palette=palette,
+                 style=style, dashes=False, legend=False, ax=ax)
+    sns.scatterplot(data=data, x="num_users", y="aggregate_decode_tok_s", hue="mode", palette=palette,
+                    style=style, s=50, ax=ax)
+    cap = max_clean_capacity(df)
+    cap = cap[cap["max_clean_users"] > 0]
+    for _, r in cap.iterrows():
+        ax.scatter([r["max_clean_users"]], [r["aggregate_decode_tok_s"]], marker="*", s=300,
+                   color=palette[r["mode"]], edgecolor="black", zorder=5)
+        ax.annotate(f"{r['max_clean_users']} users, {r['aggregate_decode_tok_s']:.1f} tok/s",
+                    (r["max_clean_users"], r["aggregate_decode_tok_s"]), textcoords="offset points",
+                    xytext=(8, -3), fontsize=8)
+    ax.scatter([], [], marker="*", s=150, color="white", edgecolor="black", label="max clean capacity")
+    ax.set_xlabel("concurrent users")
+    ax.set_ylabel("aggregate decode tok/s")
+    ax.set_title(title)
+    ax.margins(x=0.25, y=0.12)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    return ax
+
+
+def require_gpu_and_vllm() -> dict:
+    """Check that a re-measurement can run here (``measure=True``): a CUDA GPU and vLLM installed.
+
+    Returns:
+        the :func:`kvrepro.provenance.collect` dict (for the caller's labels).
+
+    Raises:
+        RuntimeError: no CUDA GPU or no vLLM; the message says which, and that nothing is replayed instead.
+    """
+    from kvrepro.provenance import NOT_INSTALLED, collect
+
+    info = collect({})
+    missing = []
+    if info["gpu"] == "none":
+        missing.append("a CUDA GPU (found none)")
+    if info["vllm_version"] == NOT_INSTALLED:
+        missing.append("vLLM (not installed; use the conda environment.yml)")
+    if missing:
+        raise RuntimeError(
+            "measure=True needs " + " and ".join(missing) + ". Nothing was replayed in its place: "
+            "run with measure=False to render the committed results instead."
+        )
+    return info
