@@ -304,3 +304,41 @@ def card_anchor_table(cfg: ModelConfig | None = None, **kwargs):
                      "bytes_per_token_per_head": round(bpth, 1), "bytes_source": src,
                      "source": "REPRODUCTION-CARD.md (H200 emulating 80 GiB, vLLM 0.20.2, 2026-11-29)"})
     return pd.DataFrame(rows)
+
+
+def check_workload(context_tokens: int, decode_tokens: int, max_users: int | None = None,
+                   block_size: int = DEFAULT_BLOCK_SIZE) -> None:
+    """Validate a per-user workload before any work is done.
+
+    Raises:
+        ValueError: ``context_tokens`` or ``max_users`` not a positive int, ``decode_tokens`` negative,
+            ``block_size`` not a positive int (the message names the parameter and the value).
+    """
+    _positive_int("context_tokens", context_tokens)
+    _nonneg_int("decode_tokens", decode_tokens)
+    _positive_int("block_size", block_size)
+    if max_users is not None:
+        _positive_int("max_users", max_users)
+
+
+def kv_demand(formats, max_users: int, context_tokens: int, decode_tokens: int,
+              block_size: int = DEFAULT_BLOCK_SIZE, cfg: ModelConfig | None = None):
+    """KV memory that 1..``max_users`` users need, in whole blocks, per format.
+
+    Returns:
+        DataFrame: format, users, kv_gib_needed = users x ceil(tokens / block_size) x page_bytes_all_layers / 2**30.
+
+    Raises:
+        ValueError: as :func:`check_workload` and :func:`check_formats`.
+    """
+    import pandas as pd
+
+    formats = check_formats(formats)
+    check_workload(context_tokens, decode_tokens, max_users, block_size)
+    cfg = cfg or load_model_config()
+    per_user = blocks_per_request(context_tokens + decode_tokens, block_size)
+    rows = [
+        {"format": f, "users": n, "kv_gib_needed": n * per_user * page_bytes_all_layers(f, cfg, block_size) / GIB}
+        for f in formats for n in range(1, max_users + 1)
+    ]
+    return pd.DataFrame(rows)

@@ -103,18 +103,61 @@ def to_frame(info: dict[str, Any]):
 def show(params: dict | None = None) -> dict[str, Any]:
     """Display the provenance table (parameters, versions, machine, date) in a notebook; return the dict.
 
-    Renders with IPython's ``display`` when available (HTML table in the nbconvert report), else prints
-    a plain-text table.  Raises ValueError like :func:`collect`.
+    In IPython it emits one output holding an HTML table (what the nbconvert report shows), a plain-text
+    table, and the dict itself as ``application/json`` (what tests read back from an executed notebook).
+    Outside IPython it prints the plain-text table. Raises ValueError like :func:`collect`.
     """
     info = collect(params)
     frame = to_frame(info)
+    text = frame.to_string(index=False)
     try:
+        from IPython import get_ipython
         from IPython.display import display
-
-        display(frame.style.hide(axis="index").set_caption("Provenance of this run"))
-    except Exception:  # noqa: BLE001 - outside IPython, or pandas without jinja2
-        print(frame.to_string(index=False))
+    except ImportError:
+        get_ipython = None
+    if get_ipython is None or get_ipython() is None:
+        print(text)
+        return info
+    html = "<p><b>Provenance of this run</b></p>" + frame.to_html(index=False, escape=True)
+    display({"text/html": html, "text/plain": text, "application/json": json.loads(json.dumps(info, default=str))},
+            raw=True)
     return info
+
+
+def parameters_cell_names(nb_path: str | os.PathLike) -> list[str]:
+    """Names assigned in the notebook's ``parameters``-tagged cell (checked by :func:`require_parameters_cell`).
+
+    Raises:
+        ValueError: as :func:`require_parameters_cell`, or an assignment that is not ``name = <literal>``
+            (derived values belong in a later cell: papermill injects its cell after the tagged one).
+    """
+    import ast
+
+    src = require_parameters_cell(nb_path)
+    names = []
+    for node in ast.parse(src).body:
+        if not (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)):
+            raise ValueError(f"{nb_path}: the parameters cell must hold only 'name = <literal>' lines, got "
+                             f"{ast.unparse(node)!r}")
+        try:
+            ast.literal_eval(node.value)
+        except ValueError:
+            raise ValueError(f"{nb_path}: parameter {node.targets[0].id!r} is not a literal: "
+                             f"{ast.unparse(node.value)!r}") from None
+        names.append(node.targets[0].id)
+    return names
+
+
+def check_parameters(nb_path: str | os.PathLike, params: dict) -> None:
+    """Refuse parameters the notebook does not declare (a typo would otherwise be silently ignored).
+
+    Raises:
+        ValueError: names of ``params`` missing from the parameters cell (lists the declared ones).
+    """
+    declared = parameters_cell_names(nb_path)
+    unknown = sorted(set(params) - set(declared))
+    if unknown:
+        raise ValueError(f"{nb_path}: unknown parameter(s) {', '.join(unknown)}; declared: {', '.join(declared)}")
 
 
 def require_parameters_cell(nb_path: str | os.PathLike) -> None:
@@ -122,6 +165,9 @@ def require_parameters_cell(nb_path: str | os.PathLike) -> None:
 
     Without that tag papermill appends injected values *after* nothing in particular and an untagged
     ``kv_mode = "fp16"`` cell silently overrides ``-p kv_mode fp8``; this check refuses such a notebook.
+
+    Returns:
+        the source of the tagged cell.
 
     Raises:
         FileNotFoundError: if ``nb_path`` does not exist.
@@ -140,3 +186,36 @@ def require_parameters_cell(nb_path: str | os.PathLike) -> None:
             "papermill would inject parameters without overriding the notebook's defaults "
             "(field-faults row 12). Tag the defaults cell with 'parameters'."
         )
+    src = nb["cells"][tagged[0]]["source"]
+    return "".join(src) if isinstance(src, list) else src
+
+
+def _main(argv: list[str] | None = None) -> int:
+    """``python -m kvrepro.provenance check NOTEBOOK [PARAMS.yaml]``: exit 1 with the reason when the
+    notebook has no single literal-only ``parameters`` cell or the YAML names an undeclared parameter."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m kvrepro.provenance")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    chk = sub.add_parser("check", help="check a notebook's parameters cell (and a params YAML against it)")
+    chk.add_argument("notebook")
+    chk.add_argument("params", nargs="?")
+    args = ap.parse_args(argv)
+    try:
+        names = parameters_cell_names(args.notebook)
+        if args.params:
+            import yaml
+
+            params = yaml.safe_load(Path(args.params).read_text(encoding="utf-8")) or {}
+            if not isinstance(params, dict):
+                raise ValueError(f"{args.params}: expected a mapping of parameter names to values")
+            check_parameters(args.notebook, params)
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"{args.notebook}: parameters cell ok ({', '.join(names)})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())

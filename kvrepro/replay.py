@@ -274,3 +274,41 @@ def require_gpu_and_vllm() -> dict:
             "run with measure=False to render the committed results instead."
         )
     return info
+
+
+def plot_kv_demand(demand, kv_budget_gib: float, ax=None, title: str = "KV cache needed vs concurrent users"):
+    """Line per format of ``kvrepro.capacity.kv_demand`` output, with the KV budget as a horizontal line;
+    the users that fit are the points under it. Returns the Axes."""
+    import matplotlib.pyplot as plt
+    import seaborn as sns
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(9, 4.5))
+    sns.lineplot(data=demand, x="users", y="kv_gib_needed", hue="format", marker="o", ax=ax)
+    ax.axhline(kv_budget_gib, color="black", ls="--", label=f"KV budget {kv_budget_gib:.1f} GiB")
+    ax.set_xlabel("concurrent users")
+    ax.set_ylabel("KV cache needed (GiB, whole blocks)")
+    ax.set_title(title)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    return ax
+
+
+def measure(*, modes, max_users: int, context_tokens: int, decode_tokens: int, gpu_memory_gb: float,
+            gpu_memory_utilization: float, block_size: int, results_dir: str | Path = DEFAULT_RESULTS_DIR) -> Path:
+    """Re-measure the capacity sweep with ``kvrepro.sweep`` (vLLM on this GPU) and return the JSONL written.
+
+    Checks the machine first (:func:`require_gpu_and_vllm`); the sweep itself belongs to ``kvrepro.sweep``.
+
+    Raises:
+        RuntimeError: no GPU or no vLLM here, or ``kvrepro.sweep`` is missing.
+    """
+    require_gpu_and_vllm()
+    try:
+        from kvrepro import sweep
+    except ImportError as e:
+        raise RuntimeError(f"measure=True needs kvrepro.sweep, which failed to import: {e}") from e
+    out = sweep.run_sweep(modes=list(modes), users=list(range(1, max_users + 1)), prompt_tokens=context_tokens,
+                          decode_tokens=decode_tokens, gpu_memory_gb=gpu_memory_gb,
+                          gpu_memory_utilization=gpu_memory_utilization, block_size=block_size,
+                          out_dir=resolve_results_dir(results_dir))
+    return Path(out)

