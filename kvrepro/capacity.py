@@ -10,7 +10,10 @@ of all KV heads, so::
     num_gpu_blocks        = floor(kv_cache_bytes / page_bytes_all_layers)
     kv_cache_tokens       = num_gpu_blocks x block_size
     blocks_per_request    = ceil((context_tokens + decode_tokens) / block_size)   (whole blocks)
-    users_that_fit        = floor(num_gpu_blocks / blocks_per_request)
+    users_that_fit        = floor((num_gpu_blocks - 1) / blocks_per_request)
+
+(one block of the pool is vLLM's null block, ``vllm/v1/core/block_pool.py``; vLLM's reported KV-cache
+size ``num_gpu_blocks x block_size`` includes it).
 
 Units: every ``*_gb`` argument is in GiB (2**30 bytes), the unit vLLM's logs and nvidia-smi use; the
 "A100 80GB" of the seed experiment is 81,920 MiB = 80 GiB.
@@ -230,7 +233,9 @@ def users_that_fit(fmt: str, context_tokens: int, decode_tokens: int, *,
 
     Returns:
         dict: format, bytes_per_token (all layers), page_bytes (all layers), kv_cache_gib,
-        num_gpu_blocks, kv_cache_tokens, tokens_per_user, blocks_per_user, users_fit.
+        num_gpu_blocks, kv_cache_tokens (= num_gpu_blocks x block_size, as vLLM reports it),
+        tokens_per_user, blocks_per_user, users_fit (= (num_gpu_blocks - 1) // blocks_per_user: the
+        null block is not usable).
 
     Raises:
         ValueError: unknown format; ``context_tokens`` not a positive int; ``decode_tokens`` negative
@@ -253,7 +258,7 @@ def users_that_fit(fmt: str, context_tokens: int, decode_tokens: int, *,
         "kv_cache_tokens": blocks * block_size,
         "tokens_per_user": tokens,
         "blocks_per_user": per_user,
-        "users_fit": blocks // per_user,
+        "users_fit": max(0, blocks - 1) // per_user,
     }
 
 

