@@ -1,0 +1,19 @@
+"""Triton kernels that read and write kvrepro's compressed KV pages directly.
+
+| function | what |
+| --- | --- |
+| ``store_kv(key, value, pool, slot_mapping, layout, rotation)`` | rotate + quantize + pack new K/V into slots |
+| ``decode_attention(query, pool, block_tables, seq_lens, layout, rotation, scale, ...)`` | split-K decode |
+| ``prefill_attention(query, key, value, pool, block_tables, seq_lens, query_start_loc, layout, rotation, scale, ...)`` | chunked prefill |
+
+Order per layer and step: ``store_kv`` for the step's new tokens, then attention (decode reads
+the current token from the pages; prefill reads the chunk's own K/V fresh). Page format:
+``kvrepro.formats.layout``; numerics: ``kvrepro.formats.compressed``. On CPU the kernels run
+under ``TRITON_INTERPRET=1`` (set it before importing triton).
+"""
+from kvrepro.ops.decode import decode_attention, decode_workspace_numel, default_num_splits
+from kvrepro.ops.prefill import prefill_attention, prefill_workspace_bytes
+from kvrepro.ops.store import store_kv
+
+__all__ = ["store_kv", "decode_attention", "prefill_attention", "decode_workspace_numel",
+           "default_num_splits", "prefill_workspace_bytes"]

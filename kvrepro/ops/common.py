@@ -1,0 +1,114 @@
+"""Checks shared by the host wrappers. None of them reads device memory (no host sync)."""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from kvrepro.formats.layout import PageLayout
+
+MAX_GROUP = 32  # query heads per KV head the attention kernels are built for
+FLOAT_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def next_pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+def pool_tensor(pool) -> torch.Tensor:
+    """The uint8 page tensor of ``pool`` (a tensor, or a ``CompressedPool``)."""
+    t = pool if isinstance(pool, torch.Tensor) else getattr(pool, "data", None)
+    if not isinstance(t, torch.Tensor):
+        raise ValueError("pool must be a uint8 tensor [num_blocks, num_kv_heads, page_bytes] or a CompressedPool")
+    return t
+
+
+def check_pool(pool: torch.Tensor, layout: PageLayout) -> tuple[int, int]:
+    """Return ``(num_blocks, num_kv_heads)``; raise ``ValueError`` on a mismatch."""
+    if not isinstance(layout, PageLayout):
+        raise ValueError(f"layout must be a kvrepro.formats.layout.PageLayout, got {type(layout).__name__}")
+    if pool.dtype != torch.uint8 or pool.dim() != 3 or pool.shape[2] != layout.page_bytes:
+        raise ValueError(
+            f"pool must be uint8 [num_blocks, num_kv_heads, {layout.page_bytes}] for {layout}, "
+            f"got {pool.dtype} {tuple(pool.shape)}")
+    if not pool.is_contiguous():
+        raise ValueError("pool must be contiguous")
+    return pool.shape[0], pool.shape[1]
+
+
+def check_rotation(rotation: torch.Tensor, layout: PageLayout, device: torch.device) -> None:
+    d = layout.head_dim
+    if rotation.shape != (d, d) or rotation.dtype != torch.float32 or not rotation.is_contiguous():
+        raise ValueError(f"rotation must be a contiguous float32 [{d}, {d}] tensor "
+                         f"(kvrepro.formats.hadamard.rotation_matrix), got {rotation.dtype} {tuple(rotation.shape)}")
+    if rotation.device != device:
+        raise ValueError(f"rotation is on {rotation.device}, the pool on {device}")
+
+
+def check_heads(num_q_heads: int, num_kv_heads: int, head_dim: int, layout: PageLayout) -> int:
+    """Return the GQA group size; refuse shapes the kernels are not built for."""
+    if head_dim != layout.head_dim:
+        raise ValueError(f"head_dim={head_dim} does not match layout.head_dim={layout.head_dim}")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"num_q_heads={num_q_heads} must be a multiple of num_kv_heads={num_kv_heads}")
+    group = num_q_heads // num_kv_heads
+    if group > MAX_GROUP:
+        raise ValueError(f"GQA group size {group} (num_q_heads={num_q_heads} / num_kv_heads={num_kv_heads}) "
+                         f"is not supported; supported group sizes: 1..{MAX_GROUP}, head_dim 64 or 128")
+    return group
+
+
+def check_float(name: str, x: torch.Tensor, shape: tuple, device: torch.device) -> None:
+    if x.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{name} must be bfloat16 or float16, got {x.dtype}")
+    if tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {list(shape)}, got {list(x.shape)}")
+    if x.stride(-1) != 1:
+        raise ValueError(f"{name} must have a contiguous last dimension")
+    if x.device != device:
+        raise ValueError(f"{name} is on {x.device}, the pool on {device}")
+
+
+def check_int(name: str, x: torch.Tensor, dim: int, device: torch.device) -> None:
+    if x.dtype != torch.int32 or x.dim() != dim:
+        raise ValueError(f"{name} must be an int32 tensor with {dim} dimension(s), got {x.dtype} {tuple(x.shape)}")
+    if x.device != device:
+        raise ValueError(f"{name} is on {x.device}, the pool on {device}")
+    if x.stride(-1) != 1:
+        raise ValueError(f"{name} must have a contiguous last dimension")
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device``; 132 for CPU (interpreter), the H100/H200 count."""
+    if device.type == "cuda":
+        return num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    return 132
+
+
+def _interpreter_index_fix() -> None:
+    """Under ``TRITON_INTERPRET=1``, triton 3.6's interpreter converts loop bounds with
+    ``int(array)`` on 1-element arrays, which NumPy >= 2.4 rejects ("only 0-dimensional arrays
+    can be converted"). Wrap its tensor patch so ``__index__`` reads the single element.
+    Affects only the interpreter (CPU tests); compiled GPU kernels are untouched."""
+    from triton.runtime import interpreter as interp
+
+    orig = interp._patch_lang_tensor
+    if getattr(orig, "_kvrepro_fixed", False):
+        return
+
+    def patched(tensor, scope):
+        orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched._kvrepro_fixed = True
+    interp._patch_lang_tensor = patched
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _interpreter_index_fix()

@@ -1,0 +1,120 @@
+"""``decode_attention``: one query token per sequence over compressed pages, split-K."""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+
+from kvrepro.formats.layout import PageLayout
+from kvrepro.ops.common import (check_float, check_heads, check_int, check_pool, check_rotation,
+                                next_pow2, pool_tensor, sm_count)
+from kvrepro.ops.kernels.attention import paged_attn_kernel
+from kvrepro.ops.kernels.rotate import merge_splits_kernel, rotate_query_kernel
+
+LOG2E = 1.4426950408889634
+DECODE_BLOCK_N = 64
+MIN_TOKENS_PER_SPLIT = 256
+
+
+def default_num_splits(batch: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
+    """Splits per (sequence, KV head): enough programs for ~4 per SM, each split >= 256 tokens.
+
+    Depends only on shapes (batch, heads, block-table width), never on ``seq_lens`` values, so
+    the launch grid is fixed per batch size (CUDA-graph capturable).
+    """
+    want = max(1, (4 * sm_count(device)) // max(1, batch * num_kv_heads))
+    cap = max(1, max_context // MIN_TOKENS_PER_SPLIT)
+    return max(1, min(next_pow2(want), cap, 256))
+
+
+def decode_workspace_numel(batch: int, num_q_heads: int, head_dim: int, num_splits: int) -> int:
+    """float32 elements of the split-K workspace: partial outputs + log-sum-exps."""
+    return batch * num_q_heads * num_splits * (head_dim + 1) + batch * num_q_heads * head_dim // 2
+
+
+def decode_attention(query: torch.Tensor, pool, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                     layout: PageLayout, rotation: torch.Tensor, scale: float,
+                     out: torch.Tensor | None = None, num_splits: int | None = None,
+                     workspace: torch.Tensor | None = None, *, block_n: int = DECODE_BLOCK_N,
+                     num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+    """Decode attention (one new token per sequence) over compressed KV pages.
+
+    Each page is read once per KV head for all query heads of its GQA group; the context is cut
+    into ``num_splits`` splits per (sequence, KV head) and merged with a log-sum-exp (FlashDecoding).
+
+    Args:
+        query: ``[B, Hq, D]`` bfloat16/float16, last dim contiguous.
+        pool: uint8 ``[num_blocks, Hkv, layout.page_bytes]`` or a ``CompressedPool``; must already
+            hold every token of every sequence, the current one included (run ``store_kv`` first).
+        block_tables: int32 ``[B, max_blocks]``; entries past a sequence's length are not read.
+        seq_lens: int32 ``[B]`` tokens in cache per sequence; ``0`` = CUDA-graph padding row
+            (output zeros, nothing read).
+        layout, rotation: the pool's ``PageLayout`` and float32 ``[D, D]`` rotation.
+        scale: softmax scale (usually ``D ** -0.5``).
+        out: optional ``[B, Hq, D]`` output (query dtype); written in place.
+        num_splits: splits per sequence; default ``default_num_splits`` (shape-only).
+        workspace: optional float32 tensor of >= ``decode_workspace_numel(B, Hq, D, S)`` elements.
+        block_n, num_warps, num_stages: tiling (tokens per step) and Triton launch options.
+
+    Returns:
+        ``out`` ``[B, Hq, D]`` in the query dtype.
+
+    No host sync and a launch grid fixed by ``(B, Hkv, num_splits)``: CUDA-graph capturable.
+    Precision: q is rotated and scaled in float32, then rounded to float16 (needs
+    ``|q @ R| * scale * 1.4427 < 65504``); softmax and accumulation in float32.
+
+    Raises:
+        ValueError: wrong shapes/dtypes/devices, unsupported head_dim or GQA group size.
+    """
+    data = pool_tensor(pool)
+    _, hkv = check_pool(data, layout)
+    dev = data.device
+    if query.dim() != 3:
+        raise ValueError(f"query must be [B, Hq, D], got {tuple(query.shape)}")
+    b, hq, d = query.shape
+    group = check_heads(hq, hkv, d, layout)
+    check_float("query", query, (b, hq, d), dev)
+    check_int("block_tables", block_tables, 2, dev)
+    check_int("seq_lens", seq_lens, 1, dev)
+    if block_tables.shape[0] != b or seq_lens.shape[0] != b:
+        raise ValueError(f"block_tables {tuple(block_tables.shape)} and seq_lens {tuple(seq_lens.shape)} "
+                         f"must have B={b} rows")
+    check_rotation(rotation, layout, dev)
+    if out is None:
+        out = torch.empty_like(query)
+    else:
+        check_float("out", out, (b, hq, d), dev)
+    if block_n not in (16, 32, 64, 128, 256):
+        raise ValueError(f"block_n={block_n}; allowed: 16, 32, 64, 128, 256")
+    if num_splits is None:
+        num_splits = default_num_splits(b, hkv, block_tables.shape[1] * layout.block_size, dev)
+    if not isinstance(num_splits, int) or num_splits < 1:
+        raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
+    if b == 0:
+        return out
+    need = decode_workspace_numel(b, hq, d, num_splits)
+    if workspace is None:
+        workspace = torch.empty(need, dtype=torch.float32, device=dev)
+    elif workspace.dtype != torch.float32 or workspace.numel() < need or workspace.device != dev:
+        raise ValueError(f"workspace must be float32 on {dev} with >= {need} elements")
+    n_o = b * hq * num_splits * d
+    part_o = workspace[:n_o]
+    part_lse = workspace[n_o:n_o + b * hq * num_splits]
+    q16 = workspace[n_o + b * hq * num_splits:need].view(torch.float16)[: b * hq * d]
+
+    rotate_query_kernel[(b * hq,)](query, rotation, q16, query.stride(0), query.stride(1),
+                                   float(scale) * LOG2E, HQ=hq, D=d)
+    gp = next_pow2(group)
+    paged_attn_kernel[(b, 1, hkv * num_splits)](
+        q16, data, block_tables, seq_lens, seq_lens, q16, q16, part_o, part_lse, rotation,
+        block_tables.stride(0),
+        NUM_KV_HEADS=hkv, G=group, GP=gp, D=d, BS=layout.block_size, PAGE_BYTES=layout.page_bytes,
+        KBITS=layout.key_bits, VBITS=layout.value_bits, V_CODE_OFF=layout.v_code_offset,
+        K_META_OFF=layout.k_meta_offset, V_META_OFF=layout.v_meta_offset,
+        BLOCK_Q=1, BLOCK_M=max(16, gp), BLOCK_N=block_n, NUM_SPLITS=num_splits,
+        HAS_FRESH=False, SPLIT_OUT=True, IS_DECODE=True, num_warps=num_warps, num_stages=num_stages,
+    )
+    merge_splits_kernel[(b * hq,)](part_o, part_lse, rotation, out, out.stride(0), out.stride(1),
+                                   HQ=hq, D=d, NUM_SPLITS=num_splits, SP=next_pow2(num_splits))
+    return out

@@ -1,0 +1,1 @@
+"""``@triton.jit`` kernels of kvrepro (host wrappers live one level up, in ``kvrepro.ops``)."""

@@ -1,0 +1,83 @@
+"""Store kernel: rotate, quantize and pack new K/V into compressed pages (``PageLayout``).
+
+Matches ``kvrepro.formats.compressed.quantize_rotated`` (keys asymmetric min/max with float16
+scale and zero; values symmetric mid-rise with a float16 scale; round-to-nearest-even conversions), ``round((x - zero) / scale)`` with round-half-even
+(the 2**23 trick, exact for 0 <= v < 2**22) and correctly rounded division (``div_rn``).
+Only the rotation ``x @ R`` may differ from the reference in the last float32 bit (summation
+order), which can move a code by one at an exact tie.
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _quant_pack_store(x, page_base, off, keep, pool_ptr, CODE_OFF, META_OFF,
+                      BITS: tl.constexpr, SYMMETRIC: tl.constexpr, D: tl.constexpr,
+                      BLOCK_T: tl.constexpr):
+    """x: [BLOCK_T, D] float32 rotated rows; page_base/off: [BLOCK_T] int64; keep: [BLOCK_T].
+    Asymmetric (keys): meta (scale, zero) float16 x 2; symmetric (values): meta scale float16."""
+    QMAX: tl.constexpr = (1 << BITS) - 1
+    NPL: tl.constexpr = 8 // BITS
+    P: tl.constexpr = D // NPL
+    lo = tl.min(x, axis=1)
+    hi = tl.max(x, axis=1)
+    if SYMMETRIC:
+        amax = tl.maximum(tl.abs(hi), tl.abs(lo))
+        scale16 = tl.math.div_rn(amax, tl.full([BLOCK_T], QMAX / 2, tl.float32)).to(tl.float16)
+        s = scale16.to(tl.float32)
+        z = -(QMAX / 2) * s
+    else:
+        scale16 = tl.math.div_rn(hi - lo, tl.full([BLOCK_T], QMAX, tl.float32)).to(tl.float16)
+        zero16 = lo.to(tl.float16)
+        s = scale16.to(tl.float32)
+        z = zero16.to(tl.float32)
+    safe = tl.where(s > 0, s, 1.0)
+    v = tl.math.div_rn(x - z[:, None], tl.broadcast_to(safe[:, None], (BLOCK_T, D)))
+    v = tl.minimum(tl.maximum(v, 0.0), QMAX * 1.0)
+    r = (v + 8388608.0) - 8388608.0  # round half to even, as torch.round
+    codes = r.to(tl.int32)
+    planes = tl.reshape(codes, (BLOCK_T, NPL, P))
+    sh = tl.arange(0, NPL) * BITS
+    packed = tl.sum(planes << sh[None, :, None], axis=1)  # disjoint bits: sum == or
+    pcols = tl.arange(0, P)
+    tl.store(pool_ptr + page_base[:, None] + CODE_OFF + off[:, None] * P + pcols[None, :],
+             packed.to(tl.uint8), mask=keep[:, None])
+    if SYMMETRIC:
+        meta = (pool_ptr + page_base + META_OFF + off * 2).to(tl.pointer_type(tl.float16))
+        tl.store(meta, scale16, mask=keep)
+    else:
+        meta = (pool_ptr + page_base + META_OFF + off * 4).to(tl.pointer_type(tl.float16))
+        tl.store(meta, scale16, mask=keep)
+        tl.store(meta + 1, zero16, mask=keep)
+
+
+@triton.jit
+def store_kv_kernel(key_ptr, value_ptr, pool_ptr, slot_ptr, rot_ptr, num_tokens,
+                    stride_kt, stride_kh, stride_vt, stride_vh,
+                    NUM_KV_HEADS: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+                    PAGE_BYTES: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
+                    V_CODE_OFF: tl.constexpr, K_META_OFF: tl.constexpr, V_META_OFF: tl.constexpr,
+                    BLOCK_T: tl.constexpr):
+    """Grid ``(cdiv(num_tokens, BLOCK_T), NUM_KV_HEADS)``. K/V last dim contiguous."""
+    pid_t = tl.program_id(0)
+    h = tl.program_id(1)
+    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    in_range = t < num_tokens
+    slot = tl.load(slot_ptr + t, mask=in_range, other=-1).to(tl.int64)
+    keep = slot >= 0
+    slot = tl.where(keep, slot, 0)
+    blk = slot // BS
+    off = slot % BS
+    page_base = (blk * NUM_KV_HEADS + h) * PAGE_BYTES
+    d = tl.arange(0, D)
+    rot = tl.load(rot_ptr + d[:, None] * D + d[None, :])
+    t64 = t.to(tl.int64)
+    xk = tl.load(key_ptr + t64[:, None] * stride_kt + h * stride_kh + d[None, :],
+                 mask=keep[:, None], other=0.0).to(tl.float32)
+    xk = tl.dot(xk, rot, input_precision="ieee")
+    _quant_pack_store(xk, page_base, off, keep, pool_ptr, 0, K_META_OFF, KBITS, False, D, BLOCK_T)
+    xv = tl.load(value_ptr + t64[:, None] * stride_vt + h * stride_vh + d[None, :],
+                 mask=keep[:, None], other=0.0).to(tl.float32)
+    xv = tl.dot(xv, rot, input_precision="ieee")
+    _quant_pack_store(xv, page_base, off, keep, pool_ptr, V_CODE_OFF, V_META_OFF, VBITS, True, D,
+                      BLOCK_T)

@@ -1,0 +1,57 @@
+"""``store_kv``: write new K/V into compressed pages (vLLM's cache-write step)."""
+from __future__ import annotations
+
+import torch
+import triton
+
+from kvrepro.formats.layout import PageLayout
+from kvrepro.ops.common import check_float, check_pool, check_rotation, pool_tensor
+from kvrepro.ops.kernels.store import store_kv_kernel
+
+STORE_BLOCK_T = 16
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, pool, slot_mapping: torch.Tensor,
+             layout: PageLayout, rotation: torch.Tensor) -> None:
+    """Rotate, quantize and pack ``key``/``value`` into their slots of ``pool`` (in place).
+
+    Same bytes as ``CompressedPool.write`` (``kvrepro.formats.compressed``), except that a code
+    may differ by one where ``x @ R`` lands on an exact rounding tie (float32 summation order).
+
+    Args:
+        key, value: ``[num_tokens, num_kv_heads, head_dim]`` bfloat16/float16, last dim contiguous.
+        pool: uint8 ``[num_blocks, num_kv_heads, layout.page_bytes]`` (contiguous) or a ``CompressedPool``.
+        slot_mapping: int32 or int64 ``[num_tokens]``; ``slot = block_id * block_size + offset``;
+            ``-1`` = padding, skipped. Slots are not range-checked (that would need a host sync).
+        layout: the pool's ``PageLayout``.
+        rotation: float32 ``[head_dim, head_dim]`` (``rotation_matrix(head_dim, seed)``), same device.
+
+    Preconditions: K/V finite with magnitudes within float16 range after rotation (the
+    reference raises on that; this kernel cannot without a host sync). No host sync; CUDA-graph
+    capturable. Page offsets are int64.
+
+    Raises:
+        ValueError: wrong shapes, dtypes, devices or layout.
+    """
+    data = pool_tensor(pool)
+    _, hkv = check_pool(data, layout)
+    dev = data.device
+    t = key.shape[0] if key.dim() == 3 else -1
+    check_float("key", key, (t, hkv, layout.head_dim), dev)
+    check_float("value", value, (t, hkv, layout.head_dim), dev)
+    if slot_mapping.dtype not in (torch.int32, torch.int64) or tuple(slot_mapping.shape) != (t,):
+        raise ValueError(f"slot_mapping must be int32/int64 [num_tokens={t}], got "
+                         f"{slot_mapping.dtype} {tuple(slot_mapping.shape)}")
+    if slot_mapping.device != dev or slot_mapping.stride(0) != 1:
+        raise ValueError(f"slot_mapping must be contiguous and on {dev}")
+    check_rotation(rotation, layout, dev)
+    if t == 0:
+        return
+    grid = (triton.cdiv(t, STORE_BLOCK_T), hkv)
+    store_kv_kernel[grid](
+        key, value, data, slot_mapping, rotation, t,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        NUM_KV_HEADS=hkv, D=layout.head_dim, BS=layout.block_size, PAGE_BYTES=layout.page_bytes,
+        KBITS=layout.key_bits, VBITS=layout.value_bits, V_CODE_OFF=layout.v_code_offset,
+        K_META_OFF=layout.k_meta_offset, V_META_OFF=layout.v_meta_offset, BLOCK_T=STORE_BLOCK_T,
+    )
