@@ -1,0 +1,122 @@
+"""Capacity arithmetic against hand-computed cases (numbers written out here, not recomputed by the
+function under test) and against vLLM's measured KV-token counts in REPRODUCTION-CARD.md."""
+import math
+
+import pytest
+
+from kvrepro import capacity as cap
+from kvrepro.formats import get_format
+
+QWEN = cap.load_model_config("qwen3-4b-instruct-2507")
+
+
+def test_bundled_config_matches_card():
+    assert (QWEN.num_layers, QWEN.num_q_heads, QWEN.num_kv_heads, QWEN.head_dim) == (36, 32, 8, 128)
+    assert (QWEN.hidden_size, QWEN.intermediate_size, QWEN.vocab_size) == (2560, 9728, 151936)
+    assert QWEN.tie_word_embeddings
+
+
+def test_qwen3_4b_weights_by_hand():
+    # per layer: q 2560x4096, k and v 2560x1024, o 4096x2560, MLP 3 x 2560x9728, norms 2x2560 + 2x128
+    per_layer = 10_485_760 + 2 * 2_621_440 + 10_485_760 + 74_711_040 + 5_120 + 256
+    params = 36 * per_layer + 151_936 * 2_560 + 2_560  # + tied embedding + final norm
+    assert params == 4_022_468_096
+    assert QWEN.num_params == params
+    assert QWEN.weights_bytes == 8_044_936_192
+    assert abs(QWEN.weights_bytes / 1e9 - 8.05) < 0.02  # card: "weights ~8.05 GB"
+
+
+@pytest.mark.parametrize("fmt,expected", [("bf16", 147_456), ("fp8", 73_728)])
+def test_bytes_per_token_by_hand(fmt, expected):
+    # 36 layers x 8 KV heads x 128 x 2 (K, V) x 2 B (bf16) or 1 B (fp8)
+    assert cap.bytes_per_token(fmt, QWEN) == expected
+    assert cap.page_bytes_all_layers(fmt, QWEN, 16) == 16 * expected
+
+
+def test_compressed_page_is_the_layout_page():
+    for name in ("k4v4", "k8v4", "k4v2"):
+        page = get_format(name).layout(128, 16).page_bytes
+        assert cap.page_bytes_all_layers(name, QWEN, 16) == 36 * 8 * page
+
+
+def test_blocks_per_request_rounds_up():
+    assert cap.blocks_per_request(16, 16) == 1
+    assert cap.blocks_per_request(17, 16) == 2
+    assert cap.blocks_per_request(131_072 + 1_024, 16) == 8_256
+    assert cap.blocks_per_request(131_072 + 256, 16) == 8_208
+
+
+def test_toy_model_whole_blocks():
+    # 2 layers, 1 KV head, head_dim 64, bf16: 2*1*64*2*2 = 512 B/token, page of 16 tokens = 8192 B.
+    toy = cap.ModelConfig("toy", num_layers=2, num_q_heads=1, num_kv_heads=1, head_dim=64, hidden_size=64,
+                          intermediate_size=64, vocab_size=10)
+    kw = dict(gpu_memory_gb=1 / 1024, gpu_memory_utilization=1.0, weights_gb=0.0, overhead_gb=0.0, cfg=toy)
+    # 1 MiB of KV = 128 blocks; one is vLLM's null block -> 127 usable.
+    r = cap.users_that_fit("bf16", 16, 0, **kw)
+    assert (r["bytes_per_token"], r["page_bytes"], r["num_gpu_blocks"], r["kv_cache_tokens"]) == (512, 8192, 128, 2048)
+    assert r["users_fit"] == 127  # 1 block each
+    assert cap.users_that_fit("bf16", 16, 1, **kw)["users_fit"] == 63  # 17 tokens -> 2 blocks
+    assert cap.users_that_fit("bf16", 30, 3, **kw)["users_fit"] == 42  # 33 tokens -> 3 blocks
+    assert cap.users_that_fit("fp8", 30, 3, **kw)["users_fit"] == 85  # 256 blocks -> 255 usable // 3
+
+
+def test_seed_workload_80gib_by_hand():
+    # KV bytes = 0.9 x 80 GiB - 8,044,936,192 B weights - 1.968 GiB overhead
+    kv = math.floor(0.9 * 80 * 2**30 - 8_044_936_192 - 1.968 * 2**30)
+    assert cap.kv_cache_bytes(80, 0.9, None, 1.968, QWEN) == kv
+    bf16_blocks = kv // (16 * 147_456)
+    fp8_blocks = kv // (16 * 73_728)
+    assert bf16_blocks * 16 == 455_392  # vLLM measured exactly this (REPRODUCTION-CARD.md)
+    r = cap.users_that_fit("bf16", 131_072, 1_024, cfg=QWEN)
+    assert (r["num_gpu_blocks"], r["users_fit"]) == (bf16_blocks, (bf16_blocks - 1) // 8_256)
+    assert r["users_fit"] == 3
+    r = cap.users_that_fit("fp8", 131_072, 1_024, cfg=QWEN)
+    assert (r["num_gpu_blocks"], r["users_fit"]) == (fp8_blocks, 6)
+
+
+def test_measured_anchors_and_card_users():
+    # The card's "users that fit (131328 tok)": bf16 3, fp8 6; fp8 KV tokens 910,688 measured.
+    fp8 = cap.users_that_fit("fp8", 131_072, 256, cfg=QWEN)
+    assert abs(fp8["kv_cache_tokens"] - 910_688) / 910_688 < 2e-4
+    assert fp8["users_fit"] == 6
+    assert cap.users_that_fit("bf16", 131_072, 256, cfg=QWEN)["users_fit"] == 3
+    # bytes/token/head derived from bf16's own anchor must give back 512 (within one block of 28,462)
+    derived = cap.derived_bytes_per_token_per_head(455_392, cap.kv_cache_bytes(cfg=QWEN), QWEN)
+    assert 512 <= derived < 512 * (1 + 1 / 28_462)
+
+
+def test_capacity_table_ratio_and_demand():
+    t = cap.capacity_table(["bf16", "fp8"], 131_072, 1_024, cfg=QWEN)
+    assert list(t["users_fit"]) == [3, 6]
+    assert list(t["vs_bf16"]) == [1.0, 2.0]
+    d = cap.kv_demand(["bf16"], 3, 131_072, 1_024, 16, QWEN)
+    assert list(d["users"]) == [1, 2, 3]
+    assert d["kv_gib_needed"].iloc[2] == pytest.approx(3 * 8_256 * 2_359_296 / 2**30)
+
+
+@pytest.mark.parametrize("kwargs,needle", [
+    (dict(fmt="bf17", context_tokens=1024, decode_tokens=0), "bf17"),
+    (dict(fmt="bf16", context_tokens=-5, decode_tokens=0), "context_tokens"),
+    (dict(fmt="bf16", context_tokens=0, decode_tokens=0), "context_tokens"),
+    (dict(fmt="bf16", context_tokens=1024, decode_tokens=-1), "decode_tokens"),
+    (dict(fmt="bf16", context_tokens=1024, decode_tokens=0, block_size=0), "block_size"),
+    (dict(fmt="bf16", context_tokens=1024, decode_tokens=0, gpu_memory_gb=-80), "gpu_memory_gb"),
+    (dict(fmt="bf16", context_tokens=1024, decode_tokens=0, gpu_memory_utilization=1.5), "gpu_memory_utilization"),
+    (dict(fmt="bf16", context_tokens=1024, decode_tokens=0, overhead_gb=-1), "overhead_gb"),
+    (dict(fmt="bf16", context_tokens=1024, decode_tokens=0, gpu_memory_gb=8), "no memory left"),
+    (dict(fmt="k4v4", context_tokens=1024, decode_tokens=0, block_size=8), "block_size"),
+])
+def test_bad_inputs_name_the_parameter(kwargs, needle):
+    with pytest.raises(ValueError, match=needle):
+        cap.users_that_fit(cfg=QWEN, **kwargs)
+
+
+def test_bad_lists_name_the_parameter():
+    with pytest.raises(ValueError, match="formats.*'int3'.*allowed: bf16"):
+        cap.check_formats(["bf16", "int3"])
+    with pytest.raises(ValueError, match="formats"):
+        cap.check_formats([])
+    with pytest.raises(ValueError, match="max_users"):
+        cap.kv_demand(["bf16"], 0, 1024, 0)
+    with pytest.raises(ValueError, match="model='nope'"):
+        cap.load_model_config("nope")

@@ -1,0 +1,157 @@
+"""Every notebook executed with its tiny CI parameters (notebooks/params/NN_ci.yaml) through papermill,
+failing on any cell error; bad parameters fail with a message naming them; field-faults row 12."""
+import json
+import os
+import sys
+from pathlib import Path
+
+import papermill as pm
+import pytest
+import torch
+import yaml
+
+from kvrepro import provenance
+
+ROOT = Path(__file__).resolve().parents[1]
+NB_DIR = ROOT / "notebooks"
+NOTEBOOKS = sorted(NB_DIR.glob("[0-9][0-9]_*.ipynb"))
+KERNEL = "kvrepro-pytest"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel_of_this_interpreter(tmp_path_factory):
+    """A kernelspec running this very interpreter, first on JUPYTER_PATH (so no user-level 'python3'
+    kernel can run the notebooks with another Python)."""
+    d = tmp_path_factory.mktemp("jupyter")
+    spec = d / "kernels" / KERNEL
+    spec.mkdir(parents=True)
+    (spec / "kernel.json").write_text(json.dumps({
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": KERNEL, "language": "python"}))
+    old = os.environ.get("JUPYTER_PATH")
+    os.environ["JUPYTER_PATH"] = str(d) + (os.pathsep + old if old else "")
+    yield
+    if old is None:
+        os.environ.pop("JUPYTER_PATH")
+    else:
+        os.environ["JUPYTER_PATH"] = old
+
+
+def run(nb: Path, params: dict, out: Path):
+    """What `make report` does for one notebook: refuse a bad parameters cell / unknown parameter, then
+    papermill (raises PapermillExecutionError on any cell error). Returns the executed notebook (dict)."""
+    provenance.check_parameters(nb, params)
+    pm.execute_notebook(str(nb), str(out), parameters=params, kernel_name=KERNEL, cwd=str(nb.parent),
+                        progress_bar=False, log_output=False)
+    return json.loads(out.read_text())
+
+
+def outputs(nb: dict):
+    for cell in nb["cells"]:
+        yield from cell.get("outputs", [])
+
+
+def text_of(nb: dict) -> str:
+    parts = []
+    for o in outputs(nb):
+        parts.append(o.get("text", "") if isinstance(o.get("text", ""), str) else "".join(o["text"]))
+        for mime in ("text/plain", "text/markdown", "text/html"):
+            v = o.get("data", {}).get(mime, "")
+            parts.append(v if isinstance(v, str) else "".join(v))
+    return "\n".join(parts)
+
+
+def ci_params(nb: Path) -> dict:
+    path = NB_DIR / "params" / f"{nb.name[:2]}_ci.yaml"
+    assert path.exists(), f"{nb.name} has no CI parameters file {path}"
+    return yaml.safe_load(path.read_text())
+
+
+def test_notebooks_exist():
+    assert [p.name[:2] for p in NOTEBOOKS][:2] == ["01", "02"]
+
+
+@pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.stem)
+def test_shipped_notebook_structure(nb):
+    provenance.parameters_cell_names(nb)  # exactly one literal-only `parameters` cell
+    for kind in ("default", "ci"):
+        params = yaml.safe_load((NB_DIR / "params" / f"{nb.name[:2]}_{kind}.yaml").read_text())
+        provenance.check_parameters(nb, params)
+    cells = json.loads(nb.read_text())["cells"]
+    assert not any(c.get("outputs") for c in cells), f"{nb.name}: outputs must be stripped in git"
+
+
+@pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_runs_with_ci_params_and_echoes_them(nb, tmp_path):
+    params = ci_params(nb)
+    done = run(nb, params, tmp_path / nb.name)
+    infos = [o["data"]["application/json"] for o in outputs(done)
+             if "application/json" in o.get("data", {}) and "python" in o["data"]["application/json"]]
+    assert infos, f"{nb.name}: no provenance (kvrepro.provenance.show) output"
+    info = infos[0]
+    for key, value in params.items():
+        assert info["parameters"][key] == value, key
+    assert info["python"] == sys.executable
+    assert info["torch_version"] == torch.__version__
+    assert "vllm_version" in info and "gpu" in info
+
+
+def test_02_replays_committed_results(tmp_path):
+    from test_replay import sweep_rows, write
+
+    results = tmp_path / "results"
+    results.mkdir()
+    write(results / "h200.jsonl", sweep_rows())
+    nb = NB_DIR / "02_capacity.ipynb"
+    done = run(nb, ci_params(nb) | {"results_dir": str(results)}, tmp_path / "out.ipynb")
+    text = text_of(done)
+    assert f"replayed from {results / 'h200.jsonl'}, measured on NVIDIA H200 2026-11-29" in text
+    assert "No committed measured results" not in text
+
+
+@pytest.mark.parametrize("stem,bad,needle", [
+    ("02_capacity", {"formats": ["bf16", "bf17"]}, "formats: unknown KV format 'bf17'"),
+    ("02_capacity", {"context_tokens": -1024}, "context_tokens must be a positive integer, got -1024"),
+    ("02_capacity", {"max_users": 0}, "max_users must be a positive integer, got 0"),
+    ("01_setup", {"num_tokens": -3}, "num_tokens must be a positive integer, got -3"),
+])
+def test_bad_parameter_fails_naming_it(stem, bad, needle, tmp_path):
+    nb = NB_DIR / f"{stem}.ipynb"
+    with pytest.raises(pm.PapermillExecutionError) as err:
+        run(nb, ci_params(nb) | bad, tmp_path / "out.ipynb")
+    assert err.value.ename == "ValueError" and needle in err.value.evalue
+
+
+def test_02_measure_without_gpu_fails_not_replays(tmp_path):
+    import importlib.util
+    if torch.cuda.is_available() and importlib.util.find_spec("vllm") is not None:
+        pytest.skip("GPU and vLLM present: measure=True would really measure")
+    nb = NB_DIR / "02_capacity.ipynb"
+    with pytest.raises(pm.PapermillExecutionError) as err:
+        run(nb, ci_params(nb) | {"measure": True}, tmp_path / "out.ipynb")
+    assert err.value.ename == "RuntimeError" and "measure=True needs" in err.value.evalue
+
+
+def _tiny_nb(path: Path, tagged: bool) -> Path:
+    cells = [{"cell_type": "code", "metadata": {"tags": ["parameters"] if tagged else []}, "outputs": [],
+              "execution_count": None, "id": "p", "source": 'kv_mode = "fp16"'},
+             {"cell_type": "code", "metadata": {}, "outputs": [], "execution_count": None, "id": "u",
+              "source": "print('kv_mode used:', kv_mode)"}]
+    path.write_text(json.dumps({"nbformat": 4, "nbformat_minor": 5, "cells": cells,
+                                "metadata": {"kernelspec": {"name": KERNEL, "display_name": KERNEL,
+                                                            "language": "python"}}}))
+    return path
+
+
+def test_row12_untagged_parameters_cell(tmp_path):
+    untagged = _tiny_nb(tmp_path / "untagged.ipynb", tagged=False)
+    # The fault: papermill alone injects at the top and the untagged default silently wins.
+    pm.execute_notebook(str(untagged), str(tmp_path / "raw.ipynb"), parameters={"kv_mode": "fp8"},
+                        kernel_name=KERNEL, progress_bar=False)
+    assert "kv_mode used: fp16" in text_of(json.loads((tmp_path / "raw.ipynb").read_text()))
+    # kvrepro's runner (make report, these tests) refuses the notebook instead.
+    with pytest.raises(ValueError, match="tagged 'parameters', found 0"):
+        run(untagged, {"kv_mode": "fp8"}, tmp_path / "out.ipynb")
+    # With the tag, the injected value is the one used.
+    tagged = _tiny_nb(tmp_path / "tagged.ipynb", tagged=True)
+    assert "kv_mode used: fp8" in text_of(run(tagged, {"kv_mode": "fp8"}, tmp_path / "ok.ipynb"))

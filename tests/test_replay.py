@@ -1,0 +1,110 @@
+"""kvrepro.replay on a small synthetic sweep written inside the test."""
+import json
+import math
+
+import pytest
+
+from kvrepro import replay
+
+
+def row(mode, users, tok_s, clean=True, preemptions=0, **kw):
+    r = {"mode": mode, "kv_cache_dtype": "auto" if mode == "bf16" else mode, "num_users": users, "clean": clean,
+         "preemptions": preemptions, "aggregate_decode_tok_s": tok_s, "ttft_s_mean": 1.0, "ttft_s_max": 2.0,
+         "tpot_ms_mean": 20.0, "kv_cache_tokens": 455_392, "users_fit_arithmetic": 3, "prompt_tokens": 131_072,
+         "decode_tokens": 1_024, "gpu": "NVIDIA H200", "gpu_memory_gb": 80.0, "gpu_memory_utilization": 0.5128,
+         "vllm_version": "0.20.2", "torch_version": "2.11.0", "kvrepro_version": "0.1.0",
+         "model": "qwen3-4b-instruct-2507", "load_format": "dummy", "date": "2026-11-29", "run_id": "t1",
+         "measured": True}
+    r.update(kw)
+    return r
+
+
+def sweep_rows():
+    return [row("bf16", 1, 60.0), row("bf16", 2, 110.0), row("bf16", 3, 150.0),
+            row("bf16", 4, 90.0, clean=False, preemptions=3),
+            row("fp8", 2, 100.0), row("fp8", 4, 180.0), row("fp8", 6, 240.0),
+            row("fp8", 7, 230.0, clean=True, preemptions=1)]  # "clean" but preempted: not clean capacity
+
+
+def write(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_load_and_max_clean_capacity(tmp_path):
+    write(tmp_path / "a.jsonl", sweep_rows())
+    df = replay.load_results(tmp_path)
+    assert len(df) == 8 and set(df["source_file"]) == {str(tmp_path / "a.jsonl")}
+    cap = replay.max_clean_capacity(df).set_index("mode")
+    assert cap.loc["bf16", "max_clean_users"] == 3 and cap.loc["bf16", "aggregate_decode_tok_s"] == 150.0
+    assert cap.loc["fp8", "max_clean_users"] == 6 and cap.loc["fp8", "aggregate_decode_tok_s"] == 240.0
+    r = replay.ratios(replay.max_clean_capacity(df)).set_index("mode")
+    assert r.loc["fp8", "users_vs_bf16"] == 2.0
+    assert r.loc["fp8", "tok_s_vs_bf16"] == pytest.approx(240 / 150)
+    assert r.loc["bf16", "tok_s_vs_fp8"] == pytest.approx(150 / 240)
+    assert replay.replay_labels(df) == [f"replayed from {tmp_path / 'a.jsonl'}, measured on NVIDIA H200 2026-11-29"]
+
+
+def test_no_clean_run_and_nullable_timings(tmp_path):
+    write(tmp_path / "b.jsonl", [row("fp8", 9, None, clean=False, preemptions=2, ttft_s_mean=None, ttft_s_max=None,
+                                     tpot_ms_mean=None)])
+    cap = replay.max_clean_capacity(replay.load_results(tmp_path))
+    assert cap["max_clean_users"].tolist() == [0] and math.isnan(cap["aggregate_decode_tok_s"].iloc[0])
+
+
+def test_empty_dir_gives_none(tmp_path):
+    assert replay.find_result_files(tmp_path) == []
+    assert replay.load_results(tmp_path / "missing") is None
+
+
+@pytest.mark.parametrize("mutate,needle", [
+    (lambda rows: rows[1].pop("clean"), r"b\.jsonl:2: missing field\(s\) clean"),
+    (lambda rows: rows[0].update(clean="yes"), r"b\.jsonl:1: field 'clean' must be bool"),
+    (lambda rows: rows[2].update(num_users=2.5), "field 'num_users' must be int"),
+    (lambda rows: rows[2].update(num_users=0), "num_users must be positive"),
+    (lambda rows: rows[0].update(measured=False), "measured must be true"),
+    (lambda rows: rows[0].update(aggregate_decode_tok_s=float("inf")), "aggregate_decode_tok_s must be finite"),
+])
+def test_malformed_rows_are_refused_with_file_line_field(tmp_path, mutate, needle):
+    rows = sweep_rows()
+    mutate(rows)
+    write(tmp_path / "b.jsonl", rows)
+    with pytest.raises(ValueError, match=needle):
+        replay.load_results(tmp_path)
+
+
+def test_malformed_json_and_empty_file(tmp_path):
+    p = tmp_path / "c.jsonl"
+    p.write_text(json.dumps(row("bf16", 1, 1.0)) + "\n{not json\n")
+    with pytest.raises(ValueError, match=r"c\.jsonl:2: not valid JSON"):
+        replay.load_jsonl(p)
+    p.write_text("\n")
+    with pytest.raises(ValueError, match="no result records"):
+        replay.load_jsonl(p)
+
+
+def test_reference_points_carry_sources():
+    ref = replay.reference_points()
+    seed = ref[ref["source"] == replay.SEED_SOURCE].set_index("mode")
+    assert seed.loc["fp16", "num_users"] == 2 and seed.loc["fp16", "aggregate_decode_tok_s"] == 66.6
+    assert seed.loc["fp8", "num_users"] == 5 and seed.loc["compressed (seed)", "aggregate_decode_tok_s"] == 140.9
+    assert set(ref["source"]) == {replay.SEED_SOURCE, replay.CARD_SOURCE}
+
+
+def test_measure_without_gpu_or_vllm_fails_clearly():
+    import importlib.util
+
+    import torch
+    if torch.cuda.is_available() and importlib.util.find_spec("vllm") is not None:
+        pytest.skip("GPU and vLLM present: the refusal cannot be exercised here")
+    with pytest.raises(RuntimeError, match="measure=True needs"):
+        replay.require_gpu_and_vllm()
+
+
+def test_plot_marks_max_clean(tmp_path):
+    import matplotlib
+    matplotlib.use("Agg")
+    write(tmp_path / "a.jsonl", sweep_rows())
+    ax = replay.plot_throughput(replay.load_results(tmp_path))
+    stars = [(tuple(c.get_offsets()[0])) for c in ax.collections if len(c.get_offsets()) == 1]
+    assert (3.0, 150.0) in stars and (6.0, 240.0) in stars
