@@ -1,0 +1,270 @@
+"""Measured capacity sweep: how many 128K-context users fit without preemption, and their aggregate
+decode tok/s, per KV mode, on one GPU with vLLM (the seed experiment of REPRODUCTION-CARD.md).
+
+Workload per user (defaults = the seed): Qwen3-4B-Instruct-2507 (bundled config, ``load_format="dummy"``
+unless real weights are given), a distinct random 131,072-token prompt, 1,024 decode tokens
+(``ignore_eos``), prefix caching off. ``gpu_memory_gb`` emulates a smaller card on a larger one:
+``gpu_memory_utilization = 0.9 x gpu_memory_gb / total``.
+
+Protocol per mode (one engine, one prefill of the largest N, so the whole comparison fits the device
+budget):
+
+1. start vLLM; read its KV-cache size (``num_gpu_blocks x block_size`` tokens); N = users that fit by
+   block arithmetic (``(num_gpu_blocks - 1) // ceil((prompt + decode) / block_size)``; vLLM keeps one
+   null block), capped by ``max_users``;
+2. submit N requests at once (max_tokens = decode + margin for step 4) and step the engine; TTFT of
+   each request from the common submit time;
+3. "full" window: from the moment every request has its first token until every request has
+   ``decode_tokens`` tokens. All N decode together throughout; aggregate decode tok/s = tokens
+   generated in the window / its duration. clean = all N ran concurrently (none finished before the
+   last first token) and vLLM's ``vllm:num_preemptions`` counter did not move from submit to the end
+   of the window (the KV footprint of every request then covers prompt + decode tokens);
+4. "abort" windows: abort one request, decode ``window_steps`` steps with N-1 users, measure, abort the
+   next, ... down to 1 (``measured_by = "abort-window"``; these N are below a measured clean N, and
+   the counter is checked again in each window).
+5. optional edge check (``confirm_edge``): submit N+1 fresh requests to the same engine; it is clean
+   only if all N+1 get a first token with no preemption by the time each has ``decode_tokens``.
+
+Rows go to one JSONL file per run (``ResultsFile``: write-then-rename, a rerun resumes and never
+duplicates a (mode, num_users, measured_by) row). Each row carries provenance.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+from kvrepro.formats import COMPRESSED_PRESETS
+
+VLLM_MODES = {"bf16": "auto", "fp8": "fp8", "turboquant_k8v4": "turboquant_k8v4",
+              "turboquant_4bit_nc": "turboquant_4bit_nc"}
+KVREPRO_MODES = tuple(f"kvrepro:{p}" for p in COMPRESSED_PRESETS)
+ALL_MODES = (*VLLM_MODES, *KVREPRO_MODES)
+REQUIRED_FIELDS = {
+    "mode": str, "kv_cache_dtype": str, "num_users": int, "clean": bool, "preemptions": int,
+    "aggregate_decode_tok_s": (int, float), "ttft_s_mean": (int, float), "ttft_s_max": (int, float),
+    "tpot_ms_mean": (int, float), "kv_cache_tokens": int, "users_fit_arithmetic": int,
+    "prompt_tokens": int, "decode_tokens": int, "gpu": str, "gpu_memory_gb": (int, float),
+    "gpu_memory_utilization": (int, float), "vllm_version": str, "torch_version": str,
+    "kvrepro_version": str, "model": str, "load_format": str, "date": str, "run_id": str, "measured": bool,
+}
+ROW_KEY = ("mode", "num_users", "measured_by")
+
+
+def check_modes(modes) -> tuple[str, ...]:
+    """Validate a list of KV modes; raises ValueError naming ``modes`` and the allowed values."""
+    if isinstance(modes, str):
+        modes = [m for m in modes.split(",") if m]
+    if not modes:
+        raise ValueError(f"modes must be a non-empty list from {ALL_MODES}")
+    bad = [m for m in modes if m not in ALL_MODES]
+    if bad:
+        raise ValueError(f"modes: unknown {bad}; allowed: {', '.join(ALL_MODES)}")
+    return tuple(modes)
+
+
+def engine_settings(mode: str) -> dict:
+    """vLLM settings of a mode: ``{"kv_cache_dtype", "attention_backend", "env"}``.
+
+    kvrepro presets run with kv_cache_dtype "auto", vLLM's ``attention_backend="CUSTOM"`` and
+    ``KVREPRO_PRESET``; vLLM's own modes let vLLM choose the backend.
+    """
+    check_modes([mode])
+    if mode in VLLM_MODES:
+        return {"kv_cache_dtype": VLLM_MODES[mode], "attention_backend": None, "env": {}}
+    return {"kv_cache_dtype": "auto", "attention_backend": "CUSTOM",
+            "env": {"KVREPRO_PRESET": mode.split(":", 1)[1]}}
+
+
+def memory_utilization(gpu_memory_gb: float, total_memory_bytes: int, fraction: float = 0.9) -> float:
+    """``fraction x gpu_memory_gb GiB / total`` (the emulated card's share of the real one).
+
+    Raises:
+        ValueError: non-positive inputs, or a budget larger than the card.
+    """
+    if not (isinstance(gpu_memory_gb, (int, float)) and gpu_memory_gb > 0):
+        raise ValueError(f"gpu_memory_gb must be > 0, got {gpu_memory_gb!r}")
+    if not (isinstance(total_memory_bytes, int) and total_memory_bytes > 0):
+        raise ValueError(f"total_memory_bytes must be a positive int, got {total_memory_bytes!r}")
+    util = fraction * gpu_memory_gb * 2**30 / total_memory_bytes
+    if not 0 < util <= 1:
+        raise ValueError(f"gpu_memory_gb={gpu_memory_gb} exceeds this GPU ({total_memory_bytes / 2**30:.1f} GiB)")
+    return util
+
+
+def users_fit(num_gpu_blocks: int, prompt_tokens: int, decode_tokens: int, block_size: int = 16) -> int:
+    """Users whose whole request (prompt + decode) fits in vLLM's pool at once: one block of the pool
+    is vLLM's null block (``vllm/v1/core/block_pool.py``), each request holds whole blocks."""
+    for name, v in (("num_gpu_blocks", num_gpu_blocks), ("prompt_tokens", prompt_tokens),
+                    ("block_size", block_size)):
+        if not isinstance(v, int) or v <= 0:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    if not isinstance(decode_tokens, int) or decode_tokens < 0:
+        raise ValueError(f"decode_tokens must be a non-negative int, got {decode_tokens!r}")
+    return max(0, num_gpu_blocks - 1) // math.ceil((prompt_tokens + decode_tokens) / block_size)
+
+
+def validate_row(row: dict) -> dict:
+    """Check a result row has every required field with the right type; returns it.
+
+    Raises:
+        ValueError: naming the missing or mistyped fields.
+    """
+    problems = []
+    for name, typ in REQUIRED_FIELDS.items():
+        if name not in row:
+            problems.append(f"missing {name}")
+        elif row[name] is None and name in ("ttft_s_mean", "ttft_s_max", "tpot_ms_mean", "aggregate_decode_tok_s"):
+            continue
+        elif isinstance(row[name], bool) and typ is not bool:
+            problems.append(f"{name} is a bool")
+        elif not isinstance(row[name], typ):
+            problems.append(f"{name}={row[name]!r} is not {typ}")
+    if "mode" in row and row["mode"] not in ALL_MODES:
+        problems.append(f"mode {row['mode']!r} not in {ALL_MODES}")
+    if problems:
+        raise ValueError("invalid result row: " + "; ".join(problems))
+    return row
+
+
+def row_key(row: dict) -> tuple:
+    return tuple(row.get(k) for k in ROW_KEY)
+
+
+class ResultsFile:
+    """One run's JSONL results. ``add`` validates, skips rows whose key (mode, num_users, measured_by)
+    is already present, and rewrites the file through a temp file + rename (never a torn file)."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        self.rows: list[dict] = []
+        if self.path.exists():
+            for i, line in enumerate(self.path.read_text(encoding="utf-8").splitlines()):
+                if line.strip():
+                    try:
+                        self.rows.append(json.loads(line))
+                    except json.JSONDecodeError as e:
+                        raise ValueError(f"{self.path}:{i + 1}: not JSON ({e})") from None
+
+    def keys(self) -> set:
+        return {row_key(r) for r in self.rows}
+
+    def modes_done(self) -> set[str]:
+        """Modes that already have their full-window row."""
+        return {r["mode"] for r in self.rows if r.get("measured_by") == "full"}
+
+    def add(self, rows) -> int:
+        """Append new rows (validated); returns how many were new."""
+        keys, new = self.keys(), []
+        for r in rows:
+            validate_row(r)
+            if row_key(r) not in keys:
+                keys.add(row_key(r))
+                new.append(r)
+        if new:
+            self.rows.extend(new)
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            tmp.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in self.rows), encoding="utf-8")
+            os.replace(tmp, self.path)
+        return len(new)
+
+
+@dataclasses.dataclass
+class Timeline:
+    """Token arrival times of one request (host ``perf_counter`` seconds)."""
+
+    submit: float
+    times: list = dataclasses.field(default_factory=list)  # time of the i-th output token
+
+    def count_at(self, t: float) -> int:
+        return sum(1 for x in self.times if x <= t)
+
+
+def window_stats(timelines: dict, t0: float, t1: float) -> dict:
+    """Aggregate decode tok/s and TPOT over ``(t0, t1]``: tokens that arrived in the window over its
+    duration; TPOT = duration / tokens per request (ms), averaged over requests with tokens."""
+    if t1 <= t0:
+        raise ValueError(f"empty window ({t0}, {t1}]")
+    per_req = [sum(1 for x in tl.times if t0 < x <= t1) for tl in timelines.values()]
+    total = sum(per_req)
+    tpots = [(t1 - t0) / n * 1e3 for n in per_req if n]
+    return {"tokens": total, "seconds": t1 - t0, "aggregate_decode_tok_s": total / (t1 - t0),
+            "tpot_ms_mean": sum(tpots) / len(tpots) if tpots else None}
+
+
+def ttft_stats(timelines: dict) -> dict:
+    """TTFT mean/max/first (s) from each request's submit to its first token."""
+    ttft = sorted(tl.times[0] - tl.submit for tl in timelines.values() if tl.times)
+    if not ttft:
+        return {"ttft_s_mean": None, "ttft_s_max": None, "ttft_s_first": None}
+    return {"ttft_s_mean": sum(ttft) / len(ttft), "ttft_s_max": ttft[-1], "ttft_s_first": ttft[0]}
+
+
+def now_utc() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat()
+
+
+DEFAULT_PARAMS = {"gpu_memory_gb": 80.0, "prompt_tokens": 131072, "decode_tokens": 1024, "max_users": 32,
+                  "window_steps": 32, "max_num_seqs": 32, "block_size": 16, "seed": 0,
+                  "load_format": "dummy", "model_dir": None}
+
+
+def run_sweep(modes, results_path: str | os.PathLike, run_id: str, params: dict | None = None,
+              confirm_edge=(), timeout_s: float = 540.0, sizing_only=()) -> list[str]:
+    """Measure every mode not yet in ``results_path`` (resume), each in its own subprocess
+    (``python -m kvrepro.vllm_backend.measure``) so GPU memory is returned between modes.
+
+    Returns the modes run now. Raises ValueError on bad modes; RuntimeError if a subprocess fails
+    (the rows it wrote before failing stay in the file).
+    """
+    import subprocess
+    import sys
+
+    modes = check_modes(modes)
+    p = dict(DEFAULT_PARAMS, **(params or {}))
+    done = ResultsFile(results_path).modes_done()
+    sized = {r["mode"] for r in ResultsFile(results_path).rows if r.get("measured_by") == "sizing"}
+    ran = []
+    for mode in modes:
+        only_size = mode in sizing_only
+        if mode in done or (only_size and mode in sized):
+            print(f"[sweep] {mode}: already in {results_path}, skipped", flush=True)
+            continue
+        mp = dict(p, confirm_edge=mode in confirm_edge, timeout_s=timeout_s, sizing_only=only_size)
+        cmd = [sys.executable, "-m", "kvrepro.vllm_backend.measure", "--mode", mode, "--results",
+               str(results_path), "--run-id", run_id, "--params", json.dumps(mp)]
+        print(f"[sweep] {mode}: {' '.join(cmd)}", flush=True)
+        t = time.perf_counter()
+        rc = subprocess.call(cmd)
+        print(f"[sweep] {mode}: exit {rc} after {time.perf_counter() - t:.0f} s", flush=True)
+        if rc != 0:
+            raise RuntimeError(f"measuring {mode} failed (exit {rc})")
+        ran.append(mode)
+    return ran
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(description="Measured capacity sweep (see module docstring).")
+    ap.add_argument("--modes", default=",".join(ALL_MODES))
+    ap.add_argument("--results", required=True, help="JSONL file of this run (resumed if it exists)")
+    ap.add_argument("--run-id", required=True)
+    ap.add_argument("--params", default="{}", help="JSON overrides of DEFAULT_PARAMS")
+    ap.add_argument("--confirm-edge", default="", help="comma-separated modes that also run the N+1 check")
+    ap.add_argument("--sizing-only", default="", help="comma-separated modes: KV-cache size only")
+    ap.add_argument("--timeout-s", type=float, default=540.0)
+    a = ap.parse_args(argv)
+    run_sweep(a.modes, a.results, a.run_id, json.loads(a.params),
+              confirm_edge=[m for m in a.confirm_edge.split(",") if m],
+              sizing_only=[m for m in a.sizing_only.split(",") if m], timeout_s=a.timeout_s)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

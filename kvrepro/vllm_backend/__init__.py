@@ -1,0 +1,41 @@
+"""kvrepro's compressed KV cache as an out-of-tree vLLM 0.20.2 attention backend.
+
+Use (GPU, ``pip install kvrepro[vllm]``; no fork, no edits to vLLM)::
+
+    KVREPRO_PRESET=k4v4 vllm serve Qwen/Qwen3-4B-Instruct-2507 --attention-backend CUSTOM
+    # or, in Python:
+    os.environ["KVREPRO_PRESET"] = "k4v4"          # optional; k4v4 is the default
+    llm = vllm.LLM(model, attention_backend="CUSTOM")   # kv_cache_dtype stays "auto"
+
+vLLM calls :func:`register` in every process it starts, through the entry point::
+
+    [project.entry-points."vllm.general_plugins"]
+    kvrepro = "kvrepro.vllm_backend:register"
+
+It binds vLLM's ``AttentionBackendEnum.CUSTOM`` slot to
+``kvrepro.vllm_backend.backend.KVReproAttentionBackend`` and installs the one patch
+(``spec_patch``) through which vLLM sizes each layer's cache from the compressed page size.
+Nothing changes for engines that do not select ``CUSTOM``. Unsupported configurations are refused
+at engine start (``config.unsupported_reasons`` / ``config.check_layer``).
+
+The pure parts (``config``, ``runtime``, ``spec_patch``) import without vLLM; ``backend`` needs it.
+"""
+from __future__ import annotations
+
+BACKEND_CLASS = "kvrepro.vllm_backend.backend.KVReproAttentionBackend"
+
+
+def register() -> None:
+    """vLLM general-plugin entry point: register the CUSTOM backend and the page-size patch.
+
+    Idempotent (vLLM may call it several times). Validates ``KVREPRO_PRESET`` so a bad value fails
+    at engine start. Raises ImportError without vLLM, ValueError on a bad preset.
+    """
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    from kvrepro.vllm_backend import spec_patch
+    from kvrepro.vllm_backend.config import resolve_preset
+
+    resolve_preset()
+    register_backend(AttentionBackendEnum.CUSTOM, BACKEND_CLASS)
+    spec_patch.install()

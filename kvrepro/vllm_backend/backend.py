@@ -1,0 +1,196 @@
+"""kvrepro's compressed KV cache as a vLLM 0.20.2 attention backend (registered as ``CUSTOM``).
+
+Four pieces, as in vLLM's ``triton_attn.py``: a metadata dataclass, its builder, the backend class
+(static declarations of what it supports) and the impl. The kernels live in ``kvrepro.ops``.
+
+Per layer the KV cache is uint8 ``[num_blocks, num_kv_heads, page_bytes]`` (``kvrepro.formats.layout``;
+vLLM sizes it through ``kvrepro.vllm_backend.spec_patch``). A step of the model runner does::
+
+    do_kv_cache_update: kvrepro.ops.store_kv(K, V, pool, slot_mapping)     every new token, compressed
+    forward, batch reordered by vLLM as [decodes | prefills] (reorder_batch_threshold = 1):
+      decodes  (query_len 1):  decode_attention(q, pool, block_table, seq_lens)   all keys from pages
+      prefills (query_len >1): prefill_attention(q, k, v, pool, ...)   chunk's own K/V fresh (bf16),
+                               earlier context (chunked prefill, prefix-cache hits) from pages
+
+Lengths per sequence (vLLM's convention)::
+
+    |<------------------- seq_len ------------------->|
+    |<---- context (in pages) ---->|<-- query_len -->|   query_len = qsl[i+1] - qsl[i]
+
+CUDA graphs: pure-decode batches are captured as full graphs (``UNIFORM_SINGLE_TOKEN_DECODE``):
+the decode path has no host sync, a fixed split count (``KVREPRO_NUM_SPLITS``) and a preallocated
+workspace; padded rows have seq_len 0 and slot -1. Mixed and prefill batches run piecewise (attention
+outside the graph). Prefix caching works like chunked prefill (cached blocks are read as context).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionCGSupport,
+    AttentionImpl,
+    AttentionMetadata,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+)
+from vllm.v1.attention.backends.utils import split_decodes_and_prefills
+
+from kvrepro.formats.layout import SUPPORTED_BLOCK_SIZES
+from kvrepro.vllm_backend import config as cfg
+from kvrepro.vllm_backend.runtime import LayerRuntime, record_check
+
+
+class KVReproAttentionBackend(AttentionBackend):
+    """Declarations of what kvrepro's compressed-KV backend supports (see ``config``)."""
+
+    kvrepro_compressed = True  # read by spec_patch.is_kvrepro_layer
+    accept_output_buffer: bool = True
+    forward_includes_kv_cache_update: bool = False
+    supported_dtypes: ClassVar[list[torch.dtype]] = list(cfg.SUPPORTED_DTYPES)
+    supported_kv_cache_dtypes: ClassVar[list] = list(cfg.SUPPORTED_KV_CACHE_DTYPES)
+
+    @staticmethod
+    def get_name() -> str:
+        return cfg.BACKEND_NAME
+
+    @staticmethod
+    def get_supported_kernel_block_sizes() -> list:
+        return list(SUPPORTED_BLOCK_SIZES)
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return list(cfg.SUPPORTED_HEAD_DIMS)
+
+    @staticmethod
+    def get_impl_cls() -> type["KVReproAttentionImpl"]:
+        return KVReproAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type["KVReproMetadataBuilder"]:
+        return KVReproMetadataBuilder
+
+    @staticmethod
+    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
+                           cache_dtype_str: str = "auto") -> tuple[int, ...]:
+        return cfg.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
+
+    @staticmethod
+    def get_kv_cache_stride_order(include_num_layers_dimension: bool = False) -> tuple[int, ...]:
+        if include_num_layers_dimension:
+            raise NotImplementedError("kvrepro pools are per layer")
+        return (0, 1, 2)
+
+    @classmethod
+    def validate_configuration(cls, **kwargs) -> list[str]:
+        reasons = super().validate_configuration(**kwargs)
+        # Our own messages first: they name kvrepro and what it supports.
+        return cfg.unsupported_reasons(**kwargs) + [r for r in reasons if "not supported" not in r]
+
+    @classmethod
+    def supports_attn_type(cls, attn_type: str) -> bool:
+        return attn_type == AttentionType.DECODER
+
+
+@dataclass
+class KVReproMetadata(AttentionMetadata):
+    """Per-step metadata (shared by all layers). Tensors are on the GPU, int32.
+
+    Attributes:
+        seq_lens: ``[num_reqs]`` tokens in the cache per request, this step's included (0 = padding).
+        block_table: ``[num_reqs, max_blocks]`` block ids.
+        query_start_loc: ``[num_reqs + 1]`` cumulative query lengths.
+        slot_mapping: ``[num_tokens]`` slot of each new token (-1 = padding).
+        num_actual_tokens, max_query_len: host ints.
+        num_decodes, num_decode_tokens: the first ``num_decodes`` requests are decodes (query_len 1).
+    """
+
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    query_start_loc: torch.Tensor
+    slot_mapping: torch.Tensor
+    num_actual_tokens: int
+    max_query_len: int
+    num_decodes: int
+    num_decode_tokens: int
+
+
+class KVReproMetadataBuilder(AttentionMetadataBuilder[KVReproMetadata]):
+    """Builds :class:`KVReproMetadata`; decodes are reordered to the front of the batch."""
+
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self._init_reorder_batch_threshold(1, supports_spec_as_decode=False)
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> KVReproMetadata:
+        cam = common_attn_metadata
+        num_decodes, _, num_decode_tokens, _ = split_decodes_and_prefills(cam, decode_threshold=1)
+        return KVReproMetadata(
+            seq_lens=cam.seq_lens, block_table=cam.block_table_tensor,
+            query_start_loc=cam.query_start_loc, slot_mapping=cam.slot_mapping,
+            num_actual_tokens=cam.num_actual_tokens, max_query_len=cam.max_query_len,
+            num_decodes=num_decodes, num_decode_tokens=num_decode_tokens,
+        )
+
+
+class KVReproAttentionImpl(AttentionImpl[KVReproMetadata]):
+    """Stores K/V compressed and runs attention over compressed pages (``kvrepro.ops``)."""
+
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int | None = None,
+                 alibi_slopes=None, sliding_window: int | None = None, kv_cache_dtype: str = "auto",
+                 logits_soft_cap: float | None = None, attn_type: str = AttentionType.DECODER,
+                 kv_sharing_target_layer_name: str | None = None, **kwargs) -> None:
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        cfg.check_layer(num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
+                        sliding_window=sliding_window, alibi_slopes=alibi_slopes,
+                        logits_soft_cap=logits_soft_cap,
+                        kv_sharing_target_layer_name=kv_sharing_target_layer_name,
+                        attn_type=attn_type, kv_cache_dtype=kv_cache_dtype)
+        if kwargs.get("sinks") is not None:
+            raise ValueError("kvrepro attention backend (CUSTOM) refuses this layer: attention sinks not supported")
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.num_kv_heads = num_kv_heads
+        self.kv_cache_dtype = kv_cache_dtype
+        self.rt = LayerRuntime(cfg.resolve_preset(), num_heads, num_kv_heads, head_size, self.scale,
+                               cfg.resolve_num_splits())
+        # Debug only (slow, host syncs): compare every eagerly run step with reference_attend.
+        self._debug_check = os.environ.get("KVREPRO_DEBUG_CHECK", "") == "1"
+
+    def process_weights_after_loading(self, act_dtype: torch.dtype):
+        if torch.cuda.is_available():
+            self.rt.prepare(torch.device("cuda", torch.cuda.current_device()))
+
+    def do_kv_cache_update(self, layer, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                           slot_mapping: torch.Tensor) -> None:
+        self.rt.store(key, value, kv_cache, slot_mapping)
+
+    def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, attn_metadata: KVReproMetadata, output: torch.Tensor | None = None,
+                output_scale: torch.Tensor | None = None,
+                output_block_scale: torch.Tensor | None = None) -> torch.Tensor:
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("kvrepro backend: fused output quantization is not supported")
+        if output is None:
+            output = torch.empty(query.shape[0], self.num_heads, self.head_size, dtype=query.dtype,
+                                 device=query.device)
+        if attn_metadata is None:  # vLLM's memory-profiling run: no KV cache yet
+            return output.fill_(0)
+        m = attn_metadata
+        out3 = output.view(-1, self.num_heads, self.head_size)
+        self.rt.attend(query, key, value, kv_cache, m.block_table, m.seq_lens, m.query_start_loc,
+                       m.num_actual_tokens, m.num_decodes, m.num_decode_tokens, out3,
+                       max_query_len=m.max_query_len)
+        if self._debug_check and not torch.cuda.is_current_stream_capturing():
+            record_check(self.rt, out3, query, key, value, kv_cache, m.block_table, m.seq_lens,
+                         m.query_start_loc, m.num_actual_tokens, m.num_decodes)
+        return output

@@ -1,0 +1,228 @@
+"""GPU side of the capacity sweep (``kvrepro.sweep`` has the protocol, rows and file logic).
+
+Run one KV mode in this process (vLLM in-process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``)::
+
+    python -m kvrepro.vllm_backend.measure --mode kvrepro:k4v4 --results results.jsonl --run-id R
+
+``kvrepro.sweep`` runs each mode in its own subprocess so that GPU memory is fully returned.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from kvrepro import sweep
+
+
+def preemptions(llm) -> int:
+    """Current value of vLLM's ``vllm:num_preemptions`` counter (summed over label sets)."""
+    total = 0
+    for m in llm.get_metrics():
+        if m.name.startswith("vllm:num_preemptions"):
+            total += int(getattr(m, "value", 0))
+    return total
+
+
+def make_prompt(seed: int, user: int, length: int, vocab_size: int) -> list[int]:
+    """A distinct random prompt of ``length`` token ids in ``[1000, vocab_size - 1000)`` per user."""
+    import numpy as np
+
+    rng = np.random.default_rng([seed, user])
+    return rng.integers(1000, vocab_size - 1000, size=length).tolist()
+
+
+class Runner:
+    """Drives an in-process vLLM engine and records token arrival times per request."""
+
+    def __init__(self, llm, decode_tokens: int, margin: int):
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        self.llm, self.engine = llm, llm.llm_engine
+        self.params = SamplingParams(max_tokens=decode_tokens + margin, ignore_eos=True, temperature=0.0,
+                                     output_kind=RequestOutputKind.DELTA, detokenize=False)
+        self.timelines: dict[str, sweep.Timeline] = {}
+        self.finished: set[str] = set()
+        self.steps = 0
+
+    def submit(self, rid: str, prompt: list[int]) -> None:
+        self.timelines[rid] = sweep.Timeline(submit=time.perf_counter())
+        self.engine.add_request(rid, {"prompt_token_ids": prompt}, self.params)
+
+    def step(self) -> float:
+        outs = self.engine.step()
+        t = time.perf_counter()
+        self.steps += 1
+        for o in outs:
+            rid = o.request_id if o.request_id in self.timelines else o.request_id.rsplit("-", 1)[0]
+            n = len(o.outputs[0].token_ids) if o.outputs else 0
+            self.timelines[rid].times.extend([t] * n)
+            if o.finished:
+                self.finished.add(rid)
+        return t
+
+    def run_until(self, cond, timeout_s: float) -> float:
+        t_end = time.perf_counter() + timeout_s
+        t = time.perf_counter()
+        while not cond():
+            if time.perf_counter() > t_end:
+                raise TimeoutError(f"condition not reached within {timeout_s} s (step {self.steps})")
+            t = self.step()
+        return t
+
+    def abort(self, rids: list[str]) -> None:
+        self.engine.abort_request(rids)
+        for r in rids:
+            self.finished.add(r)
+
+
+def measure_mode(mode: str, results_path: str, run_id: str, *, model_dir: str | None = None,
+                 load_format: str = "dummy", gpu_memory_gb: float = 80.0, prompt_tokens: int = 131072,
+                 decode_tokens: int = 1024, max_users: int = 32, window_steps: int = 32,
+                 max_num_seqs: int = 32, block_size: int = 16, seed: int = 0, confirm_edge: bool = False,
+                 timeout_s: float = 540.0, sizing_only: bool = False) -> list[dict]:
+    """Measure one KV mode (module docstring of ``kvrepro.sweep``); appends rows to ``results_path``."""
+    settings = sweep.engine_settings(mode)
+    os.environ.update(settings["env"])
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    import torch
+    import vllm
+    from vllm import LLM
+
+    from kvrepro.configs import config_dir
+    from kvrepro.provenance import collect
+
+    t_start = time.perf_counter()
+    model_dir = model_dir or str(config_dir())
+    with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+        vocab = json.load(f)["vocab_size"]
+    total = torch.cuda.get_device_properties(0).total_memory
+    util = sweep.memory_utilization(gpu_memory_gb, total)
+    margin = window_steps * max_users + 64
+    kwargs = dict(model=model_dir, load_format=load_format, skip_tokenizer_init=True, seed=seed,
+                  max_model_len=prompt_tokens + decode_tokens + margin, gpu_memory_utilization=util,
+                  kv_cache_dtype=settings["kv_cache_dtype"], enable_prefix_caching=False,
+                  max_num_seqs=max_num_seqs, block_size=block_size, disable_log_stats=False)
+    if settings["attention_backend"]:
+        kwargs["attention_backend"] = settings["attention_backend"]
+    llm = LLM(**kwargs)
+    t_init = time.perf_counter() - t_start
+    cache = llm.llm_engine.vllm_config.cache_config
+    blocks = int(cache.num_gpu_blocks)
+    n_fit = sweep.users_fit(blocks, prompt_tokens, decode_tokens, block_size)
+    prov = collect({k: v for k, v in kwargs.items() if k != "model"})
+    base = {
+        "mode": mode, "kv_cache_dtype": settings["kv_cache_dtype"],
+        "attention_backend": settings["attention_backend"] or "vllm-auto", "env": settings["env"],
+        "kv_cache_tokens": blocks * block_size, "num_gpu_blocks": blocks, "block_size": block_size,
+        "users_fit_arithmetic": n_fit, "prompt_tokens": prompt_tokens, "decode_tokens": decode_tokens,
+        "gpu": prov["gpu"], "gpu_total_memory_gib": prov["gpu_total_memory_gib"],
+        "gpu_memory_gb": gpu_memory_gb, "gpu_memory_utilization": util, "vllm_version": vllm.__version__,
+        "torch_version": torch.__version__, "kvrepro_version": prov["kvrepro_version"],
+        "triton_version": prov["triton_version"], "model": "Qwen/Qwen3-4B-Instruct-2507" if "qwen3-4b" in model_dir
+        else model_dir, "load_format": load_format, "run_id": run_id, "measured": True,
+        "max_num_seqs": max_num_seqs, "max_model_len": kwargs["max_model_len"],
+        "max_num_batched_tokens": llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens,
+        "enable_prefix_caching": False, "cuda_graphs": True, "seed": seed, "engine_init_s": round(t_init, 1),
+        "hostname": prov["hostname"],
+    }
+    results = sweep.ResultsFile(results_path)
+    if sizing_only or n_fit == 0:
+        row = dict(base, num_users=0, clean=n_fit > 0, preemptions=0, aggregate_decode_tok_s=None,
+                   ttft_s_mean=None, ttft_s_max=None, tpot_ms_mean=None, measured_by="sizing", date=sweep.now_utc())
+        results.add([row])
+        return [row]
+    n = min(n_fit, max_users)
+    run = Runner(llm, decode_tokens, margin)
+    deadline = t_start + timeout_s
+    p0 = preemptions(llm)
+    ids = [f"u{i}" for i in range(n)]
+    for i, rid in enumerate(ids):
+        run.submit(rid, make_prompt(seed, i, prompt_tokens, vocab))
+    tl = run.timelines
+    t_first = run.run_until(lambda: all(tl[r].times for r in ids), deadline - time.perf_counter())
+    concurrent = not run.finished
+    t_full = run.run_until(lambda: all(len(tl[r].times) >= decode_tokens for r in ids),
+                           deadline - time.perf_counter())
+    p1 = preemptions(llm)
+    w = sweep.window_stats(tl, t_first, t_full)
+    tt = sweep.ttft_stats(tl)
+    tpot_full = [(tl[r].times[decode_tokens - 1] - tl[r].times[0]) / (decode_tokens - 1) * 1e3 for r in ids]
+    rows = [dict(base, num_users=n, clean=bool(concurrent and p1 == p0), preemptions=p1 - p0,
+                 aggregate_decode_tok_s=w["aggregate_decode_tok_s"], window_tokens=w["tokens"],
+                 window_s=w["seconds"], ttft_s_mean=tt["ttft_s_mean"], ttft_s_max=tt["ttft_s_max"],
+                 ttft_s_first=tt["ttft_s_first"], last_first_token_s=t_first - tl[ids[0]].submit,
+                 tpot_ms_mean=sum(tpot_full) / n, all_running_concurrently=concurrent,
+                 measured_by="full", date=sweep.now_utc())]
+    results.add(rows)
+    # Abort windows: N-1 .. 1 users, one engine, no new prefill.
+    alive = list(ids)
+    while len(alive) > 1 and time.perf_counter() + 30 < deadline:
+        victim = alive.pop()  # the last submitted: the survivors are the first k users of the prefill queue
+        run.abort([victim])
+        pa = preemptions(llm)
+        t_a = run.step()
+        for _ in range(window_steps):
+            t_b = run.step()
+        pb = preemptions(llm)
+        k = len(alive)
+        wk = sweep.window_stats({r: tl[r] for r in alive}, t_a, t_b)
+        tk = sweep.ttft_stats({r: tl[r] for r in alive})
+        rows.append(dict(base, num_users=k, clean=pb == pa and rows[0]["clean"], preemptions=pb - pa,
+                         aggregate_decode_tok_s=wk["aggregate_decode_tok_s"], window_tokens=wk["tokens"],
+                         window_s=wk["seconds"], ttft_s_mean=tk["ttft_s_mean"], ttft_s_max=tk["ttft_s_max"],
+                         ttft_s_first=tk["ttft_s_first"], tpot_ms_mean=wk["tpot_ms_mean"],
+                         measured_by="abort-window", date=sweep.now_utc()))
+        results.add(rows[-1:])
+    run.abort(alive)
+    if confirm_edge and time.perf_counter() + 60 < deadline:
+        rows.append(_edge_check(run, llm, base, n + 1, seed, prompt_tokens, decode_tokens, vocab, deadline))
+        results.add(rows[-1:])
+    return rows
+
+
+def _edge_check(run: Runner, llm, base: dict, n: int, seed: int, prompt_tokens: int, decode_tokens: int,
+                vocab: int, deadline: float) -> dict:
+    """Submit ``n`` fresh requests; clean only if all get a first token and none is preempted until each
+    has ``decode_tokens`` tokens. Stops at the first preemption (then clean = False)."""
+    ids = [f"e{i}" for i in range(n)]
+    p0 = preemptions(llm)
+    for i, rid in enumerate(ids):
+        run.submit(rid, make_prompt(seed + 1, i, prompt_tokens, vocab))
+    tl = run.timelines
+    stop = lambda: preemptions(llm) > p0 or all(len(tl[r].times) >= decode_tokens for r in ids)  # noqa: E731
+    try:
+        run.run_until(stop, deadline - time.perf_counter())
+        timed_out = False
+    except TimeoutError:
+        timed_out = True
+    p1 = preemptions(llm)
+    all_first = all(tl[r].times for r in ids)
+    run.abort(ids)
+    tt = sweep.ttft_stats({r: tl[r] for r in ids})
+    return dict(base, num_users=n, clean=bool(all_first and p1 == p0 and not timed_out), preemptions=p1 - p0,
+                aggregate_decode_tok_s=None, ttft_s_mean=tt["ttft_s_mean"], ttft_s_max=tt["ttft_s_max"],
+                tpot_ms_mean=None, all_got_first_token=all_first, timed_out=timed_out,
+                measured_by="edge-check", date=sweep.now_utc())
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--mode", required=True, choices=sweep.ALL_MODES)
+    ap.add_argument("--results", required=True)
+    ap.add_argument("--run-id", required=True)
+    ap.add_argument("--params", default="{}", help="JSON dict of measure_mode keyword arguments")
+    a = ap.parse_args(argv)
+    rows = measure_mode(a.mode, a.results, a.run_id, **json.loads(a.params))
+    for r in rows:
+        print(json.dumps({k: r.get(k) for k in ("mode", "num_users", "clean", "preemptions",
+                                                "aggregate_decode_tok_s", "ttft_s_max", "kv_cache_tokens",
+                                                "users_fit_arithmetic", "measured_by")}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""Pure parts of the capacity sweep: arithmetic, row validation, resumable JSONL, window statistics."""
+import json
+
+import pytest
+
+from kvrepro import sweep
+
+
+def _row(**kw):
+    row = {"mode": "fp8", "kv_cache_dtype": "fp8", "num_users": 6, "clean": True, "preemptions": 0,
+           "aggregate_decode_tok_s": 170.0, "ttft_s_mean": 30.0, "ttft_s_max": 55.0, "tpot_ms_mean": 35.0,
+           "kv_cache_tokens": 910688, "users_fit_arithmetic": 6, "prompt_tokens": 131072, "decode_tokens": 1024,
+           "gpu": "NVIDIA H200", "gpu_memory_gb": 80.0, "gpu_memory_utilization": 0.5128, "vllm_version": "0.20.2",
+           "torch_version": "2.11.0", "kvrepro_version": "0.1.0", "model": "Qwen/Qwen3-4B-Instruct-2507",
+           "load_format": "dummy", "date": "2026-11-29T22:00:00+00:00", "run_id": "r1", "measured": True,
+           "measured_by": "full"}
+    row.update(kw)
+    return row
+
+
+def test_users_fit_counts_whole_blocks_and_the_null_block():
+    # The card's bf16 run: 455,392 tokens = 28,462 blocks; a 131,072 + 1,024 user holds 8,256 blocks.
+    assert sweep.users_fit(28462, 131072, 1024) == 3
+    assert sweep.users_fit(13 * 8256 + 1, 131072, 1024) == 13
+    assert sweep.users_fit(13 * 8256, 131072, 1024) == 12  # block 0 is vLLM's null block
+    assert sweep.users_fit(10, 17, 0) == 4  # ceil(17 / 16) = 2 blocks each, 9 usable
+    with pytest.raises(ValueError, match="num_gpu_blocks"):
+        sweep.users_fit(0, 131072, 1024)
+    with pytest.raises(ValueError, match="decode_tokens"):
+        sweep.users_fit(10, 16, -1)
+
+
+def test_memory_utilization_emulates_a_smaller_card():
+    total = 143771 * 2**20  # H200 as reported by torch
+    assert sweep.memory_utilization(80, total) == pytest.approx(0.9 * 81920 / 143771)
+    with pytest.raises(ValueError, match="exceeds"):
+        sweep.memory_utilization(200, total)
+    with pytest.raises(ValueError, match="gpu_memory_gb"):
+        sweep.memory_utilization(0, total)
+
+
+def test_modes_and_engine_settings():
+    assert sweep.check_modes("bf16,kvrepro:k4v4") == ("bf16", "kvrepro:k4v4")
+    with pytest.raises(ValueError, match="allowed"):
+        sweep.check_modes(["fp16"])
+    assert sweep.engine_settings("bf16") == {"kv_cache_dtype": "auto", "attention_backend": None, "env": {}}
+    s = sweep.engine_settings("kvrepro:k4v2")
+    assert s == {"kv_cache_dtype": "auto", "attention_backend": "CUSTOM", "env": {"KVREPRO_PRESET": "k4v2"}}
+    assert {"bf16", "fp8", "turboquant_k8v4", "turboquant_4bit_nc", "kvrepro:k4v4"} <= set(sweep.ALL_MODES)
+
+
+def test_validate_row():
+    sweep.validate_row(_row())
+    with pytest.raises(ValueError, match="missing gpu"):
+        sweep.validate_row({k: v for k, v in _row().items() if k != "gpu"})
+    with pytest.raises(ValueError, match="num_users"):
+        sweep.validate_row(_row(num_users="6"))
+    with pytest.raises(ValueError, match="is a bool"):
+        sweep.validate_row(_row(preemptions=False))
+    with pytest.raises(ValueError, match="mode"):
+        sweep.validate_row(_row(mode="fp16"))
+
+
+def test_results_file_resumes_without_duplicates(tmp_path):
+    path = tmp_path / "run.jsonl"
+    f = sweep.ResultsFile(path)
+    assert f.add([_row(), _row(num_users=5, measured_by="abort-window")]) == 2
+    again = sweep.ResultsFile(path)  # a rerun reads what is there
+    assert again.modes_done() == {"fp8"}
+    assert again.add([_row(aggregate_decode_tok_s=1.0), _row(mode="bf16", kv_cache_dtype="auto")]) == 1
+    lines = path.read_text().splitlines()
+    assert len(lines) == 3 and json.loads(lines[0])["aggregate_decode_tok_s"] == 170.0
+    assert not (tmp_path / "run.jsonl.tmp").exists()
+    with pytest.raises(ValueError):
+        again.add([{"mode": "bf16"}])
+    assert len(path.read_text().splitlines()) == 3  # a bad row writes nothing
+    path.write_text("{not json\n")
+    with pytest.raises(ValueError, match="run.jsonl:1"):
+        sweep.ResultsFile(path)
+
+
+def test_window_and_ttft_stats():
+    a = sweep.Timeline(submit=0.0, times=[10.0, 10.1, 10.2, 10.3])
+    b = sweep.Timeline(submit=0.0, times=[20.0, 20.1, 20.2])
+    w = sweep.window_stats({"a": a, "b": b}, 20.0, 20.3)
+    # (20.0, 20.3]: a has none (finished), b has 20.1, 20.2 -> 2 tokens in 0.3 s
+    assert w["tokens"] == 2 and w["aggregate_decode_tok_s"] == pytest.approx(2 / 0.3)
+    assert w["tpot_ms_mean"] == pytest.approx(150.0)
+    t = sweep.ttft_stats({"a": a, "b": b})
+    assert (t["ttft_s_mean"], t["ttft_s_max"], t["ttft_s_first"]) == (15.0, 20.0, 10.0)
+    with pytest.raises(ValueError, match="empty window"):
+        sweep.window_stats({"a": a}, 1.0, 1.0)
