@@ -63,6 +63,7 @@ def copy_bandwidth(nbytes: int = 4 << 30) -> dict:
     import triton.testing
     a = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_(0, 256)
     b = torch.empty_like(a)
-    ms = triton.testing.do_bench(lambda: b.copy_(a), warmup=50, rep=300, return_mode="median")
-    del a, b
+    def copy():
+        b.copy_(a)
+    ms = triton.testing.do_bench(copy, warmup=50, rep=300, return_mode="median")
     return {"bytes": nbytes, "ms": ms, "GBps_read_plus_write": 2 * nbytes / ms / 1e6}

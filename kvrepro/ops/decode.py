@@ -1,29 +1,51 @@
 """``decode_attention``: one query token per sequence over compressed pages, split-K."""
 from __future__ import annotations
 
-import math
-
 import torch
-import triton
 
 from kvrepro.formats.layout import PageLayout
 from kvrepro.ops.common import (check_float, check_heads, check_int, check_pool, check_rotation,
                                 next_pow2, pool_tensor, sm_count)
 from kvrepro.ops.kernels.attention import paged_attn_kernel
+from kvrepro.ops.kernels.attention_v1 import paged_attn_kernel_v1
 from kvrepro.ops.kernels.rotate import merge_splits_kernel, rotate_query_kernel
 
 LOG2E = 1.4426950408889634
-DECODE_BLOCK_N = 64
+DECODE_BLOCK_N = 128   # best of the run-1 sweep on the H200 (notes/kernels.md)
+DECODE_WARPS = 4
+DECODE_STAGES = 1
+DEQUANT_MODES = ("triton", "asm")
+VARIANTS = ("v1", "v2")
+
+
+def default_dequant(device: torch.device) -> str:
+    """``"triton"`` everywhere; see notes/kernels.md for the measured choice on CUDA."""
+    return "triton"
+
+
+def attention_kernel(variant: str, dequant: str | None, device: torch.device):
+    """The jit kernel for ``variant`` and the extra constexpr arguments it takes."""
+    if variant not in VARIANTS:
+        raise ValueError(f"variant={variant!r}; allowed: {VARIANTS}")
+    dequant = default_dequant(device) if dequant is None else dequant
+    if dequant not in DEQUANT_MODES:
+        raise ValueError(f"dequant={dequant!r}; allowed: {DEQUANT_MODES}")
+    if dequant == "asm" and device.type != "cuda":
+        raise ValueError("dequant='asm' is inline PTX and needs a CUDA device; use dequant='triton'")
+    if variant == "v1":
+        return paged_attn_kernel_v1, {}
+    return paged_attn_kernel, {"DEQ_ASM": dequant == "asm"}
 MIN_TOKENS_PER_SPLIT = 256
 
 
 def default_num_splits(batch: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
-    """Splits per (sequence, KV head): enough programs for ~4 per SM, each split >= 256 tokens.
+    """Splits per (sequence, KV head): ~8 programs per SM (best in the H200 run-1 sweep,
+    notes/kernels.md), each split >= 256 tokens.
 
     Depends only on shapes (batch, heads, block-table width), never on ``seq_lens`` values, so
     the launch grid is fixed per batch size (CUDA-graph capturable).
     """
-    want = max(1, (4 * sm_count(device)) // max(1, batch * num_kv_heads))
+    want = max(1, (8 * sm_count(device)) // max(1, batch * num_kv_heads))
     cap = max(1, max_context // MIN_TOKENS_PER_SPLIT)
     return max(1, min(next_pow2(want), cap, 256))
 
@@ -37,7 +59,8 @@ def decode_attention(query: torch.Tensor, pool, block_tables: torch.Tensor, seq_
                      layout: PageLayout, rotation: torch.Tensor, scale: float,
                      out: torch.Tensor | None = None, num_splits: int | None = None,
                      workspace: torch.Tensor | None = None, *, block_n: int = DECODE_BLOCK_N,
-                     num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+                     num_warps: int = DECODE_WARPS, num_stages: int = DECODE_STAGES,
+                     dequant: str | None = None, variant: str = "v2") -> torch.Tensor:
     """Decode attention (one new token per sequence) over compressed KV pages.
 
     Each page is read once per KV head for all query heads of its GQA group; the context is cut
@@ -56,6 +79,10 @@ def decode_attention(query: torch.Tensor, pool, block_tables: torch.Tensor, seq_
         num_splits: splits per sequence; default ``default_num_splits`` (shape-only).
         workspace: optional float32 tensor of >= ``decode_workspace_numel(B, Hq, D, S)`` elements.
         block_n, num_warps, num_stages: tiling (tokens per step) and Triton launch options.
+        dequant: ``"triton"`` (portable, runs under the interpreter) or ``"asm"`` (inline PTX,
+            CUDA only); default ``default_dequant(device)``.
+        variant: ``"v2"`` (split-plane dots, default) or ``"v1"`` (full-width dequantization,
+            kept as the measured baseline of notes/kernels.md).
 
     Returns:
         ``out`` ``[B, Hq, D]`` in the query dtype.
@@ -106,14 +133,15 @@ def decode_attention(query: torch.Tensor, pool, block_tables: torch.Tensor, seq_
     rotate_query_kernel[(b * hq,)](query, rotation, q16, query.stride(0), query.stride(1),
                                    float(scale) * LOG2E, HQ=hq, D=d)
     gp = next_pow2(group)
-    paged_attn_kernel[(b, 1, hkv * num_splits)](
+    kernel, extra = attention_kernel(variant, dequant, dev)
+    kernel[(b, 1, hkv * num_splits)](
         q16, data, block_tables, seq_lens, seq_lens, q16, q16, part_o, part_lse, rotation,
-        block_tables.stride(0),
+        block_tables.stride(0), NUM_SPLITS=num_splits,
         NUM_KV_HEADS=hkv, G=group, GP=gp, D=d, BS=layout.block_size, PAGE_BYTES=layout.page_bytes,
         KBITS=layout.key_bits, VBITS=layout.value_bits, V_CODE_OFF=layout.v_code_offset,
         K_META_OFF=layout.k_meta_offset, V_META_OFF=layout.v_meta_offset,
-        BLOCK_Q=1, BLOCK_M=max(16, gp), BLOCK_N=block_n, NUM_SPLITS=num_splits,
-        HAS_FRESH=False, SPLIT_OUT=True, IS_DECODE=True, num_warps=num_warps, num_stages=num_stages,
+        BLOCK_Q=1, BLOCK_M=max(16, gp), BLOCK_N=block_n, HAS_FRESH=False, SPLIT_OUT=True,
+        IS_DECODE=True, num_warps=num_warps, num_stages=num_stages, **extra,
     )
     merge_splits_kernel[(b * hq,)](part_o, part_lse, rotation, out, out.stride(0), out.stride(1),
                                    HQ=hq, D=d, NUM_SPLITS=num_splits, SP=next_pow2(num_splits))

@@ -7,12 +7,78 @@ import triton
 from kvrepro.formats.layout import PageLayout
 from kvrepro.ops.common import (check_float, check_heads, check_int, check_pool, check_rotation,
                                 next_pow2, pool_tensor)
-from kvrepro.ops.decode import LOG2E
-from kvrepro.ops.kernels.attention import paged_attn_kernel
+from kvrepro.ops.decode import LOG2E, attention_kernel
+from kvrepro.ops.kernels.dequant import dequant_pages_kernel
 from kvrepro.ops.kernels.rotate import rotate_query_kernel
 
 PREFILL_ROWS = 64      # query rows (tokens x heads of one GQA group) per program
 PREFILL_BLOCK_N = 64
+PIECE_TOKENS = 32768   # impl="dequant": context dequantized in pieces of at most this many tokens
+IMPLS = ("paged", "dequant")
+
+
+def flash_dense_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool):
+    """Dense bf16/fp16 attention of one sequence with its log-sum-exp, through PyTorch's
+    FlashAttention-2 kernel (``aten._flash_attention_forward``, CUDA only; GQA native).
+
+    q ``[Tq, Hq, D]``, k/v ``[Tk, Hkv, D]``; ``causal`` aligns the last query with the last key.
+    Returns ``(o [Tq, Hq, D] in q's dtype, lse [Tq, Hq] float32, natural log)``.
+    """
+    tq, hq, _ = q.shape
+    cq = torch.tensor([0, tq], dtype=torch.int32, device=q.device)
+    ck = torch.tensor([0, k.shape[0]], dtype=torch.int32, device=q.device)
+    res = torch.ops.aten._flash_attention_forward(q, k, v, cq, ck, tq, k.shape[0], 0.0, causal, False,
+                                                  scale=scale)
+    return res[0], res[1].reshape(hq, tq).transpose(0, 1).float()
+
+
+def dequantize_context(pool, block_row: torch.Tensor, first: int, num: int, layout: PageLayout,
+                       rotation: torch.Tensor, k_out: torch.Tensor, v_out: torch.Tensor) -> None:
+    """Dequantize tokens ``first .. first + num - 1`` of one sequence (block-table row
+    ``block_row`` int32) into ``k_out/v_out [>= num, Hkv, D]`` (contiguous, bf16/fp16), unrotated."""
+    data = pool_tensor(pool)
+    _, hkv = check_pool(data, layout)
+    dequant_pages_kernel[(triton.cdiv(num, 32), hkv)](
+        data, block_row, rotation, k_out, v_out, first, num,
+        NUM_KV_HEADS=hkv, D=layout.head_dim, BS=layout.block_size, PAGE_BYTES=layout.page_bytes,
+        KBITS=layout.key_bits, VBITS=layout.value_bits, V_CODE_OFF=layout.v_code_offset,
+        K_META_OFF=layout.k_meta_offset, V_META_OFF=layout.v_meta_offset, BLOCK_T=32)
+
+
+def _prefill_dequant(query, key, value, data, block_tables, seq_lens, query_start_loc, layout,
+                     rotation, scale, out, piece_tokens, dense_attn):
+    """impl="dequant": per sequence, context pieces -> dense workspace -> ``dense_attn``; pieces
+    and the fresh chunk merged by log-sum-exp. Reads lengths on the host (one sync)."""
+    hkv, d = data.shape[1], layout.head_dim
+    lens = seq_lens.tolist()
+    qsl = query_start_loc.tolist()
+    ws_k = ws_v = None
+    for b, sl in enumerate(lens):
+        qs, qe = qsl[b], qsl[b + 1]
+        if qe == qs:
+            continue
+        if sl == 0:
+            out[qs:qe] = 0
+            continue
+        ctx = sl - (qe - qs)
+        o, lse = dense_attn(query[qs:qe], key[qs:qe], value[qs:qe], scale, True)
+        o = o.float()
+        for p0 in range(0, ctx, piece_tokens):
+            n = min(piece_tokens, ctx - p0)
+            if ws_k is None:
+                ws_k = torch.empty((min(piece_tokens, ctx), hkv, d), dtype=query.dtype, device=query.device)
+                ws_v = torch.empty_like(ws_k)
+            elif ws_k.shape[0] < n:
+                ws_k = torch.empty((n, hkv, d), dtype=query.dtype, device=query.device)
+                ws_v = torch.empty_like(ws_k)
+            dequantize_context(data, block_tables[b], p0, n, layout, rotation, ws_k, ws_v)
+            o2, lse2 = dense_attn(query[qs:qe], ws_k[:n], ws_v[:n], scale, False)
+            m = torch.maximum(lse, lse2)
+            w1, w2 = torch.exp(lse - m), torch.exp(lse2 - m)
+            o = (o * w1[..., None] + o2.float() * w2[..., None]) / (w1 + w2)[..., None]
+            lse = m + torch.log(w1 + w2)
+        out[qs:qe] = o.to(out.dtype)
+    return out
 
 
 def prefill_workspace_bytes(num_tokens: int, num_q_heads: int, num_kv_heads: int, head_dim: int) -> int:
@@ -25,9 +91,20 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
                       query_start_loc: torch.Tensor, layout: PageLayout, rotation: torch.Tensor,
                       scale: float, out: torch.Tensor | None = None, *,
                       max_query_len: int | None = None, block_n: int = PREFILL_BLOCK_N,
-                      rows: int = PREFILL_ROWS, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+                      rows: int = PREFILL_ROWS, num_warps: int = 4, num_stages: int = 2,
+                      dequant: str | None = None, variant: str = "v2", impl: str = "paged",
+                      piece_tokens: int = PIECE_TOKENS, dense_attn=None) -> torch.Tensor:
     """Causal varlen attention of the current chunk: earlier context from compressed pages,
-    the chunk's own K/V fresh (not quantized), read directly in one kernel (no dequantized copy).
+    the chunk's own K/V fresh (not quantized).
+
+    ``impl="paged"`` (default): one Triton kernel reads the compressed pages directly (no
+    dequantized copy, no host sync if ``max_query_len`` is given). ``impl="dequant"``: per
+    sequence, the context is dequantized (unrotated) into a workspace of ``piece_tokens`` tokens
+    (``2 * piece_tokens * Hkv * D * 2`` bytes; 128 MiB at 32K x 8 x 128) and each piece, then the
+    causal fresh chunk, goes through ``dense_attn(q, k, v, scale, causal) -> (o, lse)``
+    (default ``flash_dense_attn``: PyTorch's FlashAttention-2; the vLLM backend can pass FA3);
+    results merged by log-sum-exp in float32 (plus ``q_len * Hq * D * 4`` bytes). It reads
+    ``seq_lens``/``query_start_loc`` on the host.
 
     Layout (vLLM varlen)::
 
@@ -42,6 +119,8 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         out: optional ``[T, Hq, D]`` in the query dtype.
         max_query_len: ``max(q_len)``; if omitted it is read from ``query_start_loc`` (host sync).
         block_n, rows, num_warps, num_stages: tiling / launch options.
+        dequant, variant: as in ``decode_attention`` (impl="paged").
+        impl, piece_tokens, dense_attn: see above.
 
     Decode rows (q_len 1) may be mixed in. Temporaries: ``prefill_workspace_bytes`` (rotated
     chunk), nothing proportional to the context. Returns ``out``.
@@ -75,6 +154,13 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         raise ValueError(f"rows={rows}; allowed: 16, 32, 64, 128 and >= {gp} (GQA group rounded up)")
     if t == 0 or nseq == 0:
         return out
+    if impl not in IMPLS:
+        raise ValueError(f"impl={impl!r}; allowed: {IMPLS}")
+    if impl == "dequant":
+        if not isinstance(piece_tokens, int) or piece_tokens < 1:
+            raise ValueError(f"piece_tokens must be a positive int, got {piece_tokens!r}")
+        return _prefill_dequant(query, key, value, data, block_tables, seq_lens, query_start_loc, layout,
+                                rotation, scale, out, piece_tokens, dense_attn or flash_dense_attn)
     if max_query_len is None:
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
     q16 = torch.empty((t, hq, d), dtype=torch.float16, device=dev)
@@ -86,13 +172,14 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     rotate_query_kernel[(t * hkv,)](value, rotation, v16, value.stride(0), value.stride(1), 1.0, HQ=hkv, D=d)
     block_q = rows // gp
     grid = (nseq, triton.cdiv(max_query_len, block_q), hkv)
-    paged_attn_kernel[grid](
+    kernel, extra = attention_kernel(variant, dequant, dev)
+    kernel[grid](
         q16, data, block_tables, seq_lens, query_start_loc, k16, v16, out, q16, rotation,
-        block_tables.stride(0),
+        block_tables.stride(0), NUM_SPLITS=1,
         NUM_KV_HEADS=hkv, G=group, GP=gp, D=d, BS=layout.block_size, PAGE_BYTES=layout.page_bytes,
         KBITS=layout.key_bits, VBITS=layout.value_bits, V_CODE_OFF=layout.v_code_offset,
         K_META_OFF=layout.k_meta_offset, V_META_OFF=layout.v_meta_offset,
-        BLOCK_Q=block_q, BLOCK_M=rows, BLOCK_N=block_n, NUM_SPLITS=1,
-        HAS_FRESH=True, SPLIT_OUT=False, IS_DECODE=False, num_warps=num_warps, num_stages=num_stages,
+        BLOCK_Q=block_q, BLOCK_M=rows, BLOCK_N=block_n, HAS_FRESH=True, SPLIT_OUT=False,
+        IS_DECODE=False, num_warps=num_warps, num_stages=num_stages, **extra,
     )
     return out

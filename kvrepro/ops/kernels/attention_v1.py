@@ -1,4 +1,4 @@
-"""Attention over compressed pages (``kvrepro.formats.layout.PageLayout``), split-K capable.
+"""Variant v1 (kept for the benchmark record, notes/kernels.md): full-width dequantization.
 
 One program = (sequence, query tile, KV head, split). Its rows are ``BLOCK_Q`` query tokens x
 ``GP`` query heads of one GQA group (``GP`` = group size rounded up to a power of two; rows
@@ -26,7 +26,7 @@ def _codes_f16(packed, shift, MASK: tl.constexpr):
 
 
 @triton.jit
-def paged_attn_kernel(
+def paged_attn_kernel_v1(
     q_ptr, pool_ptr, bt_ptr, seq_lens_ptr, qsl_ptr,
     fk_ptr, fv_ptr,            # fresh rotated K/V [T, Hkv, D] float16 (HAS_FRESH) or dummies
     o_ptr, lse_ptr, rot_ptr,   # SPLIT_OUT: o [T, Hq, S, D] f32 (rotated), lse [T, Hq, S] f32 (log2);

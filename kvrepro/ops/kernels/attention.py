@@ -1,0 +1,288 @@
+"""Attention over compressed pages (``kvrepro.formats.layout.PageLayout``), split-K capable.
+
+One program = (sequence, query tile, KV head, split). Its rows are ``BLOCK_Q`` query tokens x
+``GP`` query heads of one GQA group (``GP`` = group size rounded up to a power of two; rows
+padded to at least 16 for ``tl.dot``), so each page is read once for the whole group.
+
+Work happens in the rotated space: ``q`` arrives rotated and pre-multiplied by
+``softmax_scale * log2(e)`` (float16); logits use ``exp2``. Codes stay split-plane: plane ``i``
+of a ``b``-bit code byte is ``byte & (2**b - 1) << (i*b)``, i.e. ``m_i * code`` with
+``m_i = 2**(i*b)``, channels ``[i*P, (i+1)*P)``. It becomes float16 exactly with no int->float
+instruction: ``(x | 0x6400)`` is the float16 ``1024 + x`` (x < 1024), minus 1024. Dot products
+run per plane (q plane pre-divided by ``m_i``; V accumulators hold ``m_i`` x the value), and
+dequantization is folded in (per token ``k = code * s + z``, ``v = (code - c) * s_v``)::
+
+    q . k = s * sum_i (q_i / m_i) . (m_i code_i) + z * sum(q)
+    sum_n p_n v_n = [(p * s_v) @ (m_i code_v_i)] / m_i - c * sum_n p_n s_v[n]
+
+``DEQ_ASM`` (GPU only) does the 4- and 8-bit plane extraction with inline PTX (``prmt``,
+``lop3``, ``sub.f16x2``: two channels per instruction), as FasterTransformer's int4->fp16 path.
+Accumulation is float32 (online softmax, Milakov & Gimelshein 2018; FlashAttention, Dao et al.
+2022); the split-K merge follows FlashDecoding (Dao et al. 2023).
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _plane(packed, I: tl.constexpr, BITS: tl.constexpr):
+    """uint8 tile -> float16 tile of ``m_I * code_I`` (exact)."""
+    if BITS == 8:
+        c = packed.to(tl.int16)
+    else:
+        c = (packed & (((1 << BITS) - 1) << (I * BITS))).to(tl.int16)
+    return (c | 0x6400).to(tl.float16, bitcast=True) - 1024.0
+
+
+@triton.jit
+def _planes4_asm(packed):
+    """uint8 tile of 4-bit pairs -> (low nibble, 16 x high nibble) as exact float16 tiles."""
+    return tl.inline_asm_elementwise(
+        asm="""
+        {
+        .reg .b32 t, u, k;
+        mov.b32 k, 0x64006400;
+        prmt.b32 t, $4, 0, 0x4140;
+        lop3.b32 u, t, 0x000F000F, 0x64006400, 0xEA;
+        sub.f16x2 $0, u, k;
+        lop3.b32 u, t, 0x00F000F0, 0x64006400, 0xEA;
+        sub.f16x2 $2, u, k;
+        prmt.b32 t, $4, 0, 0x4342;
+        lop3.b32 u, t, 0x000F000F, 0x64006400, 0xEA;
+        sub.f16x2 $1, u, k;
+        lop3.b32 u, t, 0x00F000F0, 0x64006400, 0xEA;
+        sub.f16x2 $3, u, k;
+        }
+        """,
+        constraints="=r,=r,=r,=r,r", args=[packed], dtype=(tl.float16, tl.float16),
+        is_pure=True, pack=4)
+
+
+@triton.jit
+def _plane8_asm(packed):
+    """uint8 tile of 8-bit codes -> exact float16 tile."""
+    return tl.inline_asm_elementwise(
+        asm="""
+        {
+        .reg .b32 t, k;
+        mov.b32 k, 0x64006400;
+        prmt.b32 t, $2, 0x64, 0x4140;
+        sub.f16x2 $0, t, k;
+        prmt.b32 t, $2, 0x64, 0x4342;
+        sub.f16x2 $1, t, k;
+        }
+        """,
+        constraints="=r,=r,r", args=[packed], dtype=tl.float16, is_pure=True, pack=4)
+
+
+@triton.jit
+def _planes(packed, BITS: tl.constexpr, ASM: tl.constexpr):
+    """All planes of a packed tile (unused ones are returned as plane 0 and never read)."""
+    if ASM and BITS == 4:
+        p0, p1 = _planes4_asm(packed)
+        p2 = p0
+        p3 = p0
+    elif ASM and BITS == 8:
+        p0 = _plane8_asm(packed)
+        p1 = p0
+        p2 = p0
+        p3 = p0
+    else:
+        p0 = _plane(packed, 0, BITS)
+        p1 = p0
+        p2 = p0
+        p3 = p0
+        if BITS <= 4:
+            p1 = _plane(packed, 1, BITS)
+        if BITS == 2:
+            p2 = _plane(packed, 2, BITS)
+            p3 = _plane(packed, 3, BITS)
+    return p0, p1, p2, p3
+
+
+@triton.jit
+def paged_attn_kernel(
+    q_ptr, pool_ptr, bt_ptr, seq_lens_ptr, qsl_ptr,
+    fk_ptr, fv_ptr,            # fresh rotated K/V [T, Hkv, D] float16 (HAS_FRESH) or dummies
+    o_ptr, lse_ptr, rot_ptr,   # SPLIT_OUT: o [T, Hq, S, D] f32 (rotated), lse [T, Hq, S] f32 (log2);
+    stride_bt,                 # else o = out [T, Hq, D] (rotated back with rot [D, D] f32)
+    NUM_SPLITS,
+    NUM_KV_HEADS: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+    BS: tl.constexpr, PAGE_BYTES: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
+    V_CODE_OFF: tl.constexpr, K_META_OFF: tl.constexpr, V_META_OFF: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_FRESH: tl.constexpr, SPLIT_OUT: tl.constexpr, IS_DECODE: tl.constexpr,
+    DEQ_ASM: tl.constexpr,
+):
+    b = tl.program_id(0)
+    qt = tl.program_id(1)
+    kvh = tl.program_id(2) // NUM_SPLITS
+    split = tl.program_id(2) % NUM_SPLITS
+    HQ: tl.constexpr = NUM_KV_HEADS * G
+    NPK: tl.constexpr = 8 // KBITS
+    NPV: tl.constexpr = 8 // VBITS
+    KP: tl.constexpr = D // NPK
+    VP: tl.constexpr = D // NPV
+    VC: tl.constexpr = ((1 << VBITS) - 1) / 2   # values: v = (code - VC) * scale (mid-rise)
+
+    seq_len = tl.load(seq_lens_ptr + b)
+    if IS_DECODE:                            # one query token per sequence, row b
+        q_start = b
+        q_len = 1
+    else:
+        q_start = tl.load(qsl_ptr + b)
+        q_len = tl.load(qsl_ptr + b + 1) - q_start
+    ctx = seq_len - q_len                    # keys before the first query of this chunk
+    if HAS_FRESH:
+        n_paged = ctx                        # the chunk's own K/V come fresh
+    else:
+        n_paged = seq_len                    # everything is in pages (decode)
+
+    rows = tl.arange(0, BLOCK_M)
+    tq = qt * BLOCK_Q + rows // GP           # query index within the chunk
+    g = rows % GP
+    row_ok = (rows < BLOCK_Q * GP) & (g < G) & (tq < q_len)     # rows this program writes
+    head = kvh * G + g
+    tok = (q_start + tq).to(tl.int64)
+    qpos = ctx + tq                          # absolute position of each query row
+    dk = tl.arange(0, KP)
+    dv = tl.arange(0, VP)
+
+    # Query planes, plane i divided by m_i = 2**(i*KBITS) (exact in float16).
+    qrow = q_ptr + (tok * HQ + head)[:, None] * D
+    qmask = (row_ok & (seq_len > 0))[:, None]
+    q0 = tl.load(qrow + dk[None, :], mask=qmask, other=0.0)
+    qsum = tl.sum(q0.to(tl.float32), axis=1)
+    q1 = q0
+    q2 = q0
+    q3 = q0
+    if NPK > 1:
+        q1 = tl.load(qrow + KP + dk[None, :], mask=qmask, other=0.0)
+        qsum += tl.sum(q1.to(tl.float32), axis=1)
+        q1 = (q1.to(tl.float32) * (1.0 / (1 << KBITS))).to(tl.float16)
+    if NPK > 2:
+        q2 = tl.load(qrow + 2 * KP + dk[None, :], mask=qmask, other=0.0)
+        q3 = tl.load(qrow + 3 * KP + dk[None, :], mask=qmask, other=0.0)
+        qsum += tl.sum(q2.to(tl.float32), axis=1) + tl.sum(q3.to(tl.float32), axis=1)
+        q2 = (q2.to(tl.float32) * (1.0 / (1 << (2 * KBITS)))).to(tl.float16)
+        q3 = (q3.to(tl.float32) * (1.0 / (1 << (3 * KBITS)))).to(tl.float16)
+
+    # This split's range of paged keys (empty splits skip the loop).
+    per_split = tl.cdiv(tl.cdiv(n_paged, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    end = tl.minimum(start + per_split, n_paged)
+    end = tl.where(qt * BLOCK_Q >= q_len, start, end)   # query tile past this chunk: no work
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    accz = tl.zeros([BLOCK_M], tl.float32)
+    acc0 = tl.zeros([BLOCK_M, VP], tl.float32)
+    acc1 = acc0
+    acc2 = acc0
+    acc3 = acc0
+
+    nn = tl.arange(0, BLOCK_N)
+    bt_row = bt_ptr + b.to(tl.int64) * stride_bt
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + nn
+        n_ok = n < end
+        blk = tl.load(bt_row + n // BS, mask=n_ok, other=0).to(tl.int64)
+        page = pool_ptr + (blk * NUM_KV_HEADS + kvh) * PAGE_BYTES
+        t_in = n % BS
+        kc = tl.load(page[:, None] + (t_in * KP)[:, None] + dk[None, :], mask=n_ok[:, None], other=0)
+        k0, k1, k2, k3 = _planes(kc, KBITS, DEQ_ASM)
+        qk = tl.dot(q0, tl.trans(k0))
+        if NPK > 1:
+            qk = tl.dot(q1, tl.trans(k1), qk)
+        if NPK > 2:
+            qk = tl.dot(q2, tl.trans(k2), qk)
+            qk = tl.dot(q3, tl.trans(k3), qk)
+        km = (page + K_META_OFF + t_in * 4).to(tl.pointer_type(tl.float16))
+        ks = tl.load(km, mask=n_ok, other=0.0).to(tl.float32)
+        kz = tl.load(km + 1, mask=n_ok, other=0.0).to(tl.float32)
+        s = qk * ks[None, :] + qsum[:, None] * kz[None, :]
+        vis = n_ok[None, :] & (n[None, :] <= qpos[:, None])
+        s = tl.where(vis, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
+        vm = (page + V_META_OFF + t_in * 2).to(tl.pointer_type(tl.float16))
+        vs = tl.load(vm, mask=n_ok, other=0.0).to(tl.float32)
+        pvs = p * vs[None, :]
+        pv16 = pvs.to(tl.float16)
+        vc = tl.load(page[:, None] + V_CODE_OFF + (t_in * VP)[:, None] + dv[None, :], mask=n_ok[:, None], other=0)
+        v0, v1, v2, v3 = _planes(vc, VBITS, DEQ_ASM)
+        acc0 = tl.dot(pv16, v0, acc0 * alpha[:, None])
+        if NPV > 1:
+            acc1 = tl.dot(pv16, v1, acc1 * alpha[:, None])
+        if NPV > 2:
+            acc2 = tl.dot(pv16, v2, acc2 * alpha[:, None])
+            acc3 = tl.dot(pv16, v3, acc3 * alpha[:, None])
+        accz = accz * alpha - VC * tl.sum(pvs, axis=1)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_i = m_new
+
+    if HAS_FRESH:
+        # The chunk's own keys: fresh rotated K/V (float16), causal within the chunk.
+        f_end = tl.minimum(q_len, (qt + 1) * BLOCK_Q)
+        f_end = tl.where(qt * BLOCK_Q >= q_len, 0, f_end)
+        for j0 in range(0, f_end, BLOCK_N):
+            j = j0 + nn
+            j_ok = j < f_end
+            frow = ((q_start + j).to(tl.int64) * NUM_KV_HEADS + kvh) * D
+            fk = fk_ptr + frow[:, None]
+            s = tl.dot(q0, tl.trans(tl.load(fk + dk[None, :], mask=j_ok[:, None], other=0.0)))
+            if NPK > 1:
+                s += (1 << KBITS) * tl.dot(q1, tl.trans(tl.load(fk + KP + dk[None, :], mask=j_ok[:, None], other=0.0)))
+            if NPK > 2:
+                s += (1 << (2 * KBITS)) * tl.dot(q2, tl.trans(tl.load(fk + 2 * KP + dk[None, :], mask=j_ok[:, None], other=0.0)))
+                s += (1 << (3 * KBITS)) * tl.dot(q3, tl.trans(tl.load(fk + 3 * KP + dk[None, :], mask=j_ok[:, None], other=0.0)))
+            vis = j_ok[None, :] & (j[None, :] <= tq[:, None])
+            s = tl.where(vis, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_use)
+            p = tl.exp2(s - m_use[:, None])
+            p16 = p.to(tl.float16)
+            fv = fv_ptr + frow[:, None]
+            acc0 = acc0 * alpha[:, None] + tl.dot(p16, tl.load(fv + dv[None, :], mask=j_ok[:, None], other=0.0))
+            if NPV > 1:
+                acc1 = acc1 * alpha[:, None] + (1 << VBITS) * tl.dot(p16, tl.load(fv + VP + dv[None, :], mask=j_ok[:, None], other=0.0))
+            if NPV > 2:
+                acc2 = acc2 * alpha[:, None] + (1 << (2 * VBITS)) * tl.dot(p16, tl.load(fv + 2 * VP + dv[None, :], mask=j_ok[:, None], other=0.0))
+                acc3 = acc3 * alpha[:, None] + (1 << (3 * VBITS)) * tl.dot(p16, tl.load(fv + 3 * VP + dv[None, :], mask=j_ok[:, None], other=0.0))
+            accz = accz * alpha
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            m_i = m_new
+
+    ok = l_i > 0
+    inv_l = tl.where(ok, 1.0 / tl.where(ok, l_i, 1.0), 0.0)
+    zl = accz * inv_l
+    o0 = acc0 * inv_l[:, None] + zl[:, None]
+    o1 = acc1 * (inv_l / (1 << VBITS))[:, None] + zl[:, None]
+    o2 = acc2 * (inv_l / (1 << (2 * VBITS)))[:, None] + zl[:, None]
+    o3 = acc3 * (inv_l / (1 << (3 * VBITS)))[:, None] + zl[:, None]
+    lse = tl.where(ok, m_i + tl.log2(tl.where(ok, l_i, 1.0)), float("-inf"))
+    if SPLIT_OUT:
+        base = (tok * HQ + head) * NUM_SPLITS + split
+        orow = o_ptr + base[:, None] * D
+        tl.store(orow + dv[None, :], o0, mask=row_ok[:, None])
+        if NPV > 1:
+            tl.store(orow + VP + dv[None, :], o1, mask=row_ok[:, None])
+        if NPV > 2:
+            tl.store(orow + 2 * VP + dv[None, :], o2, mask=row_ok[:, None])
+            tl.store(orow + 3 * VP + dv[None, :], o3, mask=row_ok[:, None])
+        tl.store(lse_ptr + base, lse, mask=row_ok)
+    else:
+        # Rotate back: out = o @ R.T = sum_i o_i @ R.T[i*VP:(i+1)*VP, :]  (R.T[j, c] = R[c, j]).
+        d = tl.arange(0, D)
+        rt = rot_ptr + d[None, :] * D + dv[:, None]
+        out = tl.dot(o0, tl.load(rt), input_precision="ieee")
+        if NPV > 1:
+            out = tl.dot(o1, tl.load(rt + VP), out, input_precision="ieee")
+        if NPV > 2:
+            out = tl.dot(o2, tl.load(rt + 2 * VP), out, input_precision="ieee")
+            out = tl.dot(o3, tl.load(rt + 3 * VP), out, input_precision="ieee")
+        tl.store(o_ptr + (tok * HQ + head)[:, None] * D + d[None, :],
+                 out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
