@@ -67,8 +67,9 @@ def _check_record(rec, where: str) -> None:
         if not ok:
             names = "/".join(t.__name__ for t in types)
             raise ValueError(f"{where}: field {key!r} must be {names}, got {val!r}")
-    if rec["num_users"] <= 0:
-        raise ValueError(f"{where}: num_users must be positive, got {rec['num_users']}")
+    if rec["num_users"] < 0 or (rec["num_users"] == 0 and rec.get("measured_by") != "sizing"):
+        raise ValueError(f"{where}: num_users must be positive (0 only for a measured_by='sizing' row), "
+                         f"got {rec['num_users']}")
     if rec["preemptions"] < 0:
         raise ValueError(f"{where}: preemptions must be >= 0, got {rec['preemptions']}")
     tok_s = rec["aggregate_decode_tok_s"]
@@ -158,7 +159,7 @@ def max_clean_capacity(df):
     if "max_clean" in df.columns:
         ok = df["max_clean"].astype(bool)
     else:
-        ok = df["clean"].astype(bool) & (df["preemptions"] == 0)
+        ok = df["clean"].astype(bool) & (df["preemptions"] == 0) & (df["num_users"] > 0)
     rows = []
     for key, g in df.groupby(keys, sort=False):
         key = key if isinstance(key, tuple) else (key,)
@@ -234,7 +235,7 @@ def plot_throughput(df, ax=None, title: str = "Aggregate decode tok/s vs concurr
     modes = list(dict.fromkeys(df["mode"]))
     palette = dict(zip(modes, sns.color_palette("tab10", len(modes))))
     style = "source" if "source" in df.columns and df["source"].nunique() > 1 else None
-    data = df.sort_values("num_users")
+    data = df[(df["num_users"] > 0) & df["aggregate_decode_tok_s"].notna()].sort_values("num_users")
     sns.lineplot(data=data, x="num_users", y="aggregate_decode_tok_s", hue="mode", palette=palette,
                  style=style, dashes=False, legend=False, errorbar=None, ax=ax)
     sns.scatterplot(data=data, x="num_users", y="aggregate_decode_tok_s", hue="mode", palette=palette,
@@ -298,22 +299,36 @@ def plot_kv_demand(demand, kv_budget_gib: float, ax=None, title: str = "KV cache
     return ax
 
 
-def measure(*, modes, max_users: int, context_tokens: int, decode_tokens: int, gpu_memory_gb: float,
-            gpu_memory_utilization: float, block_size: int, results_dir: str | Path = DEFAULT_RESULTS_DIR) -> Path:
-    """Re-measure the capacity sweep with ``kvrepro.sweep`` (vLLM on this GPU) and return the JSONL written.
+def kv_sizes(df):
+    """Per mode (and source file): the KV-cache tokens vLLM reported and the users that fit by its block
+    arithmetic, as recorded by the sweep; columns mode, kv_cache_tokens, users_fit_arithmetic, gpu,
+    gpu_memory_gb, source_file."""
+    cols = ["mode", "kv_cache_tokens", "users_fit_arithmetic", "gpu", "gpu_memory_gb", "source_file"]
+    return df[cols].drop_duplicates(subset=["mode", "source_file"]).reset_index(drop=True)
 
-    Checks the machine first (:func:`require_gpu_and_vllm`); the sweep itself belongs to ``kvrepro.sweep``.
+
+def measure(*, modes, max_users: int, context_tokens: int, decode_tokens: int, gpu_memory_gb: float,
+            block_size: int, results_dir: str | Path = DEFAULT_RESULTS_DIR) -> Path:
+    """Re-measure the capacity sweep with ``kvrepro.sweep.run_sweep`` (vLLM on this GPU, budget
+    ``0.9 x gpu_memory_gb`` GiB) into ``<results_dir>/<date>-<gpu>.jsonl``; return that path.
+
+    Checks the machine first (:func:`require_gpu_and_vllm`); the protocol belongs to ``kvrepro.sweep``.
 
     Raises:
-        RuntimeError: no GPU or no vLLM here, or ``kvrepro.sweep`` is missing.
+        RuntimeError: no GPU or no vLLM here, ``kvrepro.sweep`` missing, or a mode's measurement failed.
+        ValueError: unknown modes (from ``kvrepro.sweep.check_modes``).
     """
-    require_gpu_and_vllm()
+    info = require_gpu_and_vllm()
     try:
         from kvrepro import sweep
     except ImportError as e:
         raise RuntimeError(f"measure=True needs kvrepro.sweep, which failed to import: {e}") from e
-    out = sweep.run_sweep(modes=list(modes), users=list(range(1, max_users + 1)), prompt_tokens=context_tokens,
-                          decode_tokens=decode_tokens, gpu_memory_gb=gpu_memory_gb,
-                          gpu_memory_utilization=gpu_memory_utilization, block_size=block_size,
-                          out_dir=resolve_results_dir(results_dir))
-    return Path(out)
+    gpu = "".join(c if c.isalnum() else "-" for c in info["gpu"]).strip("-").lower()
+    run_id = f"{info['date_utc'][:10]}-{gpu}"
+    out_dir = resolve_results_dir(results_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{run_id}.jsonl"
+    sweep.run_sweep(list(modes), path, run_id,
+                    params={"gpu_memory_gb": gpu_memory_gb, "prompt_tokens": context_tokens,
+                            "decode_tokens": decode_tokens, "max_users": max_users, "block_size": block_size})
+    return path

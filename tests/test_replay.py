@@ -108,3 +108,14 @@ def test_plot_marks_max_clean(tmp_path):
     ax = replay.plot_throughput(replay.load_results(tmp_path))
     stars = [(tuple(c.get_offsets()[0])) for c in ax.collections if len(c.get_offsets()) == 1]
     assert (3.0, 150.0) in stars and (6.0, 240.0) in stars
+
+
+def test_sizing_rows_are_kept_out_of_capacity(tmp_path):
+    rows = sweep_rows() + [row("k4v4", 0, None, measured_by="sizing", kv_cache_tokens=1_740_032,
+                               users_fit_arithmetic=13, ttft_s_mean=None, ttft_s_max=None, tpot_ms_mean=None)]
+    write(tmp_path / "s.jsonl", rows)
+    df = replay.load_results(tmp_path)
+    cap = replay.max_clean_capacity(df).set_index("mode")
+    assert cap.loc["k4v4", "max_clean_users"] == 0
+    sizes = replay.kv_sizes(df).set_index("mode")
+    assert sizes.loc["k4v4", "kv_cache_tokens"] == 1_740_032 and sizes.loc["k4v4", "users_fit_arithmetic"] == 13
