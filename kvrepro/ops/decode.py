@@ -16,6 +16,9 @@ DECODE_WARPS = 4
 DECODE_STAGES = 1
 DEQUANT_MODES = ("triton", "asm")
 VARIANTS = ("v1", "v2")
+# v1 is the variant measured and verified at full size on the H200 (run 1, notes/kernels.md);
+# v2 passes the same CPU tests but has not run on a GPU yet, so it is opt-in.
+DEFAULT_VARIANT = "v1"
 
 
 def default_dequant(device: torch.device) -> str:
@@ -60,7 +63,7 @@ def decode_attention(query: torch.Tensor, pool, block_tables: torch.Tensor, seq_
                      out: torch.Tensor | None = None, num_splits: int | None = None,
                      workspace: torch.Tensor | None = None, *, block_n: int = DECODE_BLOCK_N,
                      num_warps: int = DECODE_WARPS, num_stages: int = DECODE_STAGES,
-                     dequant: str | None = None, variant: str = "v2") -> torch.Tensor:
+                     dequant: str | None = None, variant: str = DEFAULT_VARIANT) -> torch.Tensor:
     """Decode attention (one new token per sequence) over compressed KV pages.
 
     Each page is read once per KV head for all query heads of its GQA group; the context is cut
@@ -81,8 +84,8 @@ def decode_attention(query: torch.Tensor, pool, block_tables: torch.Tensor, seq_
         block_n, num_warps, num_stages: tiling (tokens per step) and Triton launch options.
         dequant: ``"triton"`` (portable, runs under the interpreter) or ``"asm"`` (inline PTX,
             CUDA only); default ``default_dequant(device)``.
-        variant: ``"v2"`` (split-plane dots, default) or ``"v1"`` (full-width dequantization,
-            kept as the measured baseline of notes/kernels.md).
+        variant: ``"v1"`` (full-width dequantization; default, GPU-verified) or ``"v2"``
+            (per-plane dots, fewer integer ops; CPU-verified only, see notes/kernels.md).
 
     Returns:
         ``out`` ``[B, Hq, D]`` in the query dtype.

@@ -7,7 +7,7 @@ import triton
 from kvrepro.formats.layout import PageLayout
 from kvrepro.ops.common import (check_float, check_heads, check_int, check_pool, check_rotation,
                                 next_pow2, pool_tensor)
-from kvrepro.ops.decode import LOG2E, attention_kernel
+from kvrepro.ops.decode import DEFAULT_VARIANT, LOG2E, attention_kernel
 from kvrepro.ops.kernels.dequant import dequant_pages_kernel
 from kvrepro.ops.kernels.rotate import rotate_query_kernel
 
@@ -92,7 +92,7 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
                       scale: float, out: torch.Tensor | None = None, *,
                       max_query_len: int | None = None, block_n: int = PREFILL_BLOCK_N,
                       rows: int = PREFILL_ROWS, num_warps: int = 4, num_stages: int = 2,
-                      dequant: str | None = None, variant: str = "v2", impl: str = "paged",
+                      dequant: str | None = None, variant: str = DEFAULT_VARIANT, impl: str = "paged",
                       piece_tokens: int = PIECE_TOKENS, dense_attn=None) -> torch.Tensor:
     """Causal varlen attention of the current chunk: earlier context from compressed pages,
     the chunk's own K/V fresh (not quantized).

@@ -1,0 +1,55 @@
+"""Helpers for the kvrepro.ops tests: random paged sequences and float64 references."""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (CPU: interpreter)
+
+import torch  # noqa: E402
+
+from kvrepro.formats import get_format  # noqa: E402
+from kvrepro.ops import store_kv  # noqa: E402
+from kvrepro.reference import attention_ref  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def relerr(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm())
+
+
+def make_pool(preset, hkv, d, block_size, num_blocks, gen):
+    """A pool poisoned with random bytes (never zeros), so unwritten pages cannot pass."""
+    pool = get_format(preset).new_pool(num_blocks, hkv, d, block_size, device=DEV)
+    pool.data.copy_(torch.randint(0, 256, pool.data.shape, generator=gen, dtype=torch.uint8))
+    return pool
+
+
+def block_tables(num_seqs, max_blocks, num_blocks, gen, high=False):
+    """Distinct random block ids per row (``high``: taken from the top of the pool)."""
+    ids = torch.randperm(num_blocks, generator=gen)[: num_seqs * max_blocks]
+    if high:
+        ids = num_blocks - 1 - torch.arange(num_seqs * max_blocks)
+    return ids.reshape(num_seqs, max_blocks).to(torch.int32).to(DEV)
+
+
+def fill(pool, bt_row, n_tokens, gen, dtype, scale=1.0):
+    """Random K/V ``[n_tokens, H, D]`` stored with ``store_kv`` at positions 0..n-1 of a row."""
+    h, d, bs = pool.num_kv_heads, pool.head_dim, pool.block_size
+    k = (torch.randn(n_tokens, h, d, generator=gen) * scale).to(DEV, dtype)
+    v = torch.randn(n_tokens, h, d, generator=gen).to(DEV, dtype)
+    pos = torch.arange(n_tokens, device=DEV)
+    slots = (bt_row[pos // bs].long() * bs + pos % bs).to(torch.int32)
+    store_kv(k, v, pool.data, slots, pool.layout, pool.rotation)
+    return k, v
+
+
+def chunk_reference(query, pool, bt_row, ctx, k_fresh, v_fresh, scale):
+    """float64 attention of a chunk: context 0..ctx-1 dequantized from the pool, chunk fresh."""
+    q_len = query.shape[0]
+    kc, vc = pool.gather(bt_row, ctx) if ctx else (torch.zeros(0, pool.num_kv_heads, pool.head_dim, device=DEV),) * 2
+    k = torch.cat([kc.double(), k_fresh.double()])
+    v = torch.cat([vc.double(), v_fresh.double()])
+    assert k.shape[0] == ctx + q_len
+    return attention_ref(query, k, v, scale, torch.float64)

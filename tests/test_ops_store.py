@@ -1,0 +1,67 @@
+"""store_kv (Triton) vs the PyTorch reference write (kvrepro.formats.compressed)."""
+from ops_helpers import DEV, make_pool  # noqa: I001  (sets TRITON_INTERPRET first)
+
+import pytest
+import torch
+
+from kvrepro.formats.compressed import unpack_codes
+from kvrepro.ops import store_kv
+
+
+@pytest.mark.parametrize("preset", ["k4v4", "k8v4", "k4v2"])
+@pytest.mark.parametrize("d,bs,dtype", [(128, 16, torch.bfloat16), (64, 32, torch.float16), (64, 64, torch.bfloat16)])
+def test_store_matches_reference_bytes(preset, d, bs, dtype):
+    gen = torch.Generator().manual_seed(hash((preset, d, bs)) % 2**31)
+    hkv, n, nb = 3, 45, 9
+    mine = make_pool(preset, hkv, d, bs, nb, gen)
+    ref = make_pool(preset, hkv, d, bs, nb, gen)
+    ref.data.copy_(mine.data)
+    before = mine.data.clone()
+    k = (torch.randn(n, hkv, d, generator=gen) * 3).to(DEV, dtype)
+    v = torch.randn(n, hkv, d, generator=gen).to(DEV, dtype)
+    slots = torch.randperm(nb * bs - 1, generator=gen)[:n]
+    slots[1] = nb * bs - 1                                  # the last slot of the pool (distinct)
+    slots[[0, 7, 44]] = -1                                  # padding rows are skipped
+    ref.write(k, v, slots.to(DEV))
+    store_kv(k, v, mine.data, slots.to(torch.int32).to(DEV), mine.layout, mine.rotation)
+    kc, vc, km, vm = mine.regions()
+    rkc, rvc, rkm, rvm = ref.regions()
+    for a, b, bits in ((kc, rkc, mine.layout.key_bits), (vc, rvc, mine.layout.value_bits)):
+        diff = (unpack_codes(a, bits) - unpack_codes(b, bits)).abs()
+        assert int(diff.max()) <= 1                         # only rounding ties may move a code
+        assert float((diff > 0).float().mean()) < 1e-3
+    assert float((km == rkm).float().mean()) > 0.999 and float((vm == rvm).float().mean()) > 0.999
+    # Bytes of slots that were not written (padding, other slots) are untouched.
+    written = torch.zeros(nb, bs, dtype=torch.bool)
+    keep = slots[slots >= 0]
+    written[keep // bs, keep % bs] = True
+    untouched = ~written.to(DEV)
+    for region_now, region_before in zip(mine.regions(), mine.regions(before)):
+        assert torch.equal(region_now.permute(0, 2, 1, 3)[untouched], region_before.permute(0, 2, 1, 3)[untouched])
+
+
+def test_store_int64_slots_and_empty():
+    gen = torch.Generator().manual_seed(3)
+    pool = make_pool("k4v4", 2, 64, 16, 4, gen)
+    k = torch.randn(0, 2, 64, dtype=torch.bfloat16, device=DEV)
+    before = pool.data.clone()
+    store_kv(k, k, pool.data, torch.zeros(0, dtype=torch.int64, device=DEV), pool.layout, pool.rotation)
+    assert torch.equal(pool.data, before)
+
+
+def test_store_rejects_bad_inputs():
+    gen = torch.Generator().manual_seed(4)
+    pool = make_pool("k4v4", 2, 64, 16, 4, gen)
+    k = torch.randn(3, 2, 64, dtype=torch.bfloat16, device=DEV)
+    s = torch.arange(3, dtype=torch.int32, device=DEV)
+    with pytest.raises(ValueError, match="key must be bfloat16 or float16"):
+        store_kv(k.float(), k, pool.data, s, pool.layout, pool.rotation)
+    with pytest.raises(ValueError, match="value must have shape"):
+        store_kv(k, k[:, :1], pool.data, s, pool.layout, pool.rotation)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        store_kv(k, k, pool.data, s[:2], pool.layout, pool.rotation)
+    other = make_pool("k8v4", 2, 64, 16, 4, gen)
+    with pytest.raises(ValueError, match="pool must be uint8"):
+        store_kv(k, k, pool.data, s, other.layout, pool.rotation)
+    with pytest.raises(ValueError, match="rotation"):
+        store_kv(k, k, pool.data, s, pool.layout, pool.rotation.double())
