@@ -215,6 +215,48 @@ def reference_points():
     return pd.DataFrame(_REFERENCE, columns=["mode", "num_users", "aggregate_decode_tok_s", "source", "max_clean"])
 
 
+# seed/card mode name -> kvrepro format row it is compared with in :func:`side_by_side`
+_SAME_AS = {"fp16": "bf16", "auto": "bf16", "bf16": "bf16", "fp8": "fp8"}
+
+
+def side_by_side(table, context_tokens: int, decode_tokens: int, block_size: int = 16):
+    """One row per KV mode: this kit's arithmetic, the seed's published point and the card's measurement.
+
+    Args:
+        table: ``kvrepro.capacity.capacity_table`` output (format, users_fit).
+        context_tokens, decode_tokens, block_size: the workload, to convert the card's measured KV-token
+            counts into users that fit: ``(kv_tokens / block_size - 1) // ceil(tokens / block_size)``.
+
+    Returns:
+        DataFrame: mode, users_arithmetic (kvrepro formats), seed_users, seed_tok_s (A100 80GB),
+        card_kv_tokens, card_users_fit (at this workload, from the measured KV tokens), card_users_run,
+        card_tok_s (H200 emulating 80 GiB, 128K + 256). NaN where a source has no such mode.
+    """
+    import pandas as pd
+
+    from kvrepro.capacity import CARD_KV_TOKENS, blocks_per_request
+
+    per_user = blocks_per_request(context_tokens + decode_tokens, block_size)
+    rows = {f: {"mode": f, "users_arithmetic": int(u)} for f, u in zip(table["format"], table["users_fit"])}
+
+    def row(mode):
+        return rows.setdefault(_SAME_AS.get(mode, mode), {"mode": _SAME_AS.get(mode, mode)})
+
+    for mode, users, tok_s, source, _ in _REFERENCE:
+        r = row(mode)
+        if source == SEED_SOURCE:
+            r.update(seed_users=users, seed_tok_s=tok_s)
+        else:
+            r.update(card_users_run=users, card_tok_s=tok_s)
+    for dtype, tokens in CARD_KV_TOKENS.items():
+        row(dtype).update(card_kv_tokens=tokens, card_users_fit=(tokens // block_size - 1) // per_user)
+    cols = ["mode", "users_arithmetic", "seed_users", "seed_tok_s", "card_kv_tokens", "card_users_fit",
+            "card_users_run", "card_tok_s"]
+    df = pd.DataFrame(list(rows.values())).reindex(columns=cols)
+    ints = ["users_arithmetic", "seed_users", "card_kv_tokens", "card_users_fit", "card_users_run"]
+    return df.astype({c: "Int64" for c in ints})
+
+
 def plot_throughput(df, ax=None, title: str = "Aggregate decode tok/s vs concurrent users"):
     """The seed-style chart: aggregate decode tok/s (y) vs concurrent users (x), one line per mode
     (marker style = source when several), the max-clean-capacity point of each mode marked with a

@@ -119,3 +119,16 @@ def test_sizing_rows_are_kept_out_of_capacity(tmp_path):
     assert cap.loc["k4v4", "max_clean_users"] == 0
     sizes = replay.kv_sizes(df).set_index("mode")
     assert sizes.loc["k4v4", "kv_cache_tokens"] == 1_740_032 and sizes.loc["k4v4", "users_fit_arithmetic"] == 13
+
+
+def test_side_by_side_converts_card_tokens_to_users():
+    import pandas as pd
+    table = pd.DataFrame({"format": ["bf16", "fp8", "k4v4"], "users_fit": [3, 6, 13]})
+    s = replay.side_by_side(table, 131_072, 1_024, 16).set_index("mode")
+    # 8,256 blocks per user; card KV tokens / 16 - 1 null block
+    assert s.loc["bf16", "card_users_fit"] == (455_392 // 16 - 1) // 8_256 == 3
+    assert s.loc["turboquant_4bit_nc", "card_users_fit"] == 82_732 // 8_256 == 10
+    assert s.loc["turboquant_k8v4", "card_users_fit"] == 63_125 // 8_256 == 7
+    assert (s.loc["bf16", "seed_users"], s.loc["bf16", "seed_tok_s"]) == (2, 66.6)
+    assert s.loc["k4v4", "users_arithmetic"] == 13 and pd.isna(s.loc["k4v4", "seed_users"])
+    assert s.loc["compressed (seed)", "seed_users"] == 6
