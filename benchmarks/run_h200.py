@@ -212,7 +212,8 @@ def check_prefill(gen):
         q, k, v, ref = torch.cat(qs), torch.cat(ks), torch.cat(vs), torch.cat(refs)
         qsl = torch.tensor([0] + list(torch.tensor(qls).cumsum(0)), dtype=torch.int32, device="cuda")
         sl = torch.tensor([c + ql for c, ql in zip(ctxs, qls)], dtype=torch.int32, device="cuda")
-        for name, kw in (("paged_triton", {}), ("paged_asm", {"dequant": "asm"}),
+        for name, kw in (("paged_v1", {"variant": "v1"}), ("paged_v2_triton", {"variant": "v2"}),
+                         ("paged_v2_asm", {"variant": "v2", "dequant": "asm"}),
                          ("dequant_fa2", {"impl": "dequant", "piece_tokens": 1024})):
             o = torch.full_like(q, float("nan"))
             try:
@@ -368,7 +369,7 @@ def prefill_bench(gen):
         if elapsed() > BUDGET * 0.9:
             break
         try:
-            fn = chunk(32768, rows=rows_, block_n=bn, num_warps=w, num_stages=2, dequant=mode)
+            fn = chunk(32768, rows=rows_, block_n=bn, num_warps=w, num_stages=2, dequant=mode, variant="v2")
             fn()
             ms = triton.testing.do_bench(fn, warmup=5, rep=40, return_mode="median")
             sweep.append({"rows": rows_, "block_n": bn, "warps": w, "dequant": mode, "ms_ctx32k_chunk8k": ms})
@@ -377,7 +378,8 @@ def prefill_bench(gen):
     res["sweep"] = sweep
     ok = [x for x in sweep if "ms_ctx32k_chunk8k" in x]
     best = min(ok, key=lambda x: x["ms_ctx32k_chunk8k"]) if ok else {"rows": 64, "block_n": 64, "warps": 4}
-    kw = {"rows": best["rows"], "block_n": best["block_n"], "num_warps": best["warps"], "dequant": mode}
+    kw = {"rows": best["rows"], "block_n": best["block_n"], "num_warps": best["warps"], "dequant": mode,
+          "variant": "v2"}
     res["best"] = kw
 
     def timed(fn):

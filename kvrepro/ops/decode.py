@@ -36,6 +36,8 @@ def attention_kernel(variant: str, dequant: str | None, device: torch.device):
     if dequant == "asm" and device.type != "cuda":
         raise ValueError("dequant='asm' is inline PTX and needs a CUDA device; use dequant='triton'")
     if variant == "v1":
+        if dequant != "triton":
+            raise ValueError(f"variant='v1' supports dequant='triton' only, got {dequant!r}")
         return paged_attn_kernel_v1, {}
     return paged_attn_kernel, {"DEQ_ASM": dequant == "asm"}
 MIN_TOKENS_PER_SPLIT = 256

@@ -1,0 +1,71 @@
+"""prefill_attention (chunked prefill over compressed context + fresh chunk) vs float64."""
+from ops_helpers import DEV, block_tables, chunk_reference, fill, make_pool, relerr  # noqa: I001
+
+import pytest
+import torch
+
+from kvrepro.ops import prefill_attention
+
+CTXS, QLENS = [0, 5, 40, 97, 300], [7, 1, 20, 3, 1]   # mixed: prefill chunks and decode rows
+
+
+def _batch(preset, hq, hkv, d, bs, seed, dtype=torch.float16):
+    gen = torch.Generator().manual_seed(seed)
+    maxb = max(-(-(c + q) // bs) for c, q in zip(CTXS, QLENS)) + 1
+    nb = len(CTXS) * maxb + 3
+    pool = make_pool(preset, hkv, d, bs, nb, gen)
+    bt = block_tables(len(CTXS), maxb, nb, gen)
+    qs, ks, vs, refs = [], [], [], []
+    for b, (c, ql) in enumerate(zip(CTXS, QLENS)):
+        k, v = fill(pool, bt[b], c + ql, gen, dtype)   # the chunk is stored too; it must be read fresh
+        q = torch.randn(ql, hq, d, generator=gen).to(DEV, dtype)
+        refs.append(chunk_reference(q, pool, bt[b], c, k[c:], v[c:], d ** -0.5))
+        qs.append(q), ks.append(k[c:]), vs.append(v[c:])
+    qsl = torch.tensor([0] + torch.tensor(QLENS).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+    sl = torch.tensor([c + q for c, q in zip(CTXS, QLENS)], dtype=torch.int32, device=DEV)
+    return pool, bt, sl, qsl, torch.cat(qs), torch.cat(ks), torch.cat(vs), torch.cat(refs)
+
+
+def _dense64(q, k, v, scale, causal):
+    """float64 dense attention returning (o, lse) like ``flash_dense_attn``."""
+    g = q.shape[1] // k.shape[1]
+    qq = q.double().transpose(0, 1)
+    kk = k.double().repeat_interleave(g, 1).transpose(0, 1)
+    vv = v.double().repeat_interleave(g, 1).transpose(0, 1)
+    lg = qq @ kk.transpose(1, 2) * scale
+    if causal:
+        tq, tk = q.shape[0], k.shape[0]
+        lg = lg.masked_fill(torch.arange(tk, device=q.device)[None] > torch.arange(tq, device=q.device)[:, None] + tk - tq,
+                            float("-inf"))
+    return (torch.softmax(lg, -1) @ vv).transpose(0, 1).to(q.dtype), torch.logsumexp(lg, -1).transpose(0, 1).float()
+
+
+@pytest.mark.parametrize("variant", ["v1", "v2"])
+@pytest.mark.parametrize("preset,hq,hkv,d,bs,rows", [
+    ("k4v4", 32, 8, 128, 16, 64), ("k4v2", 9, 3, 64, 32, 16), ("k8v4", 28, 4, 128, 16, 32)])
+def test_prefill_paged_matches_reference(variant, preset, hq, hkv, d, bs, rows):
+    pool, bt, sl, qsl, q, k, v, ref = _batch(preset, hq, hkv, d, bs, seed=hq + d)
+    out = torch.full_like(q, float("nan"))
+    prefill_attention(q, k, v, pool.data, bt, sl, qsl, pool.layout, pool.rotation, d ** -0.5, out=out,
+                      rows=rows, variant=variant, max_query_len=max(QLENS))
+    assert torch.isfinite(out).all()
+    assert relerr(out, ref) < 2e-3
+
+
+def test_prefill_dequant_impl_matches_reference():
+    """impl="dequant": context in pieces (here 32 tokens) through a dense attention + LSE merge."""
+    pool, bt, sl, qsl, q, k, v, ref = _batch("k4v4", 8, 2, 64, 16, seed=3)
+    out = torch.full_like(q, float("nan"))
+    prefill_attention(q, k, v, pool.data, bt, sl, qsl, pool.layout, pool.rotation, 0.125, out=out,
+                      impl="dequant", piece_tokens=32, dense_attn=_dense64)
+    assert relerr(out, ref) < 2e-3
+
+
+def test_prefill_rejects_bad_inputs():
+    pool, bt, sl, qsl, q, k, v, _ = _batch("k4v4", 8, 2, 64, 16, seed=4)
+    with pytest.raises(ValueError, match="impl"):
+        prefill_attention(q, k, v, pool.data, bt, sl, qsl, pool.layout, pool.rotation, 0.125, impl="fa9")
+    with pytest.raises(ValueError, match="query_start_loc"):
+        prefill_attention(q, k, v, pool.data, bt, sl, qsl[:-1], pool.layout, pool.rotation, 0.125)
+    with pytest.raises(ValueError, match="rows"):
+        prefill_attention(q, k, v, pool.data, bt, sl, qsl, pool.layout, pool.rotation, 0.125, rows=48)
