@@ -29,10 +29,13 @@ case "${1:-}" in
     timeout 150 python3 scripts/vllm_smoke.py --case piecewise --compare $OUT/smoke_graphs.json --out $OUT/smoke_piecewise.json 2>&1 | grep -E "SMOKE|Error|Traceback" | tail -10
     timeout 90 python3 scripts/vllm_smoke.py --case refuse --out $OUT/smoke_refuse.json 2>&1 | grep -E "SMOKE" | tail -3
     ;;
+  smokeg)
+    timeout 200 python3 scripts/vllm_smoke.py --case graphs --out $OUT/smoke_graphs.json 2>&1 | tee $OUT/smoke_log.txt | grep -E "SMOKE|Error|Traceback|KV cache size" | tail -20
+    ;;
   sweep)
     run=$2; modes=$3; edge=${4:-}; params=${5:-'{}'}
     cp results/capacity/$run.jsonl $OUT/ 2>/dev/null   # resume: rows of earlier calls travel with the tree
-    timeout 580 python3 -m kvrepro.sweep --modes "$modes" --results $OUT/$run.jsonl --run-id $run \
+    timeout ${SWEEP_CALL_S:-580} python3 -m kvrepro.sweep --modes "$modes" --results $OUT/$run.jsonl --run-id $run \
       --confirm-edge "$edge" --params "$params" --timeout-s ${SWEEP_TIMEOUT_S:-540} 2>&1 \
       | tee $OUT/sweep_log.txt | grep -E "^\[sweep\]|^\{|Error|Traceback|KV cache size|Maximum concurrency" | tail -40
     ;;

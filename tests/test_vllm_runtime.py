@@ -91,3 +91,41 @@ def test_padded_cuda_graph_rows_and_bad_pool():
         rt.layout(torch.zeros(4, hkv, 100, dtype=torch.uint8))
     with pytest.raises(ValueError, match="one token per decode"):
         rt.attend(q, k, v, pool, bt, sl, qsl, t, 2, 3, out)
+
+
+def _fa_standin(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal):
+    """FlashAttention varlen semantics for one sequence (causal, bottom-right aligned), float64."""
+    assert causal and cu_seqlens_q.tolist() == [0, q.shape[0]] and cu_seqlens_k.tolist() == [0, k.shape[0]]
+    return attention_ref(q, k, v, softmax_scale, torch.float64).to(q.dtype)
+
+
+def test_flash_prefill_path_matches_reference():
+    from kvrepro.vllm_backend import fa_prefill
+    from kvrepro.vllm_backend.fa_prefill import FlashPrefill
+
+    hq, hkv, d, bs = 8, 2, 64, 16
+    seq, ql = [20, 53, 17, 5], [1, 1, 7, 5]
+    rt, pool, bt, sl, qsl, q, k, v, t, _ = _batch(4, hq, hkv, d, bs, seq, ql)
+    rt.prefill = FlashPrefill(rt.fmt, hkv, d, fa=_fa_standin)
+    old = fa_prefill.SLICE_TOKENS
+    fa_prefill.SLICE_TOKENS = 16  # several dequant slices even for a short context
+    try:
+        out = torch.full((t + 3, hq, d), float("nan"), dtype=torch.bfloat16)
+        rt.attend(q, k, v, pool, bt, sl, qsl, t, 2, 2, out, max_query_len=7)
+    finally:
+        fa_prefill.SLICE_TOKENS = old
+    ref = reference_attend(rt, q, k, v, pool, bt, sl, qsl, t, 2)
+    assert ((out[:t].double() - ref).abs().max() / ref.abs().max()) < 2e-2
+
+
+def test_record_check_reports_error_of_a_wrong_output():
+    from kvrepro.vllm_backend import runtime
+
+    hq, hkv, d, bs = 8, 2, 64, 16
+    rt, pool, bt, sl, qsl, q, k, v, t, _ = _batch(5, hq, hkv, d, bs, [30, 9], [1, 9])
+    out = torch.empty(t, hq, d, dtype=torch.bfloat16)
+    rt.attend(q, k, v, pool, bt, sl, qsl, t, 1, 1, out, max_query_len=9)
+    good = runtime.record_check(rt, out, q, k, v, pool, bt, sl, qsl, t, 1)
+    bad = runtime.record_check(rt, out * 1.5, q, k, v, pool, bt, sl, qsl, t, 1)
+    assert good["tokens"] == t and good["num_decodes"] == 1 and good["rel_err"] < 2e-2
+    assert bad["rel_err"] > 0.2 and runtime.CHECKS[-2:] == [good, bad]

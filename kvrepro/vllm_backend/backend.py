@@ -161,8 +161,15 @@ class KVReproAttentionImpl(AttentionImpl[KVReproMetadata]):
         self.scale = float(scale)
         self.num_kv_heads = num_kv_heads
         self.kv_cache_dtype = kv_cache_dtype
-        self.rt = LayerRuntime(cfg.resolve_preset(), num_heads, num_kv_heads, head_size, self.scale,
-                               cfg.resolve_num_splits())
+        preset = cfg.resolve_preset()
+        prefill = None
+        if cfg.resolve_prefill() == "fa":
+            from kvrepro.formats import get_format
+            from kvrepro.vllm_backend.fa_prefill import FlashPrefill
+
+            prefill = FlashPrefill(get_format(preset), num_kv_heads, head_size)
+        self.rt = LayerRuntime(preset, num_heads, num_kv_heads, head_size, self.scale,
+                               cfg.resolve_num_splits(), prefill=prefill)
         # Debug only (slow, host syncs): compare every eagerly run step with reference_attend.
         self._debug_check = os.environ.get("KVREPRO_DEBUG_CHECK", "") == "1"
 

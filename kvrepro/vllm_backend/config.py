@@ -23,6 +23,8 @@ from kvrepro.formats.layout import SUPPORTED_BLOCK_SIZES, PageLayout
 
 PRESET_ENV = "KVREPRO_PRESET"
 NUM_SPLITS_ENV = "KVREPRO_NUM_SPLITS"
+PREFILL_ENV = "KVREPRO_PREFILL"
+PREFILL_PATHS = ("fa", "triton")
 BACKEND_NAME = "CUSTOM"  # vLLM's enum slot for out-of-tree backends (--attention-backend CUSTOM)
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 SUPPORTED_KV_CACHE_DTYPES = ("auto", "bfloat16", "float16")
@@ -59,6 +61,17 @@ def resolve_num_splits(value: str | int | None = None) -> int | None:
     if not 1 <= n <= 256:
         raise ValueError(f"{NUM_SPLITS_ENV} must be an integer in 1..256, got {value!r}")
     return n
+
+
+def resolve_prefill(value: str | None = None) -> str:
+    """Prefill path: ``fa`` (dequantize the context, then vLLM's FlashAttention; default) or
+    ``triton`` (kvrepro's direct-read prefill kernel). From ``value`` or ``$KVREPRO_PREFILL``.
+    Raises ValueError naming KVREPRO_PREFILL and the allowed values."""
+    if value is None:
+        value = os.environ.get(PREFILL_ENV, "") or "fa"
+    if value not in PREFILL_PATHS:
+        raise ValueError(f"{PREFILL_ENV}={value!r}; allowed: {', '.join(PREFILL_PATHS)}")
+    return value
 
 
 def page_layout(preset: str, head_dim: int, block_size: int) -> PageLayout:

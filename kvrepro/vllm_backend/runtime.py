@@ -31,15 +31,18 @@ class LayerRuntime:
         num_splits: decode split-K count, or None for the kernel's shape-only default (both keep
             the launch grid fixed per batch size, as CUDA graphs need).
         ops: module with ``store_kv``, ``decode_attention``, ``prefill_attention`` (default ``kvrepro.ops``).
+        prefill: callable replacing ``ops.prefill_attention`` (same arguments), e.g.
+            ``fa_prefill.FlashPrefill``; default None = kvrepro's Triton prefill kernel.
     """
 
     def __init__(self, preset: str, num_heads: int, num_kv_heads: int, head_size: int, scale: float,
-                 num_splits: int | None = None, ops=None) -> None:
+                 num_splits: int | None = None, ops=None, prefill=None) -> None:
         self.fmt = get_format(preset)
         self.num_heads, self.num_kv_heads, self.head_size = num_heads, num_kv_heads, head_size
         self.scale = scale
         self.num_splits = num_splits
         self._ops = ops
+        self.prefill = prefill
         self._layouts: dict[int, object] = {}
         self.rotation: torch.Tensor | None = None
 
@@ -115,7 +118,7 @@ class LayerRuntime:
             k = key[:t].view(t, hkv, d)[ndt:]
             v = value[:t].view(t, hkv, d)[ndt:]
             qsl = query_start_loc[nd:] - ndt if nd else query_start_loc
-            self.ops.prefill_attention(q[ndt:], k, v, pool, block_table[nd:], seq_lens[nd:], qsl, layout, rot,
+            (self.prefill or self.ops.prefill_attention)(q[ndt:], k, v, pool, block_table[nd:], seq_lens[nd:], qsl, layout, rot,
                                        self.scale, out=out[ndt:t], max_query_len=max_query_len)
         return out
 
@@ -157,20 +160,22 @@ def reference_attend(rt: LayerRuntime, query, key, value, pool: torch.Tensor, bl
 CHECKS: list[dict] = []  # filled by the backend when KVREPRO_DEBUG_CHECK=1 (in-process engines)
 
 
-def record_check(rt: LayerRuntime, out, *args, **kwargs) -> dict:
-    """Compare ``out`` (``[T, Hq, D]``) with :func:`reference_attend`; append the error to ``CHECKS``.
+def record_check(rt: LayerRuntime, out, *args) -> dict:
+    """Compare ``out`` (``[T, Hq, D]``) with :func:`reference_attend` (``args`` = its arguments after
+    ``rt``: query, key, value, pool, block_table, seq_lens, query_start_loc, num_actual_tokens,
+    num_decodes); append the error to ``CHECKS``.
 
     ``rel_err`` = max |out - ref| / max |ref|.
     """
-    t = args[6]
+    t = args[7]
     try:
         ref = reference_attend(rt, *args, dtype=torch.float32)
     except (ValueError, RuntimeError) as e:  # e.g. vLLM's dummy capture batches with invalid lengths
-        entry = {"tokens": t, "num_decodes": args[7], "rel_err": None, "error": str(e)[:200]}
+        entry = {"tokens": t, "num_decodes": args[8], "rel_err": None, "error": str(e)[:200]}
         CHECKS.append(entry)
         return entry
     err = (out[:t].float() - ref).abs().max().item()
     scale = ref.abs().max().item() or 1.0
-    entry = {"tokens": t, "num_decodes": args[7], "rel_err": err / scale, "max_ref": scale}
+    entry = {"tokens": t, "num_decodes": args[8], "rel_err": err / scale, "max_ref": scale}
     CHECKS.append(entry)
     return entry
