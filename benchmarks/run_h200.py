@@ -355,6 +355,9 @@ def prefill_bench(gen):
     store = lambda: store_kv(k[:C], v[:C], pool.data, slots[:C], pool.layout, pool.rotation)  # noqa: E731
     store()
     res["store_8k_tokens_ms"] = triton.testing.do_bench(store, warmup=5, rep=30, return_mode="median")
+    store_t = lambda: store_kv(k[:C], v[:C], pool.data, slots[:C], pool.layout, pool.rotation, rotate="torch")  # noqa: E731
+    store_t()
+    res["store_8k_tokens_torch_rotate_ms"] = triton.testing.do_bench(store_t, warmup=5, rep=30, return_mode="median")
     store_kv(k, v, pool.data, slots, pool.layout, pool.rotation)
     torch.cuda.synchronize()
 

@@ -8,9 +8,10 @@ from kvrepro.formats.compressed import unpack_codes
 from kvrepro.ops import store_kv
 
 
+@pytest.mark.parametrize("rotate", ["kernel", "torch"])
 @pytest.mark.parametrize("preset", ["k4v4", "k8v4", "k4v2"])
 @pytest.mark.parametrize("d,bs,dtype", [(128, 16, torch.bfloat16), (64, 32, torch.float16), (64, 64, torch.bfloat16)])
-def test_store_matches_reference_bytes(preset, d, bs, dtype):
+def test_store_matches_reference_bytes(preset, d, bs, dtype, rotate):
     gen = torch.Generator().manual_seed(hash((preset, d, bs)) % 2**31)
     hkv, n, nb = 3, 45, 9
     mine = make_pool(preset, hkv, d, bs, nb, gen)
@@ -23,7 +24,7 @@ def test_store_matches_reference_bytes(preset, d, bs, dtype):
     slots[1] = nb * bs - 1                                  # the last slot of the pool (distinct)
     slots[[0, 7, 44]] = -1                                  # padding rows are skipped
     ref.write(k, v, slots.to(DEV))
-    store_kv(k, v, mine.data, slots.to(torch.int32).to(DEV), mine.layout, mine.rotation)
+    store_kv(k, v, mine.data, slots.to(torch.int32).to(DEV), mine.layout, mine.rotation, rotate=rotate)
     kc, vc, km, vm = mine.regions()
     rkc, rvc, rkm, rvm = ref.regions()
     for a, b, bits in ((kc, rkc, mine.layout.key_bits), (vc, rvc, mine.layout.value_bits)):
@@ -65,3 +66,5 @@ def test_store_rejects_bad_inputs():
         store_kv(k, k, pool.data, s, other.layout, pool.rotation)
     with pytest.raises(ValueError, match="rotation"):
         store_kv(k, k, pool.data, s, pool.layout, pool.rotation.double())
+    with pytest.raises(ValueError, match="rotate="):
+        store_kv(k, k, pool.data, s, pool.layout, pool.rotation, rotate="fwht")

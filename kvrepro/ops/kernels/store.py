@@ -57,8 +57,9 @@ def store_kv_kernel(key_ptr, value_ptr, pool_ptr, slot_ptr, rot_ptr, num_tokens,
                     NUM_KV_HEADS: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                     PAGE_BYTES: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
                     V_CODE_OFF: tl.constexpr, K_META_OFF: tl.constexpr, V_META_OFF: tl.constexpr,
-                    BLOCK_T: tl.constexpr):
-    """Grid ``(cdiv(num_tokens, BLOCK_T), NUM_KV_HEADS)``. K/V last dim contiguous."""
+                    BLOCK_T: tl.constexpr, ROTATE: tl.constexpr):
+    """Grid ``(cdiv(num_tokens, BLOCK_T), NUM_KV_HEADS)``. K/V last dim contiguous. ``ROTATE``:
+    multiply by ``rot`` here; else K/V arrive already rotated (float32)."""
     pid_t = tl.program_id(0)
     h = tl.program_id(1)
     t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -70,14 +71,16 @@ def store_kv_kernel(key_ptr, value_ptr, pool_ptr, slot_ptr, rot_ptr, num_tokens,
     off = slot % BS
     page_base = (blk * NUM_KV_HEADS + h) * PAGE_BYTES
     d = tl.arange(0, D)
-    rot = tl.load(rot_ptr + d[:, None] * D + d[None, :])
     t64 = t.to(tl.int64)
     xk = tl.load(key_ptr + t64[:, None] * stride_kt + h * stride_kh + d[None, :],
                  mask=keep[:, None], other=0.0).to(tl.float32)
-    xk = tl.dot(xk, rot, input_precision="ieee")
+    if ROTATE:
+        rot = tl.load(rot_ptr + d[:, None] * D + d[None, :])
+        xk = tl.dot(xk, rot, input_precision="ieee")
     _quant_pack_store(xk, page_base, off, keep, pool_ptr, 0, K_META_OFF, KBITS, False, D, BLOCK_T)
     xv = tl.load(value_ptr + t64[:, None] * stride_vt + h * stride_vh + d[None, :],
                  mask=keep[:, None], other=0.0).to(tl.float32)
-    xv = tl.dot(xv, rot, input_precision="ieee")
+    if ROTATE:
+        xv = tl.dot(xv, rot, input_precision="ieee")
     _quant_pack_store(xv, page_base, off, keep, pool_ptr, V_CODE_OFF, V_META_OFF, VBITS, True, D,
                       BLOCK_T)

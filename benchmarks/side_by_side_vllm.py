@@ -1,0 +1,134 @@
+"""Decode attention side by side on one GPU: kvrepro (each preset) vs vLLM 0.20.2's FA3 (bf16 and
+fp8 paged KV) and vLLM's in-tree TurboQuant decode kernel, at Qwen3-4B shapes (32 q / 8 KV heads,
+head_dim 128, block_size 16, shuffled block tables), plus the copy bandwidth of the same run.
+
+Needs vLLM on the device (``/work/shared/device/README.md``: stage vllm-a, vllm-b, vllm-c, then):
+
+    source .device/vllm-c/kvdev.sh env && PYTHONPATH=.:$PYTHONPATH \\
+        python benchmarks/side_by_side_vllm.py --out $OUT
+
+Time per step = median of ``triton.testing.do_bench`` (L2 flushed before every call), one
+attention layer. "KV bytes" = the bytes of KV (codes + scales) the step must read once.
+Not yet run (device budget); the H200 FA3 anchors in the REPRODUCTION-CARD come from vLLM's team run.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+
+import torch
+import triton.testing
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from benchmarks.common import copy_bandwidth, provenance, random_pool, write_json  # noqa: E402
+from kvrepro.ops import decode_attention  # noqa: E402
+
+HQ, HKV, D, BS = 32, 8, 128, 16
+CTXS = (8192, 32768, 131072)
+BATCHES = (1, 3, 6, 13)
+
+
+def bench(fn):
+    fn()
+    torch.cuda.synchronize()
+    return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
+
+
+def block_table(batch, ctx, num_blocks, gen):
+    nb = ctx // BS
+    return torch.randperm(num_blocks, device="cuda", generator=gen)[: batch * nb].reshape(batch, nb).to(torch.int32)
+
+
+def fa3_case(dtype_name, batch, ctx, gen):
+    from vllm.vllm_flash_attn import flash_attn_varlen_func
+    nb = batch * ctx // BS + 8
+    kc = torch.randn(nb, BS, HKV, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    vc = torch.randn(nb, BS, HKV, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    q = torch.randn(batch, HQ, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    kw = {}
+    if dtype_name == "fp8":
+        kc, vc, q = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn), q.to(torch.float8_e4m3fn)
+        one = torch.ones(batch, HKV, device="cuda", dtype=torch.float32)
+        kw = {"q_descale": one, "k_descale": one, "v_descale": one}
+    bt = block_table(batch, ctx, nb, gen)
+    cu = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
+    sl = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
+    out = torch.empty(batch, HQ, D, device="cuda", dtype=torch.bfloat16)
+    fn = lambda: flash_attn_varlen_func(q=q, k=kc, v=vc, out=out, cu_seqlens_q=cu, max_seqlen_q=1,  # noqa: E731
+                                        seqused_k=sl, max_seqlen_k=ctx, softmax_scale=D ** -0.5, causal=True,
+                                        block_table=bt, fa_version=3, **kw)
+    return bench(fn), batch * ctx * HKV * D * 2 * kc.element_size()
+
+
+def turboquant_case(preset, batch, ctx, gen):
+    from vllm.model_executor.layers.quantization.turboquant.centroids import get_centroids
+    from vllm.model_executor.layers.quantization.turboquant.config import TurboQuantConfig
+    from vllm.v1.attention.ops.triton_turboquant_decode import triton_turboquant_decode_attention
+    cfg = TurboQuantConfig.from_cache_dtype(preset, D)
+    nb = batch * ctx // BS + 8
+    cache = torch.randint(0, 256, (nb, BS, HKV, cfg.slot_size_aligned), device="cuda", dtype=torch.uint8, generator=gen)
+    h = torch.ones(1, 1, device="cuda")
+    while h.shape[0] < D:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    pi = (h / D ** 0.5).contiguous()
+    cent = get_centroids(D, cfg.centroid_bits).to("cuda")
+    q = torch.randn(batch, HQ, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    bt = block_table(batch, ctx, nb, gen)
+    sl = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
+    fn = lambda: triton_turboquant_decode_attention(  # noqa: E731
+        query=q, kv_cache=cache, block_table=bt, seq_lens=sl, Pi=pi, centroids=cent, scale=D ** -0.5,
+        mse_bits=cfg.key_mse_bits, key_packed_size=cfg.key_packed_size,
+        value_quant_bits=cfg.effective_value_quant_bits, key_fp8=cfg.key_fp8,
+        norm_correction=cfg.norm_correction, PiT=pi.T.contiguous(), max_num_kv_splits=32)
+    return bench(fn), batch * ctx * HKV * cfg.slot_size_aligned
+
+
+def kvrepro_case(preset, batch, ctx, gen, **kw):
+    nb = batch * ctx // BS + 8
+    pool = random_pool(preset, nb, HKV, D, BS, "cuda", gen)
+    bt = block_table(batch, ctx, nb, gen)
+    sl = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
+    q = torch.randn(batch, HQ, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    out = torch.empty_like(q)
+    fn = lambda: decode_attention(q, pool.data, bt, sl, pool.layout, pool.rotation, D ** -0.5, out=out, **kw)  # noqa: E731
+    return bench(fn), batch * ctx * HKV * pool.layout.bytes_per_token
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+    args = ap.parse_args()
+    import vllm
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    res = {"provenance": provenance({"script": "benchmarks/side_by_side_vllm.py", "vllm": vllm.__version__}),
+           "copy_bandwidth": copy_bandwidth(), "rows": []}
+    bw = res["copy_bandwidth"]["GBps_read_plus_write"]
+    cases = {"bf16_fa3": lambda b, c: fa3_case("bf16", b, c, gen),
+             "fp8_fa3": lambda b, c: fa3_case("fp8", b, c, gen),
+             "turboquant_4bit_nc": lambda b, c: turboquant_case("turboquant_4bit_nc", b, c, gen),
+             "turboquant_k8v4": lambda b, c: turboquant_case("turboquant_k8v4", b, c, gen),
+             "kvrepro_k4v4": lambda b, c: kvrepro_case("k4v4", b, c, gen),
+             "kvrepro_k8v4": lambda b, c: kvrepro_case("k8v4", b, c, gen),
+             "kvrepro_k4v2": lambda b, c: kvrepro_case("k4v2", b, c, gen),
+             "kvrepro_k4v4_v2asm": lambda b, c: kvrepro_case("k4v4", b, c, gen, variant="v2", dequant="asm")}
+    for ctx in CTXS:
+        for batch in BATCHES:
+            for name, fn in cases.items():
+                try:
+                    ms, nbytes = fn(batch, ctx)
+                    row = {"kernel": name, "ctx": ctx, "batch": batch, "ms": ms, "kv_bytes": nbytes,
+                           "GBps": nbytes / ms / 1e6, "pct_copy": 100 * nbytes / ms / 1e6 / bw}
+                except Exception as e:
+                    row = {"kernel": name, "ctx": ctx, "batch": batch, "error": "".join(traceback.format_exception(e))[-800:]}
+                res["rows"].append(row)
+                torch.cuda.empty_cache()
+            write_json(os.path.join(args.out, "side_by_side.json"), res)
+    for r in res["rows"]:
+        print(r["kernel"], r["ctx"], r["batch"], round(r.get("ms", -1), 4), round(r.get("pct_copy", -1), 1),
+              r.get("error", "")[-120:])
+
+
+if __name__ == "__main__":
+    main()
