@@ -4,7 +4,7 @@ from ops_helpers import DEV, block_tables, chunk_reference, fill, make_pool, rel
 import pytest
 import torch
 
-from kvrepro.ops import prefill_attention
+from kvrepro.ops import prefill_attention, vllm_dense_attn
 
 CTXS, QLENS = [0, 5, 40, 97, 300], [7, 1, 20, 3, 1]   # mixed: prefill chunks and decode rows
 
@@ -59,6 +59,24 @@ def test_prefill_dequant_impl_matches_reference():
     prefill_attention(q, k, v, pool.data, bt, sl, qsl, pool.layout, pool.rotation, 0.125, out=out,
                       impl="dequant", piece_tokens=32, dense_attn=_dense64)
     assert relerr(out, ref) < 2e-3
+
+
+def test_prefill_dequant_impl_through_vllm_adapter():
+    """The FA-varlen adapter's plumbing, with a float64 stand-in returning lse as [Hq, Tq]."""
+    calls = []
+
+    def fake_fa(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k, softmax_scale, causal,
+                return_softmax_lse, fa_version):
+        calls.append((max_seqlen_q, max_seqlen_k, causal, fa_version))
+        assert return_softmax_lse and cu_seqlens_q.tolist() == [0, max_seqlen_q]
+        o, lse = _dense64(q, k, v, softmax_scale, causal)
+        return o, lse.transpose(0, 1).contiguous()
+
+    pool, bt, sl, qsl, q, k, v, ref = _batch("k4v4", 8, 2, 64, 16, seed=6)
+    out = prefill_attention(q, k, v, pool.data, bt, sl, qsl, pool.layout, pool.rotation, 0.125,
+                            impl="dequant", piece_tokens=64, dense_attn=vllm_dense_attn(fake_fa, 3))
+    assert relerr(out, ref) < 2e-3
+    assert (20, 64, False, 3) not in calls and (20, 40, False, 3) in calls and (20, 20, True, 3) in calls
 
 
 def test_prefill_rejects_bad_inputs():

@@ -12,8 +12,10 @@ the current token from the pages; prefill reads the chunk's own K/V fresh). Page
 under ``TRITON_INTERPRET=1`` (set it before importing triton).
 """
 from kvrepro.ops.decode import decode_attention, decode_workspace_numel, default_num_splits
-from kvrepro.ops.prefill import prefill_attention, prefill_workspace_bytes
+from kvrepro.ops.prefill import (dequantize_context, flash_dense_attn, prefill_attention,
+                                 prefill_workspace_bytes, vllm_dense_attn)
 from kvrepro.ops.store import store_kv
 
 __all__ = ["store_kv", "decode_attention", "prefill_attention", "decode_workspace_numel",
-           "default_num_splits", "prefill_workspace_bytes"]
+           "default_num_splits", "prefill_workspace_bytes", "dequantize_context", "flash_dense_attn",
+           "vllm_dense_attn"]

@@ -32,6 +32,22 @@ def flash_dense_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     return res[0], res[1].reshape(hq, tq).transpose(0, 1).float()
 
 
+def vllm_dense_attn(flash_attn_varlen_func, fa_version: int | None = 3):
+    """Adapter: vLLM's ``flash_attn_varlen_func`` (FA2/FA3, ``return_softmax_lse=True``) as a
+    ``dense_attn(q, k, v, scale, causal) -> (o [Tq, Hq, D], lse [Tq, Hq] float32)`` for
+    ``prefill_attention(impl="dequant")``. Not yet run against vLLM here (CPU test uses a stand-in)."""
+    def attn(q, k, v, scale, causal):
+        tq, tk = q.shape[0], k.shape[0]
+        cq = torch.tensor([0, tq], dtype=torch.int32, device=q.device)
+        ck = torch.tensor([0, tk], dtype=torch.int32, device=q.device)
+        kw = {} if fa_version is None else {"fa_version": fa_version}
+        o, lse = flash_attn_varlen_func(q=q, k=k, v=v, max_seqlen_q=tq, cu_seqlens_q=cq, max_seqlen_k=tk,
+                                        cu_seqlens_k=ck, softmax_scale=scale, causal=causal,
+                                        return_softmax_lse=True, **kw)
+        return o, lse.reshape(q.shape[1], tq).transpose(0, 1).float()
+    return attn
+
+
 def dequantize_context(pool, block_row: torch.Tensor, first: int, num: int, layout: PageLayout,
                        rotation: torch.Tensor, k_out: torch.Tensor, v_out: torch.Tensor) -> None:
     """Dequantize tokens ``first .. first + num - 1`` of one sequence (block-table row
