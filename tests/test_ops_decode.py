@@ -1,6 +1,6 @@
 """decode_attention (Triton) vs float64 attention over the dequantized cache; compression error
 vs attention over the raw bf16 K/V reported with its own, looser bound."""
-from ops_helpers import DEV, block_tables, fill, make_pool, relerr  # noqa: I001  (TRITON_INTERPRET first)
+from test_ops_helpers import DEV, block_tables, fill, make_pool, relerr  # noqa: I001  (TRITON_INTERPRET first)
 
 import pytest
 import torch

@@ -1,5 +1,5 @@
 """prefill_attention (chunked prefill over compressed context + fresh chunk) vs float64."""
-from ops_helpers import DEV, block_tables, chunk_reference, fill, make_pool, relerr  # noqa: I001
+from test_ops_helpers import DEV, block_tables, chunk_reference, fill, make_pool, relerr  # noqa: I001
 
 import pytest
 import torch

@@ -1,5 +1,5 @@
 """store_kv (Triton) vs the PyTorch reference write (kvrepro.formats.compressed)."""
-from ops_helpers import DEV, make_pool  # noqa: I001  (sets TRITON_INTERPRET first)
+from test_ops_helpers import DEV, make_pool  # noqa: I001  (sets TRITON_INTERPRET first)
 
 import pytest
 import torch

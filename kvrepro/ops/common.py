@@ -94,7 +94,8 @@ def sm_count(device: torch.device) -> int:
 def _interpreter_index_fix() -> None:
     """Under ``TRITON_INTERPRET=1``, triton 3.6's interpreter converts loop bounds with
     ``int(array)`` on 1-element arrays, which NumPy >= 2.4 rejects ("only 0-dimensional arrays
-    can be converted"). Wrap its tensor patch so ``__index__`` reads the single element.
+    can be converted"). Wrap its tensor patch so ``__index__`` reads the single element (and still
+    refuses tensors of several elements).
     Affects only the interpreter (CPU tests); compiled GPU kernels are untouched."""
     from triton.runtime import interpreter as interp
 
@@ -102,9 +103,15 @@ def _interpreter_index_fix() -> None:
     if getattr(orig, "_kvrepro_fixed", False):
         return
 
+    def index(self):
+        data = self.handle.data
+        if data.size != 1:
+            raise TypeError(f"only single-element tensors can be used as an index, got shape {data.shape}")
+        return int(data.reshape(-1)[0])
+
     def patched(tensor, scope):
         orig(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+        scope.set_attr(tensor, "__index__", index)
 
     patched._kvrepro_fixed = True
     interp._patch_lang_tensor = patched
