@@ -1,6 +1,6 @@
 """One-call H200 run for kvrepro's Triton kernels: full-size correctness, then timings.
 
-    PYTHONPATH=. python benchmarks/run_h200.py --out $OUT [--budget-s 420]
+    PYTHONPATH=. python benchmarks/run_h200.py --out $OUT [--budget-s 200] [--quick]
 
 Writes ``$OUT/h200_kernels.json`` (everything, with provenance) and ``$OUT/decode.csv``, and
 prints a summary table last. Sections that fail are recorded with their error and the run
@@ -430,11 +430,35 @@ def prefill_bench(gen):
     return res
 
 
+@section("quick_compare")
+def quick_compare(gen, copy_bw):
+    """v1 (the default) vs the v2 modes that passed check_decode, same run, k4v4, CUDA graphs."""
+    rows = []
+    configs = [("v1", {"variant": "v1"}, 128)] + [
+        (name, kw, bn) for name, kw in VARIANTS.items() if name not in BAD_VARIANTS for bn in (128, 256)]
+    for ctx, batch in ((131072, 3), (131072, 13), (32768, 13)):
+        pool, bt, sl, q = decode_setup("k4v4", ctx, batch, gen)
+        nbytes = batch * ctx * HKV * pool.layout.bytes_per_token
+        for name, kw, bn in configs:
+            try:
+                eager, gms, s = time_decode(pool, bt, sl, q, block_n=bn, num_warps=4, num_stages=1, **kw)
+                rows.append({"kernel": name, "ctx": ctx, "batch": batch, "block_n": bn, "splits": s, "ms_graph": gms,
+                             "GBps": nbytes / gms / 1e6, "pct_copy": 100 * nbytes / gms / 1e6 / copy_bw})
+            except Exception as e:
+                rows.append({"kernel": name, "ctx": ctx, "batch": batch, "block_n": bn, "error": repr(e)[:300]})
+            print(rows[-1], flush=True)
+        del pool, bt
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main():
     global BUDGET
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     ap.add_argument("--budget-s", type=float, default=200)
+    ap.add_argument("--quick", action="store_true",
+                    help="~60 s: verify the v2 kernels at full size, then v1 vs v2 at 128K x 3/13, 32K x 13")
     args = ap.parse_args()
     BUDGET = args.budget_s
     gen = torch.Generator(device="cuda").manual_seed(1234)
@@ -446,6 +470,13 @@ def main():
     copy_bw = cb["GBps_read_plus_write"]
     print(f"copy bandwidth {copy_bw:.0f} GB/s", flush=True)
     torch.manual_seed(0)
+    if args.quick:
+        check_decode(cgen)
+        quick_compare(gen, copy_bw)
+        RESULTS["total_s"] = elapsed()
+        write_json(path, RESULTS)
+        print("decode_correctness", RESULTS["sections"].get("decode_correctness"), "errors", list(RESULTS["errors"]))
+        return
     for chk in (check_decode, check_splitk, check_int64, check_prefill):
         chk(cgen)
         write_json(path, RESULTS)
