@@ -20,6 +20,15 @@ def test_preset_default_env_and_refusal(monkeypatch):
     assert cfg.resolve_preset("k4v2") == "k4v2"
 
 
+def test_prefill_path(monkeypatch):
+    monkeypatch.delenv(cfg.PREFILL_ENV, raising=False)
+    assert cfg.resolve_prefill() == "fa"
+    monkeypatch.setenv(cfg.PREFILL_ENV, "fa-sliced")
+    assert cfg.resolve_prefill() == "fa-sliced"
+    with pytest.raises(ValueError, match="KVREPRO_PREFILL.*triton"):
+        cfg.resolve_prefill("sdpa")
+
+
 def test_num_splits(monkeypatch):
     monkeypatch.delenv(cfg.NUM_SPLITS_ENV, raising=False)
     assert cfg.resolve_num_splits() is None

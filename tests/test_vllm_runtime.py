@@ -129,3 +129,44 @@ def test_record_check_reports_error_of_a_wrong_output():
     bad = runtime.record_check(rt, out * 1.5, q, k, v, pool, bt, sl, qsl, t, 1)
     assert good["tokens"] == t and good["num_decodes"] == 1 and good["rel_err"] < 2e-2
     assert bad["rel_err"] > 0.2 and runtime.CHECKS[-2:] == [good, bad]
+
+
+def _fa_lse_standin(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                    return_softmax_lse=False):
+    """FlashAttention varlen for one sequence in float64, with its natural-log LSE ``[Hq, q_len]``."""
+    tq, hq, d = q.shape
+    g = hq // k.shape[1]
+    qq, kk, vv = q.double(), k.double().repeat_interleave(g, 1), v.double().repeat_interleave(g, 1)
+    logits = torch.einsum("thd,shd->hts", qq, kk) * softmax_scale
+    if causal:  # bottom-right aligned
+        qpos = torch.arange(k.shape[0] - tq, k.shape[0])[:, None]
+        logits = logits.masked_fill(torch.arange(k.shape[0])[None, :] > qpos, float("-inf"))
+    lse = torch.logsumexp(logits, -1)
+    o = torch.einsum("hts,shd->thd", torch.softmax(logits, -1), vv).to(q.dtype)
+    return (o, lse) if return_softmax_lse else o
+
+
+def test_sliced_flash_prefill_matches_reference_and_merge_is_exact():
+    from kvrepro.vllm_backend import fa_prefill
+    from kvrepro.vllm_backend.fa_prefill import FlashPrefill, merge_partials
+
+    g = torch.Generator().manual_seed(6)
+    q, k, v = torch.randn(5, 4, 16, generator=g), torch.randn(30, 4, 16, generator=g), torch.randn(30, 4, 16, generator=g)
+    full_o, full_lse = _fa_lse_standin(q.double(), k, v, None, None, 0, 0, 0.25, False, True)
+    a = _fa_lse_standin(q.double(), k[:11], v[:11], None, None, 0, 0, 0.25, False, True)
+    b = _fa_lse_standin(q.double(), k[11:], v[11:], None, None, 0, 0, 0.25, False, True)
+    o, lse = merge_partials(a[0], a[1], b[0], b[1])
+    assert torch.allclose(o, full_o, atol=1e-12) and torch.allclose(lse, full_lse, atol=1e-12)
+
+    hq, hkv, d, bs = 8, 2, 64, 16
+    seq, ql = [20, 53, 57, 5], [1, 1, 7, 5]  # context 50 = 4 slices of 16
+    rt, pool, bt, sl, qsl, q, k, v, t, _ = _batch(7, hq, hkv, d, bs, seq, ql)
+    rt.prefill = FlashPrefill(rt.fmt, hkv, d, fa=_fa_lse_standin, sliced=True)
+    old, fa_prefill.SLICE_TOKENS = fa_prefill.SLICE_TOKENS, 16
+    try:
+        out = torch.full((t + 3, hq, d), float("nan"), dtype=torch.bfloat16)
+        rt.attend(q, k, v, pool, bt, sl, qsl, t, 2, 2, out, max_query_len=7)
+    finally:
+        fa_prefill.SLICE_TOKENS = old
+    ref = reference_attend(rt, q, k, v, pool, bt, sl, qsl, t, 2)
+    assert ((out[:t].double() - ref).abs().max() / ref.abs().max()) < 2e-2

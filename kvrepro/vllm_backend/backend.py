@@ -163,11 +163,12 @@ class KVReproAttentionImpl(AttentionImpl[KVReproMetadata]):
         self.kv_cache_dtype = kv_cache_dtype
         preset = cfg.resolve_preset()
         prefill = None
-        if cfg.resolve_prefill() == "fa":
+        path = cfg.resolve_prefill()
+        if path in ("fa", "fa-sliced"):
             from kvrepro.formats import get_format
             from kvrepro.vllm_backend.fa_prefill import FlashPrefill
 
-            prefill = FlashPrefill(get_format(preset), num_kv_heads, head_size)
+            prefill = FlashPrefill(get_format(preset), num_kv_heads, head_size, sliced=path == "fa-sliced")
         self.rt = LayerRuntime(preset, num_heads, num_kv_heads, head_size, self.scale,
                                cfg.resolve_num_splits(), prefill=prefill)
         # Debug only (slow, host syncs): compare every eagerly run step with reference_attend.

@@ -11,7 +11,13 @@ dequantized pages, chunk fresh); decode always uses kvrepro's direct-read kernel
 
 Memory outside vLLM's KV budget: per prefill sequence the dequantized context in bf16,
 ``2 x ctx x num_kv_heads x head_dim x 2`` bytes (0.5 GiB at 128K for Qwen3-4B), plus float32 slice
-temporaries (~0.1 GiB); freed after the call.
+temporaries (~0.1 GiB); freed after the call. vLLM's memory profiling sees these temporaries (measured
+2026-11-29: 2.8 GiB less KV cache than bf16 at the same budget, notes/vllm.md).
+
+``sliced=True`` (``KVREPRO_PREFILL=fa-sliced``; CPU-tested, not yet run on a GPU) never holds the whole
+context: the chunk attends to itself (causal) and to each dequantized context slice (non-causal)
+separately, and the partial outputs are merged with their log-sum-exps (FlashDecoding-style merge),
+so temporaries are bounded by one slice (~0.1 GiB).
 """
 from __future__ import annotations
 
@@ -40,7 +46,7 @@ def dequant_context(pool_obj, block_row: torch.Tensor, ctx: int, rotation: torch
 class FlashPrefill:
     """Callable with the signature of ``kvrepro.ops.prefill_attention`` (the kwargs it needs)."""
 
-    def __init__(self, fmt, num_kv_heads: int, head_size: int, fa=None):
+    def __init__(self, fmt, num_kv_heads: int, head_size: int, fa=None, sliced: bool = False):
         """``fa``: a ``flash_attn_varlen_func`` stand-in (tests); default vLLM's FlashAttention."""
         if fa is None:
             from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func, get_flash_attn_version
@@ -49,6 +55,7 @@ class FlashPrefill:
         else:
             self.fa_version = None
         self.fa = fa
+        self.sliced = sliced
         self.fmt, self.num_kv_heads, self.head_size = fmt, num_kv_heads, head_size
         self._pool = None
 
@@ -73,6 +80,10 @@ class FlashPrefill:
             if ql <= 0 or s == 0:
                 continue
             ctx = s - ql
+            if self.sliced:
+                out[qs:qe] = self._sliced(query[qs:qe], key[qs:qe], value[qs:qe], pool_obj, block_tables[b], ctx,
+                                          rotation, scale)
+                continue
             if ctx:
                 k = torch.empty(s, self.num_kv_heads, self.head_size, dtype=key.dtype, device=dev)
                 v = torch.empty_like(k)
@@ -89,3 +100,44 @@ class FlashPrefill:
                 kw["fa_version"] = self.fa_version
             out[qs:qe] = self.fa(**kw)
         return out
+
+    def _fa(self, q, k, v, scale, causal, lse):
+        dev = q.device
+        kw = dict(q=q, k=k, v=v, cu_seqlens_q=torch.tensor([0, q.shape[0]], dtype=torch.int32, device=dev),
+                  cu_seqlens_k=torch.tensor([0, k.shape[0]], dtype=torch.int32, device=dev),
+                  max_seqlen_q=q.shape[0], max_seqlen_k=k.shape[0], softmax_scale=scale, causal=causal)
+        if lse:
+            kw["return_softmax_lse"] = True
+        if self.fa_version is not None:
+            kw["fa_version"] = self.fa_version
+        return self.fa(**kw)
+
+    def _sliced(self, q, k_chunk, v_chunk, pool_obj, block_row, ctx, rotation, scale):
+        """Chunk attention over [dequantized context | fresh chunk] without materializing the context."""
+        if ctx == 0:
+            return self._fa(q, k_chunk, v_chunk, scale, True, False)
+        o, lse = self._fa(q, k_chunk, v_chunk, scale, True, True)       # lse: [Hq, q_len], natural log
+        o, lse = o.float(), lse.float()
+        bs = pool_obj.block_size
+        rt = rotation.T
+        for s in range(0, ctx, SLICE_TOKENS):
+            n = min(SLICE_TOKENS, ctx - s)
+            k_rot, v_rot = pool_obj.gather_rotated(block_row[s // bs:], n)
+            o_s, lse_s = self._fa(q, (k_rot @ rt).to(q.dtype), (v_rot @ rt).to(q.dtype), scale, False, True)
+            o, lse = merge_partials(o, lse, o_s.float(), lse_s.float())
+        return o.to(q.dtype)
+
+
+def merge_partials(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor):
+    """Merge two softmax-attention partials over disjoint key sets.
+
+    ``o_*``: ``[T, H, D]`` float32, each normalized over its own keys; ``lse_*``: ``[H, T]`` natural-log
+    sum of exp(logits) over those keys (FlashAttention's ``softmax_lse`` layout). Returns ``(o, lse)`` of
+    the union: ``o = (e^{lse_a} o_a + e^{lse_b} o_b) / (e^{lse_a} + e^{lse_b})`` (Milakov & Gimelshein 2018;
+    FlashDecoding, Dao et al. 2023), computed stably.
+    """
+    m = torch.maximum(lse_a, lse_b)
+    wa, wb = torch.exp(lse_a - m), torch.exp(lse_b - m)
+    tot = wa + wb
+    o = (o_a * (wa / tot).T.unsqueeze(-1)) + (o_b * (wb / tot).T.unsqueeze(-1))
+    return o, m + torch.log(tot)
