@@ -116,7 +116,9 @@ def measure_mode(mode: str, results_path: str, run_id: str, *, model_dir: str | 
     prov = collect({k: v for k, v in kwargs.items() if k != "model"})
     base = {
         "mode": mode, "kv_cache_dtype": settings["kv_cache_dtype"],
-        "attention_backend": settings["attention_backend"] or "vllm-auto", "env": settings["env"],
+        "attention_backend": settings["attention_backend"] or "vllm-auto",
+        "env": {k: v for k, v in os.environ.items() if k.startswith("KVREPRO_")} if mode.startswith("kvrepro:")
+        else {},
         "kv_cache_tokens": blocks * block_size, "num_gpu_blocks": blocks, "block_size": block_size,
         "users_fit_arithmetic": n_fit, "prompt_tokens": prompt_tokens, "decode_tokens": decode_tokens,
         "gpu": prov["gpu"], "gpu_total_memory_gib": prov["gpu_total_memory_gib"],
