@@ -21,7 +21,7 @@ import torch
 
 from kvrepro.formats import FORMAT_NAMES, get_format
 from kvrepro.hf import greedy_generate, kv_bytes, load_smollm2, make_cache, prefill, teacher_forced_logprobs
-from kvrepro.needle import build_prompt, make_keys, score_answer
+from kvrepro.needle import answer_decided, build_prompt, make_keys, score_answer
 
 BASELINE = "bf16"
 MIN_BASELINE_ACCURACY = 0.9
@@ -45,7 +45,7 @@ class AccuracyParams:
 
     formats: tuple = FORMAT_NAMES
     context_lengths: tuple = (1024, 2048, 4096)
-    depths: tuple = (0.0, 0.25, 0.5, 0.75, 1.0)
+    depths: tuple = (0.0, 0.33, 0.67, 1.0)
     num_keys: int = 2
     seed: int = 0
     max_new_tokens: int = 8
@@ -113,7 +113,8 @@ def run_one(model, tokenizer, prompt, fmt_name: str, max_new_tokens: int, block_
     lps = teacher_forced_logprobs(model, first, prompt.answer_ids, cache)
     stored = kv_bytes(cache)
     t2 = time.perf_counter()
-    out = greedy_generate(model, first, cache, max_new_tokens, stop_ids=(tokenizer.eos_token_id,))
+    out = greedy_generate(model, first, cache, max_new_tokens, stop_ids=(tokenizer.eos_token_id,),
+                          stop_when=lambda toks: answer_decided(tokenizer.decode(toks)))
     t3 = time.perf_counter()
     text = tokenizer.decode(out, skip_special_tokens=True)
     return {
@@ -246,6 +247,7 @@ def save_results(df: pd.DataFrame, params: AccuracyParams, path: str, provenance
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(target)), suffix=".tmp")
         with os.fdopen(fd, "w") as fh:
             write(fh)
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600
         os.replace(tmp, target)
     return path
 

@@ -223,13 +223,15 @@ def teacher_forced_logprobs(model, first_logprobs: torch.Tensor, target_ids: lis
 
 @torch.inference_mode()
 def greedy_generate(model, first_logprobs: torch.Tensor, cache: Cache, max_new_tokens: int,
-                    stop_ids: tuple[int, ...] = ()) -> list[int]:
-    """Greedy decode up to ``max_new_tokens`` tokens after a ``prefill``; stops at ``stop_ids``.
+                    stop_ids: tuple[int, ...] = (), stop_when=None) -> list[int]:
+    """Greedy decode up to ``max_new_tokens`` tokens after a ``prefill``.
 
-    Each step writes the new token's K/V into the pool and attends over the dequantized pages.
+    Stops after a token in ``stop_ids`` or when ``stop_when(tokens)`` is true (e.g. the answer is
+    decided). Each step writes the new token's K/V into the pool and attends over the dequantized pages.
     """
     tokens = [int(first_logprobs.argmax())]
-    while len(tokens) < max_new_tokens and tokens[-1] not in stop_ids:
+    while (len(tokens) < max_new_tokens and tokens[-1] not in stop_ids
+           and not (stop_when is not None and stop_when(tokens))):
         out = model(input_ids=torch.tensor([[tokens[-1]]]), cache=cache, use_cache=True)
         tokens.append(int(out.logits[0, -1].argmax()))
     return tokens

@@ -171,6 +171,12 @@ def check_prompt(tokenizer, ids: list[int], needle: str, answer_ids: list[int]) 
 _NUMBER = re.compile(r"\d+")
 
 
+def answer_decided(text: str) -> bool:
+    """True once ``text`` holds a complete first number (digits followed by a non-digit), i.e. once
+    ``score_answer`` can no longer change by generating more tokens."""
+    return re.search(r"\d+\D", text) is not None
+
+
 def score_answer(text: str, key: str) -> int:
     """1 if the first whole number in ``text`` equals ``key``, else 0.
 

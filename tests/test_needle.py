@@ -97,3 +97,11 @@ def test_make_keys():
     assert all(len(k) == 5 and k[0] != "0" for k in keys)
     with pytest.raises(ValueError, match="num_keys"):
         make_keys(0, seed=0)
+
+
+@pytest.mark.parametrize("text,decided", [("", False), ("6", False), ("60494", False), ("60494.", True),
+                                          ("The pass key is 6", False), ("Sure, it's 48213.", True)])
+def test_answer_decided_only_when_the_first_number_is_complete(text, decided):
+    assert needle.answer_decided(text) == decided
+    if decided:  # more tokens can no longer change the score
+        assert score_answer(text + "999", "60494") == score_answer(text, "60494")
