@@ -127,7 +127,7 @@ def load_results(results_dir: str | Path = DEFAULT_RESULTS_DIR):
 
 def replay_labels(df) -> list[str]:
     """One label per source file: ``"replayed from <file>, measured on <GPU> <date>"`` (file relative to
-    the repo root when inside it; several GPUs/dates are joined with "/")."""
+    the repo root when inside it; date = the UTC day; several GPUs/days are joined with "/")."""
     labels = []
     root = repo_root()
     for src, g in df.groupby("source_file", sort=True):
@@ -137,7 +137,7 @@ def replay_labels(df) -> list[str]:
         except ValueError:
             pass
         gpus = "/".join(sorted(set(g["gpu"])))
-        dates = "/".join(sorted(set(g["date"])))
+        dates = "/".join(sorted({str(d)[:10] for d in g["date"]}))  # the day (UTC); rows carry full times
         labels.append(f"replayed from {p}, measured on {gpus} {dates}")
     return labels
 
@@ -259,7 +259,7 @@ def side_by_side(table, context_tokens: int, decode_tokens: int, block_size: int
 
 def plot_throughput(df, ax=None, title: str = "Aggregate decode tok/s vs concurrent users"):
     """The seed-style chart: aggregate decode tok/s (y) vs concurrent users (x), one line per mode
-    (marker style = source when several), the max-clean-capacity point of each mode marked with a
+    (marker style = source, or the sweep's ``measured_by`` window, when several), the max-clean-capacity point of each mode marked with a
     large star in the mode's colour and annotated.
 
     Args:
@@ -276,10 +276,15 @@ def plot_throughput(df, ax=None, title: str = "Aggregate decode tok/s vs concurr
         _, ax = plt.subplots(figsize=(9, 4.5))
     modes = list(dict.fromkeys(df["mode"]))
     palette = dict(zip(modes, sns.color_palette("tab10", len(modes))))
-    style = "source" if "source" in df.columns and df["source"].nunique() > 1 else None
+    style = None
+    for col in ("source", "measured_by"):  # marker style tells the sources / the sweep's windows apart
+        if col in df.columns and df[col].nunique() > 1:
+            style = col
+            break
     data = df[(df["num_users"] > 0) & df["aggregate_decode_tok_s"].notna()].sort_values("num_users")
+    line_style = style if style == "source" else None  # one line per mode across the sweep's windows
     sns.lineplot(data=data, x="num_users", y="aggregate_decode_tok_s", hue="mode", palette=palette,
-                 style=style, dashes=False, legend=False, errorbar=None, ax=ax)
+                 style=line_style, dashes=False, legend=False, errorbar=None, ax=ax)
     sns.scatterplot(data=data, x="num_users", y="aggregate_decode_tok_s", hue="mode", palette=palette,
                     style=style, s=50, ax=ax)
     cap = max_clean_capacity(df)
@@ -294,7 +299,9 @@ def plot_throughput(df, ax=None, title: str = "Aggregate decode tok/s vs concurr
     ax.set_xlabel("concurrent users")
     ax.set_ylabel("aggregate decode tok/s")
     ax.set_title(title)
-    ax.margins(x=0.25, y=0.12)
+    ax.margins(y=0.12)
+    if len(data):
+        ax.set_xlim(0.5, data["num_users"].max() * 1.2 + 0.5)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return ax
 
