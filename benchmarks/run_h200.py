@@ -432,7 +432,7 @@ def prefill_bench(gen):
 
 @section("quick_compare")
 def quick_compare(gen, copy_bw):
-    """v1 (the default) vs the v2 modes that passed check_decode, same run, k4v4, CUDA graphs."""
+    """v1 vs the v2 modes that passed check_decode, same run, k4v4, CUDA graphs."""
     rows = []
     configs = [("v1", {"variant": "v1"}, 128)] + [
         (name, kw, bn) for name, kw in VARIANTS.items() if name not in BAD_VARIANTS for bn in (128, 256)]

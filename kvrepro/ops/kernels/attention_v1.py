@@ -1,4 +1,4 @@
-"""Variant v1 (the default; measured on the H200, notes/kernels.md): full-width dequantization.
+"""Variant v1 (measured on the H200; superseded by v2 as the default, notes/kernels.md): full-width dequantization.
 
 One program = (sequence, query tile, KV head, split). Its rows are ``BLOCK_Q`` query tokens x
 ``GP`` query heads of one GQA group (``GP`` = group size rounded up to a power of two; rows
