@@ -201,11 +201,18 @@ def cell_table(df: pd.DataFrame, value: str) -> dict[str, pd.DataFrame]:
 
 def plot_heatmaps(df: pd.DataFrame, value: str, title: str, cmap: str = "viridis",
                   vmin: float | None = None, vmax: float | None = None, center: float | None = None):
-    """One seaborn heatmap per format of ``value`` over (context length x depth); returns the figure."""
+    """One seaborn heatmap per format of ``value`` over (context length x depth), one colour scale
+    for all formats (symmetric around ``center`` when given); returns the figure."""
     import matplotlib.pyplot as plt
     import seaborn as sns
 
     tables = cell_table(df, value)
+    allv = pd.concat([t.stack() for t in tables.values()])
+    if center is not None and vmin is None and vmax is None:  # symmetric around center, one scale for all
+        r = max(float((allv - center).abs().max()), 1e-3)
+        vmin, vmax = center - r, center + r
+    vmin = float(allv.min()) if vmin is None else vmin
+    vmax = float(allv.max()) if vmax is None else vmax
     fig, axes = plt.subplots(1, len(tables), figsize=(3.2 * len(tables), 2.8), squeeze=False)
     for ax, (f, t) in zip(axes[0], tables.items()):
         sns.heatmap(t, ax=ax, annot=True, fmt=".2f", cmap=cmap, vmin=vmin, vmax=vmax, center=center,
@@ -262,7 +269,8 @@ def plot_cost(df: pd.DataFrame):
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.2))
     sns.barplot(d, x="context_length", y="prefill_s", hue="format", ax=axes[0], errorbar=None)
     axes[0].set(title="prefill wall-clock (s), CPU", xlabel="context tokens", ylabel="seconds")
-    sns.barplot(d, x="format", y="kv_bytes_per_token", ax=axes[1], errorbar=None, hue="format", legend=False)
+    sns.barplot(d, x="format", y="kv_bytes_per_token", ax=axes[1], errorbar=None, hue="format", legend=False,
+                dodge=False)
     axes[1].set(title="stored KV bytes per token (30 layers, whole pages)", xlabel="", ylabel="bytes")
     fig.tight_layout()
     return fig
