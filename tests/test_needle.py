@@ -11,12 +11,9 @@ DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 
 @pytest.fixture(scope="module")
 def tok():
-    from transformers import AutoTokenizer
+    from kvrepro.hf import load_smollm2
 
-    from kvrepro.hf import smollm2_gguf_path
-
-    directory, name = smollm2_gguf_path()
-    return AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    return load_smollm2()[1]  # cached per process: the model tests reuse the same load
 
 
 @pytest.mark.parametrize("text,expected", [
