@@ -16,6 +16,9 @@ NOTEBOOKS ?= 01_setup 02_capacity 03_accuracy
 PYTEST_ARGS ?= -q
 TORCH_PIP_ARGS ?=
 STAMP := $(VENV)/.kvrepro-env-stamp
+# OpenMP threads wait passively: spinning threads made CPU model runs 10-30x slower on a busy
+# 2-core machine (notes/accuracy.md).
+export OMP_WAIT_POLICY ?= PASSIVE
 
 .PHONY: env report test check-notebooks clean-reports
 
