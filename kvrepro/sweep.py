@@ -35,6 +35,7 @@ import datetime as _dt
 import json
 import math
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -219,14 +220,24 @@ def run_sweep(modes, results_path: str | os.PathLike, run_id: str, params: dict 
     """Measure every mode not yet in ``results_path`` (resume), each in its own subprocess
     (``python -m kvrepro.vllm_backend.measure``) so GPU memory is returned between modes.
 
-    Returns the modes run now. Raises ValueError on bad modes; RuntimeError if a subprocess fails
-    (the rows it wrote before failing stay in the file).
+    Returns the modes run now. Raises ValueError on bad modes or unknown parameter names;
+    RuntimeError without a CUDA GPU or vLLM (before anything runs) or if a subprocess fails (the
+    rows it wrote before failing stay in the file).
     """
+    import importlib.util
     import subprocess
     import sys
 
     modes = check_modes(modes)
+    unknown = sorted(set(params or {}) - set(DEFAULT_PARAMS))
+    if unknown:
+        raise ValueError(f"unknown sweep parameter(s) {unknown}; allowed: {sorted(DEFAULT_PARAMS)}")
     p = dict(DEFAULT_PARAMS, **(params or {}))
+    missing = [what for what, ok in (("vLLM (pip install 'kvrepro[vllm]')", importlib.util.find_spec("vllm")),
+                                     ("a CUDA GPU", _cuda_available())) if not ok]
+    if missing:
+        raise RuntimeError(f"the capacity sweep measures with vLLM on a GPU; missing: {', '.join(missing)}. "
+                           "Nothing was measured; committed results can be replayed with notebook 02.")
     done = ResultsFile(results_path).modes_done()
     sized = {r["mode"] for r in ResultsFile(results_path).rows if r.get("measured_by") == "sizing"}
     ran = []
@@ -248,11 +259,18 @@ def run_sweep(modes, results_path: str | os.PathLike, run_id: str, params: dict 
     return ran
 
 
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def main(argv=None) -> int:
     import argparse
 
     ap = argparse.ArgumentParser(description="Measured capacity sweep (see module docstring).")
-    ap.add_argument("--modes", default=",".join(ALL_MODES))
+    ap.add_argument("--modes", nargs="+", default=list(ALL_MODES),
+                    help=f"modes, space- or comma-separated; allowed: {', '.join(ALL_MODES)}")
     ap.add_argument("--results", required=True, help="JSONL file of this run (resumed if it exists)")
     ap.add_argument("--run-id", required=True)
     ap.add_argument("--params", default="{}", help="JSON overrides of DEFAULT_PARAMS")
@@ -260,9 +278,20 @@ def main(argv=None) -> int:
     ap.add_argument("--sizing-only", default="", help="comma-separated modes: KV-cache size only")
     ap.add_argument("--timeout-s", type=float, default=540.0)
     a = ap.parse_args(argv)
-    run_sweep(a.modes, a.results, a.run_id, json.loads(a.params),
+    try:
+        params = json.loads(a.params)
+    except json.JSONDecodeError as e:
+        ap.error(f"--params must be a JSON object: {e}")
+    if not isinstance(params, dict):
+        ap.error("--params must be a JSON object, e.g. '{\"gpu_memory_gb\": 40}'")
+    modes = [m for arg in a.modes for m in arg.split(",") if m]
+    try:
+        run_sweep(modes, a.results, a.run_id, params,
               confirm_edge=[m for m in a.confirm_edge.split(",") if m],
-              sizing_only=[m for m in a.sizing_only.split(",") if m], timeout_s=a.timeout_s)
+                  sizing_only=[m for m in a.sizing_only.split(",") if m], timeout_s=a.timeout_s)
+    except (ValueError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -204,6 +204,15 @@ def test_bad_input_messages():
         get_format("fp16")
     with pytest.raises(ValueError, match="fp8 scale"):
         get_format("fp8", scale=-1.0)
+    with pytest.raises(ValueError, match="fp8 scale must be a finite positive float"):
+        get_format("fp8", scale=float("inf"))
+    for name in ("bf16", "fp8"):
+        p = get_format(name, **({"scale": "amax"} if name == "fp8" else {})).new_pool(1, 2, 64, 16)
+        kk, vv = _kv(3, 2, 64, 0)
+        kk[1, 0, 5] = float("nan")
+        with pytest.raises(ValueError, match="non-finite"):
+            p.write(kk, vv, torch.tensor([0, 1, 2]))
+        assert p.fmt.name == "bf16" or p.k_scale is None  # a refused write calibrates nothing
     with pytest.raises(ValueError, match="block_size=8"):
         PageLayout(128, 8, 4, 4)
     with pytest.raises(ValueError, match="key_bits=3"):
@@ -214,6 +223,10 @@ def test_bad_input_messages():
     k, v = _kv(3, 2, 128, 0)
     with pytest.raises(ValueError, match="slot_mapping holds slot 16"):
         pool.write(k, v, torch.tensor([0, 1, 16]))
+    with pytest.raises(ValueError, match="slot_mapping must be an integer tensor"):
+        pool.write(k, v, torch.tensor([0.7, 1.2, 2.9]))
+    with pytest.raises(ValueError, match="slot_mapping holds -2"):
+        pool.write(k, v, torch.tensor([0, -2, 1]))
     with pytest.raises(ValueError, match=r"key must have shape \[num_tokens, 2, 128\]"):
         pool.write(k[:, :1], v[:, :1], torch.tensor([0, 1, 2]))
     with pytest.raises(ValueError, match="non-finite"):

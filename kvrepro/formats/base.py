@@ -58,7 +58,11 @@ class KVPool(ABC):
             raise ValueError(
                 f"slot_mapping must have shape [num_tokens={num_tokens}], got {tuple(slot_mapping.shape)}"
             )
+        if slot_mapping.dtype.is_floating_point or slot_mapping.dtype == torch.bool:
+            raise ValueError(f"slot_mapping must be an integer tensor, got {slot_mapping.dtype}")
         slot_mapping = slot_mapping.to(torch.int64)
+        if slot_mapping.numel() and int(slot_mapping.min()) < -1:
+            raise ValueError(f"slot_mapping holds {int(slot_mapping.min())}; slots are >= 0, or -1 for padding")
         keep = slot_mapping >= 0
         slots = slot_mapping[keep]
         if slots.numel() and int(slots.max()) >= self.num_blocks * self.block_size:

@@ -11,6 +11,8 @@ stored * scale.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from kvrepro.formats.base import KVFormat, KVPool, check_kv
@@ -32,6 +34,8 @@ class DensePool(KVPool):
     def write(self, key, value, slot_mapping):
         check_kv(key, value, self.num_kv_heads, self.head_dim)
         keep, blocks, offs = self._split_slots(slot_mapping, key.shape[0])
+        if not (torch.isfinite(key[keep]).all() and torch.isfinite(value[keep]).all()):
+            raise ValueError("K/V contain non-finite values; refusing to store them")
         self.data[blocks, 0, offs] = self._encode(key[keep], 0)
         self.data[blocks, 1, offs] = self._encode(value[keep], 1)
 
@@ -91,15 +95,19 @@ class FP8Format(KVFormat):
 
     2 * head_dim bytes per token per KV head (256 B at head_dim 128).
 
+    Values beyond ``448 * scale`` saturate to +-448 codes (as vLLM's cache write does); choose
+    ``scale`` or ``"amax"`` accordingly.
+
     Raises:
-        ValueError: ``scale`` not a positive float nor ``"amax"``.
+        ValueError: ``scale`` not a finite positive float nor ``"amax"``; non-finite K/V on write.
     """
 
     name = "fp8"
 
     def __init__(self, scale: float | str = 1.0) -> None:
-        if scale != "amax" and not (isinstance(scale, (int, float)) and not isinstance(scale, bool) and scale > 0):
-            raise ValueError(f"fp8 scale must be a positive float or 'amax', got {scale!r}")
+        if scale != "amax" and not (isinstance(scale, (int, float)) and not isinstance(scale, bool)
+                                    and math.isfinite(scale) and scale > 0):
+            raise ValueError(f"fp8 scale must be a finite positive float or 'amax', got {scale!r}")
         self.scale = scale
 
     def bytes_per_token_per_head(self, head_dim: int) -> int:
