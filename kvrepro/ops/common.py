@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import math
 import os
 
 import torch
@@ -119,3 +120,44 @@ def _interpreter_index_fix() -> None:
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     _interpreter_index_fix()
+
+
+def want_checks(validate: bool | None, device: torch.device) -> bool:
+    """Value checks of indices need the data on the host: on by default for CPU tensors (the
+    Triton interpreter would read or write out of bounds), opt-in on CUDA (a host sync per call
+    would break CUDA-graph capture and cost time on the decode hot path)."""
+    return device.type != "cuda" if validate is None else bool(validate)
+
+
+def check_scale(scale: float) -> None:
+    """Raise ``ValueError`` unless the softmax scale is a finite positive number."""
+    if not (isinstance(scale, (int, float)) and not isinstance(scale, bool) and math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be a finite positive float, got {scale!r}")
+
+
+def check_slots(slot_mapping: torch.Tensor, num_blocks: int, block_size: int) -> None:
+    """Raise ``ValueError`` unless every slot is -1 (padding) or in ``[0, num_blocks * block_size)``."""
+    if slot_mapping.numel():
+        lo, hi = int(slot_mapping.min()), int(slot_mapping.max())
+        if lo < -1 or hi >= num_blocks * block_size:
+            raise ValueError(f"slot_mapping values must be -1 or in [0, {num_blocks * block_size}) "
+                             f"(num_blocks x block_size), got min {lo}, max {hi}")
+
+
+def check_block_tables(block_tables: torch.Tensor, seq_lens: torch.Tensor, num_blocks: int,
+                       block_size: int) -> None:
+    """Raise ``ValueError`` unless ``seq_lens >= 0``, each row has ``ceil(seq_len / block_size)``
+    blocks, and the blocks a sequence uses are in ``[0, num_blocks)``."""
+    lens = seq_lens.to(torch.int64).cpu()
+    if lens.numel() and int(lens.min()) < 0:
+        raise ValueError(f"seq_lens must be >= 0, got {int(lens.min())}")
+    need = (lens + block_size - 1) // block_size
+    if need.numel() and int(need.max()) > block_tables.shape[1]:
+        raise ValueError(f"seq_lens needs {int(need.max())} blocks but block_tables has "
+                         f"{block_tables.shape[1]} columns")
+    bt = block_tables.to(torch.int64).cpu()
+    used = torch.arange(bt.shape[1])[None, :] < need[:, None]
+    ids = bt[used]
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
+        raise ValueError(f"block_tables holds block ids outside [0, {num_blocks}) "
+                         f"(min {int(ids.min())}, max {int(ids.max())})")

@@ -4,8 +4,9 @@ from __future__ import annotations
 import torch
 
 from kvrepro.formats.layout import PageLayout
-from kvrepro.ops.common import (check_float, check_heads, check_int, check_pool, check_rotation,
-                                next_pow2, pool_tensor, sm_count)
+from kvrepro.ops.common import (check_block_tables, check_float, check_heads, check_int, check_pool,
+                                check_rotation, check_scale, next_pow2, pool_tensor, sm_count,
+                                want_checks)
 from kvrepro.ops.kernels.attention import paged_attn_kernel
 from kvrepro.ops.kernels.attention_v1 import paged_attn_kernel_v1
 from kvrepro.ops.kernels.rotate import merge_splits_kernel, rotate_query_kernel
@@ -71,7 +72,8 @@ def decode_attention(query: torch.Tensor, pool, block_tables: torch.Tensor, seq_
                      out: torch.Tensor | None = None, num_splits: int | None = None,
                      workspace: torch.Tensor | None = None, *, block_n: int = DECODE_BLOCK_N,
                      num_warps: int = DECODE_WARPS, num_stages: int = DECODE_STAGES,
-                     dequant: str | None = None, variant: str = DEFAULT_VARIANT) -> torch.Tensor:
+                     dequant: str | None = None, variant: str = DEFAULT_VARIANT,
+                     validate: bool | None = None) -> torch.Tensor:
     """Decode attention (one new token per sequence) over compressed KV pages.
 
     Each page is read once per KV head for all query heads of its GQA group; the context is cut
@@ -102,8 +104,13 @@ def decode_attention(query: torch.Tensor, pool, block_tables: torch.Tensor, seq_
     Precision: q is rotated and scaled in float32, then rounded to float16 (needs
     ``|q @ R| * scale * 1.4427 < 65504``); softmax and accumulation in float32.
 
+    ``validate`` (default: on for CPU tensors, off on CUDA where it needs a host sync) checks
+    on the host that ``seq_lens >= 0``, the block table covers them and its block ids are in the
+    pool; without it, out-of-range indices are undefined behaviour (as in vLLM's kernels).
+
     Raises:
-        ValueError: wrong shapes/dtypes/devices, unsupported head_dim or GQA group size.
+        ValueError: wrong shapes/dtypes/devices, unsupported head_dim or GQA group size, a scale
+            that is not finite and positive; with ``validate``, bad seq_lens or block ids.
     """
     data = pool_tensor(pool)
     _, hkv = check_pool(data, layout)
@@ -119,6 +126,9 @@ def decode_attention(query: torch.Tensor, pool, block_tables: torch.Tensor, seq_
         raise ValueError(f"block_tables {tuple(block_tables.shape)} and seq_lens {tuple(seq_lens.shape)} "
                          f"must have B={b} rows")
     check_rotation(rotation, layout, dev)
+    check_scale(scale)
+    if want_checks(validate, dev):
+        check_block_tables(block_tables, seq_lens, data.shape[0], layout.block_size)
     if out is None:
         out = torch.empty_like(query)
     else:

@@ -5,8 +5,8 @@ import torch
 import triton
 
 from kvrepro.formats.layout import PageLayout
-from kvrepro.ops.common import (check_float, check_heads, check_int, check_pool, check_rotation,
-                                next_pow2, pool_tensor)
+from kvrepro.ops.common import (check_block_tables, check_float, check_heads, check_int, check_pool,
+                                check_rotation, check_scale, next_pow2, pool_tensor, want_checks)
 from kvrepro.ops.decode import DEFAULT_VARIANT, LOG2E, attention_kernel
 from kvrepro.ops.kernels.dequant import dequant_pages_kernel
 from kvrepro.ops.kernels.rotate import rotate_query_kernel
@@ -109,7 +109,8 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
                       max_query_len: int | None = None, block_n: int = PREFILL_BLOCK_N,
                       rows: int = PREFILL_ROWS, num_warps: int = 4, num_stages: int = 2,
                       dequant: str | None = None, variant: str = DEFAULT_VARIANT, impl: str = "paged",
-                      piece_tokens: int = PIECE_TOKENS, dense_attn=None) -> torch.Tensor:
+                      piece_tokens: int = PIECE_TOKENS, dense_attn=None,
+                      validate: bool | None = None) -> torch.Tensor:
     """Causal varlen attention of the current chunk: earlier context from compressed pages,
     the chunk's own K/V fresh (not quantized).
 
@@ -141,8 +142,13 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     Decode rows (q_len 1) may be mixed in. Temporaries: ``prefill_workspace_bytes`` (rotated
     chunk), nothing proportional to the context. Returns ``out``.
 
+    ``validate`` (default: on for CPU tensors, off on CUDA where it needs a host sync) checks
+    on the host that ``seq_lens >= 0``, the block table covers them and its block ids are in the
+    pool; without it, out-of-range indices are undefined behaviour (as in vLLM's kernels).
+
     Raises:
-        ValueError: wrong shapes/dtypes/devices, unsupported head_dim or GQA group size.
+        ValueError: wrong shapes/dtypes/devices, unsupported head_dim or GQA group size, a scale
+            that is not finite and positive; with ``validate``, bad seq_lens or block ids.
     """
     data = pool_tensor(pool)
     _, hkv = check_pool(data, layout)
@@ -161,6 +167,14 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     if block_tables.shape[0] != nseq or query_start_loc.shape[0] != nseq + 1:
         raise ValueError(f"need block_tables [B, *], query_start_loc [B + 1] for seq_lens [B={nseq}]")
     check_rotation(rotation, layout, dev)
+    check_scale(scale)
+    if want_checks(validate, dev):
+        check_block_tables(block_tables, seq_lens, data.shape[0], layout.block_size)
+        qsl = query_start_loc.to(torch.int64).cpu()
+        qlen = qsl[1:] - qsl[:-1]
+        if qlen.numel() and (int(qlen.min()) < 0 or int(qsl[-1]) > t or bool((qlen > seq_lens.cpu()).any())):
+            raise ValueError("query_start_loc must be non-decreasing, end <= num_tokens, and each "
+                             "query length <= its seq_len")
     if out is None:
         out = torch.empty_like(query)
     else:

@@ -5,7 +5,7 @@ import torch
 import triton
 
 from kvrepro.formats.layout import PageLayout
-from kvrepro.ops.common import check_float, check_pool, check_rotation, pool_tensor
+from kvrepro.ops.common import check_float, check_pool, check_rotation, check_slots, pool_tensor, want_checks
 from kvrepro.ops.kernels.store import store_kv_kernel
 
 STORE_BLOCK_T = 16
@@ -16,7 +16,8 @@ ROTATE_PIECE = 4096  # rotate="torch": tokens rotated per float32 temporary (409
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, pool, slot_mapping: torch.Tensor,
-             layout: PageLayout, rotation: torch.Tensor, *, rotate: str = "kernel") -> None:
+             layout: PageLayout, rotation: torch.Tensor, *, rotate: str = "kernel",
+             validate: bool | None = None) -> None:
     """Rotate, quantize and pack ``key``/``value`` into their slots of ``pool`` (in place).
 
     Same bytes as ``CompressedPool.write`` (``kvrepro.formats.compressed``), except that a code
@@ -26,7 +27,7 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, pool, slot_mapping: torch.T
         key, value: ``[num_tokens, num_kv_heads, head_dim]`` bfloat16/float16, last dim contiguous.
         pool: uint8 ``[num_blocks, num_kv_heads, layout.page_bytes]`` (contiguous) or a ``CompressedPool``.
         slot_mapping: int32 or int64 ``[num_tokens]``; ``slot = block_id * block_size + offset``;
-            ``-1`` = padding, skipped. Slots are not range-checked (that would need a host sync).
+            ``-1`` = padding, skipped.
         layout: the pool's ``PageLayout``.
         rotation: float32 ``[head_dim, head_dim]`` (``rotation_matrix(head_dim, seed)``), same device.
         rotate: ``"kernel"`` (default, measured: 2.44 ms per 8K tokens x 8 heads x 128 on the
@@ -34,12 +35,16 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, pool, slot_mapping: torch.T
             through PyTorch in pieces of ``ROTATE_PIECE`` tokens, then the kernel quantizes: the
             same op as the reference; not yet timed on a GPU).
 
-    Preconditions: K/V finite with magnitudes within float16 range after rotation (the
-    reference raises on that; this kernel cannot without a host sync). No host sync; CUDA-graph
-    capturable. Page offsets are int64.
+        validate: check slot range and finite K/V on the host (default: on for CPU tensors,
+            off on CUDA, where it would need a host sync and break CUDA-graph capture).
+
+    Preconditions (checked only when ``validate``): slots in ``[-1, num_blocks * block_size)``,
+    K/V finite with magnitudes within float16 range after rotation. Without ``validate``: no host
+    sync; CUDA-graph capturable. Page offsets are int64.
 
     Raises:
-        ValueError: wrong shapes, dtypes, devices or layout.
+        ValueError: wrong shapes, dtypes, devices or layout; with ``validate``, bad slots or
+            non-finite K/V.
     """
     data = pool_tensor(pool)
     _, hkv = check_pool(data, layout)
@@ -53,6 +58,10 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, pool, slot_mapping: torch.T
     if slot_mapping.device != dev or slot_mapping.stride(0) != 1:
         raise ValueError(f"slot_mapping must be contiguous and on {dev}")
     check_rotation(rotation, layout, dev)
+    if want_checks(validate, dev):
+        check_slots(slot_mapping, data.shape[0], layout.block_size)
+        if not (torch.isfinite(key).all() and torch.isfinite(value).all()):
+            raise ValueError("key/value contain non-finite values; refusing to store them")
     if rotate not in ROTATE_MODES:
         raise ValueError(f"rotate={rotate!r}; allowed: {ROTATE_MODES}")
     if t == 0:
