@@ -126,8 +126,10 @@ def load_results(results_dir: str | Path = DEFAULT_RESULTS_DIR):
 
 
 def replay_labels(df) -> list[str]:
-    """One label per source file: ``"replayed from <file>, measured on <GPU> <date>"`` (file relative to
-    the repo root when inside it; date = the UTC day; several GPUs/days are joined with "/")."""
+    """One label per source file: ``"replayed from <file>, measured on <GPU> <date> (<workload>)"``
+    (file relative to the repo root when inside it; date = the UTC day; several GPUs/days are joined
+    with "/"; workload = the rows' prompt + decode tokens and memory budget, which may differ from the
+    notebook's parameters: replayed rows are shown as measured)."""
     labels = []
     root = repo_root()
     for src, g in df.groupby("source_file", sort=True):
@@ -138,7 +140,9 @@ def replay_labels(df) -> list[str]:
             pass
         gpus = "/".join(sorted(set(g["gpu"])))
         dates = "/".join(sorted({str(d)[:10] for d in g["date"]}))  # the day (UTC); rows carry full times
-        labels.append(f"replayed from {p}, measured on {gpus} {dates}")
+        work = "/".join(sorted({f"{int(r.prompt_tokens)}+{int(r.decode_tokens)} tokens per user, "
+                                f"{float(r.gpu_memory_gb):g} GiB budget" for r in g.itertuples()}))
+        labels.append(f"replayed from {p}, measured on {gpus} {dates} ({work})")
     return labels
 
 

@@ -42,7 +42,8 @@ def test_load_and_max_clean_capacity(tmp_path):
     assert r.loc["fp8", "users_vs_bf16"] == 2.0
     assert r.loc["fp8", "tok_s_vs_bf16"] == pytest.approx(240 / 150)
     assert r.loc["bf16", "tok_s_vs_fp8"] == pytest.approx(150 / 240)
-    assert replay.replay_labels(df) == [f"replayed from {tmp_path / 'a.jsonl'}, measured on NVIDIA H200 2026-11-29"]
+    assert replay.replay_labels(df) == [f"replayed from {tmp_path / 'a.jsonl'}, measured on NVIDIA H200 2026-11-29 "
+                                           "(131072+1024 tokens per user, 80 GiB budget)"]
 
 
 def test_no_clean_run_and_nullable_timings(tmp_path):
