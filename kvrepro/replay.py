@@ -319,14 +319,11 @@ def require_gpu_and_vllm() -> dict:
     Raises:
         RuntimeError: no CUDA GPU or no vLLM; the message says which, and that nothing is replayed instead.
     """
-    from kvrepro.provenance import NOT_INSTALLED, collect
+    from kvrepro.provenance import collect
+    from kvrepro.sweep import measurement_blockers
 
     info = collect({})
-    missing = []
-    if info["gpu"] == "none":
-        missing.append("a CUDA GPU (found none)")
-    if info["vllm_version"] == NOT_INSTALLED:
-        missing.append("vLLM (not installed; use the conda environment.yml)")
+    missing = measurement_blockers(info)
     if missing:
         raise RuntimeError(
             "measure=True needs " + " and ".join(missing) + ". Nothing was replayed in its place: "

@@ -215,6 +215,22 @@ DEFAULT_PARAMS = {"gpu_memory_gb": 80.0, "prompt_tokens": 131072, "decode_tokens
                   "load_format": "dummy", "model_dir": None}
 
 
+def measurement_blockers(info: dict | None = None) -> list[str]:
+    """What this machine lacks to measure a sweep: empty when it has a CUDA GPU and vLLM.
+
+    ``info``: a :func:`kvrepro.provenance.collect` dict (collected here when None).
+    """
+    from kvrepro.provenance import NOT_INSTALLED, collect
+
+    info = collect({}) if info is None else info
+    missing = []
+    if info["gpu"] == "none":
+        missing.append("a CUDA GPU (found none)")
+    if info["vllm_version"] == NOT_INSTALLED:
+        missing.append("vLLM (not installed; pip install 'kvrepro[vllm]' or use the conda environment.yml)")
+    return missing
+
+
 def run_sweep(modes, results_path: str | os.PathLike, run_id: str, params: dict | None = None,
               confirm_edge=(), timeout_s: float = 540.0, sizing_only=()) -> list[str]:
     """Measure every mode not yet in ``results_path`` (resume), each in its own subprocess
@@ -224,17 +240,14 @@ def run_sweep(modes, results_path: str | os.PathLike, run_id: str, params: dict 
     RuntimeError without a CUDA GPU or vLLM (before anything runs) or if a subprocess fails (the
     rows it wrote before failing stay in the file).
     """
-    import importlib.util
     import subprocess
-    import sys
 
     modes = check_modes(modes)
     unknown = sorted(set(params or {}) - set(DEFAULT_PARAMS))
     if unknown:
         raise ValueError(f"unknown sweep parameter(s) {unknown}; allowed: {sorted(DEFAULT_PARAMS)}")
     p = dict(DEFAULT_PARAMS, **(params or {}))
-    missing = [what for what, ok in (("vLLM (pip install 'kvrepro[vllm]')", importlib.util.find_spec("vllm")),
-                                     ("a CUDA GPU", _cuda_available())) if not ok]
+    missing = measurement_blockers()
     if missing:
         raise RuntimeError(f"the capacity sweep measures with vLLM on a GPU; missing: {', '.join(missing)}. "
                            "Nothing was measured; committed results can be replayed with notebook 02.")
@@ -257,12 +270,6 @@ def run_sweep(modes, results_path: str | os.PathLike, run_id: str, params: dict 
             raise RuntimeError(f"measuring {mode} failed (exit {rc})")
         ran.append(mode)
     return ran
-
-
-def _cuda_available() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def main(argv=None) -> int:

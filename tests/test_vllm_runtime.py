@@ -99,7 +99,7 @@ def _fa_standin(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     return attention_ref(q, k, v, softmax_scale, torch.float64).to(q.dtype)
 
 
-def test_flash_prefill_path_matches_reference():
+def test_flash_prefill_path_matches_reference(monkeypatch):
     from kvrepro.vllm_backend import fa_prefill
     from kvrepro.vllm_backend.fa_prefill import FlashPrefill
 
@@ -107,13 +107,9 @@ def test_flash_prefill_path_matches_reference():
     seq, ql = [20, 53, 17, 5], [1, 1, 7, 5]
     rt, pool, bt, sl, qsl, q, k, v, t, _ = _batch(4, hq, hkv, d, bs, seq, ql)
     rt.prefill = FlashPrefill(rt.fmt, hkv, d, fa=_fa_standin)
-    old = fa_prefill.SLICE_TOKENS
-    fa_prefill.SLICE_TOKENS = 16  # several dequant slices even for a short context
-    try:
-        out = torch.full((t + 3, hq, d), float("nan"), dtype=torch.bfloat16)
-        rt.attend(q, k, v, pool, bt, sl, qsl, t, 2, 2, out, max_query_len=7)
-    finally:
-        fa_prefill.SLICE_TOKENS = old
+    monkeypatch.setattr(fa_prefill, "SLICE_TOKENS", 16)  # several dequant slices even for a short context
+    out = torch.full((t + 3, hq, d), float("nan"), dtype=torch.bfloat16)
+    rt.attend(q, k, v, pool, bt, sl, qsl, t, 2, 2, out, max_query_len=7)
     ref = reference_attend(rt, q, k, v, pool, bt, sl, qsl, t, 2)
     assert ((out[:t].double() - ref).abs().max() / ref.abs().max()) < 2e-2
 
@@ -146,7 +142,7 @@ def _fa_lse_standin(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     return (o, lse) if return_softmax_lse else o
 
 
-def test_sliced_flash_prefill_matches_reference_and_merge_is_exact():
+def test_sliced_flash_prefill_matches_reference_and_merge_is_exact(monkeypatch):
     from kvrepro.vllm_backend import fa_prefill
     from kvrepro.vllm_backend.fa_prefill import FlashPrefill, merge_partials
 
@@ -162,11 +158,8 @@ def test_sliced_flash_prefill_matches_reference_and_merge_is_exact():
     seq, ql = [20, 53, 57, 5], [1, 1, 7, 5]  # context 50 = 4 slices of 16
     rt, pool, bt, sl, qsl, q, k, v, t, _ = _batch(7, hq, hkv, d, bs, seq, ql)
     rt.prefill = FlashPrefill(rt.fmt, hkv, d, fa=_fa_lse_standin, sliced=True)
-    old, fa_prefill.SLICE_TOKENS = fa_prefill.SLICE_TOKENS, 16
-    try:
-        out = torch.full((t + 3, hq, d), float("nan"), dtype=torch.bfloat16)
-        rt.attend(q, k, v, pool, bt, sl, qsl, t, 2, 2, out, max_query_len=7)
-    finally:
-        fa_prefill.SLICE_TOKENS = old
+    monkeypatch.setattr(fa_prefill, "SLICE_TOKENS", 16)
+    out = torch.full((t + 3, hq, d), float("nan"), dtype=torch.bfloat16)
+    rt.attend(q, k, v, pool, bt, sl, qsl, t, 2, 2, out, max_query_len=7)
     ref = reference_attend(rt, q, k, v, pool, bt, sl, qsl, t, 2)
     assert ((out[:t].double() - ref).abs().max() / ref.abs().max()) < 2e-2

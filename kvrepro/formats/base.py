@@ -6,6 +6,7 @@ paged KV cache of one attention layer in that format, addressed the way vLLM add
 """
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 
 import torch
@@ -15,6 +16,18 @@ def check_positive_int(name: str, value: int) -> None:
     """Raise ``ValueError`` naming ``name`` unless ``value`` is an int > 0."""
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def is_positive_finite(value) -> bool:
+    """True for an int/float (not bool) that is finite and > 0."""
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value) and value > 0)
+
+
+def check_finite(key: torch.Tensor, value: torch.Tensor) -> None:
+    """Raise ``ValueError`` if K or V holds a NaN or an infinity (pass the rows to be stored)."""
+    if not (torch.isfinite(key).all() and torch.isfinite(value).all()):
+        raise ValueError("K/V contain non-finite values; refusing to store them")
 
 
 def check_kv(key: torch.Tensor, value: torch.Tensor, num_kv_heads: int, head_dim: int) -> None:

@@ -11,11 +11,9 @@ stored * scale.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
-from kvrepro.formats.base import KVFormat, KVPool, check_kv
+from kvrepro.formats.base import KVFormat, KVPool, check_finite, check_kv, is_positive_finite
 
 FP8_E4M3_MAX = 448.0
 
@@ -34,8 +32,7 @@ class DensePool(KVPool):
     def write(self, key, value, slot_mapping):
         check_kv(key, value, self.num_kv_heads, self.head_dim)
         keep, blocks, offs = self._split_slots(slot_mapping, key.shape[0])
-        if not (torch.isfinite(key[keep]).all() and torch.isfinite(value[keep]).all()):
-            raise ValueError("K/V contain non-finite values; refusing to store them")
+        check_finite(key[keep], value[keep])
         self.data[blocks, 0, offs] = self._encode(key[keep], 0)
         self.data[blocks, 1, offs] = self._encode(value[keep], 1)
 
@@ -105,8 +102,7 @@ class FP8Format(KVFormat):
     name = "fp8"
 
     def __init__(self, scale: float | str = 1.0) -> None:
-        if scale != "amax" and not (isinstance(scale, (int, float)) and not isinstance(scale, bool)
-                                    and math.isfinite(scale) and scale > 0):
+        if scale != "amax" and not is_positive_finite(scale):
             raise ValueError(f"fp8 scale must be a finite positive float or 'amax', got {scale!r}")
         self.scale = scale
 

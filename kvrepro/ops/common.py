@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import functools
-import math
 import os
 
 import torch
 
+from kvrepro.formats.base import is_positive_finite
 from kvrepro.formats.layout import PageLayout
 
 MAX_GROUP = 32  # query heads per KV head the attention kernels are built for
@@ -131,7 +131,7 @@ def want_checks(validate: bool | None, device: torch.device) -> bool:
 
 def check_scale(scale: float) -> None:
     """Raise ``ValueError`` unless the softmax scale is a finite positive number."""
-    if not (isinstance(scale, (int, float)) and not isinstance(scale, bool) and math.isfinite(scale) and scale > 0):
+    if not is_positive_finite(scale):
         raise ValueError(f"scale must be a finite positive float, got {scale!r}")
 
 

@@ -5,6 +5,7 @@ import torch
 import triton
 
 from kvrepro.formats.layout import PageLayout
+from kvrepro.formats.base import check_finite
 from kvrepro.ops.common import check_float, check_pool, check_rotation, check_slots, pool_tensor, want_checks
 from kvrepro.ops.kernels.store import store_kv_kernel
 
@@ -60,8 +61,7 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, pool, slot_mapping: torch.T
     check_rotation(rotation, layout, dev)
     if want_checks(validate, dev):
         check_slots(slot_mapping, data.shape[0], layout.block_size)
-        if not (torch.isfinite(key).all() and torch.isfinite(value).all()):
-            raise ValueError("key/value contain non-finite values; refusing to store them")
+        check_finite(key, value)
     if rotate not in ROTATE_MODES:
         raise ValueError(f"rotate={rotate!r}; allowed: {ROTATE_MODES}")
     if t == 0:
