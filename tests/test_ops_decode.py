@@ -29,7 +29,7 @@ def _ref(q, pool, bt, sl):
     return paged_attention_ref(q, pool, bt, sl, qsl, q.shape[-1] ** -0.5, torch.float64)
 
 
-@pytest.mark.parametrize("variant", ["v1", "v2"])
+@pytest.mark.parametrize("variant", ["v1", "v2", "v3"])
 @pytest.mark.parametrize("preset,hq,hkv,d,bs", [
     ("k4v4", 32, 8, 128, 16),     # Qwen3-4B
     ("k4v4", 9, 3, 64, 16),       # SmolLM2-135M
@@ -46,6 +46,33 @@ def test_decode_matches_dequantized_reference(variant, preset, hq, hkv, d, bs):
     assert torch.isfinite(out).all()
     assert torch.equal(out[4], torch.zeros_like(out[4]))         # seq_len 0 -> zeros
     assert relerr(out[:4], ref[:4]) < 2e-3                       # fp16 output rounding ~3e-4
+
+
+@pytest.mark.parametrize("prefetch,block_n", [(False, 64), (True, 16), (True, 256)])
+def test_decode_v3_nan_tail_slots(prefetch, block_n):
+    """v3 reads whole pages: the unwritten slots after each sequence's last token are filled with
+    0xFF bytes (float16 NaN metadata) and must not reach the output."""
+    lens = [1, 5, 54, 97, 300, 0]
+    gen = torch.Generator().manual_seed(3)
+    pool = make_pool("k4v4", 2, 64, 16, 130, gen)
+    pool.data.fill_(0xFF)
+    bt = block_tables(len(lens), 20, 130, gen)
+    for b, L in enumerate(lens):
+        if L:
+            fill(pool, bt[b], L, gen, torch.float16)
+    q = torch.randn(len(lens), 8, 64, generator=gen).to(DEV, torch.float16)
+    sl = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    out = decode_attention(q, pool.data, bt, sl, pool.layout, pool.rotation, 0.125, num_splits=3,
+                           variant="v3", prefetch=prefetch, block_n=block_n)
+    ref = _ref(q, pool, bt, sl)
+    assert torch.isfinite(out).all()
+    assert relerr(out[:5], ref[:5]) < 2e-3
+    with pytest.raises(ValueError, match="block_n >= block_size"):
+        big = make_pool("k4v4", 2, 64, 64, 4, gen)
+        decode_attention(q, big.data, bt[:, :2] % 4, sl.clamp(max=64), big.layout, big.rotation, 0.125,
+                         variant="v3", block_n=32)
+    with pytest.raises(ValueError, match="prefetch is a variant='v3' option"):
+        decode_attention(q, pool.data, bt, sl, pool.layout, pool.rotation, 0.125, variant="v2", prefetch=True)
 
 
 @pytest.mark.parametrize("num_splits", [1, 2, 7, 16])

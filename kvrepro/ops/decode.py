@@ -9,6 +9,7 @@ from kvrepro.ops.common import (check_block_tables, check_float, check_heads, ch
                                 want_checks)
 from kvrepro.ops.kernels.attention import paged_attn_kernel
 from kvrepro.ops.kernels.attention_v1 import paged_attn_kernel_v1
+from kvrepro.ops.kernels.decode_v3 import decode_v3_kernel
 from kvrepro.ops.kernels.rotate import merge_splits_kernel, rotate_query_kernel
 
 LOG2E = 1.4426950408889634
@@ -16,7 +17,8 @@ DECODE_BLOCK_N = 128   # best of the run-1 sweep on the H200 (notes/kernels.md)
 DECODE_WARPS = 4
 DECODE_STAGES = 1
 DEQUANT_MODES = ("triton", "asm")
-VARIANTS = ("v1", "v2")
+VARIANTS = ("v1", "v2", "v3")
+V3_PREFETCH = True   # v3: issue the loads of step i + 1 before the math of step i
 # v2 (split-plane dot products) is verified at full size on the H200 (run 2, 2026-11-29: relerr
 # 2.8e-4 vs float64 over the dequantized cache, every preset) and is 19-24% faster than v1 at 128K
 # (notes/kernels.md, benchmarks/results/h200_run2_quick). v1 stays selectable for comparison.
@@ -42,6 +44,8 @@ def attention_kernel(variant: str, dequant: str | None, device: torch.device):
         if dequant != "triton":
             raise ValueError(f"variant='v1' supports dequant='triton' only, got {dequant!r}")
         return paged_attn_kernel_v1, {}
+    if variant == "v3":
+        return decode_v3_kernel, {"DEQ_ASM": dequant == "asm"}
     return paged_attn_kernel, {"DEQ_ASM": dequant == "asm"}
 
 
@@ -73,7 +77,7 @@ def decode_attention(query: torch.Tensor, pool, block_tables: torch.Tensor, seq_
                      workspace: torch.Tensor | None = None, *, block_n: int = DECODE_BLOCK_N,
                      num_warps: int = DECODE_WARPS, num_stages: int = DECODE_STAGES,
                      dequant: str | None = None, variant: str = DEFAULT_VARIANT,
-                     validate: bool | None = None) -> torch.Tensor:
+                     prefetch: bool | None = None, validate: bool | None = None) -> torch.Tensor:
     """Decode attention (one new token per sequence) over compressed KV pages.
 
     Each page is read once per KV head for all query heads of its GQA group; the context is cut
@@ -94,8 +98,11 @@ def decode_attention(query: torch.Tensor, pool, block_tables: torch.Tensor, seq_
         block_n, num_warps, num_stages: tiling (tokens per step) and Triton launch options.
         dequant: ``"triton"`` (portable, runs under the interpreter) or ``"asm"`` (inline PTX,
             CUDA only); default ``default_dequant(device)``.
-        variant: ``"v2"`` (default: per-plane dots, fewer integer ops) or ``"v1"`` (full-width
-            dequantization); both verified at full size on the H200, see notes/kernels.md.
+        variant: ``"v2"`` (default: per-plane dots, fewer integer ops), ``"v1"`` (full-width
+            dequantization) or ``"v3"`` (v2's arithmetic with page-shaped, prefetched loads;
+            decode only; needs ``block_n >= block_size``); see notes/kernels.md.
+        prefetch: v3 only: load step ``i + 1`` before computing step ``i`` (default
+            ``V3_PREFETCH``).
 
     Returns:
         ``out`` ``[B, Hq, D]`` in the query dtype.
@@ -135,6 +142,11 @@ def decode_attention(query: torch.Tensor, pool, block_tables: torch.Tensor, seq_
         check_float("out", out, (b, hq, d), dev)
     if block_n not in (16, 32, 64, 128, 256):
         raise ValueError(f"block_n={block_n}; allowed: 16, 32, 64, 128, 256")
+    if variant == "v3" and block_n < layout.block_size:
+        raise ValueError(f"variant='v3' needs block_n >= block_size, got block_n={block_n}, "
+                         f"block_size={layout.block_size}")
+    if prefetch is not None and variant != "v3":
+        raise ValueError(f"prefetch is a variant='v3' option, got variant={variant!r}")
     if num_splits is None:
         num_splits = default_num_splits(b, hkv, block_tables.shape[1] * layout.block_size, dev)
     if not isinstance(num_splits, int) or num_splits < 1:
@@ -155,15 +167,25 @@ def decode_attention(query: torch.Tensor, pool, block_tables: torch.Tensor, seq_
                                    float(scale) * LOG2E, HQ=hq, D=d)
     gp = next_pow2(group)
     kernel, extra = attention_kernel(variant, dequant, dev)
-    kernel[(b, 1, hkv * num_splits)](
-        q16, data, block_tables, seq_lens, seq_lens, q16, q16, part_o, part_lse, rotation,
-        block_tables.stride(0), NUM_SPLITS=num_splits,
-        NUM_KV_HEADS=hkv, G=group, GP=gp, D=d, BS=layout.block_size, PAGE_BYTES=layout.page_bytes,
-        KBITS=layout.key_bits, VBITS=layout.value_bits, V_CODE_OFF=layout.v_code_offset,
-        K_META_OFF=layout.k_meta_offset, V_META_OFF=layout.v_meta_offset,
-        BLOCK_Q=1, BLOCK_M=max(16, gp), BLOCK_N=block_n, HAS_FRESH=False, SPLIT_OUT=True,
-        IS_DECODE=True, num_warps=num_warps, num_stages=num_stages, **extra,
-    )
+    if variant == "v3":
+        kernel[(b, hkv * num_splits)](
+            q16, data, block_tables, seq_lens, part_o, part_lse, block_tables.stride(0), num_splits,
+            NUM_KV_HEADS=hkv, G=group, D=d, BS=layout.block_size, PAGE_BYTES=layout.page_bytes,
+            KBITS=layout.key_bits, VBITS=layout.value_bits, V_CODE_OFF=layout.v_code_offset,
+            K_META_OFF=layout.k_meta_offset, V_META_OFF=layout.v_meta_offset,
+            BLOCK_M=max(16, gp), BLOCK_N=block_n,
+            PREFETCH=V3_PREFETCH if prefetch is None else bool(prefetch),
+            num_warps=num_warps, num_stages=num_stages, **extra)
+    else:
+        kernel[(b, 1, hkv * num_splits)](
+            q16, data, block_tables, seq_lens, seq_lens, q16, q16, part_o, part_lse, rotation,
+            block_tables.stride(0), NUM_SPLITS=num_splits,
+            NUM_KV_HEADS=hkv, G=group, GP=gp, D=d, BS=layout.block_size, PAGE_BYTES=layout.page_bytes,
+            KBITS=layout.key_bits, VBITS=layout.value_bits, V_CODE_OFF=layout.v_code_offset,
+            K_META_OFF=layout.k_meta_offset, V_META_OFF=layout.v_meta_offset,
+            BLOCK_Q=1, BLOCK_M=max(16, gp), BLOCK_N=block_n, HAS_FRESH=False, SPLIT_OUT=True,
+            IS_DECODE=True, num_warps=num_warps, num_stages=num_stages, **extra,
+        )
     merge_splits_kernel[(b * hq,)](part_o, part_lse, rotation, out, out.stride(0), out.stride(1),
                                    HQ=hq, D=d, NUM_SPLITS=num_splits, SP=next_pow2(num_splits))
     return out

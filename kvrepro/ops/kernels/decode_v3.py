@@ -1,0 +1,180 @@
+"""Decode attention over compressed pages, variant v3 (decode only, one query token per sequence).
+
+Same arithmetic as ``attention.paged_attn_kernel`` (v2: split-plane dot products, dequantization
+folded into the logits and the value accumulators, float32 online softmax, split-K partials
+merged by ``rotate.merge_splits_kernel``), with the memory access reorganised for the decode
+roofline:
+
+* loads are page-shaped: one block-table entry per page (not per token), tiles
+  ``[pages, block_size, bytes]`` whose last dimension is contiguous (16-byte vector loads);
+* every load of a step (K codes, V codes, K and V metadata) is issued before any math on it,
+  and with ``PREFETCH`` the loads of step ``i + 1`` are issued before the math of step ``i``
+  (register double-buffering; the raw codes are small: 64 B per thread per tile at 4 warps);
+* K metadata (float16 scale, zero) is one 4-byte load per token, split in registers.
+
+Tokens past the split's end inside a page that is read anyway are masked in the logits (their
+codes are never used: ``p = 0``); pages past the end are not read.
+"""
+import triton
+import triton.language as tl
+
+from kvrepro.ops.kernels.attention import _planes
+
+
+@triton.jit
+def _load_step(pool_ptr, bt_row, n0, end, kvh, pp, tt, dk, dv, two,
+               NUM_KV_HEADS: tl.constexpr, BS: tl.constexpr, PAGE_BYTES: tl.constexpr,
+               KP: tl.constexpr, VP: tl.constexpr, BLOCK_N: tl.constexpr,
+               V_CODE_OFF: tl.constexpr, K_META_OFF: tl.constexpr, V_META_OFF: tl.constexpr,
+               V_T: tl.constexpr):
+    """Raw bytes of the tokens ``[n0, n0 + BLOCK_N)``: K codes ``[BLOCK_N, KP]`` u8, V codes
+    ``[BLOCK_N, VP]`` u8, K scale / zero ``[BLOCK_N]`` f16, V scale ``[BLOCK_N]`` f16."""
+    NP: tl.constexpr = BLOCK_N // BS
+    pg = n0 // BS + pp
+    p_ok = pg * BS < end
+    blk = tl.load(bt_row + pg, mask=p_ok, other=0).to(tl.int64)
+    base = pool_ptr + (blk * NUM_KV_HEADS + kvh) * PAGE_BYTES                     # [NP]
+    m3 = p_ok[:, None, None]
+    kc = tl.load(base[:, None, None] + tt[None, :, None] * KP + dk[None, None, :], mask=m3, other=0)
+    if V_T:
+        vt = tl.load(base[:, None, None] + V_CODE_OFF + dv[None, :, None] * BS + tt[None, None, :],
+                     mask=m3, other=0)                                            # [NP, VP, BS]
+        vc = tl.trans(tl.reshape(tl.permute(vt, (1, 0, 2)), [VP, BLOCK_N]))
+    else:
+        vc = tl.load(base[:, None, None] + V_CODE_OFF + tt[None, :, None] * VP + dv[None, None, :],
+                     mask=m3, other=0)
+    kmp = (base[:, None, None] + K_META_OFF + tt[None, :, None] * 4 + two[None, None, :] * 2)
+    km = tl.load(kmp.to(tl.pointer_type(tl.float16)), mask=m3, other=0.0)
+    vmp = (base[:, None] + V_META_OFF + tt[None, :] * 2).to(tl.pointer_type(tl.float16))
+    vm = tl.load(vmp, mask=p_ok[:, None], other=0.0)
+    ks, kz = tl.split(tl.reshape(km, [BLOCK_N, 2]))
+    return (tl.reshape(kc, [BLOCK_N, KP]), tl.reshape(vc, [BLOCK_N, VP]), ks, kz,
+            tl.reshape(vm, [BLOCK_N]))
+
+
+@triton.jit
+def decode_v3_kernel(
+    q_ptr, pool_ptr, bt_ptr, seq_lens_ptr, o_ptr, lse_ptr, stride_bt, NUM_SPLITS,
+    NUM_KV_HEADS: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+    BS: tl.constexpr, PAGE_BYTES: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
+    V_CODE_OFF: tl.constexpr, K_META_OFF: tl.constexpr, V_META_OFF: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DEQ_ASM: tl.constexpr, PREFETCH: tl.constexpr,
+    V_T: tl.constexpr = False,
+):
+    """Grid ``(B, NUM_KV_HEADS * NUM_SPLITS)``. ``q`` [B, Hq, D] float16, rotated and scaled by
+    ``softmax_scale * log2(e)``; writes rotated partials ``o`` [B, Hq, S, D] float32 and log2
+    sum-exps ``lse`` [B, Hq, S] float32 (``-inf`` for an empty split)."""
+    b = tl.program_id(0)
+    kvh = tl.program_id(1) // NUM_SPLITS
+    split = tl.program_id(1) % NUM_SPLITS
+    HQ: tl.constexpr = NUM_KV_HEADS * G
+    NPK: tl.constexpr = 8 // KBITS
+    NPV: tl.constexpr = 8 // VBITS
+    KP: tl.constexpr = D // NPK
+    VP: tl.constexpr = D // NPV
+    VC: tl.constexpr = ((1 << VBITS) - 1) / 2
+    NP: tl.constexpr = BLOCK_N // BS
+
+    seq_len = tl.load(seq_lens_ptr + b)
+    g = tl.arange(0, BLOCK_M)
+    row_ok = g < G
+    head = kvh * G + g
+    dk = tl.arange(0, KP)
+    dv = tl.arange(0, VP)
+    qrow = q_ptr + (b.to(tl.int64) * HQ + head)[:, None] * D
+    qmask = (row_ok & (seq_len > 0))[:, None]
+    q0 = tl.load(qrow + dk[None, :], mask=qmask, other=0.0)
+    qsum = tl.sum(q0.to(tl.float32), axis=1)
+    q1 = q0
+    q2 = q0
+    q3 = q0
+    if NPK > 1:
+        q1 = tl.load(qrow + KP + dk[None, :], mask=qmask, other=0.0)
+        qsum += tl.sum(q1.to(tl.float32), axis=1)
+        q1 = (q1.to(tl.float32) * (1.0 / (1 << KBITS))).to(tl.float16)
+    if NPK > 2:
+        q2 = tl.load(qrow + 2 * KP + dk[None, :], mask=qmask, other=0.0)
+        q3 = tl.load(qrow + 3 * KP + dk[None, :], mask=qmask, other=0.0)
+        qsum += tl.sum(q2.to(tl.float32), axis=1) + tl.sum(q3.to(tl.float32), axis=1)
+        q2 = (q2.to(tl.float32) * (1.0 / (1 << (2 * KBITS)))).to(tl.float16)
+        q3 = (q3.to(tl.float32) * (1.0 / (1 << (3 * KBITS)))).to(tl.float16)
+
+    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    end = tl.minimum(start + per_split, seq_len)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    accz = tl.zeros([BLOCK_M], tl.float32)
+    acc0 = tl.zeros([BLOCK_M, VP], tl.float32)
+    acc1 = acc0
+    acc2 = acc0
+    acc3 = acc0
+
+    pp = tl.arange(0, NP)
+    tt = tl.arange(0, BS)
+    two = tl.arange(0, 2)
+    nn = tl.arange(0, BLOCK_N)
+    bt_row = bt_ptr + b.to(tl.int64) * stride_bt
+    if PREFETCH:
+        kc, vc, ks, kz, vs = _load_step(pool_ptr, bt_row, start, end, kvh, pp, tt, dk, dv, two,
+                                        NUM_KV_HEADS, BS, PAGE_BYTES, KP, VP, BLOCK_N,
+                                        V_CODE_OFF, K_META_OFF, V_META_OFF, V_T)
+    for n0 in range(start, end, BLOCK_N):
+        if PREFETCH:
+            kc_n, vc_n, ks_n, kz_n, vs_n = _load_step(
+                pool_ptr, bt_row, n0 + BLOCK_N, end, kvh, pp, tt, dk, dv, two,
+                NUM_KV_HEADS, BS, PAGE_BYTES, KP, VP, BLOCK_N, V_CODE_OFF, K_META_OFF, V_META_OFF, V_T)
+        else:
+            kc, vc, ks, kz, vs = _load_step(pool_ptr, bt_row, n0, end, kvh, pp, tt, dk, dv, two,
+                                            NUM_KV_HEADS, BS, PAGE_BYTES, KP, VP, BLOCK_N,
+                                            V_CODE_OFF, K_META_OFF, V_META_OFF, V_T)
+        n_ok = (n0 + nn) < end
+        k0, k1, k2, k3 = _planes(kc, KBITS, DEQ_ASM)
+        qk = tl.dot(q0, tl.trans(k0))
+        if NPK > 1:
+            qk = tl.dot(q1, tl.trans(k1), qk)
+        if NPK > 2:
+            qk = tl.dot(q2, tl.trans(k2), qk)
+            qk = tl.dot(q3, tl.trans(k3), qk)
+        s = qk * ks.to(tl.float32)[None, :] + qsum[:, None] * kz.to(tl.float32)[None, :]
+        s = tl.where(n_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
+        pvs = p * tl.where(n_ok, vs.to(tl.float32), 0.0)[None, :]
+        pv16 = pvs.to(tl.float16)
+        v0, v1, v2, v3 = _planes(vc, VBITS, DEQ_ASM)
+        acc0 = tl.dot(pv16, v0, acc0 * alpha[:, None])
+        if NPV > 1:
+            acc1 = tl.dot(pv16, v1, acc1 * alpha[:, None])
+        if NPV > 2:
+            acc2 = tl.dot(pv16, v2, acc2 * alpha[:, None])
+            acc3 = tl.dot(pv16, v3, acc3 * alpha[:, None])
+        accz = accz * alpha - VC * tl.sum(pvs, axis=1)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_i = m_new
+        if PREFETCH:
+            kc = kc_n
+            vc = vc_n
+            ks = ks_n
+            kz = kz_n
+            vs = vs_n
+
+    ok = l_i > 0
+    inv_l = tl.where(ok, 1.0 / tl.where(ok, l_i, 1.0), 0.0)
+    zl = accz * inv_l
+    lse = tl.where(ok, m_i + tl.log2(tl.where(ok, l_i, 1.0)), float("-inf"))
+    base = (b.to(tl.int64) * HQ + head) * NUM_SPLITS + split
+    orow = o_ptr + base[:, None] * D
+    tl.store(orow + dv[None, :], acc0 * inv_l[:, None] + zl[:, None], mask=row_ok[:, None])
+    if NPV > 1:
+        tl.store(orow + VP + dv[None, :], acc1 * (inv_l / (1 << VBITS))[:, None] + zl[:, None],
+                 mask=row_ok[:, None])
+    if NPV > 2:
+        tl.store(orow + 2 * VP + dv[None, :],
+                 acc2 * (inv_l / (1 << (2 * VBITS)))[:, None] + zl[:, None], mask=row_ok[:, None])
+        tl.store(orow + 3 * VP + dv[None, :],
+                 acc3 * (inv_l / (1 << (3 * VBITS)))[:, None] + zl[:, None], mask=row_ok[:, None])
+    tl.store(lse_ptr + base, lse, mask=row_ok)
