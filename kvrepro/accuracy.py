@@ -274,3 +274,120 @@ def plot_cost(df: pd.DataFrame):
     axes[1].set(title="stored KV bytes per token (30 layers, whole pages)", xlabel="", ylabel="bytes")
     fig.tight_layout()
     return fig
+
+
+# ---------------------------------------------------------------- output sanity, targets, engine agreement
+# Pure pandas: shared by the CPU path and the vLLM path (kvrepro.accuracy_vllm, scripts/vllm_accuracy.py).
+
+SANITY_MIN_PREFIX = 4  # tokens: a mode must reproduce bf16's first 4 greedy tokens on at least half the prompts
+SANITY_MAX_EXTRA_DUP = 0.10  # and repeat adjacent tokens at most 10 points more often than bf16
+TARGET_MIN_BASELINE = 0.95  # cells where bf16 retrieves >= 95% are the ones the target is judged on
+AGREEMENT_TOLERANCE = 0.05  # engines agree if per-mode accuracy on the shared cells differs by <= 5 points
+
+
+def _ids(x) -> list[int]:
+    if isinstance(x, str):
+        return [int(t) for t in x.split()]
+    return [int(t) for t in x]
+
+
+def sanity_metrics(ref, out) -> dict:
+    """Greedy continuation ``out`` vs the bf16 continuation ``ref`` of the same prompt (token ids,
+    lists or space-separated strings).
+
+    Returns ``first_divergence`` (tokens equal before the first difference), ``prefix_agreement``
+    (that / len(ref)), ``token_agreement`` (position-wise equal fraction over len(ref); positions
+    missing in ``out`` count as different) and ``dup_rate`` (fraction of adjacent equal tokens in ``out``,
+    ``out[i] == out[i-1]``; 0 for fewer than 2 tokens).
+
+    Raises:
+        ValueError: empty ``ref``.
+    """
+    ref, out = _ids(ref), _ids(out)
+    if not ref:
+        raise ValueError("ref must hold at least one token")
+    n = len(ref)
+    first = next((i for i in range(n) if i >= len(out) or out[i] != ref[i]), n)
+    same = sum(1 for i in range(min(n, len(out))) if out[i] == ref[i])
+    dup = sum(1 for i in range(1, len(out)) if out[i] == out[i - 1]) / (len(out) - 1) if len(out) > 1 else 0.0
+    return {"first_divergence": first, "prefix_agreement": first / n, "token_agreement": same / n, "dup_rate": dup}
+
+
+def sanity_table(sanity: pd.DataFrame, baseline: str = BASELINE) -> pd.DataFrame:
+    """Per format: mean prefix/token agreement with ``baseline`` over the sanity prompts, median first
+    divergence, mean duplicate rate, and ``sanity_pass``: median first divergence >= SANITY_MIN_PREFIX
+    and dup_rate <= baseline's + SANITY_MAX_EXTRA_DUP. ``sanity`` columns: format, name, output_ids
+    (+ engine, ignored). Raises ValueError without baseline rows."""
+    base = sanity[sanity["format"] == baseline].set_index("name")["output_ids"]
+    if base.empty:
+        raise ValueError(f"sanity rows hold no {baseline!r} baseline")
+    rows = []
+    for (fmt, name), r in sanity.set_index(["format", "name"]).iterrows():
+        if name in base.index:
+            rows.append(dict(format=fmt, name=name, **sanity_metrics(base[name], r["output_ids"])))
+    m = pd.DataFrame(rows)
+    g = m.groupby("format", sort=False)
+    t = pd.DataFrame({"prompts": g.size(), "prefix_agreement": g["prefix_agreement"].mean(),
+                      "token_agreement": g["token_agreement"].mean(),
+                      "first_divergence_median": g["first_divergence"].median(), "dup_rate": g["dup_rate"].mean()})
+    bdup = t.loc[baseline, "dup_rate"]
+    t["sanity_pass"] = (t["first_divergence_median"] >= SANITY_MIN_PREFIX) & (t["dup_rate"] <= bdup + SANITY_MAX_EXTRA_DUP)
+    return t
+
+
+def target_check(df: pd.DataFrame, baseline: str = BASELINE, min_baseline: float = TARGET_MIN_BASELINE) -> pd.DataFrame:
+    """Issue-5 target per format and variant: on every (variant, context length, depth) cell where the
+    baseline retrieves >= ``min_baseline`` (over keys), the format's accuracy must be >= the baseline's.
+
+    ``df`` columns: format, context_length, depth, correct (+ variant, default "single"). Returns one row
+    per (format, variant): cells judged, cells matched, cells below baseline (list), ``meets``.
+    """
+    d = df.copy()
+    if "variant" not in d:
+        d["variant"] = "single"
+    cell = ["variant", "context_length", "depth"]
+    acc = d.groupby(["format", *cell], observed=True)["correct"].mean().rename("acc").reset_index()
+    base = acc[acc["format"] == baseline].set_index(cell)["acc"]
+    rows = []
+    for (fmt, var), sub in acc.groupby(["format", "variant"], observed=True):
+        s = sub.set_index(cell)["acc"]
+        judged = [c for c in s.index if c in base.index and base[c] >= min_baseline]
+        worse = [c for c in judged if s[c] < base[c]]
+        rows.append(dict(format=fmt, variant=var, cells_judged=len(judged), cells_matched=len(judged) - len(worse),
+                         cells_worse=[f"{c[1]}/{c[2]}" for c in worse],
+                         accuracy=float(s.mean()), baseline_accuracy=float(base[[c for c in s.index if c in base.index]].mean()),
+                         meets=bool(judged) and not worse))
+    return pd.DataFrame(rows).set_index(["format", "variant"])
+
+
+def engine_agreement(vllm: pd.DataFrame, cpu: pd.DataFrame, tolerance: float = AGREEMENT_TOLERANCE) -> pd.DataFrame:
+    """Compare the two engines on the cells both ran (same prompt SHA-256 and format).
+
+    Per format: shared runs, accuracy on each engine, per-run verdict agreement (both right or both
+    wrong), and ``agree``: |accuracy difference| <= ``tolerance`` AND the issue-5 target verdict
+    (``target_check`` on the shared runs, all variants) is the same on both engines.
+    Raises ValueError when no run is shared.
+    """
+    key = ["format", "prompt_sha256"]
+    v = vllm.assign(format=vllm["format"].astype(str))[key + ["correct"]]
+    c = cpu.assign(format=cpu["format"].astype(str))[key + ["correct"]]
+    m = v.merge(c, on=key, suffixes=("_vllm", "_cpu"))
+    if m.empty:
+        raise ValueError("the vLLM and CPU rows share no (format, prompt_sha256) run")
+    shared = set(m["prompt_sha256"])
+
+    def verdicts(df):
+        d = df.assign(format=df["format"].astype(str))
+        d = d[d["prompt_sha256"].isin(shared)]
+        return target_check(d)["meets"].groupby(level="format").all()
+
+    tv, tc = verdicts(vllm), verdicts(cpu)
+    g = m.groupby("format")
+    t = pd.DataFrame({"shared_runs": g.size(), "accuracy_vllm": g["correct_vllm"].mean(),
+                      "accuracy_cpu": g["correct_cpu"].mean(),
+                      "run_agreement": g.apply(lambda x: (x["correct_vllm"] == x["correct_cpu"]).mean())})
+    t["accuracy_diff"] = t["accuracy_vllm"] - t["accuracy_cpu"]
+    t["target_vllm"] = [bool(tv.get(f, False)) for f in t.index]
+    t["target_cpu"] = [bool(tc.get(f, False)) for f in t.index]
+    t["agree"] = (t["accuracy_diff"].abs() <= tolerance + 1e-12) & (t["target_vllm"] == t["target_cpu"])
+    return t

