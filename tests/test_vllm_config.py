@@ -29,6 +29,15 @@ def test_prefill_path(monkeypatch):
         cfg.resolve_prefill("sdpa")
 
 
+def test_warmup_switch(monkeypatch):
+    monkeypatch.delenv("KVREPRO_WARMUP", raising=False)
+    assert cfg.resolve_warmup() is True
+    monkeypatch.setenv("KVREPRO_WARMUP", "0")
+    assert cfg.resolve_warmup() is False
+    with pytest.raises(ValueError, match="KVREPRO_WARMUP.*allowed: 0, 1"):
+        cfg.resolve_warmup("yes")
+
+
 def test_num_splits(monkeypatch):
     monkeypatch.delenv(cfg.NUM_SPLITS_ENV, raising=False)
     assert cfg.resolve_num_splits() is None

@@ -141,6 +141,24 @@ class KVReproMetadataBuilder(AttentionMetadataBuilder[KVReproMetadata]):
         )
 
 
+_WARMED: dict[tuple, list[int]] = {}
+
+
+def engine_shape() -> dict:
+    """What the impl needs from vLLM's current config: CUDA-graph capture sizes, the largest decode
+    batch (``max_num_seqs``: a request has at most one decode token per step), block size and
+    max_model_len. Called while vLLM builds the model (inside ``set_current_vllm_config``)."""
+    from vllm.config import get_current_vllm_config
+
+    c = get_current_vllm_config()
+    sizes = tuple(c.compilation_config.cudagraph_capture_sizes or ())
+    max_seqs = int(getattr(c.scheduler_config, "max_num_seqs", 0) or 0)
+    max_batch = max_seqs or max(sizes, default=0) or None
+    return {"graph_sizes": sizes, "max_batch": max_batch,
+            "block_size": int(c.cache_config.block_size or 0),
+            "max_model_len": int(getattr(c.model_config, "max_model_len", 0) or 0) if c.model_config else 0}
+
+
 class KVReproAttentionImpl(AttentionImpl[KVReproMetadata]):
     """Stores K/V compressed and runs attention over compressed pages (``kvrepro.ops``)."""
 
@@ -169,14 +187,28 @@ class KVReproAttentionImpl(AttentionImpl[KVReproMetadata]):
             from kvrepro.vllm_backend.fa_prefill import FlashPrefill
 
             prefill = FlashPrefill(get_format(preset), num_kv_heads, head_size, sliced=path == "fa-sliced")
+        shape = engine_shape()
         self.rt = LayerRuntime(preset, num_heads, num_kv_heads, head_size, self.scale,
-                               cfg.resolve_num_splits(), prefill=prefill)
+                               cfg.resolve_num_splits(), prefill=prefill, graph_sizes=shape["graph_sizes"],
+                               max_batch=shape["max_batch"])
+        self._shape = shape
+        self._warmup = cfg.resolve_warmup()
         # Debug only (slow, host syncs): compare every eagerly run step with reference_attend.
         self._debug_check = os.environ.get("KVREPRO_DEBUG_CHECK", "") == "1"
 
     def process_weights_after_loading(self, act_dtype: torch.dtype):
+        """Before vLLM profiles memory and captures CUDA graphs: reserve the shared decode workspace
+        (once per device) and, unless ``KVREPRO_WARMUP=0``, compile/load every decode-kernel variant,
+        so that neither happens inside vLLM's CUDA-graph memory profiling (whose per-graph figure it
+        multiplies by the number of graphs)."""
         if torch.cuda.is_available():
-            self.rt.prepare(torch.device("cuda", torch.cuda.current_device()))
+            dev = torch.device("cuda", torch.cuda.current_device())
+            self.rt.prepare(dev)
+            if self._warmup and self._shape["block_size"]:
+                key = (str(dev), act_dtype, self.rt.fmt.name, self.num_heads, self.num_kv_heads, self.head_size)
+                if key not in _WARMED:  # one warm-up per process and geometry, not one per layer
+                    _WARMED[key] = self.rt.warmup(dev, act_dtype, self._shape["block_size"],
+                                                  self._shape["max_model_len"])
 
     def do_kv_cache_update(self, layer, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                            slot_mapping: torch.Tensor) -> None:

@@ -63,6 +63,19 @@ def resolve_num_splits(value: str | int | None = None) -> int | None:
     return n
 
 
+WARMUP_ENV = "KVREPRO_WARMUP"
+
+
+def resolve_warmup(value: str | None = None) -> bool:
+    """Whether the impl compiles its decode-kernel variants before vLLM's memory profiling:
+    ``value``, else ``$KVREPRO_WARMUP``, else on. Raises ValueError unless ``0`` or ``1``."""
+    if value is None:
+        value = os.environ.get(WARMUP_ENV, "") or "1"
+    if value not in ("0", "1"):
+        raise ValueError(f"{WARMUP_ENV}={value!r}; allowed: 0, 1")
+    return value == "1"
+
+
 def resolve_prefill(value: str | None = None) -> str:
     """Prefill path: ``fa`` (dequantize the context, then vLLM's FlashAttention; default, measured),
     ``fa-sliced`` (the same slice by slice with a log-sum-exp merge: bounded temporaries; not yet run on a

@@ -11,6 +11,82 @@ from kvrepro.formats import get_format
 from kvrepro.formats.hadamard import rotation_matrix
 
 _ROTATIONS: dict[tuple[int, int, str], torch.Tensor] = {}
+# One split-K decode workspace per device, shared by every layer (layers run one after another on
+# one stream). Every tensor ever handed out stays referenced here: a captured CUDA graph keeps the
+# address it was captured with, so a workspace must never be freed once a graph may use it.
+_WORKSPACES: dict[str, list[torch.Tensor]] = {}
+PROGRAMS_PER_SM = 8          # the kernel's target (H200 run-1 sweep, notes/kernels.md)
+MIN_TOKENS_PER_SPLIT = 256   # as kvrepro.ops.decode
+MAX_SPLITS = 256
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+def smallest_padded_batch(batch: int, graph_sizes=()) -> int:
+    """The smallest real decode batch that vLLM pads to ``batch``.
+
+    vLLM runs a pure-decode batch of ``n`` requests in the CUDA graph of the smallest capture size
+    ``>= n`` (``graph_sizes``, vLLM's ``compilation_config.cudagraph_capture_sizes``); padded rows have
+    seq_len 0 and cost nothing. For a capture size ``s`` that follows ``p`` in the sorted sizes, the
+    real batch is anywhere in ``p + 1 .. s``; returns ``p + 1`` (1 for the smallest size). A batch
+    that is not a capture size is taken as real (eager runs are not padded).
+    """
+    if not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"batch must be a positive int, got {batch!r}")
+    sizes = sorted({int(s) for s in graph_sizes})
+    if batch not in sizes:
+        return batch
+    i = sizes.index(batch)
+    return sizes[i - 1] + 1 if i else 1
+
+
+def decode_splits(batch: int, num_kv_heads: int, max_context: int, sms: int, graph_sizes=()) -> int:
+    """Split-K count for a decode launch of ``batch`` rows (shape-only, so CUDA-graph safe).
+
+    Same target as ``kvrepro.ops.default_num_splits`` (~``PROGRAMS_PER_SM`` programs per SM, each
+    split >= ``MIN_TOKENS_PER_SPLIT`` tokens, a power of two <= 256), but counted for the *smallest*
+    real batch that pads to ``batch`` (:func:`smallest_padded_batch`), not for the padded one: with
+    the kernel's rule, 9 users padded to graph size 16 got 8 splits (576 live programs, 4.4 per SM on
+    132 SMs) and the step took 64.8 ms vs 47.7 ms at 8 users (notes/vllm.md). With this rule a
+    graph launch has between ~8 and ~16 live programs per SM whatever its fill.
+
+    Args:
+        batch: rows of the launch (padded graph batch or real eager batch), >= 1.
+        num_kv_heads: KV heads per layer (programs per row and split).
+        max_context: block-table width x block size (tokens; shape-only upper bound of seq_lens).
+        sms: streaming multiprocessors of the GPU.
+        graph_sizes: vLLM's CUDA-graph capture sizes (empty: no padding assumed).
+    """
+    for name, v in (("num_kv_heads", num_kv_heads), ("max_context", max_context), ("sms", sms)):
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    live = smallest_padded_batch(batch, graph_sizes)
+    want = max(1, (PROGRAMS_PER_SM * sms) // (live * num_kv_heads))
+    cap = max(1, max_context // MIN_TOKENS_PER_SPLIT)
+    return max(1, min(_next_pow2(want), cap, MAX_SPLITS))
+
+
+def decode_workspace(device: torch.device, numel: int) -> torch.Tensor:
+    """A float32 workspace of >= ``numel`` elements on ``device``, shared by all layers.
+
+    Returns the current one when it is large enough. Otherwise allocates a larger one, except while
+    the current CUDA stream is capturing a graph (an allocation there would go into vLLM's graph
+    memory pool and be counted again for every captured size): then raises RuntimeError, since
+    :meth:`LayerRuntime.prepare` reserves the largest size any captured batch needs beforehand.
+    """
+    key = str(torch.device(device))
+    held = _WORKSPACES.setdefault(key, [])
+    if held and held[-1].numel() >= numel:
+        return held[-1]
+    if torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing():
+        have = held[-1].numel() if held else 0
+        raise RuntimeError(f"kvrepro decode workspace: {numel} float32 elements needed inside CUDA-graph "
+                           f"capture, {have} reserved; LayerRuntime.prepare(max_batch=...) must cover "
+                           "the largest captured decode batch")
+    held.append(torch.empty(numel, dtype=torch.float32, device=device))
+    return held[-1]
 
 
 def shared_rotation(head_dim: int, seed: int, device: torch.device) -> torch.Tensor:
@@ -21,6 +97,15 @@ def shared_rotation(head_dim: int, seed: int, device: torch.device) -> torch.Ten
     return _ROTATIONS[key]
 
 
+def device_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA ``device``; 132 (H100/H200) elsewhere, as ``kvrepro.ops``."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        return torch.cuda.get_device_properties(idx).multi_processor_count
+    return 132
+
+
 class LayerRuntime:
     """Per-layer state and calls of the kvrepro backend.
 
@@ -28,21 +113,31 @@ class LayerRuntime:
         preset: compressed preset name (``k4v4``, ``k8v4``, ``k4v2``).
         num_heads, num_kv_heads, head_size: attention geometry (GQA: num_heads % num_kv_heads == 0).
         scale: softmax scale.
-        num_splits: decode split-K count, or None for the kernel's shape-only default (both keep
-            the launch grid fixed per batch size, as CUDA graphs need).
+        num_splits: fixed decode split-K count (``KVREPRO_NUM_SPLITS``), or None for
+            :func:`decode_splits` (shape-only; both keep the launch grid fixed per batch size, as
+            CUDA graphs need).
         ops: module with ``store_kv``, ``decode_attention``, ``prefill_attention`` (default ``kvrepro.ops``).
         prefill: callable replacing ``ops.prefill_attention`` (same arguments), e.g.
             ``fa_prefill.FlashPrefill``; default None = kvrepro's Triton prefill kernel.
+        graph_sizes: vLLM's CUDA-graph capture sizes (for the split rule; empty = no padding).
+        max_batch: largest decode batch (vLLM's ``max_num_seqs``, or the largest capture size if
+            larger); :meth:`prepare` reserves the decode workspace for it so that no captured forward
+            allocates. None = no reservation (grown on demand outside capture).
     """
 
     def __init__(self, preset: str, num_heads: int, num_kv_heads: int, head_size: int, scale: float,
-                 num_splits: int | None = None, ops=None, prefill=None) -> None:
+                 num_splits: int | None = None, ops=None, prefill=None, graph_sizes=(),
+                 max_batch: int | None = None) -> None:
         self.fmt = get_format(preset)
         self.num_heads, self.num_kv_heads, self.head_size = num_heads, num_kv_heads, head_size
         self.scale = scale
         self.num_splits = num_splits
         self._ops = ops
         self.prefill = prefill
+        self.graph_sizes = tuple(sorted({int(x) for x in graph_sizes}))
+        if max_batch is not None and (not isinstance(max_batch, int) or max_batch < 1):
+            raise ValueError(f"max_batch must be a positive int or None, got {max_batch!r}")
+        self.max_batch = max_batch
         self._layouts: dict[int, object] = {}
         self.rotation: torch.Tensor | None = None
 
@@ -54,11 +149,62 @@ class LayerRuntime:
             self._ops = ops
         return self._ops
 
+    def splits(self, batch: int, max_context: int, device: torch.device) -> int:
+        """Decode split count for ``batch`` rows: ``num_splits`` if fixed, else :func:`decode_splits`."""
+        if self.num_splits is not None:
+            return self.num_splits
+        return decode_splits(batch, self.num_kv_heads, max_context, device_sms(device), self.graph_sizes)
+
+    def workspace_numel(self, batch: int, num_splits: int) -> int:
+        """float32 elements of the decode workspace for ``batch`` rows and ``num_splits`` splits
+        (``kvrepro.ops.decode_workspace_numel``)."""
+        from kvrepro.ops.decode import decode_workspace_numel
+
+        return decode_workspace_numel(batch, self.num_heads, self.head_size, num_splits)
+
+    def reserve_numel(self, device: torch.device) -> int:
+        """Workspace elements that cover every decode batch ``1..max_batch`` at any context length
+        (split counts taken without the context cap: an upper bound); 0 without ``max_batch``."""
+        if not self.max_batch:
+            return 0
+        no_cap = MAX_SPLITS * MIN_TOKENS_PER_SPLIT
+        return max(self.workspace_numel(b, self.splits(b, no_cap, device)) for b in range(1, self.max_batch + 1))
+
     def prepare(self, device: torch.device) -> torch.Tensor:
-        """Put the rotation on ``device`` (before CUDA-graph capture); returns it."""
+        """Put the rotation on ``device`` and reserve the shared decode workspace for ``max_batch``
+        (call before CUDA-graph capture and before vLLM's memory profiling); returns the rotation."""
         if self.rotation is None or self.rotation.device != torch.device(device):
             self.rotation = shared_rotation(self.head_size, self.fmt.seed, torch.device(device))
+            if self.max_batch:
+                decode_workspace(device, self.reserve_numel(device))
         return self.rotation
+
+    def warmup(self, device: torch.device, dtype: torch.dtype, block_size: int, max_context: int) -> list[int]:
+        """Compile and load every decode-kernel variant this layer can launch (one per split count over
+        batches ``1..max_batch``) and the store kernel, on a throw-away pool, before vLLM profiles
+        memory and captures graphs; returns the split counts warmed. Nothing stays allocated but the
+        shared workspace. ``max_context``: block-table width x block size as vLLM will pass it."""
+        if not self.max_batch:
+            raise ValueError("warmup needs max_batch")
+        rot = self.prepare(device)
+        layout = self.fmt.layout(self.head_size, block_size)
+        width = max(1, -(-max_context // block_size))
+        by_splits: dict[int, int] = {}
+        for b in range(1, self.max_batch + 1):
+            by_splits.setdefault(self.splits(b, width * block_size, device), b)
+        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_size
+        pool = torch.zeros(2, hkv, layout.page_bytes, dtype=torch.uint8, device=device)
+        kv = torch.zeros(1, hkv * d, dtype=dtype, device=device)
+        self.ops.store_kv(kv.view(1, hkv, d), kv.view(1, hkv, d), pool, torch.zeros(1, dtype=torch.int64,
+                          device=device), layout, rot)
+        for s, b in sorted(by_splits.items()):
+            q = torch.zeros(b, hq, d, dtype=dtype, device=device)
+            bt = torch.zeros(b, width, dtype=torch.int32, device=device)
+            lens = torch.ones(b, dtype=torch.int32, device=device)
+            ws = decode_workspace(device, self.workspace_numel(b, s))
+            self.ops.decode_attention(q, pool, bt, lens, layout, rot, self.scale, out=torch.empty_like(q),
+                                      num_splits=s, workspace=ws)
+        return sorted(by_splits)
 
     def layout(self, pool: torch.Tensor):
         """Page layout of ``pool`` (uint8 ``[num_blocks, Hkv, page_bytes]``); block_size = page_bytes
@@ -112,8 +258,10 @@ class LayerRuntime:
         q = query[:t].view(t, hq, d)
         layout, rot = self.layout(pool), self.prepare(pool.device)
         if nd:
+            splits = self.splits(nd, block_table.shape[1] * layout.block_size, pool.device)
+            ws = decode_workspace(pool.device, self.workspace_numel(nd, splits))
             self.ops.decode_attention(q[:nd], pool, block_table[:nd], seq_lens[:nd], layout, rot, self.scale,
-                                      out=out[:nd], num_splits=self.num_splits)
+                                      out=out[:nd], num_splits=splits, workspace=ws)
         if ndt < t:
             k = key[:t].view(t, hkv, d)[ndt:]
             v = value[:t].view(t, hkv, d)[ndt:]
