@@ -402,6 +402,8 @@ def mode_env(mode: str, base: dict | None = None) -> dict:
     env.update(engine_settings(mode)["env"])
     env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                PYTHONUNBUFFERED="1")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # kvrepro importable from any cwd
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env
 
 

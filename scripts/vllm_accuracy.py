@@ -33,6 +33,26 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from kvrepro import accuracy_vllm as av  # noqa: E402
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+MODE_ORDER = ("bf16", "kvrepro:k4v4", "fp8", "kvrepro:k8v4", "kvrepro:k4v2")  # baseline and target first
+
+
+def ensure_entry_point() -> str:
+    """Make kvrepro's ``vllm.general_plugins`` entry point visible to vLLM's plugin loader in the workers.
+    Installed kvrepro: nothing to do. Otherwise (repo on PYTHONPATH only) a metadata-only dist-info
+    with pyproject's entry-point line is put on PYTHONPATH (no code copied; as scripts/h200_sweep.sh)."""
+    from importlib.metadata import entry_points
+
+    if any(e.value.startswith("kvrepro") for e in entry_points(group="vllm.general_plugins")):
+        return "installed"
+    d = f"/tmp/kvacc_ep_{os.getpid()}"
+    info = os.path.join(d, "kvrepro_vllm_plugin-0.1.0.dist-info")
+    os.makedirs(info, exist_ok=True)
+    with open(os.path.join(info, "METADATA"), "w") as f:
+        f.write("Metadata-Version: 2.1\nName: kvrepro-vllm-plugin\nVersion: 0.1.0\n")
+    with open(os.path.join(info, "entry_points.txt"), "w") as f:
+        f.write("[vllm.general_plugins]\nkvrepro = kvrepro.vllm_backend:register\n")
+    os.environ["PYTHONPATH"] = d + os.pathsep + os.environ.get("PYTHONPATH", "")
+    return f"metadata shim {info}"
 
 
 def assemble(parts_dir: str, want_sha: str | None) -> str:
@@ -96,7 +116,7 @@ def summarize(res: dict) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--modes", default=",".join(av.MODES), help=f"comma-separated; allowed: {', '.join(av.MODES)}")
+    ap.add_argument("--modes", default=",".join(MODE_ORDER), help=f"comma-separated; allowed: {', '.join(av.MODES)}")
     ap.add_argument("--bundle", default=av.BUNDLE_PATH)
     g = ap.add_mutually_exclusive_group(required=True)
     g.add_argument("--gguf", help="the SmolLM2 GGUF file")
@@ -122,7 +142,8 @@ def main(argv=None) -> int:
                              capture_output=True, text=True, timeout=20).stdout.strip()
     except Exception as e:
         smi = f"nvidia-smi failed: {e!r}"
-    meta = {"grid": bundle["grid"], "bundle": a.bundle, "bundle_meta": bundle["meta"], "prompts": len(bundle["prompts"]),
+    ep = ensure_entry_point()
+    meta = {"entry_point": ep, "grid": bundle["grid"], "bundle": a.bundle, "bundle_meta": bundle["meta"], "prompts": len(bundle["prompts"]),
             "sanity_prompts": len(bundle["sanity"]), "modes": list(modes), "compile": a.compile,
             "gpu_memory_utilization": a.gpu_memory_utilization, "nvidia_smi": smi, "measured": True,
             "started_utc": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
@@ -148,7 +169,7 @@ def main(argv=None) -> int:
     except Exception as e:
         print(f"[vllm-accuracy] summary failed: {e!r}")
     for m, s in res["status"].items():
-        if s["status"] != "ok":
+        if s["status"] not in ("ok", "skipped"):
             print(f"[vllm-accuracy] {m} log tail:\n{s.get('log_tail', '')[-1200:]}")
     print(f"[vllm-accuracy] done in {time.monotonic() - t0:.0f} s; files in {a.out}", flush=True)
     return 0 if all(s["status"] == "ok" for s in res["status"].values()) else 1
