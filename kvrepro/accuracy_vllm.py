@@ -423,8 +423,8 @@ def run_modes(modes, bundle_path: str, model: str, work_dir: str, factory: str =
 
     A mode that fails (exit code, exception, timeout) is recorded with its error and the log tail;
     the next mode still runs. A mode that cannot start before ``deadline_s`` (seconds from the call) is
-    recorded as skipped. ``weights="auto"``: the first mode runs on ``model`` (GGUF); if its engine
-    cannot start, ``dequant(model)`` (a function returning a HF model directory) is called once and
+    recorded as skipped. ``weights="auto"``: modes run on ``model`` (GGUF); if an engine cannot start
+    before any mode succeeded on it, ``dequant(model)`` (a function returning a HF model directory) is called once and
     that mode and all later ones run on it; the switch is recorded in the status. ``on_mode_done(result)``
     is called after each mode (e.g. to rewrite the CSVs).
 
@@ -477,8 +477,9 @@ def run_modes(modes, bundle_path: str, model: str, work_dir: str, factory: str =
                 with open(log_path, "a") as lf, open(log) as src:
                     lf.write(f"\n===== {mode} (attempt {attempts}, {st['status']}, phase {phase}, {wall:.0f} s)\n")
                     lf.write(src.read()[-20000:])
+            no_gguf_success = not any(v["status"] == "ok" for v in res["status"].values())
             if (weights == "auto" and phase == "engine" and st["status"] == "failed" and res["weights"] == "gguf"
-                    and dequant is not None and attempts == 1):
+                    and dequant is not None and attempts == 1 and no_gguf_success):
                 try:
                     cur_model = dequant(model)
                     res["weights"], res["model"] = "dequant", cur_model
