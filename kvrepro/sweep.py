@@ -12,18 +12,26 @@ budget):
 1. start vLLM; read its KV-cache size (``num_gpu_blocks x block_size`` tokens); N = users that fit by
    block arithmetic (``(num_gpu_blocks - 1) // ceil((prompt + decode) / block_size)``; vLLM keeps one
    null block), capped by ``max_users``;
-2. submit N requests at once (max_tokens = decode + margin for step 4) and step the engine; TTFT of
-   each request from the common submit time;
+2. submit N requests at once (max_tokens = decode + margin for steps 4-5) and step the engine; TTFT
+   of each request from the common submit time;
 3. "full" window: from the moment every request has its first token until every request has
    ``decode_tokens`` tokens. All N decode together throughout; aggregate decode tok/s = tokens
    generated in the window / its duration. clean = all N ran concurrently (none finished before the
    last first token) and vLLM's ``vllm:num_preemptions`` counter did not move from submit to the end
-   of the window (the KV footprint of every request then covers prompt + decode tokens);
-4. "abort" windows: abort one request, decode ``window_steps`` steps with N-1 users, measure, abort the
+   of the window (the KV footprint of every request then covers prompt + decode tokens). Requests
+   prefilled first keep decoding while later ones prefill, so at the end they hold a little more
+   than the workload (``footprint`` in the row: ~8 x N(N-1)/2 tokens): "clean" here is that much
+   stricter than the workload's;
+4. optional edge check (``confirm_edge``, only when N is set by the KV cache, not by ``max_users``):
+   one fresh request on top of the N still decoding; clean only if it gets ``decode_tokens`` tokens
+   with no preemption while all N run (``edge_outcome``: preempted / waiting for blocks / ran). At
+   most one extra 128K prefill instead of N+1 fresh ones;
+5. "abort" windows: abort one request, decode ``window_steps`` steps with N-1 users, measure, abort the
    next, ... down to 1 (``measured_by = "abort-window"``; these N are below a measured clean N, and
    the counter is checked again in each window).
-5. optional edge check (``confirm_edge``): submit N+1 fresh requests to the same engine; it is clean
-   only if all N+1 get a first token with no preemption by the time each has ``decode_tokens``.
+
+Each row also records vLLM's own memory accounting (``vllm_memory``: available KV cache, CUDA-graph
+estimate vs actual, peak activations, non-torch memory, from its log and its worker).
 
 Rows go to one JSONL file per run (``ResultsFile``: write-then-rename, a rerun resumes and never
 duplicates a (mode, num_users, measured_by) row). Each row carries provenance.
@@ -206,6 +214,69 @@ def ttft_stats(timelines: dict) -> dict:
     return {"ttft_s_mean": sum(ttft) / len(ttft), "ttft_s_max": ttft[-1], "ttft_s_first": ttft[0]}
 
 
+MEMORY_PATTERNS = {
+    # vLLM 0.20.2 log lines (vllm/v1/worker/gpu_worker.py, gpu_model_runner.py) -> row fields, GiB
+    "available_kv_cache_gib": r"Available KV cache memory: ([0-9.]+) GiB",
+    "cudagraph_estimate_gib": r"Estimated CUDA graph memory: ([0-9.]+) GiB total",
+    "cudagraph_actual_gib": r"CUDA graph pool memory: ([0-9.]+) GiB \(actual\)",
+    "non_kv_cache_gib": r"Total non KV cache memory: ([0-9.]+)GiB",
+    "torch_peak_increase_gib": r"torch peak memory increase: ([0-9.]+)GiB",
+    "non_torch_increase_gib": r"non-torch forward increase memory: ([0-9.]+)GiB",
+    "weights_gib": r"weights memory: ([0-9.]+)GiB",
+}
+GRAPH_ESTIMATE = (r"Estimated (\w+) CUDA graph memory: ([0-9.]+) MiB first-capture \+ \((\d+)-1\) .{1,3} "
+                  r"([0-9.]+) MiB per-graph")
+
+
+def parse_vllm_memory_log(lines) -> dict:
+    """vLLM's memory accounting from its log lines: the figures of ``MEMORY_PATTERNS`` (GiB, last
+    occurrence wins) and, per CUDA-graph mode, the profiled first capture and per-graph MiB with the
+    number of graphs (``cudagraph_profile``: ``{mode: [first_mib, graphs, per_graph_mib]}``).
+    Lines without these figures are ignored."""
+    import re
+
+    out: dict = {}
+    for line in lines:
+        for key, pat in MEMORY_PATTERNS.items():
+            m = re.search(pat, line)
+            if m:
+                out[key] = float(m.group(1))
+        m = re.search(GRAPH_ESTIMATE, line)
+        if m:
+            out.setdefault("cudagraph_profile", {})[m.group(1)] = [float(m.group(2)), int(m.group(3)),
+                                                                    float(m.group(4))]
+    return out
+
+
+def footprint(timelines: dict, prompt_tokens: int, decode_tokens: int, block_size: int) -> dict:
+    """KV blocks the requests hold (prompt + generated tokens, whole blocks) vs the workload's
+    ``len(timelines) x ceil((prompt + decode) / block_size)``. Requests prefilled first keep decoding
+    while later ones prefill, so at the end of the full window they hold more than the workload
+    needs (``extra_blocks``): the sweep's "clean" is that much stricter than the workload's."""
+    held = sum(math.ceil((prompt_tokens + len(tl.times)) / block_size) for tl in timelines.values())
+    need = len(timelines) * math.ceil((prompt_tokens + decode_tokens) / block_size)
+    return {"blocks_held": held, "blocks_workload": need, "extra_blocks": held - need}
+
+
+def edge_outcome(preempted: bool, edge_first_token: bool, edge_tokens: int, decode_tokens: int,
+                 old_finished: bool, timed_out: bool) -> tuple[bool, str]:
+    """Verdict of the N+1 edge check (one fresh request on top of N decoding ones).
+
+    Clean only if the new request got ``decode_tokens`` tokens with no preemption while all N old ones
+    were still running. Otherwise the reason: ``preempted`` (vLLM ran out of KV blocks and preempted),
+    ``waiting`` (never scheduled: no free blocks for its first chunk), ``old-finished`` (an old request
+    ended first, so N+1 were not concurrent), ``timeout``."""
+    if preempted:
+        return False, "preempted"
+    if old_finished:
+        return False, "old-finished"
+    if edge_tokens >= decode_tokens:
+        return True, "ran"
+    if not edge_first_token:
+        return False, "waiting"
+    return False, "timeout" if timed_out else "incomplete"
+
+
 def now_utc() -> str:
     return _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat()
 
@@ -231,44 +302,63 @@ def measurement_blockers(info: dict | None = None) -> list[str]:
     return missing
 
 
+MIN_START_S = {"full": 150.0, "sizing": 80.0}  # don't start a mode with less wall time left than this
+
+
 def run_sweep(modes, results_path: str | os.PathLike, run_id: str, params: dict | None = None,
-              confirm_edge=(), timeout_s: float = 540.0, sizing_only=()) -> list[str]:
+              confirm_edge=(), timeout_s: float = 540.0, sizing_only=(), budget_s: float | None = None,
+              param_overrides: dict | None = None) -> list[str]:
     """Measure every mode not yet in ``results_path`` (resume), each in its own subprocess
     (``python -m kvrepro.vllm_backend.measure``) so GPU memory is returned between modes.
 
+    ``budget_s``: wall seconds for this whole call; a mode is not started with less than
+    ``MIN_START_S`` left (it is left for a resumed call) and each gets at most what is left.
+    ``param_overrides``: ``{mode: {param: value}}`` on top of ``params`` for single modes.
+    A failing mode does not stop the others; the rows it wrote stay in the file.
+
     Returns the modes run now. Raises ValueError on bad modes or unknown parameter names;
-    RuntimeError without a CUDA GPU or vLLM (before anything runs) or if a subprocess fails (the
-    rows it wrote before failing stay in the file).
+    RuntimeError without a CUDA GPU or vLLM (before anything runs), or at the end if a mode failed.
     """
     import subprocess
 
     modes = check_modes(modes)
-    unknown = sorted(set(params or {}) - set(DEFAULT_PARAMS))
+    overrides = param_overrides or {}
+    if overrides:
+        check_modes(list(overrides))
+    unknown = sorted(set(params or {}).union(*[set(v) for v in overrides.values()]) - set(DEFAULT_PARAMS))
     if unknown:
         raise ValueError(f"unknown sweep parameter(s) {unknown}; allowed: {sorted(DEFAULT_PARAMS)}")
-    p = dict(DEFAULT_PARAMS, **(params or {}))
     missing = measurement_blockers()
     if missing:
         raise RuntimeError(f"the capacity sweep measures with vLLM on a GPU; missing: {', '.join(missing)}. "
                            "Nothing was measured; committed results can be replayed with notebook 02.")
+    t0 = time.perf_counter()
     done = ResultsFile(results_path).modes_done()
     sized = {r["mode"] for r in ResultsFile(results_path).rows if r.get("measured_by") == "sizing"}
-    ran = []
+    ran, failed = [], []
     for mode in modes:
         only_size = mode in sizing_only
         if mode in done or (only_size and mode in sized):
             print(f"[sweep] {mode}: already in {results_path}, skipped", flush=True)
             continue
-        mp = dict(p, confirm_edge=mode in confirm_edge, timeout_s=timeout_s, sizing_only=only_size)
+        limit = timeout_s
+        if budget_s is not None:
+            left = budget_s - (time.perf_counter() - t0)
+            if left < MIN_START_S["sizing" if only_size else "full"]:
+                print(f"[sweep] {mode}: not started, {left:.0f} s of the budget left (resume later)", flush=True)
+                continue
+            limit = min(timeout_s, left - 5)
+        mp = {**DEFAULT_PARAMS, **(params or {}), **overrides.get(mode, {})}
+        mp.update(confirm_edge=mode in confirm_edge, timeout_s=limit, sizing_only=only_size)
         cmd = [sys.executable, "-m", "kvrepro.vllm_backend.measure", "--mode", mode, "--results",
                str(results_path), "--run-id", run_id, "--params", json.dumps(mp)]
         print(f"[sweep] {mode}: {' '.join(cmd)}", flush=True)
         t = time.perf_counter()
         rc = subprocess.call(cmd)
         print(f"[sweep] {mode}: exit {rc} after {time.perf_counter() - t:.0f} s", flush=True)
-        if rc != 0:
-            raise RuntimeError(f"measuring {mode} failed (exit {rc})")
-        ran.append(mode)
+        (failed if rc else ran).append(mode)
+    if failed:
+        raise RuntimeError(f"measuring {', '.join(failed)} failed (rows written before the failure are kept)")
     return ran
 
 
@@ -283,19 +373,28 @@ def main(argv=None) -> int:
     ap.add_argument("--params", default="{}", help="JSON overrides of DEFAULT_PARAMS")
     ap.add_argument("--confirm-edge", default="", help="comma-separated modes that also run the N+1 check")
     ap.add_argument("--sizing-only", default="", help="comma-separated modes: KV-cache size only")
-    ap.add_argument("--timeout-s", type=float, default=540.0)
+    ap.add_argument("--timeout-s", type=float, default=540.0, help="wall seconds per mode")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="wall seconds for the whole call: modes that no longer fit are left for a resumed call")
+    ap.add_argument("--mode-params", default="{}",
+                    help="JSON {mode: {param: value}} overriding --params for single modes")
     a = ap.parse_args(argv)
-    try:
-        params = json.loads(a.params)
-    except json.JSONDecodeError as e:
-        ap.error(f"--params must be a JSON object: {e}")
-    if not isinstance(params, dict):
-        ap.error("--params must be a JSON object, e.g. '{\"gpu_memory_gb\": 40}'")
+    parsed = {}
+    for flag, text in (("--params", a.params), ("--mode-params", a.mode_params)):
+        try:
+            parsed[flag] = json.loads(text)
+        except json.JSONDecodeError as e:
+            ap.error(f"{flag} must be a JSON object: {e}")
+        if not isinstance(parsed[flag], dict):
+            ap.error(f"{flag} must be a JSON object, e.g. '{{\"gpu_memory_gb\": 40}}'")
+    if not all(isinstance(v, dict) for v in parsed["--mode-params"].values()):
+        ap.error("--mode-params must map each mode to a JSON object")
     modes = [m for arg in a.modes for m in arg.split(",") if m]
     try:
-        run_sweep(modes, a.results, a.run_id, params,
-              confirm_edge=[m for m in a.confirm_edge.split(",") if m],
-                  sizing_only=[m for m in a.sizing_only.split(",") if m], timeout_s=a.timeout_s)
+        run_sweep(modes, a.results, a.run_id, parsed["--params"],
+                  confirm_edge=[m for m in a.confirm_edge.split(",") if m],
+                  sizing_only=[m for m in a.sizing_only.split(",") if m], timeout_s=a.timeout_s,
+                  budget_s=a.budget_s, param_overrides=parsed["--mode-params"])
     except (ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import time
@@ -32,6 +33,78 @@ def make_prompt(seed: int, user: int, length: int, vocab_size: int) -> list[int]
 
     rng = np.random.default_rng([seed, user])
     return rng.integers(1000, vocab_size - 1000, size=length).tolist()
+
+
+MEMORY_LOGGERS = ("vllm.v1.worker.gpu_worker", "vllm.v1.worker.gpu_model_runner")
+
+
+class MemoryLog(logging.Handler):
+    """Keeps vLLM's log lines about memory (``sweep.MEMORY_PATTERNS``, CUDA-graph estimates).
+
+    Attached to the ``vllm`` logger; the two worker loggers are lowered to DEBUG so that their
+    breakdown lines (first-capture + per-graph estimate, profiling result) are emitted too. vLLM's own
+    console handler keeps its level, so the console output does not change."""
+
+    KEYS = ("KV cache", "CUDA graph", "non KV cache", "Maximum concurrency", "memory profiling")
+
+    def __init__(self) -> None:
+        super().__init__(level=logging.DEBUG)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            msg = record.getMessage()
+        except Exception:  # noqa: BLE001 - a bad log record must not break the measurement
+            return
+        if any(k.lower() in msg.lower() for k in self.KEYS):
+            self.lines.append(msg[:400])
+
+    def attach(self) -> "MemoryLog":
+        logging.getLogger("vllm").addHandler(self)
+        for name in MEMORY_LOGGERS:
+            logging.getLogger(name).setLevel(logging.DEBUG)
+        return self
+
+
+def worker_memory(llm) -> dict:
+    """vLLM's memory accounting read from the worker (bytes): weights, peak activations, non-torch,
+    CUDA-graph estimate, available KV; {} where the worker is not reachable."""
+    def read(w):
+        runner = getattr(w, "model_runner", None)
+        return {"weights": getattr(runner, "model_memory_usage", None),
+                "peak_activation": getattr(w, "peak_activation_memory", None),
+                "non_torch": getattr(w, "non_torch_memory", None),
+                "cudagraph_estimate": getattr(w, "cudagraph_memory_estimate", None),
+                "available_kv_cache": getattr(w, "available_kv_cache_memory_bytes", None),
+                "requested": getattr(w, "requested_memory", None)}
+    try:
+        got = llm.collective_rpc(read)[0]
+    except Exception as e:  # noqa: BLE001 - provenance extra, never fatal
+        return {"error": str(e)[:200]}
+    return {k: int(v) for k, v in got.items() if isinstance(v, (int, float))}
+
+
+def scheduler_of(llm):
+    """vLLM's in-process scheduler (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), or None."""
+    core = getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None)
+    return getattr(core, "scheduler", None)
+
+
+def free_blocks(llm) -> int | None:
+    sched = scheduler_of(llm)
+    try:
+        return int(sched.kv_cache_manager.block_pool.get_num_free_blocks())
+    except AttributeError:
+        return None
+
+
+def is_waiting(llm, rid: str) -> bool | None:
+    """Whether request ``rid`` (vLLM may append a suffix) is still in the waiting queue, unscheduled."""
+    sched = scheduler_of(llm)
+    if sched is None or not hasattr(sched, "waiting"):
+        return None
+    return any((r.request_id == rid or r.request_id.startswith(rid + "-")) and r.num_computed_tokens == 0
+               for r in sched.waiting)
 
 
 class Runner:
@@ -101,13 +174,16 @@ def measure_mode(mode: str, results_path: str, run_id: str, *, model_dir: str | 
         vocab = json.load(f)["vocab_size"]
     total = torch.cuda.get_device_properties(0).total_memory
     util = sweep.memory_utilization(gpu_memory_gb, total)
-    margin = window_steps * max_users + 64
+    # max_tokens beyond decode_tokens: the abort windows (window_steps per user) and the edge check
+    # (EDGE_STEPS) decode after the full window; the same for every mode, so max_model_len is too.
+    margin = window_steps * max_users + 64 + EDGE_STEPS
     kwargs = dict(model=model_dir, load_format=load_format, skip_tokenizer_init=True, seed=seed,
                   max_model_len=prompt_tokens + decode_tokens + margin, gpu_memory_utilization=util,
                   kv_cache_dtype=settings["kv_cache_dtype"], enable_prefix_caching=False,
                   max_num_seqs=max_num_seqs, block_size=block_size, disable_log_stats=False)
     if settings["attention_backend"]:
         kwargs["attention_backend"] = settings["attention_backend"]
+    mem_log = MemoryLog().attach()
     llm = LLM(**kwargs)
     t_init = time.perf_counter() - t_start
     cache = llm.llm_engine.vllm_config.cache_config
@@ -130,7 +206,11 @@ def measure_mode(mode: str, results_path: str, run_id: str, *, model_dir: str | 
         "max_num_batched_tokens": llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens,
         "enable_prefix_caching": False, "cuda_graphs": True, "seed": seed, "engine_init_s": round(t_init, 1),
         "hostname": prov["hostname"],
+        "vllm_memory": dict(sweep.parse_vllm_memory_log(mem_log.lines), worker_bytes=worker_memory(llm)),
     }
+    print("[measure] " + json.dumps({"mode": mode, "kv_cache_tokens": base["kv_cache_tokens"],
+                                     "users_fit_arithmetic": n_fit, "engine_init_s": base["engine_init_s"],
+                                     "vllm_memory": base["vllm_memory"]}), flush=True)
     results = sweep.ResultsFile(results_path)
     if sizing_only or n_fit == 0:
         row = dict(base, num_users=0, clean=n_fit > 0, preemptions=0, aggregate_decode_tok_s=None,
@@ -158,8 +238,16 @@ def measure_mode(mode: str, results_path: str, run_id: str, *, model_dir: str | 
                  window_s=w["seconds"], ttft_s_mean=tt["ttft_s_mean"], ttft_s_max=tt["ttft_s_max"],
                  ttft_s_first=tt["ttft_s_first"], last_first_token_s=t_first - tl[ids[0]].submit,
                  tpot_ms_mean=sum(tpot_full) / n, all_running_concurrently=concurrent,
+                 footprint=sweep.footprint(tl, prompt_tokens, decode_tokens, block_size),
                  measured_by="full", date=sweep.now_utc())]
     results.add(rows)
+    if confirm_edge:
+        if n < n_fit:
+            print(f"[measure] edge check skipped: N={n} is capped by max_users, not by the KV cache", flush=True)
+        elif time.perf_counter() + 60 < deadline:
+            rows.append(_edge_check(run, llm, base, ids, seed, prompt_tokens, decode_tokens, vocab, deadline,
+                                    wait_s=2 * (tt["ttft_s_first"] or 10.0) + 10, block_size=block_size))
+            results.add(rows[-1:])
     # Abort windows: N-1 .. 1 users, one engine, no new prefill.
     alive = list(ids)
     while len(alive) > 1 and time.perf_counter() + 30 < deadline:
@@ -180,35 +268,47 @@ def measure_mode(mode: str, results_path: str, run_id: str, *, model_dir: str | 
                          measured_by="abort-window", date=sweep.now_utc()))
         results.add(rows[-1:])
     run.abort(alive)
-    if confirm_edge and time.perf_counter() + 60 < deadline:
-        rows.append(_edge_check(run, llm, base, n + 1, seed, prompt_tokens, decode_tokens, vocab, deadline))
-        results.add(rows[-1:])
     return rows
 
 
-def _edge_check(run: Runner, llm, base: dict, n: int, seed: int, prompt_tokens: int, decode_tokens: int,
-                vocab: int, deadline: float) -> dict:
-    """Submit ``n`` fresh requests; clean only if all get a first token and none is preempted until each
-    has ``decode_tokens`` tokens. Stops at the first preemption (then clean = False)."""
-    ids = [f"e{i}" for i in range(n)]
-    p0 = preemptions(llm)
-    for i, rid in enumerate(ids):
-        run.submit(rid, make_prompt(seed + 1, i, prompt_tokens, vocab))
+EDGE_STEPS = 1024  # decode steps of headroom for the edge check (part of max_tokens, see margin)
+
+
+def _edge_check(run: Runner, llm, base: dict, old_ids: list[str], seed: int, prompt_tokens: int,
+                decode_tokens: int, vocab: int, deadline: float, wait_s: float, block_size: int) -> dict:
+    """N+1 check on top of the N requests still decoding after the full window: submit one fresh
+    request and step until vLLM preempts, the new request has ``decode_tokens`` tokens, it is still
+    unscheduled (waiting for KV blocks) 3 steps after submission, an old request finishes, or
+    ``wait_s`` passes (``sweep.edge_outcome`` gives the verdict). One 128K prefill at most, instead of
+    N+1 fresh ones. The old requests hold at least the workload's footprint (prompt + decode_tokens
+    tokens), so a clean result means N+1 fit concurrently; the new request is aborted afterwards."""
+    n = len(old_ids) + 1
+    rid = f"e{n}"
+    p0, free0 = preemptions(llm), free_blocks(llm)
+    run.submit(rid, make_prompt(seed + 1, n, prompt_tokens, vocab))
     tl = run.timelines
-    stop = lambda: preemptions(llm) > p0 or all(len(tl[r].times) >= decode_tokens for r in ids)  # noqa: E731
-    try:
-        run.run_until(stop, deadline - time.perf_counter())
-        timed_out = False
-    except TimeoutError:
-        timed_out = True
+    t_end = min(deadline - 30, time.perf_counter() + wait_s)
+    steps, waiting, timed_out = 0, False, False
+    while True:
+        run.step()
+        steps += 1
+        if preemptions(llm) > p0 or len(tl[rid].times) >= decode_tokens or any(r in run.finished for r in old_ids):
+            break
+        if steps >= 3 and not tl[rid].times and is_waiting(llm, rid):
+            waiting = True
+            break
+        if time.perf_counter() > t_end:
+            timed_out = True
+            break
     p1 = preemptions(llm)
-    all_first = all(tl[r].times for r in ids)
-    run.abort(ids)
-    tt = sweep.ttft_stats({r: tl[r] for r in ids})
-    return dict(base, num_users=n, clean=bool(all_first and p1 == p0 and not timed_out), preemptions=p1 - p0,
-                aggregate_decode_tok_s=None, ttft_s_mean=tt["ttft_s_mean"], ttft_s_max=tt["ttft_s_max"],
-                tpot_ms_mean=None, all_got_first_token=all_first, timed_out=timed_out,
-                measured_by="edge-check", date=sweep.now_utc())
+    clean, outcome = sweep.edge_outcome(p1 > p0, bool(tl[rid].times), len(tl[rid].times), decode_tokens,
+                                        any(r in run.finished for r in old_ids), timed_out)
+    run.abort([rid])
+    need = -(-(prompt_tokens + decode_tokens) // block_size)
+    return dict(base, num_users=n, clean=clean, preemptions=p1 - p0, aggregate_decode_tok_s=None,
+                ttft_s_mean=None, ttft_s_max=None, tpot_ms_mean=None, edge_outcome=outcome,
+                edge_waiting_for_blocks=waiting, edge_steps=steps, free_blocks_at_edge=free0,
+                blocks_per_user=need, measured_by="edge-check", date=sweep.now_utc())
 
 
 def main(argv=None) -> int:
