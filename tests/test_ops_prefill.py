@@ -52,13 +52,31 @@ def test_prefill_paged_matches_reference(variant, preset, hq, hkv, d, bs, rows):
     assert relerr(out, ref) < 2e-3
 
 
-def test_prefill_dequant_impl_matches_reference():
-    """impl="dequant": context in pieces (here 32 tokens) through a dense attention + LSE merge."""
+@pytest.mark.parametrize("piece_tokens", [32, 4096])
+def test_prefill_dequant_impl_matches_reference(piece_tokens):
+    """impl="dequant" (rotated space): context in pieces of 32 tokens through a dense attention
+    + LSE merge, or (4096) context and chunk in one causal call."""
     pool, bt, sl, qsl, q, k, v, ref = _batch("k4v4", 8, 2, 64, 16, seed=3)
     out = torch.full_like(q, float("nan"))
     prefill_attention(q, k, v, pool.data, bt, sl, qsl, pool.layout, pool.rotation, 0.125, out=out,
-                      impl="dequant", piece_tokens=32, dense_attn=_dense64)
+                      impl="dequant", piece_tokens=piece_tokens, dense_attn=_dense64)
     assert relerr(out, ref) < 2e-3
+
+
+@pytest.mark.parametrize("rotated", [False, True])
+def test_dequantize_context_matches_pool_dequantization(rotated):
+    """The Triton dequantization pass vs the PyTorch reference of the format (float64)."""
+    from kvrepro.ops import dequantize_context
+    pool, bt, sl, qsl, q, k, v, ref = _batch("k4v2", 9, 3, 64, 32, seed=4)
+    n = CTXS[-1]
+    kd = torch.full((n, 3, 64), float("nan"), dtype=torch.float16, device=DEV)
+    vd = torch.full_like(kd, float("nan"))
+    dequantize_context(pool.data, bt[-1], 0, n, pool.layout, pool.rotation, kd, vd, rotated=rotated)
+    k_rot, v_rot = pool.gather_rotated(bt[-1], n)
+    r = pool.rotation.double()
+    k_ref = k_rot.double() if rotated else k_rot.double() @ r.T
+    v_ref = v_rot.double() if rotated else v_rot.double() @ r.T
+    assert relerr(kd, k_ref) < 1e-3 and relerr(vd, v_ref) < 1e-3
 
 
 def test_prefill_dequant_impl_through_vllm_adapter():
@@ -76,7 +94,10 @@ def test_prefill_dequant_impl_through_vllm_adapter():
     out = prefill_attention(q, k, v, pool.data, bt, sl, qsl, pool.layout, pool.rotation, 0.125,
                             impl="dequant", piece_tokens=64, dense_attn=vllm_dense_attn(fake_fa, 3))
     assert relerr(out, ref) < 2e-3
-    assert (20, 64, False, 3) not in calls and (20, 40, False, 3) in calls and (20, 20, True, 3) in calls
+    # ctx 40 + chunk 20 fit one piece: one causal call over [context | chunk]; ctx 300 does not:
+    # the chunk (causal) and pieces of 64 + 64 + 64 + 64 + 44 context tokens (non-causal).
+    assert (20, 60, True, 3) in calls and (20, 40, False, 3) not in calls
+    assert (1, 1, True, 3) in calls and (1, 64, False, 3) in calls and (1, 44, False, 3) in calls
 
 
 def test_prefill_rejects_bad_inputs():

@@ -49,51 +49,83 @@ def vllm_dense_attn(flash_attn_varlen_func, fa_version: int | None = 3):
 
 
 def dequantize_context(pool, block_row: torch.Tensor, first: int, num: int, layout: PageLayout,
-                       rotation: torch.Tensor, k_out: torch.Tensor, v_out: torch.Tensor) -> None:
+                       rotation: torch.Tensor, k_out: torch.Tensor, v_out: torch.Tensor, *,
+                       rotated: bool = False) -> None:
     """Dequantize tokens ``first .. first + num - 1`` of one sequence (block-table row
-    ``block_row`` int32) into ``k_out/v_out [>= num, Hkv, D]`` (contiguous, bf16/fp16), unrotated."""
+    ``block_row`` int32) into ``k_out/v_out [>= num, Hkv, D]`` (contiguous, bf16/fp16).
+
+    ``rotated=False``: back in the model's space (``x @ R.T``, a float32 matmul per tile);
+    ``rotated=True``: left in the rotated space the pages are stored in (a byte-bound pass; the
+    caller rotates queries with ``R`` and outputs back with ``R.T``, attention being invariant to
+    an orthogonal rotation of q and k together)."""
     data = pool_tensor(pool)
     _, hkv = check_pool(data, layout)
     dequant_pages_kernel[(triton.cdiv(num, 32), hkv)](
         data, block_row, rotation, k_out, v_out, first, num,
         NUM_KV_HEADS=hkv, D=layout.head_dim, BS=layout.block_size, PAGE_BYTES=layout.page_bytes,
         KBITS=layout.key_bits, VBITS=layout.value_bits, V_CODE_OFF=layout.v_code_offset,
-        K_META_OFF=layout.k_meta_offset, V_META_OFF=layout.v_meta_offset, BLOCK_T=32)
+        K_META_OFF=layout.k_meta_offset, V_META_OFF=layout.v_meta_offset, BLOCK_T=32,
+        ROTATE=not rotated)
+
+
+def _rotate(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """``x @ r`` over the last dim in float32, returned in x's dtype (x ``[T, H, D]``)."""
+    return (x.float() @ r).to(x.dtype)
 
 
 def _prefill_dequant(query, key, value, data, block_tables, seq_lens, query_start_loc, layout,
                      rotation, scale, out, piece_tokens, dense_attn):
-    """impl="dequant": per sequence, context pieces -> dense workspace -> ``dense_attn``; pieces
-    and the fresh chunk merged by log-sum-exp. Reads lengths on the host (one sync)."""
+    """impl="dequant", in the rotated space: per sequence the chunk's q, k, v are rotated
+    (``@ R``, float32), the context is dequantized without rotating it back, piece by piece
+    (<= ``piece_tokens`` tokens) into one workspace; if context + chunk fit in a piece, one causal
+    ``dense_attn`` call over [context | chunk], else the chunk (causal) and each piece
+    (non-causal) merged by log-sum-exp in float32. The output is rotated back (``@ R.T``).
+    Reads lengths on the host (one sync)."""
     hkv, d = data.shape[1], layout.head_dim
     lens = seq_lens.tolist()
     qsl = query_start_loc.tolist()
+    rt = rotation.T.contiguous()
     ws_k = ws_v = None
+
+    def workspace(n):
+        nonlocal ws_k, ws_v
+        if ws_k is None or ws_k.shape[0] < n:
+            ws_k = torch.empty((n, hkv, d), dtype=query.dtype, device=query.device)
+            ws_v = torch.empty_like(ws_k)
+        return ws_k[:n], ws_v[:n]
+
     for b, sl in enumerate(lens):
         qs, qe = qsl[b], qsl[b + 1]
-        if qe == qs:
+        ql = qe - qs
+        if ql == 0:
             continue
         if sl == 0:
             out[qs:qe] = 0
             continue
-        ctx = sl - (qe - qs)
-        o, lse = dense_attn(query[qs:qe], key[qs:qe], value[qs:qe], scale, True)
+        ctx = sl - ql
+        q = _rotate(query[qs:qe], rotation)
+        k_new, v_new = _rotate(key[qs:qe], rotation), _rotate(value[qs:qe], rotation)
+        if ctx + ql <= piece_tokens:
+            k, v = workspace(ctx + ql)
+            if ctx:
+                dequantize_context(data, block_tables[b], 0, ctx, layout, rotation, k, v, rotated=True)
+            k[ctx:] = k_new
+            v[ctx:] = v_new
+            o, _ = dense_attn(q, k, v, scale, True)
+            out[qs:qe] = _rotate(o, rt)
+            continue
+        o, lse = dense_attn(q, k_new, v_new, scale, True)
         o = o.float()
         for p0 in range(0, ctx, piece_tokens):
             n = min(piece_tokens, ctx - p0)
-            if ws_k is None:
-                ws_k = torch.empty((min(piece_tokens, ctx), hkv, d), dtype=query.dtype, device=query.device)
-                ws_v = torch.empty_like(ws_k)
-            elif ws_k.shape[0] < n:
-                ws_k = torch.empty((n, hkv, d), dtype=query.dtype, device=query.device)
-                ws_v = torch.empty_like(ws_k)
-            dequantize_context(data, block_tables[b], p0, n, layout, rotation, ws_k, ws_v)
-            o2, lse2 = dense_attn(query[qs:qe], ws_k[:n], ws_v[:n], scale, False)
+            k, v = workspace(n)
+            dequantize_context(data, block_tables[b], p0, n, layout, rotation, k, v, rotated=True)
+            o2, lse2 = dense_attn(q, k, v, scale, False)
             m = torch.maximum(lse, lse2)
             w1, w2 = torch.exp(lse - m), torch.exp(lse2 - m)
             o = (o * w1[..., None] + o2.float() * w2[..., None]) / (w1 + w2)[..., None]
             lse = m + torch.log(w1 + w2)
-        out[qs:qe] = o.to(out.dtype)
+        out[qs:qe] = (o @ rt).to(out.dtype)
     return out
 
 
@@ -116,11 +148,13 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
 
     ``impl="paged"`` (default): one Triton kernel reads the compressed pages directly (no
     dequantized copy, no host sync if ``max_query_len`` is given). ``impl="dequant"``: per
-    sequence, the context is dequantized (unrotated) into a workspace of ``piece_tokens`` tokens
-    (``2 * piece_tokens * Hkv * D * 2`` bytes; 128 MiB at 32K x 8 x 128) and each piece, then the
-    causal fresh chunk, goes through ``dense_attn(q, k, v, scale, causal) -> (o, lse)``
-    (default ``flash_dense_attn``: PyTorch's FlashAttention-2; the vLLM backend can pass FA3);
-    results merged by log-sum-exp in float32 (plus ``q_len * Hq * D * 4`` bytes). It reads
+    sequence, everything happens in the pages' rotated space: the chunk's q/k/v are rotated
+    (``@ R``), the context is dequantized without the inverse rotation into a workspace of
+    ``piece_tokens`` tokens (``2 * piece_tokens * Hkv * D * 2`` bytes; 128 MiB at 32K x 8 x 128),
+    and ``dense_attn(q, k, v, scale, causal) -> (o, lse)`` (default ``flash_dense_attn``:
+    PyTorch's FlashAttention-2; the vLLM backend can pass FA3) runs once over [context | chunk]
+    when both fit in a piece, else per piece with a float32 log-sum-exp merge (plus
+    ``q_len * Hq * D * 4`` bytes); the output is rotated back (``@ R.T``). It reads
     ``seq_lens``/``query_start_loc`` on the host.
 
     Layout (vLLM varlen)::

@@ -1,7 +1,9 @@
-"""Dequantize a run of compressed pages into a dense K/V workspace in the *unrotated* space.
+"""Dequantize a run of compressed pages into a dense K/V workspace.
 
-``out[i, h] = (code * scale + zero) @ R.T`` for keys, ``((code - c) * scale) @ R.T`` for values
-(``kvrepro.formats.compressed``), written in the workspace dtype (bfloat16/float16).
+``out[i, h] = (code * scale + zero)`` for keys, ``(code - c) * scale`` for values
+(``kvrepro.formats.compressed``), in the rotated space (``ROTATE=False``, a pure byte-bound pass)
+or rotated back, ``@ R.T`` (``ROTATE=True``, a float32 matmul per tile), written in the workspace
+dtype (bfloat16/float16).
 """
 import triton
 import triton.language as tl
@@ -9,7 +11,7 @@ import triton.language as tl
 
 @triton.jit
 def _dequant_tile(pool_ptr, page, t_in, ok, d, rt, CODE_OFF: tl.constexpr, META_OFF: tl.constexpr,
-                  BITS: tl.constexpr, SYMMETRIC: tl.constexpr, D: tl.constexpr):
+                  BITS: tl.constexpr, SYMMETRIC: tl.constexpr, D: tl.constexpr, ROTATE: tl.constexpr):
     P: tl.constexpr = D * BITS // 8
     MASK: tl.constexpr = (1 << BITS) - 1
     byte = d % P
@@ -26,7 +28,9 @@ def _dequant_tile(pool_ptr, page, t_in, ok, d, rt, CODE_OFF: tl.constexpr, META_
         s = tl.load(m, mask=ok, other=0.0).to(tl.float32)
         z = tl.load(m + 1, mask=ok, other=0.0).to(tl.float32)
         x = code * s[:, None] + z[:, None]
-    return tl.dot(x, rt, input_precision="ieee")
+    if ROTATE:
+        x = tl.dot(x, rt, input_precision="ieee")
+    return x
 
 
 @triton.jit
@@ -34,7 +38,7 @@ def dequant_pages_kernel(pool_ptr, bt_ptr, rot_ptr, k_out_ptr, v_out_ptr, first_
                          NUM_KV_HEADS: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                          PAGE_BYTES: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
                          V_CODE_OFF: tl.constexpr, K_META_OFF: tl.constexpr, V_META_OFF: tl.constexpr,
-                         BLOCK_T: tl.constexpr):
+                         BLOCK_T: tl.constexpr, ROTATE: tl.constexpr = True):
     """Grid ``(cdiv(num_tok, BLOCK_T), NUM_KV_HEADS)``: tokens ``first_tok + i`` of one sequence
     (block-table row ``bt_ptr``) into ``k_out/v_out [num_tok, NUM_KV_HEADS, D]`` (contiguous)."""
     h = tl.program_id(1)
@@ -45,9 +49,12 @@ def dequant_pages_kernel(pool_ptr, bt_ptr, rot_ptr, k_out_ptr, v_out_ptr, first_
     page = (blk * NUM_KV_HEADS + h) * PAGE_BYTES
     t_in = n % BS
     d = tl.arange(0, D)
-    rt = tl.load(rot_ptr + d[None, :] * D + d[:, None])            # rt[j, c] = R[c, j]
+    if ROTATE:
+        rt = tl.load(rot_ptr + d[None, :] * D + d[:, None])        # rt[j, c] = R[c, j]
+    else:
+        rt = rot_ptr
     dst = (i.to(tl.int64) * NUM_KV_HEADS + h)[:, None] * D + d[None, :]
-    k = _dequant_tile(pool_ptr, page, t_in, ok, d, rt, 0, K_META_OFF, KBITS, False, D)
+    k = _dequant_tile(pool_ptr, page, t_in, ok, d, rt, 0, K_META_OFF, KBITS, False, D, ROTATE)
     tl.store(k_out_ptr + dst, k.to(k_out_ptr.dtype.element_ty), mask=ok[:, None])
-    v = _dequant_tile(pool_ptr, page, t_in, ok, d, rt, V_CODE_OFF, V_META_OFF, VBITS, True, D)
+    v = _dequant_tile(pool_ptr, page, t_in, ok, d, rt, V_CODE_OFF, V_META_OFF, VBITS, True, D, ROTATE)
     tl.store(v_out_ptr + dst, v.to(v_out_ptr.dtype.element_ty), mask=ok[:, None])
