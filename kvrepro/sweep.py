@@ -302,17 +302,23 @@ def measurement_blockers(info: dict | None = None) -> list[str]:
     return missing
 
 
-MIN_START_S = {"full": 150.0, "sizing": 80.0}  # don't start a mode with less wall time left than this
+# Wall seconds a mode needs with the default workload on the H200 (engine start + N prefills + 1,024
+# decode steps + abort windows; from results/capacity/h200-20261129-*.jsonl and the card): a mode is
+# not started with less left (it would time out and write nothing). Sizing only: engine start.
+MIN_START_S = {"bf16": 130.0, "fp8": 180.0, "kvrepro:k4v4": 360.0, "kvrepro:k8v4": 250.0,
+               "kvrepro:k4v2": 430.0, "turboquant_k8v4": 450.0, "turboquant_4bit_nc": 560.0}
+MIN_START_SIZING_S = 80.0
 
 
 def run_sweep(modes, results_path: str | os.PathLike, run_id: str, params: dict | None = None,
               confirm_edge=(), timeout_s: float = 540.0, sizing_only=(), budget_s: float | None = None,
-              param_overrides: dict | None = None) -> list[str]:
+              param_overrides: dict | None = None, min_start_s: dict | None = None) -> list[str]:
     """Measure every mode not yet in ``results_path`` (resume), each in its own subprocess
     (``python -m kvrepro.vllm_backend.measure``) so GPU memory is returned between modes.
 
-    ``budget_s``: wall seconds for this whole call; a mode is not started with less than
-    ``MIN_START_S`` left (it is left for a resumed call) and each gets at most what is left.
+    ``budget_s``: wall seconds for this whole call; a mode is not started with less than its
+    ``MIN_START_S`` (``MIN_START_SIZING_S`` for sizing; ``min_start_s`` overrides per mode) left (it is
+    left for a resumed call) and each gets at most what is left.
     ``param_overrides``: ``{mode: {param: value}}`` on top of ``params`` for single modes.
     A failing mode does not stop the others; the rows it wrote stay in the file.
 
@@ -344,8 +350,11 @@ def run_sweep(modes, results_path: str | os.PathLike, run_id: str, params: dict 
         limit = timeout_s
         if budget_s is not None:
             left = budget_s - (time.perf_counter() - t0)
-            if left < MIN_START_S["sizing" if only_size else "full"]:
-                print(f"[sweep] {mode}: not started, {left:.0f} s of the budget left (resume later)", flush=True)
+            need = (MIN_START_SIZING_S if only_size else
+                    {**MIN_START_S, **(min_start_s or {})}.get(mode, 150.0))
+            if left < need:
+                print(f"[sweep] {mode}: not started, {left:.0f} s of the budget left, needs ~{need:.0f} s "
+                      "(resume later)", flush=True)
                 continue
             limit = min(timeout_s, left - 5)
         mp = {**DEFAULT_PARAMS, **(params or {}), **overrides.get(mode, {})}
@@ -376,11 +385,14 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout-s", type=float, default=540.0, help="wall seconds per mode")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="wall seconds for the whole call: modes that no longer fit are left for a resumed call")
+    ap.add_argument("--min-start-s", default="{}",
+                    help="JSON {mode: seconds}: start a mode only with this much budget left (over MIN_START_S)")
     ap.add_argument("--mode-params", default="{}",
                     help="JSON {mode: {param: value}} overriding --params for single modes")
     a = ap.parse_args(argv)
     parsed = {}
-    for flag, text in (("--params", a.params), ("--mode-params", a.mode_params)):
+    for flag, text in (("--params", a.params), ("--mode-params", a.mode_params),
+                       ("--min-start-s", a.min_start_s)):
         try:
             parsed[flag] = json.loads(text)
         except json.JSONDecodeError as e:
@@ -394,7 +406,8 @@ def main(argv=None) -> int:
         run_sweep(modes, a.results, a.run_id, parsed["--params"],
                   confirm_edge=[m for m in a.confirm_edge.split(",") if m],
                   sizing_only=[m for m in a.sizing_only.split(",") if m], timeout_s=a.timeout_s,
-                  budget_s=a.budget_s, param_overrides=parsed["--mode-params"])
+                  budget_s=a.budget_s, param_overrides=parsed["--mode-params"],
+                  min_start_s=parsed["--min-start-s"])
     except (ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,14 +1,24 @@
 #!/usr/bin/env bash
 # Runs ON the lent H200 (see /work/shared/device/README.md), from the repo root, after
 #   source .device/vllm-c/kvdev.sh env          (vLLM 0.20.2 bundle on PYTHONPATH)
-# Usage: bash scripts/h200_sweep.sh smoke
-#        bash scripts/h200_sweep.sh sweep RUN_ID MODES [CONFIRM_EDGE_MODES] [PARAMS_JSON]
-# Results of a sweep go to results/capacity/RUN_ID.jsonl (resumed if it travelled with the tree)
-# and are copied to $OUT.
+# Usage: bash scripts/h200_sweep.sh smoke                 GPU smoke of the decode path (~30-60 s)
+#        bash scripts/h200_sweep.sh sweep RUN_ID MODES [EDGE_MODES] [PARAMS_JSON] [MODE_PARAMS_JSON]
+#        bash scripts/h200_sweep.sh smoke+sweep RUN_ID MODES [EDGE_MODES] ...   (both, one call)
+# Wall budget of the whole call: CALL_LIMIT_S (default 585) counted from CALL_T0 (epoch seconds; set
+# it first thing on the command line so that staging counts too), else from this script's start.
+# Modes that no longer fit are not started (a later call resumes them). SIZING_ONLY=modes,... sizes only;
+# MIN_START='{"mode": s}' overrides kvrepro.sweep.MIN_START_S (seconds a mode needs to be started).
+# Results: $OUT/RUN_ID.jsonl (rows of earlier calls resume from results/capacity/RUN_ID.jsonl or from
+# the warm machine's /tmp/kvres copy, whichever has more rows) + $OUT/sweep_log.txt (full vLLM log).
 set -u
+T0=${CALL_T0:-$(date +%s)}
+left() { echo $(( ${CALL_LIMIT_S:-585} - ($(date +%s) - T0) )); }
 export PYTHONUNBUFFERED=1 VLLM_ENABLE_V1_MULTIPROCESSING=0
+# Compile caches shared by every engine start of this machine while it stays warm (torch.compile
+# artifacts of vLLM, Triton kernels incl. kvrepro's, warmed by the smoke).
+export VLLM_CACHE_ROOT=/tmp/kvcache/vllm TRITON_CACHE_DIR=/tmp/kvcache/triton
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-OUT=${OUT:-/tmp/kvout}; mkdir -p "$OUT"
+OUT=${OUT:-/tmp/kvout}; mkdir -p "$OUT" /tmp/kvcache /tmp/kvres
 # The vllm.general_plugins entry point: from kvrepro's installed metadata if pyproject declares it,
 # else a metadata-only shim with the same line (no code copied) so vLLM's own plugin loader runs it.
 if grep -q 'vllm.general_plugins' pyproject.toml; then
@@ -22,22 +32,38 @@ if ! python3 -c "from importlib.metadata import entry_points as e; import sys; s
   echo "entry point: metadata shim in $d (pyproject has no vllm.general_plugins line yet)"
 fi
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,temperature.gpu --format=csv,noheader
+
+smoke() {
+  # Warm-up compiles every decode variant into TRITON_CACHE_DIR (the k4v4 engine then loads them),
+  # captures a padded decode graph (must allocate nothing), replay == eager == reference.
+  timeout 90 python3 -m pytest -q -s -x tests/test_vllm_gpu_runtime.py 2>&1 | grep -E "SMOKE|passed|failed|Error" | tail -12
+  echo "smoke done at $(( $(date +%s) - T0 )) s"
+}
+
+sweep() {
+  local run=$1 modes=$2 edge=${3:-} params=${4:-'{}'} mparams=${5:-'{}'} src=results/capacity/$1.jsonl
+  if [ -f /tmp/kvres/$run.jsonl ] && [ "$(wc -l < /tmp/kvres/$run.jsonl)" -gt "$(cat $src 2>/dev/null | wc -l)" ]; then
+    src=/tmp/kvres/$run.jsonl
+  fi
+  [ -f "$src" ] && cp "$src" $OUT/$run.jsonl && echo "resuming from $src ($(wc -l < $src) rows)"
+  local budget; budget=$(left)
+  echo "sweep budget ${budget} s: $modes (edge: ${edge:-none}; sizing only: ${SIZING_ONLY:-none})"
+  timeout $(( budget > 20 ? budget : 20 )) python3 -m kvrepro.sweep --modes "$modes" --results $OUT/$run.jsonl \
+    --run-id $run --confirm-edge "$edge" --sizing-only "${SIZING_ONLY:-}" --params "$params" \
+    --mode-params "$mparams" --min-start-s "${MIN_START:-{\}}" --budget-s $(( budget - 10 )) --timeout-s ${SWEEP_TIMEOUT_S:-540} 2>&1 \
+    | tee $OUT/sweep_log.txt \
+    | grep -E "^\[sweep\]|^\[measure\]|^\{|Error|Traceback|GPU KV cache size|CUDA graph pool memory|Available KV cache" \
+    | cut -c1-700 | tail -60
+  cp $OUT/$run.jsonl /tmp/kvres/ 2>/dev/null
+  echo "call done at $(( $(date +%s) - T0 )) s"
+}
+
 case "${1:-}" in
-  smoke)
-    timeout 120 python3 -m pytest -q -x tests/test_vllm_backend.py 2>&1 | tail -5
-    timeout 200 python3 scripts/vllm_smoke.py --case graphs --out $OUT/smoke_graphs.json 2>&1 | grep -E "SMOKE|Error|error|Traceback|KV cache size|CUDA graph" | tail -20
-    timeout 150 python3 scripts/vllm_smoke.py --case piecewise --compare $OUT/smoke_graphs.json --out $OUT/smoke_piecewise.json 2>&1 | grep -E "SMOKE|Error|Traceback" | tail -10
-    timeout 90 python3 scripts/vllm_smoke.py --case refuse --out $OUT/smoke_refuse.json 2>&1 | grep -E "SMOKE" | tail -3
-    ;;
-  smokeg)
+  smoke) smoke ;;
+  sweep) shift; sweep "$@" ;;
+  smoke+sweep) shift; smoke; sweep "$@" ;;
+  smokeg)  # the tiny-model engine smoke of the previous session (CUDA graphs + torch.compile, ~2 min)
     timeout 200 python3 scripts/vllm_smoke.py --case graphs --out $OUT/smoke_graphs.json 2>&1 | tee $OUT/smoke_log.txt | grep -E "SMOKE|Error|Traceback|KV cache size" | tail -20
     ;;
-  sweep)
-    run=$2; modes=$3; edge=${4:-}; params=${5:-'{}'}
-    cp results/capacity/$run.jsonl $OUT/ 2>/dev/null   # resume: rows of earlier calls travel with the tree
-    timeout ${SWEEP_CALL_S:-580} python3 -m kvrepro.sweep --modes "$modes" --results $OUT/$run.jsonl --run-id $run \
-      --confirm-edge "$edge" --params "$params" --timeout-s ${SWEEP_TIMEOUT_S:-540} 2>&1 \
-      | tee $OUT/sweep_log.txt | grep -E "^\[sweep\]|^\{|Error|Traceback|KV cache size|Maximum concurrency" | tail -40
-    ;;
-  *) echo "usage: $0 smoke | sweep RUN_ID MODES [EDGE_MODES] [PARAMS]"; exit 2 ;;
+  *) echo "usage: $0 smoke | sweep RUN_ID MODES [EDGE] [PARAMS] [MODE_PARAMS] | smoke+sweep ..."; exit 2 ;;
 esac

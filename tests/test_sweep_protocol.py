@@ -96,11 +96,12 @@ def test_budgeted_sweep_skips_what_no_longer_fits_and_continues_after_a_failure(
     monkeypatch.setattr(sweep.time, "perf_counter", lambda: clock["t"])
     path = tmp_path / "r.jsonl"
     with pytest.raises(RuntimeError, match="measuring fp8 failed"):
-        sweep.run_sweep(["kvrepro:k4v4", "fp8", "bf16", "kvrepro:k8v4"], path, "r",
+        sweep.run_sweep(["kvrepro:k4v4", "fp8", "bf16", "kvrepro:k8v4", "kvrepro:k4v2"], path, "r",
                         {"window_steps": 8}, confirm_edge=["kvrepro:k4v4"], budget_s=560,
-                        sizing_only=["kvrepro:k8v4"], param_overrides={"bf16": {"window_steps": 4}})
-    # k4v4 at t=0 (560 s left), fp8 at 200 (360 left, fails), bf16 at 400 (160 >= 150 left),
-    # k8v4 sizing at 600: budget spent, not started
+                        sizing_only=["kvrepro:k8v4"], param_overrides={"bf16": {"window_steps": 4}},
+                        min_start_s={"bf16": 160.0})
+    # k4v4 at t=0 (560 s left >= 360), fp8 at 200 (360 left, fails), bf16 at 400 (160 >= 160 left),
+    # k8v4 sizing at 600: budget spent (-40 < 80), k4v2 not started either
     assert [c[0] for c in calls] == ["kvrepro:k4v4", "fp8", "bf16"]
     k4, fp8, bf16 = (c[1] for c in calls)
     assert k4["confirm_edge"] and not fp8["confirm_edge"] and k4["timeout_s"] == 540.0
@@ -110,3 +111,15 @@ def test_budgeted_sweep_skips_what_no_longer_fits_and_continues_after_a_failure(
         sweep.run_sweep(["bf16"], path, "r", param_overrides={"bf16": {"windows": 1}})
     with pytest.raises(ValueError, match="modes"):
         sweep.run_sweep(["bf16"], path, "r", param_overrides={"fp16": {}})
+
+
+def test_budget_does_not_start_a_mode_that_would_time_out(tmp_path, monkeypatch):
+    import subprocess
+
+    calls = []
+    monkeypatch.setattr(sweep, "measurement_blockers", lambda info=None: [])
+    monkeypatch.setattr(subprocess, "call", lambda cmd: calls.append(cmd) or 0)
+    assert sweep.run_sweep(["kvrepro:k4v4"], tmp_path / "r.jsonl", "r", budget_s=300) == []
+    assert calls == []  # k4v4 needs ~MIN_START_S["kvrepro:k4v4"] = 360 s
+    assert sweep.run_sweep(["kvrepro:k4v4"], tmp_path / "r.jsonl", "r", budget_s=300,
+                           min_start_s={"kvrepro:k4v4": 250}) == ["kvrepro:k4v4"]
