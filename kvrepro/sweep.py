@@ -283,7 +283,7 @@ def now_utc() -> str:
 
 DEFAULT_PARAMS = {"gpu_memory_gb": 80.0, "prompt_tokens": 131072, "decode_tokens": 1024, "max_users": 32,
                   "window_steps": 32, "max_num_seqs": 32, "block_size": 16, "seed": 0,
-                  "load_format": "dummy", "model_dir": None}
+                  "load_format": "dummy", "model_dir": None, "cudagraph_mode": None}
 
 
 def measurement_blockers(info: dict | None = None) -> list[str]:

@@ -156,8 +156,11 @@ def measure_mode(mode: str, results_path: str, run_id: str, *, model_dir: str | 
                  load_format: str = "dummy", gpu_memory_gb: float = 80.0, prompt_tokens: int = 131072,
                  decode_tokens: int = 1024, max_users: int = 32, window_steps: int = 32,
                  max_num_seqs: int = 32, block_size: int = 16, seed: int = 0, confirm_edge: bool = False,
-                 timeout_s: float = 540.0, sizing_only: bool = False) -> list[dict]:
-    """Measure one KV mode (module docstring of ``kvrepro.sweep``); appends rows to ``results_path``."""
+                 timeout_s: float = 540.0, sizing_only: bool = False, cudagraph_mode: str | None = None) -> list[dict]:
+    """Measure one KV mode (module docstring of ``kvrepro.sweep``); appends rows to ``results_path``.
+
+    ``cudagraph_mode``: vLLM's ``compilation_config.cudagraph_mode`` (e.g. ``"PIECEWISE"``); None =
+    vLLM's default (FULL_AND_PIECEWISE in 0.20.2). Recorded in every row."""
     settings = sweep.engine_settings(mode)
     os.environ.update(settings["env"])
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -183,6 +186,8 @@ def measure_mode(mode: str, results_path: str, run_id: str, *, model_dir: str | 
                   max_num_seqs=max_num_seqs, block_size=block_size, disable_log_stats=False)
     if settings["attention_backend"]:
         kwargs["attention_backend"] = settings["attention_backend"]
+    if cudagraph_mode is not None:
+        kwargs["compilation_config"] = {"cudagraph_mode": cudagraph_mode}
     mem_log = MemoryLog().attach()
     llm = LLM(**kwargs)
     t_init = time.perf_counter() - t_start
@@ -204,7 +209,9 @@ def measure_mode(mode: str, results_path: str, run_id: str, *, model_dir: str | 
         else model_dir, "load_format": load_format, "run_id": run_id, "measured": True,
         "max_num_seqs": max_num_seqs, "max_model_len": kwargs["max_model_len"],
         "max_num_batched_tokens": llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens,
-        "enable_prefix_caching": False, "cuda_graphs": True, "seed": seed, "engine_init_s": round(t_init, 1),
+        "enable_prefix_caching": False, "cuda_graphs": True,
+        "cudagraph_mode": str(getattr(llm.llm_engine.vllm_config.compilation_config.cudagraph_mode, "name",
+                                      llm.llm_engine.vllm_config.compilation_config.cudagraph_mode)), "seed": seed, "engine_init_s": round(t_init, 1),
         "hostname": prov["hostname"],
         "vllm_memory": dict(sweep.parse_vllm_memory_log(mem_log.lines), worker_bytes=worker_memory(llm)),
     }
