@@ -22,6 +22,9 @@ NB = ROOT / "notebooks" / "03_accuracy.ipynb"
     (dict(context_lengths=[512.0]), "context_lengths"), (dict(depths=[1.2]), "depths"),
     (dict(num_keys=0), "num_keys"), (dict(max_new_tokens=0), "max_new_tokens"),
     (dict(block_size=8), "block_size"), (dict(seed="x"), "seed"), (dict(kv_mode="fp8"), "kv_mode"),
+    (dict(variants=["single", "many"]), "variants"), (dict(variants=[]), "variants"),
+    (dict(sanity_tokens=4), "sanity_tokens"), (dict(engine="tpu"), r"engine must be one of \('cpu', 'vllm'\)"),
+    (dict(vllm_results=3), "vllm_results"),
 ])
 def test_bad_parameters_fail_naming_them(override, name):
     with pytest.raises(ValueError, match=name):
@@ -105,3 +108,91 @@ def test_notebook_bad_parameter_fails_naming_it(tmp_path):
         papermill.execute_notebook(str(NB), str(tmp_path / "out.ipynb"), kernel_name="python3",
                                    parameters=dict(formats=["bf16", "int3"]), cwd=str(NB.parent),
                                    progress_bar=False)
+
+
+# ---------------------------------------------------------------- sanity, target, engine agreement (hand values)
+
+def test_sanity_metrics_against_hand_values():
+    m = accuracy.sanity_metrics([1, 2, 3, 4], "1 2 9 4 4")
+    assert m == dict(first_divergence=2, prefix_agreement=0.5, token_agreement=0.75, dup_rate=0.25, rep3_rate=0.0)
+    loop = [5, 6, 7] * 5  # 13 3-grams, the first 3 new, the other 10 repeats
+    assert accuracy.sanity_metrics(loop, loop)["rep3_rate"] == pytest.approx(10 / 13)
+    assert accuracy.sanity_metrics([1, 2], [])["token_agreement"] == 0.0
+    with pytest.raises(ValueError, match="ref"):
+        accuracy.sanity_metrics([], [1])
+
+
+def _sanity_rows():
+    texts = {"a": list(range(10, 42)), "b": list(range(50, 82)), "c": list(range(100, 132))}
+    rows = []
+    for name, ref in texts.items():
+        outs = {"bf16": ref, "good": ref[:20] + list(range(200, 212)),
+                "loop": ref[:6] + [5, 6, 7] * 8 + [5, 6],
+                "stutter": ref[:6] + [9, 9, 8, 8] * 6 + [1, 2],
+                "offtrack": [999] + ref[1:]}
+        for fmt, out in outs.items():
+            rows.append(dict(format=fmt, name=name, output_ids=" ".join(map(str, out))))
+    return pd.DataFrame(rows)
+
+
+def test_sanity_table_flags_corrupt_output():
+    t = accuracy.sanity_table(_sanity_rows())
+    assert t.loc["bf16", "sanity_pass"] and t.loc["bf16", "token_agreement"] == 1.0
+    assert t.loc["good", "sanity_pass"] and t.loc["good", "first_divergence_median"] == 20
+    assert t.loc["good", "token_agreement"] == pytest.approx(20 / 32)
+    assert not t.loc["loop", "sanity_pass"] and t.loc["loop", "worst_extra_rep3"] > 0.5  # loops, no adjacent dups
+    assert t.loc["loop", "worst_extra_dup"] == 0
+    assert not t.loc["stutter", "sanity_pass"] and t.loc["stutter", "worst_extra_dup"] > 0.10
+    assert not t.loc["offtrack", "sanity_pass"] and t.loc["offtrack", "first_divergence_median"] == 0
+    assert t.loc["offtrack", "token_agreement"] == pytest.approx(31 / 32)  # same text after token 0, still fails
+    with pytest.raises(ValueError, match="baseline"):
+        accuracy.sanity_table(_sanity_rows().query("format != 'bf16'"))
+
+
+def _cells(fmt, values, variant="single", engine="cpu"):
+    """values: {(length, depth): [correct per key]} -> rows with distinct hashes per (variant, cell, key)."""
+    return [dict(format=fmt, variant=variant, engine=engine, context_length=n, depth=d, key=str(10000 + i),
+                 correct=c, prompt_sha256=f"{variant}-{n}-{d}-{i}")
+            for (n, d), cs in values.items() for i, c in enumerate(cs)]
+
+
+def test_target_check_judges_only_cells_where_bf16_is_at_least_95_percent():
+    rows = (_cells("bf16", {(1024, 0.0): [1, 1], (1024, 1.0): [1, 0]})
+            + _cells("k4v4", {(1024, 0.0): [1, 1], (1024, 1.0): [0, 0]})
+            + _cells("k4v2", {(1024, 0.0): [1, 0], (1024, 1.0): [1, 1]})
+            + _cells("bf16", {(1024, 0.0): [0, 0]}, "multi") + _cells("k4v4", {(1024, 0.0): [0, 0]}, "multi"))
+    t = accuracy.target_check(pd.DataFrame(rows))
+    assert t.loc[("k4v4", "single"), "meets"] and t.loc[("k4v4", "single"), "cells_judged"] == 1
+    assert not t.loc[("k4v2", "single"), "meets"] and t.loc[("k4v2", "single"), "cells_worse"] == ["1024/0.0"]
+    assert t.loc[("k4v2", "single"), "accuracy"] == 0.75
+    assert not t.loc[("k4v4", "multi"), "meets"] and t.loc[("k4v4", "multi"), "cells_judged"] == 0  # nothing to judge
+
+
+def test_engine_agreement_against_hand_values():
+    cells = {(1024, 0.0): [1, 1, 1, 1], (2048, 0.0): [1, 1, 1, 1]}
+    cpu = pd.DataFrame(_cells("bf16", cells) + _cells("k4v4", cells))
+    v_k4 = {(1024, 0.0): [1, 1, 1, 1], (2048, 0.0): [1, 1, 1, 0]}  # one miss on vLLM
+    vllm = pd.DataFrame(_cells("bf16", cells, engine="vllm") + _cells("k4v4", v_k4, engine="vllm")
+                        + _cells("k4v4", {(8184, 0.0): [0, 0]}, engine="vllm"))  # not shared: ignored
+    t = accuracy.engine_agreement(vllm, cpu)
+    assert t.loc["k4v4", "shared_runs"] == 8 and t.loc["k4v4", "accuracy_vllm"] == 7 / 8
+    assert t.loc["k4v4", "run_agreement"] == 7 / 8 and t.loc["k4v4", "accuracy_diff"] == -1 / 8
+    assert not t.loc["k4v4", "agree"]  # 12.5 points > 5, and the target verdict differs
+    assert t.loc["k4v4", "target_cpu"] and not t.loc["k4v4", "target_vllm"]
+    assert t.loc["bf16", "agree"] and t.loc["bf16", "run_agreement"] == 1.0
+    with pytest.raises(ValueError, match="share no"):
+        accuracy.engine_agreement(vllm.assign(prompt_sha256="x"), cpu)
+
+
+def test_load_vllm_results_labels_replay(tmp_path):
+    rows = pd.DataFrame(_cells("bf16", {(1024, 0.0): [1]}, engine="vllm")).assign(
+        mode="bf16", gpu="NVIDIA H200", date="2026-11-30T01:02:03Z", vllm_version="0.20.2")
+    rows.to_csv(tmp_path / "vllm_accuracy.csv", index=False)
+    r = accuracy.load_vllm_results(str(tmp_path / "vllm_accuracy.csv"))
+    assert r["label"] == f"replayed from {tmp_path / 'vllm_accuracy.csv'}, measured on NVIDIA H200 2026-11-30T01:02:03Z"
+    assert r["sanity"] is None and len(r["rows"]) == 1
+    rows.drop(columns=["gpu"]).to_csv(tmp_path / "bad.csv", index=False)
+    with pytest.raises(ValueError, match="gpu"):
+        accuracy.load_vllm_results(str(tmp_path / "bad.csv"))
+    with pytest.raises(FileNotFoundError):
+        accuracy.load_vllm_results(str(tmp_path / "none.csv"))

@@ -1,5 +1,7 @@
 """Needle prompt builder and scorer (field-faults.md row 11), with SmolLM2's real tokenizer."""
 import hashlib
+import itertools
+import re
 
 import pytest
 
@@ -102,3 +104,74 @@ def test_answer_decided_only_when_the_first_number_is_complete(text, decided):
     assert needle.answer_decided(text) == decided
     if decided:  # more tokens can no longer change the score
         assert score_answer(text + "999", "60494") == score_answer(text, "60494")
+
+
+# ---------------------------------------------------------------- multi-needle variant
+
+@pytest.mark.parametrize("depth", [0.0, 0.5, 1.0])
+def test_multi_needle_prompt_rules(tok, depth):
+    key = "71234"
+    p = build_prompt(tok, 2048, depth, key, "multi")
+    text = tok.decode(p.input_ids)
+    assert tok(p.text, add_special_tokens=False).input_ids == p.input_ids and 2048 - 16 <= p.n_tokens <= 2048
+    assert p.variant == "multi" and p.vault in needle.VAULTS and len(p.distractors) == needle.MULTI_NEEDLES - 1
+    # independent of the builder: parse every needle line out of the decoded text
+    found = re.findall(r"The pass key for vault-([A-D]) is (\d{5})\. Remember it\. \2 is the pass key for vault-\1\.",
+                       text)
+    assert sorted(v for v, _ in found) == list(needle.VAULTS)  # each vault exactly once
+    keys = dict(found)
+    assert keys[p.vault] == key and sorted(k for v, k in found if v != p.vault) == sorted(p.distractors)
+    for d in p.distractors:  # near-identical: one digit apart (never the first) from the key ...
+        diff = [i for i in range(5) if d[i] != key[i]]
+        assert len(diff) == 1 and diff[0] > 0
+    for a, b in itertools.combinations(p.distractors, 2):  # ... and two from each other
+        assert sum(x != y for x, y in zip(a, b)) == 2
+    assert text.count(key) == 2 and text.count("vault-" + p.vault) == 4  # 2 in its needle, question, prime
+    assert f"What is the pass key for vault-{p.vault}? Answer with the number only." in text
+    assert p.text.endswith(f"The pass key for vault-{p.vault} is ")
+    # positions: the target at `depth`, the distractors at depth + j/4 (mod 1) of the haystack
+    start = text.index("\n\n") + 2
+    end = text.index("What is the pass key")
+    pos = {v: (text.index(f"vault-{v} is") - start) / (end - start) for v in needle.VAULTS}
+    others = sorted((v for v in needle.VAULTS if v != p.vault), key=lambda v: needle.VAULTS.index(v))
+    assert abs(pos[p.vault] - depth) < 0.03
+    for j, v in enumerate(others, start=1):
+        assert abs(pos[v] - (depth + j / 4) % 1.0) < 0.03
+
+
+def test_multi_needle_deterministic_and_distinct_from_single(tok):
+    a = build_prompt(tok, 1024, 0.33, "60494", "multi")
+    assert a.input_ids == build_prompt(tok, 1024, 0.33, "60494", "multi").input_ids
+    assert a.sha256 != build_prompt(tok, 1024, 0.33, "60494").sha256
+    assert needle.near_keys("60494", 3) == list(a.distractors)
+    with pytest.raises(ValueError, match="variant"):
+        build_prompt(tok, 1024, 0.5, "60494", "triple")
+
+
+def test_check_prompt_catches_a_repeated_distractor(tok):
+    p = build_prompt(tok, 512, 0.5, "48213", "multi")
+    vaults = [v for v in needle.VAULTS if v != p.vault]
+    dis = [needle.MULTI_NEEDLE.format(vault=v, key=k) for v, k in zip(vaults, p.distractors)]
+    target = needle.MULTI_NEEDLE.format(vault=p.vault, key="48213")
+    q = needle.MULTI_QUESTION.format(vault=p.vault)
+    assert check_prompt(tok, p.input_ids, target, p.answer_ids, q, dis) == p.needle_start
+    extra = tok(dis[0], add_special_tokens=False).input_ids
+    twice = p.input_ids[:p.needle_start] + extra + p.input_ids[p.needle_start:]
+    with pytest.raises(ValueError, match="distractor"):
+        check_prompt(tok, twice, target, p.answer_ids, q, dis)
+
+
+@pytest.mark.parametrize("text,kind", [("71234.", "target"), ("71284.", "distractor"), ("7128", "other"),
+                                       ("", "other"), ("The key is 71294", "distractor")])
+def test_answer_kind(text, kind):
+    assert needle.answer_kind(text, "71234", ("71284", "71294")) == kind
+
+
+def test_sanity_prompts(tok):
+    ps = needle.build_sanity_prompts(tok)
+    assert [p.name for p in ps] == [n for n, _ in needle.SANITY_USER] + [needle.SANITY_LONG[0]]
+    for p, (_, user) in zip(ps, needle.SANITY_USER):
+        assert user in tok.decode(p.input_ids) and tok.decode(p.input_ids).endswith("<|im_start|>assistant\n")
+        assert p.sha256 == hashlib.sha256(b"".join(int(i).to_bytes(4, "little", signed=True)
+                                                   for i in p.input_ids)).hexdigest()
+    assert ps[-1].input_ids == build_prompt(tok, 2048, 0.5, make_keys(1, 0)[0]).input_ids
