@@ -40,6 +40,13 @@ def _dense64(q, k, v, scale, causal):
     return (torch.softmax(lg, -1) @ vv).transpose(0, 1).to(q.dtype), torch.logsumexp(lg, -1).transpose(0, 1).float()
 
 
+def _dense64_br(q, k, v, scale, causal):
+    return _dense64(q, k, v, scale, causal)
+
+
+_dense64_br.bottom_right_causal = True
+
+
 @pytest.mark.parametrize("variant", ["v1", "v2"])
 @pytest.mark.parametrize("preset,hq,hkv,d,bs,rows", [
     ("k4v4", 32, 8, 128, 16, 64), ("k4v2", 9, 3, 64, 32, 16), ("k8v4", 28, 4, 128, 16, 32)])
@@ -52,15 +59,26 @@ def test_prefill_paged_matches_reference(variant, preset, hq, hkv, d, bs, rows):
     assert relerr(out, ref) < 2e-3
 
 
-@pytest.mark.parametrize("piece_tokens", [32, 4096])
-def test_prefill_dequant_impl_matches_reference(piece_tokens):
+@pytest.mark.parametrize("piece_tokens,bottom_right", [(32, True), (4096, True), (4096, False)])
+def test_prefill_dequant_impl_matches_reference(piece_tokens, bottom_right):
     """impl="dequant" (rotated space): context in pieces of 32 tokens through a dense attention
-    + LSE merge, or (4096) context and chunk in one causal call."""
+    + LSE merge, or (4096, bottom-right causal attention) context and chunk in one causal call."""
     pool, bt, sl, qsl, q, k, v, ref = _batch("k4v4", 8, 2, 64, 16, seed=3)
+    calls = []
+
+    def top_left_only(q_, k_, v_, scale, causal):
+        """Like PyTorch's FA: a causal call with Tq != Tk would be top-left aligned: refuse it."""
+        calls.append((q_.shape[0], k_.shape[0], causal))
+        assert not (causal and q_.shape[0] != k_.shape[0])
+        return _dense64(q_, k_, v_, scale, causal)
+
     out = torch.full_like(q, float("nan"))
     prefill_attention(q, k, v, pool.data, bt, sl, qsl, pool.layout, pool.rotation, 0.125, out=out,
-                      impl="dequant", piece_tokens=piece_tokens, dense_attn=_dense64)
+                      impl="dequant", piece_tokens=piece_tokens,
+                      dense_attn=_dense64_br if bottom_right else top_left_only)
     assert relerr(out, ref) < 2e-3
+    if not bottom_right:
+        assert (20, 40, False) in calls and (20, 20, True) in calls
 
 
 @pytest.mark.parametrize("rotated", [False, True])

@@ -13,9 +13,11 @@ from kvrepro.ops.kernels.decode_v3 import decode_v3_kernel
 from kvrepro.ops.kernels.rotate import merge_splits_kernel, rotate_query_kernel
 
 LOG2E = 1.4426950408889634
-DECODE_BLOCK_N = 128   # best of the run-1 sweep on the H200 (notes/kernels.md)
-DECODE_WARPS = 4
+DECODE_BLOCK_N = 256   # v2 + asm dequant: best of H200 run 4 (notes/kernels.md)
+DECODE_BLOCK_N_TRITON = 128   # v2 + triton dequant (run 2) and under the CPU interpreter
+DECODE_WARPS = 2
 DECODE_STAGES = 1
+PROGRAMS_PER_SM = 32   # default split count targets ~32 programs per SM (run 4: 4x fewer was 15% slower)
 DEQUANT_MODES = ("triton", "asm")
 VARIANTS = ("v1", "v2", "v3")
 V3_PREFETCH = True   # v3: issue the loads of step i + 1 before the math of step i
@@ -26,9 +28,10 @@ DEFAULT_VARIANT = "v2"
 
 
 def default_dequant(device: torch.device) -> str:
-    """``"triton"`` everywhere. ``"asm"`` (inline PTX) measured 3-5% faster on the H200 in run 2
-    and matched the reference there, but is opt-in: it cannot run under the CPU interpreter."""
-    return "triton"
+    """``"asm"`` (inline PTX: prmt/lop3/sub.f16x2) on CUDA devices, ``"triton"`` elsewhere (the CPU
+    interpreter cannot run PTX). Both compute the same values (relerr vs float64 2.8e-4 on the
+    H200, runs 2-4); asm was 5-7% faster there (notes/kernels.md)."""
+    return "asm" if device.type == "cuda" else "triton"
 
 
 def attention_kernel(variant: str, dequant: str | None, device: torch.device):
@@ -53,13 +56,13 @@ MIN_TOKENS_PER_SPLIT = 256
 
 
 def default_num_splits(batch: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
-    """Splits per (sequence, KV head): ~8 programs per SM (best in the H200 run-1 sweep,
-    notes/kernels.md), each split >= 256 tokens.
+    """Splits per (sequence, KV head): ~``PROGRAMS_PER_SM`` programs per SM (H200 run 4,
+    notes/kernels.md), each split >= 256 tokens, a power of two <= 256.
 
     Depends only on shapes (batch, heads, block-table width), never on ``seq_lens`` values, so
     the launch grid is fixed per batch size (CUDA-graph capturable).
     """
-    want = max(1, (8 * sm_count(device)) // max(1, batch * num_kv_heads))
+    want = max(1, (PROGRAMS_PER_SM * sm_count(device)) // max(1, batch * num_kv_heads))
     cap = max(1, max_context // MIN_TOKENS_PER_SPLIT)
     return max(1, min(next_pow2(want), cap, 256))
 
@@ -74,7 +77,7 @@ def decode_workspace_numel(batch: int, num_q_heads: int, head_dim: int, num_spli
 def decode_attention(query: torch.Tensor, pool, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                      layout: PageLayout, rotation: torch.Tensor, scale: float,
                      out: torch.Tensor | None = None, num_splits: int | None = None,
-                     workspace: torch.Tensor | None = None, *, block_n: int = DECODE_BLOCK_N,
+                     workspace: torch.Tensor | None = None, *, block_n: int | None = None,
                      num_warps: int = DECODE_WARPS, num_stages: int = DECODE_STAGES,
                      dequant: str | None = None, variant: str = DEFAULT_VARIANT,
                      prefetch: bool | None = None, validate: bool | None = None) -> torch.Tensor:
@@ -95,7 +98,8 @@ def decode_attention(query: torch.Tensor, pool, block_tables: torch.Tensor, seq_
         out: optional ``[B, Hq, D]`` output (query dtype); written in place.
         num_splits: splits per sequence; default ``default_num_splits`` (shape-only).
         workspace: optional float32 tensor of >= ``decode_workspace_numel(B, Hq, D, S)`` elements.
-        block_n, num_warps, num_stages: tiling (tokens per step) and Triton launch options.
+        block_n, num_warps, num_stages: tiling (tokens per step; default ``DECODE_BLOCK_N`` with
+            asm dequantization, ``DECODE_BLOCK_N_TRITON`` otherwise) and Triton launch options.
         dequant: ``"triton"`` (portable, runs under the interpreter) or ``"asm"`` (inline PTX,
             CUDA only); default ``default_dequant(device)``.
         variant: ``"v2"`` (default: per-plane dots, fewer integer ops), ``"v1"`` (full-width
@@ -140,6 +144,9 @@ def decode_attention(query: torch.Tensor, pool, block_tables: torch.Tensor, seq_
         out = torch.empty_like(query)
     else:
         check_float("out", out, (b, hq, d), dev)
+    dequant = default_dequant(dev) if dequant is None else dequant
+    if block_n is None:
+        block_n = DECODE_BLOCK_N if dequant == "asm" else DECODE_BLOCK_N_TRITON
     if block_n not in (16, 32, 64, 128, 256):
         raise ValueError(f"block_n={block_n}; allowed: 16, 32, 64, 128, 256")
     if variant == "v3" and block_n < layout.block_size:

@@ -32,6 +32,11 @@ def flash_dense_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     return res[0], res[1].reshape(hq, tq).transpose(0, 1).float()
 
 
+# PyTorch aligns ``is_causal`` to the top-left corner when Tq != Tk (pytorch/pytorch#108108): only
+# call it causally with Tq == Tk. FlashAttention's own varlen API is bottom-right aligned.
+flash_dense_attn.bottom_right_causal = False
+
+
 def vllm_dense_attn(flash_attn_varlen_func, fa_version: int | None = 3):
     """Adapter: vLLM's ``flash_attn_varlen_func`` (FA2/FA3, ``return_softmax_lse=True``) as a
     ``dense_attn(q, k, v, scale, causal) -> (o [Tq, Hq, D], lse [Tq, Hq] float32)`` for
@@ -45,6 +50,7 @@ def vllm_dense_attn(flash_attn_varlen_func, fa_version: int | None = 3):
                                         cu_seqlens_k=ck, softmax_scale=scale, causal=causal,
                                         return_softmax_lse=True, **kw)
         return o, lse.reshape(q.shape[1], tq).transpose(0, 1).float()
+    attn.bottom_right_causal = True   # FlashAttention >= 2.1 varlen: causal mask bottom-right aligned
     return attn
 
 
@@ -77,9 +83,10 @@ def _prefill_dequant(query, key, value, data, block_tables, seq_lens, query_star
                      rotation, scale, out, piece_tokens, dense_attn):
     """impl="dequant", in the rotated space: per sequence the chunk's q, k, v are rotated
     (``@ R``, float32), the context is dequantized without rotating it back, piece by piece
-    (<= ``piece_tokens`` tokens) into one workspace; if context + chunk fit in a piece, one causal
-    ``dense_attn`` call over [context | chunk], else the chunk (causal) and each piece
-    (non-causal) merged by log-sum-exp in float32. The output is rotated back (``@ R.T``).
+    (<= ``piece_tokens`` tokens) into one workspace; if context + chunk fit in a piece and
+    ``dense_attn.bottom_right_causal`` is true, one causal ``dense_attn`` call over
+    [context | chunk], else the chunk (causal, Tq == Tk) and each piece (non-causal) merged by
+    log-sum-exp in float32. The output is rotated back (``@ R.T``).
     Reads lengths on the host (one sync)."""
     hkv, d = data.shape[1], layout.head_dim
     lens = seq_lens.tolist()
@@ -105,7 +112,7 @@ def _prefill_dequant(query, key, value, data, block_tables, seq_lens, query_star
         ctx = sl - ql
         q = _rotate(query[qs:qe], rotation)
         k_new, v_new = _rotate(key[qs:qe], rotation), _rotate(value[qs:qe], rotation)
-        if ctx + ql <= piece_tokens:
+        if ctx + ql <= piece_tokens and getattr(dense_attn, "bottom_right_causal", False):
             k, v = workspace(ctx + ql)
             if ctx:
                 dequantize_context(data, block_tables[b], 0, ctx, layout, rotation, k, v, rotated=True)
@@ -153,7 +160,8 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     ``piece_tokens`` tokens (``2 * piece_tokens * Hkv * D * 2`` bytes; 128 MiB at 32K x 8 x 128),
     and ``dense_attn(q, k, v, scale, causal) -> (o, lse)`` (default ``flash_dense_attn``:
     PyTorch's FlashAttention-2; the vLLM backend can pass FA3) runs once over [context | chunk]
-    when both fit in a piece, else per piece with a float32 log-sum-exp merge (plus
+    when both fit in a piece and ``dense_attn.bottom_right_causal`` (causal mask aligned to the
+    last key; PyTorch's is not), else per piece with a float32 log-sum-exp merge (plus
     ``q_len * Hq * D * 4`` bytes); the output is rotated back (``@ R.T``). It reads
     ``seq_lens``/``query_start_loc`` on the host.
 
