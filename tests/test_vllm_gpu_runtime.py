@@ -22,13 +22,26 @@ MAX_MODEL_LEN = 131072 + 1024 + 32 * 32 + 64 + 1024  # the sweep's (kvrepro.vllm
 HQ, HKV, D, BS = 32, 8, 128, 16
 
 
+def non_torch_bytes(dev) -> int:
+    """Device memory in use that PyTorch's allocator does not hold (driver: modules, local memory)."""
+    free, total = torch.cuda.mem_get_info(dev)
+    return total - free - torch.cuda.memory_reserved(dev)
+
+
 def test_warmup_then_graph_capture_allocates_nothing_and_matches_reference():
     dev = torch.device("cuda", torch.cuda.current_device())
+    torch.zeros(1, device=dev) @ torch.zeros(1, 1, device=dev)  # context + cuBLAS handle first
+    nt0 = non_torch_bytes(dev)
     rt = LayerRuntime("k4v4", HQ, HKV, D, D ** -0.5, graph_sizes=GRAPH_SIZES, max_batch=32)
     t = time.perf_counter()
     warmed = rt.warmup(dev, torch.bfloat16, BS, MAX_MODEL_LEN)
+    torch.cuda.synchronize()
+    grown = non_torch_bytes(dev) - nt0
     print(f"\nSMOKE warmup: split counts {warmed} in {time.perf_counter() - t:.1f} s; shared workspace "
-          f"{runtime._WORKSPACES[str(dev)][-1].numel() * 4 / 2**20:.2f} MiB")
+          f"{runtime._WORKSPACES[str(dev)][-1].numel() * 4 / 2**20:.2f} MiB; non-torch memory +{grown / 2**20:.0f} MiB "
+          f"(store rotate={rt.store_rotate})")
+    # Every kernel of the serving path loaded and launched: no large local-memory (stack) reservation.
+    assert grown < 256 * 2**20
     width = -(-MAX_MODEL_LEN // BS)
     print("SMOKE splits per graph size: " + ", ".join(
         f"{b}:{rt.splits(b, width * BS, dev)}" for b in GRAPH_SIZES))
@@ -80,3 +93,12 @@ def test_warmup_then_graph_capture_allocates_nothing_and_matches_reference():
     err = ((out[:users].float() - ref).abs().max() / ref.abs().max()).item()
     print(f"SMOKE graph replay == eager; rel err vs attention over the dequantized pages {err:.2e}")
     assert err < 1e-2
+
+    # Evidence for notes/vllm.md: the in-kernel rotation's register-spill stack makes the driver
+    # reserve local memory for every resident thread of the GPU at its first launch.
+    nt1 = non_torch_bytes(dev)
+    rt_kernel = LayerRuntime("k4v4", HQ, HKV, D, D ** -0.5, store_rotate="kernel")
+    rt_kernel.store(k[:16], v[:16], pool, slots[:16])
+    torch.cuda.synchronize()
+    print(f"SMOKE store rotate=kernel: non-torch memory +{(non_torch_bytes(dev) - nt1) / 2**30:.2f} GiB "
+          "(local memory for its register-spill stack)")

@@ -147,10 +147,13 @@ _WARMED: dict[tuple, list[int]] = {}
 def engine_shape() -> dict:
     """What the impl needs from vLLM's current config: CUDA-graph capture sizes, the largest decode
     batch (``max_num_seqs``: a request has at most one decode token per step), block size and
-    max_model_len. Called while vLLM builds the model (inside ``set_current_vllm_config``)."""
-    from vllm.config import get_current_vllm_config
+    max_model_len. Called while vLLM builds the model (inside ``set_current_vllm_config``); outside
+    an engine (unit tests) there is no config: no graph sizes, no reservation, no warm-up."""
+    from vllm.config import get_current_vllm_config_or_none
 
-    c = get_current_vllm_config()
+    c = get_current_vllm_config_or_none()
+    if c is None:
+        return {"graph_sizes": (), "max_batch": None, "block_size": 0, "max_model_len": 0}
     sizes = tuple(c.compilation_config.cudagraph_capture_sizes or ())
     max_seqs = int(getattr(c.scheduler_config, "max_num_seqs", 0) or 0)
     max_batch = max_seqs or max(sizes, default=0) or None
@@ -190,7 +193,7 @@ class KVReproAttentionImpl(AttentionImpl[KVReproMetadata]):
         shape = engine_shape()
         self.rt = LayerRuntime(preset, num_heads, num_kv_heads, head_size, self.scale,
                                cfg.resolve_num_splits(), prefill=prefill, graph_sizes=shape["graph_sizes"],
-                               max_batch=shape["max_batch"])
+                               max_batch=shape["max_batch"], store_rotate=cfg.resolve_store_rotate())
         self._shape = shape
         self._warmup = cfg.resolve_warmup()
         # Debug only (slow, host syncs): compare every eagerly run step with reference_attend.

@@ -63,6 +63,28 @@ def resolve_num_splits(value: str | int | None = None) -> int | None:
     return n
 
 
+STORE_ROTATE_ENV = "KVREPRO_STORE_ROTATE"
+STORE_ROTATE_MODES = ("torch", "kernel")
+
+
+def resolve_store_rotate(value: str | None = None) -> str:
+    """Where ``store_kv`` rotates new K/V: ``torch`` (default: ``x.float() @ R`` in PyTorch, then the
+    quantize kernel) or ``kernel`` (inside the Triton store kernel). From ``value`` or
+    ``$KVREPRO_STORE_ROTATE``.
+
+    Why ``torch``: the in-kernel rotation keeps a float32 [D, D] operand that spills to a 6,792-byte
+    stack per thread (cuobjdump, sm_90, k4v4). The CUDA driver sizes a context's local memory for
+    every resident thread of the GPU (6,792 B x 2,048 threads x 132 SMs = 1.7 GiB on the H200) at the
+    first launch and keeps it; in vLLM that first launch falls inside its CUDA-graph memory profiling,
+    so it was counted twice (as non-torch memory and in the graph estimate): the 2.8 GiB less KV
+    cache than bf16 of the 2026-11-29 sweep (notes/vllm.md). Raises ValueError naming the variable."""
+    if value is None:
+        value = os.environ.get(STORE_ROTATE_ENV, "") or "torch"
+    if value not in STORE_ROTATE_MODES:
+        raise ValueError(f"{STORE_ROTATE_ENV}={value!r}; allowed: {', '.join(STORE_ROTATE_MODES)}")
+    return value
+
+
 WARMUP_ENV = "KVREPRO_WARMUP"
 
 

@@ -123,11 +123,13 @@ class LayerRuntime:
         max_batch: largest decode batch (vLLM's ``max_num_seqs``, or the largest capture size if
             larger); :meth:`prepare` reserves the decode workspace for it so that no captured forward
             allocates. None = no reservation (grown on demand outside capture).
+        store_rotate: ``store_kv``'s ``rotate`` (``"torch"``: no kernel with a register-spill stack,
+            see ``config.resolve_store_rotate``; ``"kernel"``).
     """
 
     def __init__(self, preset: str, num_heads: int, num_kv_heads: int, head_size: int, scale: float,
                  num_splits: int | None = None, ops=None, prefill=None, graph_sizes=(),
-                 max_batch: int | None = None) -> None:
+                 max_batch: int | None = None, store_rotate: str = "torch") -> None:
         self.fmt = get_format(preset)
         self.num_heads, self.num_kv_heads, self.head_size = num_heads, num_kv_heads, head_size
         self.scale = scale
@@ -138,6 +140,9 @@ class LayerRuntime:
         if max_batch is not None and (not isinstance(max_batch, int) or max_batch < 1):
             raise ValueError(f"max_batch must be a positive int or None, got {max_batch!r}")
         self.max_batch = max_batch
+        if store_rotate not in ("torch", "kernel"):
+            raise ValueError(f"store_rotate={store_rotate!r}; allowed: torch, kernel")
+        self.store_rotate = store_rotate
         self._layouts: dict[int, object] = {}
         self.rotation: torch.Tensor | None = None
 
@@ -196,7 +201,7 @@ class LayerRuntime:
         pool = torch.zeros(2, hkv, layout.page_bytes, dtype=torch.uint8, device=device)
         kv = torch.zeros(1, hkv * d, dtype=dtype, device=device)
         self.ops.store_kv(kv.view(1, hkv, d), kv.view(1, hkv, d), pool, torch.zeros(1, dtype=torch.int64,
-                          device=device), layout, rot)
+                          device=device), layout, rot, rotate=self.store_rotate)
         for s, b in sorted(by_splits.items()):
             q = torch.zeros(b, hq, d, dtype=dtype, device=device)
             bt = torch.zeros(b, width, dtype=torch.int32, device=device)
@@ -230,7 +235,8 @@ class LayerRuntime:
             return
         k = key[:n].view(n, self.num_kv_heads, self.head_size)
         v = value[:n].view(n, self.num_kv_heads, self.head_size)
-        self.ops.store_kv(k, v, pool, slot_mapping, self.layout(pool), self.prepare(pool.device))
+        self.ops.store_kv(k, v, pool, slot_mapping, self.layout(pool), self.prepare(pool.device),
+                          rotate=self.store_rotate)
 
     def attend(self, query, key, value, pool, block_table, seq_lens, query_start_loc, num_actual_tokens: int,
                num_decodes: int, num_decode_tokens: int, out: torch.Tensor,
