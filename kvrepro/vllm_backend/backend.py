@@ -18,8 +18,11 @@ Lengths per sequence (vLLM's convention)::
     |<---- context (in pages) ---->|<-- query_len -->|   query_len = qsl[i+1] - qsl[i]
 
 CUDA graphs: pure-decode batches are captured as full graphs (``UNIFORM_SINGLE_TOKEN_DECODE``):
-the decode path has no host sync, a fixed split count (``KVREPRO_NUM_SPLITS``) and a preallocated
-workspace; padded rows have seq_len 0 and slot -1. Mixed and prefill batches run piecewise (attention
+the decode path has no host sync, a split count fixed per graph batch (``runtime.decode_splits``, or
+``KVREPRO_NUM_SPLITS``) and one split-K workspace shared by all layers, reserved at load time (no
+allocation inside a captured forward); padded rows have seq_len 0 and slot -1. Every kernel
+variant is compiled before vLLM's memory profiling (``KVREPRO_WARMUP``), and no kernel of the path
+has a register-spill stack (``KVREPRO_STORE_ROTATE``). Mixed and prefill batches run piecewise (attention
 outside the graph). Prefix caching works like chunked prefill (cached blocks are read as context).
 """
 from __future__ import annotations

@@ -10,14 +10,21 @@ kernel (causal, bottom-right aligned, GQA). Same function as the Triton path (co
 dequantized pages, chunk fresh); decode always uses kvrepro's direct-read kernel.
 
 Memory outside vLLM's KV budget: per prefill sequence the dequantized context in bf16,
-``2 x ctx x num_kv_heads x head_dim x 2`` bytes (0.5 GiB at 128K for Qwen3-4B), plus float32 slice
-temporaries (~0.1 GiB); freed after the call. vLLM's memory profiling sees these temporaries (measured
-2026-11-29: 2.8 GiB less KV cache than bf16 at the same budget, notes/vllm.md).
+``2 x ctx x num_kv_heads x head_dim x 2`` bytes (0.5 GiB at 128K for Qwen3-4B), float32 slice
+temporaries (gathered K and V plus their rotated copies, ~0.25 GiB at ``SLICE_TOKENS`` = 16K) and the
+chunk's output (0.125 GiB for a 16K chunk of 32 heads): < 1 GiB, freed after the call, one sequence
+at a time. vLLM does not see it: its profiling run (``GPUModelRunner.profile_run``) passes no
+attention metadata, so attention returns early there; it comes out of the card's headroom
+(1 - gpu_memory_utilization = 10 % in the sweep). The 2.8 GiB less KV cache than bf16 measured on
+2026-11-29 was not this but the store kernel's local-memory reservation (``config.resolve_store_rotate``).
 
-``sliced=True`` (``KVREPRO_PREFILL=fa-sliced``; CPU-tested, not yet run on a GPU) never holds the whole
-context: the chunk attends to itself (causal) and to each dequantized context slice (non-causal)
-separately, and the partial outputs are merged with their log-sum-exps (FlashDecoding-style merge),
-so temporaries are bounded by one slice (~0.1 GiB).
+``sliced=True`` (``KVREPRO_PREFILL=fa-sliced``; CPU-tested, not yet run on a GPU, not the default)
+never holds the whole context: the chunk attends to itself (causal) and to each dequantized context
+slice (non-causal) separately, and the partial outputs are merged with their log-sum-exps
+(FlashDecoding-style merge). It does not raise vLLM's KV budget (see above), runs one FlashAttention
+call per slice, and its float32 partials of a 16K-token chunk (0.25 GiB each, several live during a
+merge) make its peak no lower than ``fa``'s at vLLM's default chunk size; it pays off only for
+prompts much longer than 128K.
 """
 from __future__ import annotations
 
