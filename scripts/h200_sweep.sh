@@ -29,14 +29,14 @@ if ! python3 -c "from importlib.metadata import entry_points as e; import sys; s
   d=/tmp/kvsite/kvrepro_vllm_plugin-0.1.0.dist-info; mkdir -p $d
   printf 'Metadata-Version: 2.1\nName: kvrepro-vllm-plugin\nVersion: 0.1.0\n' > $d/METADATA
   printf '[vllm.general_plugins]\nkvrepro = kvrepro.vllm_backend:register\n' > $d/entry_points.txt
-  echo "entry point: metadata shim in $d (pyproject has no vllm.general_plugins line yet)"
+  echo "entry point: metadata shim in $d (same line as pyproject; the editable install did not expose it)"
 fi
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,temperature.gpu --format=csv,noheader
 
 smoke() {
   # Warm-up compiles every decode variant into TRITON_CACHE_DIR (the k4v4 engine then loads them),
   # captures a padded decode graph (must allocate nothing), replay == eager == reference.
-  timeout 90 python3 -m pytest -q -s -x tests/test_vllm_gpu_runtime.py 2>&1 | grep -E "SMOKE|passed|failed|Error" | tail -12
+  timeout 90 python3 -m pytest -q -s -x tests/test_vllm_gpu_runtime.py 2>&1 | grep -E "SMOKE|passed|failed|skipped|[Ee]rror" | tail -12
   echo "smoke done at $(( $(date +%s) - T0 )) s"
 }
 
@@ -52,7 +52,7 @@ sweep() {
     --run-id $run --confirm-edge "$edge" --sizing-only "${SIZING_ONLY:-}" --params "$params" \
     --mode-params "$mparams" --min-start-s "${MIN_START:-{\}}" --budget-s $(( budget - 10 )) --timeout-s ${SWEEP_TIMEOUT_S:-540} 2>&1 \
     | tee $OUT/sweep_log.txt \
-    | grep -E "^\[sweep\]|^\[measure\]|^\{|Error|Traceback|GPU KV cache size|CUDA graph pool memory|Available KV cache" \
+    | grep -E "^\[sweep\]|^\[measure\]|^\{|[Ee]rror|Traceback|GPU KV cache size|CUDA graph pool memory|Available KV cache" \
     | cut -c1-700 | tail -60
   cp $OUT/$run.jsonl /tmp/kvres/ 2>/dev/null
   echo "call done at $(( $(date +%s) - T0 )) s"
