@@ -8,8 +8,8 @@ Needs vLLM on the device (``/work/shared/device/README.md``: stage vllm-a, vllm-
         python benchmarks/side_by_side_vllm.py --out $OUT
 
 Time per step = median of ``triton.testing.do_bench`` (L2 flushed before every call), one
-attention layer. "KV bytes" = the bytes of KV (codes + scales) the step must read once.
-Not yet run (device budget); the H200 FA3 anchors in the REPRODUCTION-CARD come from vLLM's team run.
+attention layer, eager launches for every kernel (kvrepro with its defaults). "KV bytes" = the
+bytes of KV (codes + scales) the step must read once.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from benchmarks.common import copy_bandwidth, provenance, random_pool, write_jso
 from kvrepro.ops import decode_attention  # noqa: E402
 
 HQ, HKV, D, BS = 32, 8, 128, 16
-CTXS = (8192, 32768, 131072)
+CTXS = (32768, 131072)
 BATCHES = (1, 3, 6, 13)
 
 
@@ -111,8 +111,7 @@ def main():
              "turboquant_k8v4": lambda b, c: turboquant_case("turboquant_k8v4", b, c, gen),
              "kvrepro_k4v4": lambda b, c: kvrepro_case("k4v4", b, c, gen),
              "kvrepro_k8v4": lambda b, c: kvrepro_case("k8v4", b, c, gen),
-             "kvrepro_k4v2": lambda b, c: kvrepro_case("k4v2", b, c, gen),
-             "kvrepro_k4v4_v2asm": lambda b, c: kvrepro_case("k4v4", b, c, gen, variant="v2", dequant="asm")}
+             "kvrepro_k4v2": lambda b, c: kvrepro_case("k4v2", b, c, gen)}
     for ctx in CTXS:
         for batch in BATCHES:
             for name, fn in cases.items():
