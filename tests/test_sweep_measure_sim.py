@@ -95,6 +95,13 @@ class FakeEngine:
                 self._release(r)
 
 
+@pytest.fixture(autouse=True)
+def _restore_env(monkeypatch):
+    """measure_mode sets KVREPRO_PRESET / VLLM_ENABLE_V1_MULTIPROCESSING (it owns its process): undo."""
+    monkeypatch.setenv("KVREPRO_PRESET", "k4v4")
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
 def fake_vllm(num_blocks):
     """A ``vllm`` module whose ``LLM`` drives :class:`FakeEngine` (in-process engine layout of 0.20.2)."""
     mod = types.ModuleType("vllm")
@@ -155,6 +162,8 @@ def test_measure_mode_on_a_simulated_engine(tmp_path, monkeypatch):
     assert mem["available_kv_cache_gib"] == 0.5 and mem["cudagraph_profile"] == {"FULL": [3.0, 7, 1.0]}
     assert mem["worker_bytes"] == {"weights": 5, "peak_activation": 1, "non_torch": 2, "cudagraph_estimate": 3,
                                    "available_kv_cache": 4}
+    ks = full["kvrepro_settings"]
+    assert ks["store_rotate"] == "torch" and ks["prefill"] == "fa" and ks["num_splits"] == "runtime.decode_splits"
     edge = by[("edge-check", 4)]
     assert not edge["clean"] and edge["edge_outcome"] in ("waiting", "preempted")
     assert edge["free_blocks_at_edge"] < per_user  # why: fewer free blocks than one user needs

@@ -84,6 +84,16 @@ def worker_memory(llm) -> dict:
     return {k: int(v) for k, v in got.items() if isinstance(v, (int, float))}
 
 
+def kvrepro_settings() -> dict:
+    """The backend's resolved choices (defaults included), for the provenance of kvrepro rows."""
+    from kvrepro.ops import decode
+    from kvrepro.vllm_backend import config as cfg
+
+    return {"decode_variant": decode.DEFAULT_VARIANT, "prefill": cfg.resolve_prefill(),
+            "store_rotate": cfg.resolve_store_rotate(), "warmup": cfg.resolve_warmup(),
+            "num_splits": cfg.resolve_num_splits() or "runtime.decode_splits"}
+
+
 def scheduler_of(llm):
     """vLLM's in-process scheduler (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), or None."""
     core = getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None)
@@ -215,6 +225,8 @@ def measure_mode(mode: str, results_path: str, run_id: str, *, model_dir: str | 
         "hostname": prov["hostname"],
         "vllm_memory": dict(sweep.parse_vllm_memory_log(mem_log.lines), worker_bytes=worker_memory(llm)),
     }
+    if mode.startswith("kvrepro:"):
+        base["kvrepro_settings"] = kvrepro_settings()
     print("[measure] " + json.dumps({"mode": mode, "kv_cache_tokens": base["kv_cache_tokens"],
                                      "users_fit_arithmetic": n_fit, "engine_init_s": base["engine_init_s"],
                                      "vllm_memory": base["vllm_memory"]}), flush=True)
