@@ -172,38 +172,44 @@ def _pad(n, sizes=GRAPH_SIZES):
     return min(s for s in sizes if s >= n)
 
 
-def test_split_rule_keeps_every_real_batch_busy_in_its_padded_graph():
-    """Shape-only split counts for the padded graph batch; live programs counted for each real batch
-    n = 1..32 that vLLM would pad into that graph (132 SMs, 8 KV heads, 128K context)."""
+def test_split_rule_counts_the_smallest_real_batch_of_a_padded_graph():
+    """Shape-only split counts for the padded graph batch, checked for each real batch n = 1..32
+    that vLLM would pad into that graph (132 SMs on CPU, 8 KV heads, the sweep's context)."""
+    from kvrepro.ops.decode import default_num_splits
     from kvrepro.vllm_backend.runtime import decode_splits
 
-    sms, hkv, ctx = 132, 8, 133184
+    cpu, hkv, ctx = torch.device("cpu"), 8, 134208
     for n in range(1, 33):
         b = _pad(n)
-        s = decode_splits(b, hkv, ctx, sms, GRAPH_SIZES)
-        assert s & (s - 1) == 0 and 1 <= s <= 256
-        assert decode_splits(b, hkv, ctx, sms, GRAPH_SIZES) == s  # deterministic, shape-only
-        live = n * hkv * s / sms
-        assert 8 <= live < 32, (n, b, s, live)
-        assert ctx // s >= 256  # each split >= 256 tokens
-    # The same target counted for the padded batch (kvrepro.ops' default_num_splits of the
-    # 2026-11-29 sweep) starves 9 users in graph 16: 8 splits, 4.4 programs per SM (the measured
-    # 47.7 -> 64.8 ms step jump from 8 to 9 users, notes/vllm.md).
-    padded_rule = 1 << max(0, ((8 * sms) // (16 * hkv) - 1).bit_length())
-    assert padded_rule == 8 and 9 * hkv * padded_rule / sms < 5
-    # Eager (not a capture size) batches are taken as real; 13 users run eagerly or in graph 16 alike.
-    assert decode_splits(13, hkv, ctx, sms, GRAPH_SIZES) == decode_splits(16, hkv, ctx, sms, GRAPH_SIZES)
+        s = decode_splits(b, hkv, ctx, cpu, GRAPH_SIZES)
+        live = min(x for x in range(1, 33) if _pad(x) == b)  # smallest real batch in this graph
+        assert s == default_num_splits(live, hkv, ctx, cpu)
+        assert s >= default_num_splits(b, hkv, ctx, cpu)  # never fewer than counted for the padding
+        assert n * hkv * s >= live * hkv * default_num_splits(live, hkv, ctx, cpu)  # the kernel's target
+        assert ctx // s >= 256
+    # With a target of 8 programs per SM (the rule of the 2026-11-29 sweep), counting the padded
+    # batch starved 9 users in graph 16: 8 splits = 4.4 live programs per SM (the measured
+    # 47.7 -> 64.8 ms step jump from 8 to 9 users, notes/vllm.md); counting 9 gives 16 splits.
+    def rule8(b, h, c, d):
+        return min(1 << max(0, ((8 * 132) // (b * h) - 1).bit_length()), c // 256, 256)
+    assert rule8(16, hkv, ctx, cpu) == 8 and 9 * hkv * 8 / 132 < 5
+    assert decode_splits(16, hkv, ctx, cpu, GRAPH_SIZES, rule=rule8) == 16
+    # Eager (not a capture size) batches are taken as real.
+    assert decode_splits(13, hkv, ctx, cpu, GRAPH_SIZES, rule=rule8) == rule8(13, hkv, ctx, cpu) == 16
 
 
 def test_split_rule_caps_and_bad_input():
     from kvrepro.vllm_backend.runtime import decode_splits, smallest_padded_batch
 
-    assert decode_splits(1, 8, 2048, 132) == 2048 // 256            # >= 256 tokens per split
-    assert decode_splits(1, 1, 10 ** 7, 1000) == 256                 # at most 256
+    cpu = torch.device("cpu")
+    assert decode_splits(1, 8, 2048, cpu) == 2048 // 256            # >= 256 tokens per split
+    assert decode_splits(1, 1, 10 ** 7, cpu) == 256                 # at most 256
     assert smallest_padded_batch(24, GRAPH_SIZES) == 17 and smallest_padded_batch(1, GRAPH_SIZES) == 1
     assert smallest_padded_batch(13, GRAPH_SIZES) == 13
-    for bad in (dict(batch=0), dict(num_kv_heads=0), dict(max_context=-1), dict(sms=1.5)):
-        args = {**dict(batch=4, num_kv_heads=8, max_context=4096, sms=132), **bad}
+    with pytest.raises(ValueError, match="batch"):
+        smallest_padded_batch(0, GRAPH_SIZES)
+    for bad in (dict(num_kv_heads=0), dict(max_context=-1)):
+        args = {**dict(batch=4, num_kv_heads=8, max_context=4096, device=cpu), **bad}
         with pytest.raises(ValueError, match=next(iter(bad))):
             decode_splits(**args)
 
@@ -215,7 +221,7 @@ def test_shared_workspace_reserved_once_and_never_allocated_while_capturing(monk
     monkeypatch.setattr(runtime, "_WORKSPACES", {})
     rt = LayerRuntime("k4v4", 32, 8, 128, 128 ** -0.5, graph_sizes=GRAPH_SIZES, max_batch=32)
     cpu = torch.device("cpu")
-    want = max(decode_workspace_numel(b, 32, 128, runtime.decode_splits(b, 8, 256 * 256, 132, GRAPH_SIZES))
+    want = max(decode_workspace_numel(b, 32, 128, runtime.decode_splits(b, 8, 256 * 256, cpu, GRAPH_SIZES))
                for b in range(1, 33))
     assert rt.reserve_numel(cpu) == want
     rt.prepare(cpu)
@@ -270,7 +276,7 @@ def test_warmup_launches_one_decode_per_split_count(monkeypatch):
 
     rt = LayerRuntime("k4v4", 8, 2, 64, 0.125, ops=Ops, graph_sizes=(1, 2, 4, 8), max_batch=8)
     got = rt.warmup(torch.device("cpu"), torch.bfloat16, 16, 4096)
-    want = sorted({runtime.decode_splits(b, 2, 4096, 132, (1, 2, 4, 8)) for b in range(1, 9)})
+    want = sorted({runtime.decode_splits(b, 2, 4096, torch.device("cpu"), (1, 2, 4, 8)) for b in range(1, 9)})
     assert got == want and calls[0] == ("store", (1, 2, 64), "torch")
     assert [c[2] for c in calls[1:]] == want and all(c[3] == 4096 // 16 for c in calls[1:])
 

@@ -15,13 +15,8 @@ _ROTATIONS: dict[tuple[int, int, str], torch.Tensor] = {}
 # one stream). Every tensor ever handed out stays referenced here: a captured CUDA graph keeps the
 # address it was captured with, so a workspace must never be freed once a graph may use it.
 _WORKSPACES: dict[str, list[torch.Tensor]] = {}
-PROGRAMS_PER_SM = 8          # the kernel's target (H200 run-1 sweep, notes/kernels.md)
 MIN_TOKENS_PER_SPLIT = 256   # as kvrepro.ops.decode
 MAX_SPLITS = 256
-
-
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, (x - 1).bit_length())
 
 
 def smallest_padded_batch(batch: int, graph_sizes=()) -> int:
@@ -42,30 +37,31 @@ def smallest_padded_batch(batch: int, graph_sizes=()) -> int:
     return sizes[i - 1] + 1 if i else 1
 
 
-def decode_splits(batch: int, num_kv_heads: int, max_context: int, sms: int, graph_sizes=()) -> int:
+def decode_splits(batch: int, num_kv_heads: int, max_context: int, device: torch.device, graph_sizes=(),
+                  rule=None) -> int:
     """Split-K count for a decode launch of ``batch`` rows (shape-only, so CUDA-graph safe).
 
-    Same target as ``kvrepro.ops.default_num_splits`` (~``PROGRAMS_PER_SM`` programs per SM, each
-    split >= ``MIN_TOKENS_PER_SPLIT`` tokens, a power of two <= 256), but counted for the *smallest*
-    real batch that pads to ``batch`` (:func:`smallest_padded_batch`), not for the padded one: with
-    the kernel's rule, 9 users padded to graph size 16 got 8 splits (576 live programs, 4.4 per SM on
-    132 SMs) and the step took 64.8 ms vs 47.7 ms at 8 users (notes/vllm.md). With this rule a
-    graph launch has between ~8 and ~16 live programs per SM whatever its fill.
+    The kernel's own rule (``rule``, default ``kvrepro.ops.default_num_splits``: a target number of
+    programs per SM, each split >= 256 tokens, a power of two <= 256), counted for the *smallest*
+    real batch that vLLM pads to ``batch`` (:func:`smallest_padded_batch`) instead of the padded
+    one: counted for the padded batch, 9 users in graph size 16 got 8 splits (576 live programs,
+    4.4 per SM on 132 SMs) and the step took 64.8 ms vs 47.7 ms at 8 users (notes/vllm.md). This way
+    every real batch gets at least the kernel's target of live programs.
 
     Args:
         batch: rows of the launch (padded graph batch or real eager batch), >= 1.
         num_kv_heads: KV heads per layer (programs per row and split).
         max_context: block-table width x block size (tokens; shape-only upper bound of seq_lens).
-        sms: streaming multiprocessors of the GPU.
-        graph_sizes: vLLM's CUDA-graph capture sizes (empty: no padding assumed).
+        device: the launch device (its SM count; CPU counts as 132 SMs, as in ``kvrepro.ops``).
+        graph_sizes: vLLM's CUDA-graph capture sizes (empty: no padding).
+        rule: ``(batch, num_kv_heads, max_context, device) -> splits``.
     """
-    for name, v in (("num_kv_heads", num_kv_heads), ("max_context", max_context), ("sms", sms)):
+    for name, v in (("num_kv_heads", num_kv_heads), ("max_context", max_context)):
         if not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be a positive int, got {v!r}")
-    live = smallest_padded_batch(batch, graph_sizes)
-    want = max(1, (PROGRAMS_PER_SM * sms) // (live * num_kv_heads))
-    cap = max(1, max_context // MIN_TOKENS_PER_SPLIT)
-    return max(1, min(_next_pow2(want), cap, MAX_SPLITS))
+    if rule is None:
+        from kvrepro.ops.decode import default_num_splits as rule
+    return rule(smallest_padded_batch(batch, graph_sizes), num_kv_heads, max_context, torch.device(device))
 
 
 def decode_workspace(device: torch.device, numel: int) -> torch.Tensor:
@@ -95,15 +91,6 @@ def shared_rotation(head_dim: int, seed: int, device: torch.device) -> torch.Ten
     if key not in _ROTATIONS:
         _ROTATIONS[key] = rotation_matrix(head_dim, seed, device).contiguous()
     return _ROTATIONS[key]
-
-
-def device_sms(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA ``device``; 132 (H100/H200) elsewhere, as ``kvrepro.ops``."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        idx = device.index if device.index is not None else torch.cuda.current_device()
-        return torch.cuda.get_device_properties(idx).multi_processor_count
-    return 132
 
 
 class LayerRuntime:
@@ -158,7 +145,7 @@ class LayerRuntime:
         """Decode split count for ``batch`` rows: ``num_splits`` if fixed, else :func:`decode_splits`."""
         if self.num_splits is not None:
             return self.num_splits
-        return decode_splits(batch, self.num_kv_heads, max_context, device_sms(device), self.graph_sizes)
+        return decode_splits(batch, self.num_kv_heads, max_context, device, self.graph_sizes)
 
     def workspace_numel(self, batch: int, num_splits: int) -> int:
         """float32 elements of the decode workspace for ``batch`` rows and ``num_splits`` splits
