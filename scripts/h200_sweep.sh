@@ -8,6 +8,7 @@
 # it first thing on the command line so that staging counts too), else from this script's start.
 # Modes that no longer fit are not started (a later call resumes them). SIZING_ONLY=modes,... sizes only;
 # MIN_START='{"mode": s}' overrides kvrepro.sweep.MIN_START_S (seconds a mode needs to be started).
+# PREFILL_AUTO=1: kvrepro modes prefill with KVREPRO_PREFILL=dequant if the smoke passed it (see smoke).
 # Results: $OUT/RUN_ID.jsonl (rows of earlier calls resume from results/capacity/RUN_ID.jsonl or from
 # the warm machine's /tmp/kvres copy, whichever has more rows) + $OUT/sweep_log.txt (full vLLM log).
 set -u
@@ -35,8 +36,12 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm,temperature.gpu --format=csv,
 
 smoke() {
   # Warm-up compiles every decode variant into TRITON_CACHE_DIR (the k4v4 engine then loads them),
-  # captures a padded decode graph (must allocate nothing), replay == eager == reference.
-  timeout 90 python3 -m pytest -q -s -x tests/test_vllm_gpu_runtime.py 2>&1 | grep -E "SMOKE|passed|failed|skipped|[Ee]rror" | tail -12
+  # captures a padded decode graph (must allocate nothing), replay == eager == reference; then the
+  # two prefill paths at 128K with vLLM's FlashAttention (flag file if KVREPRO_PREFILL=dequant is
+  # right and faster than fa).
+  rm -f /tmp/kvcache/flags/prefill_dequant_ok
+  KVREPRO_SMOKE_FLAGS=/tmp/kvcache/flags timeout 120 python3 -m pytest -q -s -x tests/test_vllm_gpu_runtime.py 2>&1 \
+    | grep -E "SMOKE|passed|failed|skipped|[Ee]rror" | tail -12
   echo "smoke done at $(( $(date +%s) - T0 )) s"
 }
 
@@ -46,6 +51,11 @@ sweep() {
     src=/tmp/kvres/$run.jsonl
   fi
   [ -f "$src" ] && cp "$src" $OUT/$run.jsonl && echo "resuming from $src ($(wc -l < $src) rows)"
+  # PREFILL_AUTO=1: use KVREPRO_PREFILL=dequant for kvrepro modes if this machine's smoke found it
+  # right and faster than fa (the rows record the path in env / kvrepro_settings).
+  if [ "${PREFILL_AUTO:-0}" = 1 ] && [ -z "${KVREPRO_PREFILL:-}" ] && [ -f /tmp/kvcache/flags/prefill_dequant_ok ]; then
+    export KVREPRO_PREFILL=dequant; echo "KVREPRO_PREFILL=dequant ($(cat /tmp/kvcache/flags/prefill_dequant_ok))"
+  fi
   local budget; budget=$(left)
   echo "sweep budget ${budget} s: $modes (edge: ${edge:-none}; sizing only: ${SIZING_ONLY:-none})"
   timeout $(( budget > 20 ? budget : 20 )) python3 -m kvrepro.sweep --modes "$modes" --results $OUT/$run.jsonl \

@@ -102,3 +102,68 @@ def test_warmup_then_graph_capture_allocates_nothing_and_matches_reference():
     torch.cuda.synchronize()
     print(f"SMOKE store rotate=kernel: non-torch memory +{(non_torch_bytes(dev) - nt1) / 2**30:.2f} GiB "
           "(local memory for its register-spill stack)")
+
+
+def test_prefill_paths_at_128k_with_vllm_flash_attention():
+    """One layer, one 16K chunk after 112K of context (the last chunk of a 128K prompt): ``fa`` and
+    ``dequant`` (KVREPRO_PREFILL) against attention over the dequantized pages (float32, last 64
+    rows), timed. Writes ``$KVREPRO_SMOKE_FLAGS/prefill_dequant_ok`` when ``dequant`` is right and faster
+    (scripts/h200_sweep.sh then may select it for the sweep: PREFILL_AUTO=1)."""
+    import os
+
+    pytest.importorskip("vllm")
+    from kvrepro.vllm_backend.fa_prefill import FlashPrefill, RotatedDequantPrefill
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    rt = LayerRuntime("k4v4", HQ, HKV, D, D ** -0.5)
+    ctx, ql = 131072 - 16384, 16384
+    seq = ctx + ql
+    layout = rt.fmt.layout(D, BS)
+    nb = seq // BS + 1
+    pool = torch.zeros(nb, HKV, layout.page_bytes, dtype=torch.uint8, device=dev)
+    g = torch.Generator(device=dev).manual_seed(1)
+    bt = (torch.randperm(nb - 1, generator=g, device=dev) + 1).int()[None, :]
+    slots = (bt[0].long()[:, None] * BS + torch.arange(BS, device=dev)).reshape(-1)[:seq]
+    k = torch.randn(seq, HKV * D, generator=g, device=dev).bfloat16()
+    v = torch.randn(seq, HKV * D, generator=g, device=dev).bfloat16()
+    rt.store(k, v, pool, slots)
+    q = torch.randn(ql, HQ, D, generator=g, device=dev).bfloat16()
+    kc, vc = k[ctx:].view(ql, HKV, D), v[ctx:].view(ql, HKV, D)
+    lens = torch.tensor([seq], dtype=torch.int32, device=dev)
+    qsl = torch.tensor([0, ql], dtype=torch.int32, device=dev)
+    rot = rt.prepare(dev)
+    res = {}
+    for name, path in (("fa", FlashPrefill(rt.fmt, HKV, D)), ("dequant", RotatedDequantPrefill(D))):
+        out = torch.empty_like(q)
+        path(q, kc, vc, pool, bt, lens, qsl, layout, rot, rt.scale, out=out, max_query_len=ql)  # warm
+        torch.cuda.synchronize()
+        t0 = torch.cuda.Event(enable_timing=True)
+        t1 = torch.cuda.Event(enable_timing=True)
+        t0.record()
+        for _ in range(3):
+            path(q, kc, vc, pool, bt, lens, qsl, layout, rot, rt.scale, out=out, max_query_len=ql)
+        t1.record()
+        torch.cuda.synchronize()
+        res[name] = (out.clone(), t0.elapsed_time(t1) / 3)
+    # reference: the last 64 query rows attend (causally) to the dequantized context pages + the
+    # chunk's own K/V unquantized, float32
+    from kvrepro.reference import attention_ref
+
+    tail = 64
+    ref_pool = rt.fmt.new_pool(1, HKV, D, BS, device=dev)
+    ref_pool.data = pool
+    kp, vp = ref_pool.gather(bt[0], ctx)
+    ref = attention_ref(q[-tail:], torch.cat([kp.float(), kc.float()]), torch.cat([vp.float(), vc.float()]),
+                        rt.scale, torch.float32)
+    del kp, vp
+    errs = {n: ((o[-tail:].float() - ref).abs().max() / ref.abs().max()).item() for n, (o, _) in res.items()}
+    print("\nSMOKE prefill 16K chunk after 112K context, one layer: " + ", ".join(
+        f"{n} {ms:.1f} ms relerr {errs[n]:.1e}" for n, (_, ms) in res.items()))
+    assert errs["fa"] < 2e-2
+    ok = errs["dequant"] < 2e-2 and res["dequant"][1] < res["fa"][1]
+    flags = os.environ.get("KVREPRO_SMOKE_FLAGS")
+    if flags and ok:
+        os.makedirs(flags, exist_ok=True)
+        open(os.path.join(flags, "prefill_dequant_ok"), "w").write(
+            f"dequant {res['dequant'][1]:.1f} ms vs fa {res['fa'][1]:.1f} ms, relerr {errs['dequant']:.1e}\n")
+    assert errs["dequant"] < 2e-2

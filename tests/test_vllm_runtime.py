@@ -309,3 +309,20 @@ def test_store_rotates_in_torch_by_default_and_both_modes_write_the_reference_by
         for got, want in ((got_k, want_k), (got_v, want_v)):
             close = torch.isclose(got.float(), want.float(), atol=1e-3, rtol=1e-3).float().mean().item()
             assert close > 0.999, (mode, close)
+
+
+def test_rotated_dequant_prefill_path_matches_reference():
+    """KVREPRO_PREFILL=dequant through a bottom-right-causal FlashAttention stand-in with LSE."""
+    from kvrepro.vllm_backend.fa_prefill import RotatedDequantPrefill
+
+    hq, hkv, d, bs = 8, 2, 64, 16
+    seq, ql = [20, 53, 57, 5], [1, 1, 7, 5]
+    rt, pool, bt, sl, qsl, q, k, v, t, _ = _batch(10, hq, hkv, d, bs, seq, ql)
+    for piece in (RotatedDequantPrefill(d, fa=_fa_lse_standin), RotatedDequantPrefill(d, fa=_fa_lse_standin,
+                                                                                      piece_tokens=16)):
+        rt.prefill = piece
+        out = torch.full((t + 3, hq, d), float("nan"), dtype=torch.bfloat16)
+        rt.attend(q, k, v, pool, bt, sl, qsl, t, 2, 2, out, max_query_len=7)
+        ref = reference_attend(rt, q, k, v, pool, bt, sl, qsl, t, 2)
+        assert ((out[:t].double() - ref).abs().max() / ref.abs().max()) < 2e-2
+        assert torch.isnan(out[t:]).all()

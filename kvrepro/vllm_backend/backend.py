@@ -193,6 +193,10 @@ class KVReproAttentionImpl(AttentionImpl[KVReproMetadata]):
             from kvrepro.vllm_backend.fa_prefill import FlashPrefill
 
             prefill = FlashPrefill(get_format(preset), num_kv_heads, head_size, sliced=path == "fa-sliced")
+        elif path == "dequant":
+            from kvrepro.vllm_backend.fa_prefill import RotatedDequantPrefill
+
+            prefill = RotatedDequantPrefill(head_size)
         shape = engine_shape()
         self.rt = LayerRuntime(preset, num_heads, num_kv_heads, head_size, self.scale,
                                cfg.resolve_num_splits(), prefill=prefill, graph_sizes=shape["graph_sizes"],

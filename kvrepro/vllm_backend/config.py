@@ -24,7 +24,7 @@ from kvrepro.formats.layout import SUPPORTED_BLOCK_SIZES, PageLayout
 PRESET_ENV = "KVREPRO_PRESET"
 NUM_SPLITS_ENV = "KVREPRO_NUM_SPLITS"
 PREFILL_ENV = "KVREPRO_PREFILL"
-PREFILL_PATHS = ("fa", "fa-sliced", "triton")
+PREFILL_PATHS = ("fa", "fa-sliced", "dequant", "triton")
 BACKEND_NAME = "CUSTOM"  # vLLM's enum slot for out-of-tree backends (--attention-backend CUSTOM)
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 SUPPORTED_KV_CACHE_DTYPES = ("auto", "bfloat16", "float16")
@@ -101,7 +101,9 @@ def resolve_warmup(value: str | None = None) -> bool:
 def resolve_prefill(value: str | None = None) -> str:
     """Prefill path: ``fa`` (dequantize the context, then vLLM's FlashAttention; default, measured),
     ``fa-sliced`` (the same slice by slice with a log-sum-exp merge: bounded temporaries; not yet run on a
-    GPU) or ``triton`` (kvrepro's direct-read prefill kernel). From ``value`` or ``$KVREPRO_PREFILL``.
+    GPU), ``dequant`` (``fa_prefill.RotatedDequantPrefill``: context dequantized in the rotated space by
+    a Triton kernel, one FlashAttention call; not yet run inside vLLM) or ``triton`` (kvrepro's
+    direct-read prefill kernel). From ``value`` or ``$KVREPRO_PREFILL``.
     Raises ValueError naming KVREPRO_PREFILL and the allowed values."""
     if value is None:
         value = os.environ.get(PREFILL_ENV, "") or "fa"

@@ -148,3 +148,46 @@ def merge_partials(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, ls
     tot = wa + wb
     o = (o_a * (wa / tot).T.unsqueeze(-1)) + (o_b * (wb / tot).T.unsqueeze(-1))
     return o, m + torch.log(tot)
+
+
+ONE_PIECE = 1 << 20  # tokens: [context | chunk] always in one FlashAttention call for vLLM's lengths
+
+
+class RotatedDequantPrefill:
+    """``KVREPRO_PREFILL=dequant``: ``kvrepro.ops.prefill_attention(impl="dequant")`` with vLLM's
+    FlashAttention varlen as its dense attention, in one call per sequence.
+
+    Everything stays in the pages' rotated space (notes/kernels.md, run 5): the chunk's q/k/v are
+    rotated with ``R`` (float32 matmuls over the chunk only), the context is dequantized by a
+    stack-free Triton kernel without the inverse rotation (a byte-bound pass; the float32 inverse
+    rotation of the whole context is what makes ``fa`` slow), one bottom-right-causal FlashAttention
+    call runs over [context | chunk], and the output is rotated back with ``R.T``. Measured by the
+    kernel owner with PyTorch's FA2 in 32K pieces: 1.08x bf16 FA2 for a 128K prompt in 8K chunks
+    (``fa``'s unrotated dequantization: 2.55x). Not yet run inside vLLM.
+
+    Memory outside vLLM's accounting (its profiling run skips attention), per prefill sequence: the
+    context and chunk K/V in bf16, ``2 x seq_len x Hkv x D x 2`` bytes (0.5 GiB at 132K for Qwen3-4B),
+    plus the chunk's rotated q/k/v and output (float32 temporaries, ~0.6 GiB for a 16K chunk of 32
+    heads): ~1.1 GiB at most, one sequence at a time, freed after the call.
+
+    ``fa``, ``fa_version``: a ``flash_attn_varlen_func`` stand-in for tests (default: vLLM's, with
+    its FA version for ``head_size``).
+    """
+
+    def __init__(self, head_size: int, fa=None, fa_version: int | None = None, piece_tokens: int = ONE_PIECE):
+        if fa is None:
+            from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func, get_flash_attn_version
+
+            fa, fa_version = flash_attn_varlen_func, get_flash_attn_version(head_size=head_size)
+        from kvrepro.ops.prefill import vllm_dense_attn
+
+        self.dense_attn = vllm_dense_attn(fa, fa_version)
+        self.piece_tokens = piece_tokens
+
+    def __call__(self, query, key, value, pool, block_tables, seq_lens, query_start_loc, layout, rotation,
+                 scale, out=None, max_query_len=None):
+        from kvrepro.ops.prefill import prefill_attention
+
+        return prefill_attention(query, key, value, pool, block_tables, seq_lens, query_start_loc, layout,
+                                 rotation, scale, out=out, max_query_len=max_query_len, impl="dequant",
+                                 dense_attn=self.dense_attn, piece_tokens=self.piece_tokens)
