@@ -99,6 +99,7 @@ def kvrepro_case(preset, batch, ctx, gen, **kw):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+    ap.add_argument("--ctxs", type=int, nargs="+", default=list(CTXS), help="context lengths (tokens)")
     args = ap.parse_args()
     import vllm
     gen = torch.Generator(device="cuda").manual_seed(7)
@@ -112,7 +113,7 @@ def main():
              "kvrepro_k4v4": lambda b, c: kvrepro_case("k4v4", b, c, gen),
              "kvrepro_k8v4": lambda b, c: kvrepro_case("k8v4", b, c, gen),
              "kvrepro_k4v2": lambda b, c: kvrepro_case("k4v2", b, c, gen)}
-    for ctx in CTXS:
+    for ctx in args.ctxs:
         for batch in BATCHES:
             for name, fn in cases.items():
                 try:

@@ -17,7 +17,7 @@ ROTATE_PIECE = 4096  # rotate="torch": tokens rotated per float32 temporary (409
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, pool, slot_mapping: torch.Tensor,
-             layout: PageLayout, rotation: torch.Tensor, *, rotate: str = "kernel",
+             layout: PageLayout, rotation: torch.Tensor, *, rotate: str = "torch",
              validate: bool | None = None) -> None:
     """Rotate, quantize and pack ``key``/``value`` into their slots of ``pool`` (in place).
 
@@ -31,10 +31,12 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, pool, slot_mapping: torch.T
             ``-1`` = padding, skipped.
         layout: the pool's ``PageLayout``.
         rotation: float32 ``[head_dim, head_dim]`` (``rotation_matrix(head_dim, seed)``), same device.
-        rotate: ``"kernel"`` (default, measured: 2.44 ms per 8K tokens x 8 heads x 128 on the
-            H200, the float32 ``[D, D]`` operand spills registers) or ``"torch"`` (``x.float() @ R``
-            through PyTorch in pieces of ``ROTATE_PIECE`` tokens, then the kernel quantizes: the
-            same op as the reference; not yet timed on a GPU).
+        rotate: ``"torch"`` (default: ``x.float() @ R`` through PyTorch in pieces of
+            ``ROTATE_PIECE`` tokens, then the kernel quantizes; the same op as the reference;
+            0.22 ms per 8K tokens x 8 heads x 128 on the H200, run 4) or ``"kernel"`` (rotation
+            inside the Triton kernel: 2.50 ms there, and its float32 ``[D, D]`` operand spills to a
+            6,792 B stack per thread, for which the CUDA driver reserves ~1.7 GiB of local memory
+            at the first launch, notes/vllm.md).
 
         validate: check slot range and finite K/V on the host (default: on for CPU tensors,
             off on CUDA, where it would need a host sync and break CUDA-graph capture).
