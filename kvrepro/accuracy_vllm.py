@@ -341,12 +341,14 @@ def _provenance() -> dict:
 
 def run_worker(mode: str, bundle_path: str, model: str, out_path: str, factory: str = DEFAULT_FACTORY,
                weights: str = "gguf", engine_kw: dict | None = None) -> dict:
-    """Serve the bundle's prompts with ``mode``; write ``{"rows", "sanity", "info", "phase"}`` as JSON to
-    ``out_path`` after each phase (temp file + rename). Returns that dict."""
+    """Serve the bundle's prompts with ``mode``; write ``{"rows", "sanity", "info", "phase", "errors"}`` as
+    JSON to ``out_path`` after each phase (temp file + rename). Returns that dict. An exception in the
+    engine or the retrieval phase propagates (the mode failed); one in the sanity or teacher-forced phase
+    is recorded in ``errors`` and the worker goes on (retrieval rows are the main result)."""
     b = load_bundle(bundle_path)
     table, eos, grid = b["token_table"], b["eos_token_id"], b["grid"]
     prov = _provenance()
-    state = {"mode": mode, "phase": "engine", "rows": [], "sanity": [], "info": {}, "provenance": prov}
+    state = {"mode": mode, "phase": "engine", "rows": [], "sanity": [], "info": {}, "provenance": prov, "errors": []}
 
     def dump():
         _atomic_write(out_path, lambda f: json.dump(state, f))
@@ -373,18 +375,26 @@ def run_worker(mode: str, bundle_path: str, model: str, out_path: str, factory: 
             batch_generate_s=round(gen_s, 3)))
     state["phase"] = "sanity"
     dump()
-    outs = engine.generate([s["input_ids"] for s in b["sanity"]], grid["sanity_tokens"], ignore_eos=True)
-    state["sanity"] = [dict(engine="vllm", mode=mode, format=FORMAT_OF_MODE[mode], name=s["name"],
-                            prompt_sha256=s["sha256"], n_tokens=len(s["input_ids"]),
-                            output_ids=" ".join(map(str, out)), text=decode_ids(table, out))
-                       for s, out in zip(b["sanity"], outs)]
+    try:  # a failure here must not lose the retrieval rows: recorded in state["errors"]
+        outs = engine.generate([s["input_ids"] for s in b["sanity"]], grid["sanity_tokens"], ignore_eos=True)
+        state["sanity"] = [dict(engine="vllm", mode=mode, format=FORMAT_OF_MODE[mode], name=s["name"],
+                                prompt_sha256=s["sha256"], n_tokens=len(s["input_ids"]),
+                                output_ids=" ".join(map(str, out)), text=decode_ids(table, out))
+                           for s, out in zip(b["sanity"], outs)]
+    except Exception as e:
+        traceback.print_exc()
+        state["errors"].append(f"sanity: {e!r}")
     state["phase"] = "teacher-forced"
     dump()
-    lps = engine.prompt_logprobs([p["input_ids"] + p["answer_ids"] for p in b["prompts"]],
-                                 [len(p["answer_ids"]) for p in b["prompts"]])
-    for row, lp in zip(state["rows"], lps):
-        row["key_logprob_mean"] = sum(lp) / len(lp)
-        row["first_digit_logprob"] = lp[0]
+    try:
+        lps = engine.prompt_logprobs([p["input_ids"] + p["answer_ids"] for p in b["prompts"]],
+                                     [len(p["answer_ids"]) for p in b["prompts"]])
+        for row, lp in zip(state["rows"], lps):
+            row["key_logprob_mean"] = sum(lp) / len(lp)
+            row["first_digit_logprob"] = lp[0]
+    except Exception as e:
+        traceback.print_exc()
+        state["errors"].append(f"teacher-forced: {e!r}")
     state["phase"] = "done"
     dump()
     return state
@@ -470,7 +480,7 @@ def run_modes(modes, bundle_path: str, model: str, work_dir: str, factory: str =
             phase = state.get("phase", "start")
             st = {"status": "ok" if rc == 0 and phase == "done" else "failed", "error": err, "phase": phase,
                   "wall_s": round(wall, 1), "info": state.get("info", {}), "provenance": state.get("provenance", {}),
-                  "weights": res["weights"]}
+                  "weights": res["weights"], "phase_errors": state.get("errors", [])}
             if st["status"] != "ok":
                 st["log_tail"] = _tail(log)
             if log_path:

@@ -156,8 +156,10 @@ def main(argv=None) -> int:
                        log_path=os.path.join(a.out, "vllm_accuracy.log"),
                        on_mode_done=lambda r: write_outputs(r, a.out, meta), dequant=av.dequantize_gguf)
     write_outputs(res, a.out, meta)
-    print("[vllm-accuracy] status: " + "; ".join(f"{m} {s['status']} ({s.get('wall_s', 0)} s{', ' + s['error'] if s.get('error') else ''})"
-                                                 for m, s in res["status"].items()), flush=True)
+    print("[vllm-accuracy] status: " + "; ".join(
+        f"{m} {s['status']} ({s.get('wall_s', 0)} s{', ' + s['error'] if s.get('error') else ''}"
+        f"{', ' + ' | '.join(s['phase_errors']) if s.get('phase_errors') else ''})" for m, s in res["status"].items()),
+        flush=True)
     try:
         s = summarize(res)
         print("[vllm-accuracy] accuracy: " + json.dumps(s.get("accuracy", {})))

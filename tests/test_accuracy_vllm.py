@@ -61,6 +61,8 @@ class FakeEngine:
         return outs
 
     def prompt_logprobs(self, prompts, n_last):
+        if os.environ.get("FAKE_LP_FAIL") == self.mode:
+            raise KeyError("no prompt logprobs")
         if os.environ.get("FAKE_SLOW") == self.mode:
             time.sleep(60)
         return [[-0.25] * n for n in n_last]
@@ -89,7 +91,7 @@ def small_bundle(tok, tmp_path_factory):
 def fake_env(monkeypatch, small_bundle):
     monkeypatch.setenv("FAKE_BUNDLE", small_bundle)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(HERE), str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    for k in ("FAKE_FAIL", "FAKE_CORRUPT", "FAKE_SLOW", "KVREPRO_PRESET"):
+    for k in ("FAKE_FAIL", "FAKE_CORRUPT", "FAKE_SLOW", "FAKE_LP_FAIL", "KVREPRO_PRESET"):
         monkeypatch.delenv(k, raising=False)
     return monkeypatch
 
@@ -169,6 +171,7 @@ def first_number_is_target(tok, p) -> bool:
 def test_run_modes_with_fake_engine(tok, small_bundle, tmp_path, fake_env):
     fake_env.setenv("FAKE_FAIL", "kvrepro:k8v4")
     fake_env.setenv("FAKE_CORRUPT", "kvrepro:k4v2")
+    fake_env.setenv("FAKE_LP_FAIL", "kvrepro:k4v2")
     done = []
     res = av.run_modes(["bf16", "kvrepro:k4v4", "kvrepro:k8v4", "kvrepro:k4v2"], small_bundle, small_bundle,
                        str(tmp_path / "w"), factory=FACTORY, engine_kw={"compile": "eager"},
@@ -188,7 +191,11 @@ def test_run_modes_with_fake_engine(tok, small_bundle, tmp_path, fake_env):
     assert (df["correct"] == df["prompt_sha256"].map(truth)).all()
     wrong = df[df["correct"] == 0]
     assert (wrong["answer_kind"] == "distractor").all() and (wrong["variant"] == "multi").all()
-    assert (df["key_logprob_mean"] == -0.25).all() and (df["engine"] == "vllm").all()
+    assert (df["engine"] == "vllm").all()
+    # a failing margin phase is recorded, the retrieval rows stay and the mode still counts as run
+    assert st["kvrepro:k4v2"]["phase_errors"] == ["teacher-forced: KeyError('no prompt logprobs')"]
+    assert df[df["format"] == "k4v2"]["key_logprob_mean"].isna().all()
+    assert (df[df["format"] != "k4v2"]["key_logprob_mean"] == -0.25).all() and st["bf16"]["phase_errors"] == []
     # sanity: the corrupting mode fails the stated thresholds, the faithful one passes
     t = accuracy.sanity_table(pd.DataFrame(res["sanity"]))
     assert t.loc["k4v4", "sanity_pass"] and t.loc["k4v4", "token_agreement"] == 1.0
