@@ -169,17 +169,20 @@ def test_target_check_judges_only_cells_where_bf16_is_at_least_95_percent():
 
 
 def test_engine_agreement_against_hand_values():
-    cells = {(1024, 0.0): [1, 1, 1, 1], (2048, 0.0): [1, 1, 1, 1]}
+    cells = {(1024, 0.0): [1, 1, 1, 1], (2048, 0.0): [1, 1, 1, 1], (4096, 0.0): [0, 1, 0, 0]}
     cpu = pd.DataFrame(_cells("bf16", cells) + _cells("k4v4", cells))
-    v_k4 = {(1024, 0.0): [1, 1, 1, 1], (2048, 0.0): [1, 1, 1, 0]}  # one miss on vLLM
-    vllm = pd.DataFrame(_cells("bf16", cells, engine="vllm") + _cells("k4v4", v_k4, engine="vllm")
+    v_bf = {(1024, 0.0): [1, 1, 1, 1], (2048, 0.0): [1, 1, 1, 1], (4096, 0.0): [1, 0, 0, 1]}
+    v_k4 = {(1024, 0.0): [1, 1, 1, 1], (2048, 0.0): [1, 1, 1, 0], (4096, 0.0): [0, 0, 1, 1]}  # one decided miss
+    vllm = pd.DataFrame(_cells("bf16", v_bf, engine="vllm") + _cells("k4v4", v_k4, engine="vllm")
                         + _cells("k4v4", {(8184, 0.0): [0, 0]}, engine="vllm"))  # not shared: ignored
     t = accuracy.engine_agreement(vllm, cpu)
-    assert t.loc["k4v4", "shared_runs"] == 8 and t.loc["k4v4", "accuracy_vllm"] == 7 / 8
-    assert t.loc["k4v4", "run_agreement"] == 7 / 8 and t.loc["k4v4", "accuracy_diff"] == -1 / 8
-    assert not t.loc["k4v4", "agree"]  # 12.5 points > 5, and the target verdict differs
-    assert t.loc["k4v4", "target_cpu"] and not t.loc["k4v4", "target_vllm"]
-    assert t.loc["bf16", "agree"] and t.loc["bf16", "run_agreement"] == 1.0
+    k = t.loc[("k4v4", "single")]
+    assert k["shared_runs"] == 12 and k["accuracy_vllm"] == 9 / 12 and k["accuracy_cpu"] == 9 / 12
+    assert k["run_agreement"] == 8 / 12  # 2048: 1 run differs; 4096: 3 differ
+    assert k["judged_runs"] == 8 and k["judged_agreement"] == 7 / 8  # only 1K and 2K are decided (bf16 100%)
+    assert not k["agree"] and k["target_cpu"] and not k["target_vllm"]
+    b = t.loc[("bf16", "single")]
+    assert b["agree"] and b["judged_agreement"] == 1.0 and b["run_agreement"] == 9 / 12  # 4096 undecided
     with pytest.raises(ValueError, match="share no"):
         accuracy.engine_agreement(vllm.assign(prompt_sha256="x"), cpu)
 
