@@ -331,12 +331,28 @@ def _provenance() -> dict:
         info["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
     except Exception:
         info["gpu"] = "none"
-    try:
+    try:  # HEAD of the checkout on the running machine; its working tree may differ: see kvrepro_src_sha256
         info["kvrepro_commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                                 text=True, cwd=os.path.dirname(__file__), timeout=5).stdout.strip()
     except Exception:
         info["kvrepro_commit"] = ""
+    info["kvrepro_src_sha256"] = src_sha256()
     return info
+
+
+def src_sha256() -> str:
+    """SHA-256 over the kvrepro package's .py files (sorted relative paths + contents): identifies the code
+    that ran even when the machine's git HEAD does not match its working tree."""
+    root = os.path.dirname(os.path.abspath(__file__))
+    h = hashlib.sha256()
+    for d, _, files in sorted(os.walk(root)):
+        for f in sorted(files):
+            if f.endswith(".py"):
+                p = os.path.join(d, f)
+                h.update(os.path.relpath(p, root).encode() + b"\0")
+                with open(p, "rb") as fh:
+                    h.update(fh.read())
+    return h.hexdigest()
 
 
 def run_worker(mode: str, bundle_path: str, model: str, out_path: str, factory: str = DEFAULT_FACTORY,
@@ -359,7 +375,8 @@ def run_worker(mode: str, bundle_path: str, model: str, out_path: str, factory: 
     common = dict(engine="vllm", mode=mode, format=FORMAT_OF_MODE[mode], weights=weights,
                   compile=(engine_kw or {}).get("compile", "decode-graphs"), gpu=prov["gpu"],
                   vllm_version=prov["vllm_version"], torch_version=prov["torch_version"],
-                  kvrepro_commit=prov["kvrepro_commit"], date=prov["date_utc"], measured=True)
+                  kvrepro_commit=prov["kvrepro_commit"], kvrepro_src_sha256=prov["kvrepro_src_sha256"][:16],
+                  date=prov["date_utc"], measured=True)
     state["phase"] = "needle"
     t = time.perf_counter()
     outs = engine.generate([p["input_ids"] for p in b["prompts"]], grid["max_new_tokens"], stop_ids=[eos])
@@ -512,8 +529,14 @@ def run_modes(modes, bundle_path: str, model: str, work_dir: str, factory: str =
 
 def dequantize_gguf(gguf_path: str, out_dir: str | None = None) -> str:
     """Save the GGUF's weights, de-quantized by transformers (as the CPU path loads them), as a bf16
-    HF model directory; returns it. Needs ``gguf`` and ``accelerate``."""
+    HF model directory (config.json + model.safetensors); returns it. Needs ``gguf`` and ``accelerate``.
+
+    transformers refuses ``save_pretrained`` on a GGUF-loaded model ("QuantizationMethod.GGUF ... not
+    serializable"), so the state dict and the config (without ``quantization_config``, with
+    ``architectures``) are written directly; a tied ``lm_head.weight`` is left out as HF checkpoints do.
+    """
     import torch
+    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
     out_dir = out_dir or os.path.join(os.path.dirname(os.path.abspath(gguf_path)), "hf-bf16")
@@ -521,7 +544,19 @@ def dequantize_gguf(gguf_path: str, out_dir: str | None = None) -> str:
         return out_dir
     d, name = os.path.split(os.path.abspath(gguf_path))
     model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.bfloat16)
-    model.save_pretrained(out_dir)
+    cfg = model.config.to_dict()
+    cfg.pop("quantization_config", None)
+    cfg["architectures"] = [type(model).__name__]
+    cfg["torch_dtype"] = cfg["dtype"] = "bfloat16"
+    sd = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
+    if cfg.get("tie_word_embeddings"):
+        sd.pop("lm_head.weight", None)
+    tmp = out_dir + ".tmp"
+    os.makedirs(tmp, exist_ok=True)
+    save_file(sd, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=1, default=str)
+    os.replace(tmp, out_dir)
     return out_dir
 
 
