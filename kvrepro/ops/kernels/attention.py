@@ -25,13 +25,13 @@ import triton.language as tl
 
 
 @triton.jit
-def _plane(packed, I: tl.constexpr, BITS: tl.constexpr):
-    """uint8 tile -> float16 tile of ``m_I * code_I`` (exact)."""
+def _plane(packed, I: tl.constexpr, BITS: tl.constexpr, CENTER: tl.constexpr):
+    """uint8 tile -> float16 tile of ``m_I * (code_I - CENTER)`` (exact; CENTER 0 or 2**(BITS-1))."""
     if BITS == 8:
         c = packed.to(tl.int16)
     else:
         c = (packed & (((1 << BITS) - 1) << (I * BITS))).to(tl.int16)
-    return (c | 0x6400).to(tl.float16, bitcast=True) - 1024.0
+    return (c | 0x6400).to(tl.float16, bitcast=True) - (1024.0 + CENTER * (1 << (I * BITS)))
 
 
 @triton.jit
@@ -59,45 +59,109 @@ def _planes4_asm(packed):
 
 
 @triton.jit
-def _plane8_asm(packed):
-    """uint8 tile of 8-bit codes -> exact float16 tile."""
+def _planes4c_asm(packed):
+    """As ``_planes4_asm``, centred: (low nibble - 8, 16 x (high nibble - 8)); 0x6408 = 1032 and
+    0x6480 = 1152 in float16."""
     return tl.inline_asm_elementwise(
         asm="""
         {
-        .reg .b32 t, k;
-        mov.b32 k, 0x64006400;
-        prmt.b32 t, $2, 0x64, 0x4140;
-        sub.f16x2 $0, t, k;
-        prmt.b32 t, $2, 0x64, 0x4342;
-        sub.f16x2 $1, t, k;
+        .reg .b32 t, u, k0, k1;
+        mov.b32 k0, 0x64086408;
+        mov.b32 k1, 0x64806480;
+        prmt.b32 t, $4, 0, 0x4140;
+        lop3.b32 u, t, 0x000F000F, 0x64006400, 0xEA;
+        sub.f16x2 $0, u, k0;
+        lop3.b32 u, t, 0x00F000F0, 0x64006400, 0xEA;
+        sub.f16x2 $2, u, k1;
+        prmt.b32 t, $4, 0, 0x4342;
+        lop3.b32 u, t, 0x000F000F, 0x64006400, 0xEA;
+        sub.f16x2 $1, u, k0;
+        lop3.b32 u, t, 0x00F000F0, 0x64006400, 0xEA;
+        sub.f16x2 $3, u, k1;
         }
         """,
-        constraints="=r,=r,r", args=[packed], dtype=tl.float16, is_pure=True, pack=4)
+        constraints="=r,=r,=r,=r,r", args=[packed], dtype=(tl.float16, tl.float16),
+        is_pure=True, pack=4)
 
 
 @triton.jit
-def _planes(packed, BITS: tl.constexpr, ASM: tl.constexpr):
-    """All planes of a packed tile (unused ones are returned as plane 0 and never read)."""
+def _plane8_asm(packed, K: tl.constexpr):
+    """uint8 tile of 8-bit codes -> exact float16 tile of ``code`` (K = 0x64006400) or of
+    ``code - 128`` (K = 0x64806480)."""
+    if K == 0x64006400:
+        return tl.inline_asm_elementwise(
+            asm="""
+            {
+            .reg .b32 t, k;
+            mov.b32 k, 0x64006400;
+            prmt.b32 t, $2, 0x64, 0x4140;
+            sub.f16x2 $0, t, k;
+            prmt.b32 t, $2, 0x64, 0x4342;
+            sub.f16x2 $1, t, k;
+            }
+            """,
+            constraints="=r,=r,r", args=[packed], dtype=tl.float16, is_pure=True, pack=4)
+    else:
+        return tl.inline_asm_elementwise(
+            asm="""
+            {
+            .reg .b32 t, k;
+            mov.b32 k, 0x64806480;
+            prmt.b32 t, $2, 0x64, 0x4140;
+            sub.f16x2 $0, t, k;
+            prmt.b32 t, $2, 0x64, 0x4342;
+            sub.f16x2 $1, t, k;
+            }
+            """,
+            constraints="=r,=r,r", args=[packed], dtype=tl.float16, is_pure=True, pack=4)
+
+
+@triton.jit
+def _planes(packed, BITS: tl.constexpr, ASM: tl.constexpr, CENTERED: tl.constexpr = False):
+    """All planes of a packed tile (unused ones are returned as plane 0 and never read).
+
+    ``CENTERED``: plane ``i`` holds ``m_i * (code - 2**(BITS-1))`` instead of ``m_i * code``.
+    Used for values: their accumulator then carries no large positive offset (7.5 x the
+    probability mass at 4 bits) that the mid-rise correction would have to cancel; tensor-core
+    float32 accumulation is not round-to-nearest, and over a 128K-token split that offset's
+    rounding bias measured 45 % output error on the H200 (notes/kernels.md, run 5b)."""
+    C: tl.constexpr = (1 << (BITS - 1)) if CENTERED else 0
     if ASM and BITS == 4:
-        p0, p1 = _planes4_asm(packed)
+        if CENTERED:
+            p0, p1 = _planes4c_asm(packed)
+        else:
+            p0, p1 = _planes4_asm(packed)
         p2 = p0
         p3 = p0
     elif ASM and BITS == 8:
-        p0 = _plane8_asm(packed)
+        p0 = _plane8_asm(packed, 0x64806480 if CENTERED else 0x64006400)
         p1 = p0
         p2 = p0
         p3 = p0
     else:
-        p0 = _plane(packed, 0, BITS)
+        p0 = _plane(packed, 0, BITS, C)
         p1 = p0
         p2 = p0
         p3 = p0
         if BITS <= 4:
-            p1 = _plane(packed, 1, BITS)
+            p1 = _plane(packed, 1, BITS, C)
         if BITS == 2:
-            p2 = _plane(packed, 2, BITS)
-            p3 = _plane(packed, 3, BITS)
+            p2 = _plane(packed, 2, BITS, C)
+            p3 = _plane(packed, 3, BITS, C)
     return p0, p1, p2, p3
+
+
+@triton.jit
+def _acc_dot(a, b, acc, alpha, SCALE: tl.constexpr = 1):
+    """``acc * alpha[:, None] + a @ b`` with ``a @ b`` summed in a fresh tensor-core accumulator.
+
+    Tensor-core float32 accumulation rounds toward zero (Fasi et al. 2021, "Numerical behavior of
+    NVIDIA tensor cores"); chained over a long split (``tl.dot(a, b, acc)``, which is also what
+    Triton folds ``acc + tl.dot(a, b)`` into) that bias grows with the split length. Here the
+    tensor core sums one tile only and the running sum is a round-to-nearest float32 FFMA. The
+    ``acc * 0.0`` start value (not a constant) keeps Triton from folding the add into the dot.
+    ``SCALE`` multiplies ``a @ b`` (float32)."""
+    return acc * alpha[:, None] + tl.dot(a, b, acc * 0.0) * SCALE
 
 
 @triton.jit
@@ -124,6 +188,8 @@ def paged_attn_kernel(
     KP: tl.constexpr = D // NPK
     VP: tl.constexpr = D // NPV
     VC: tl.constexpr = ((1 << VBITS) - 1) / 2   # values: v = (code - VC) * scale (mid-rise)
+    # V planes are centred on 2**(VBITS-1): v = ((code - 2**(VBITS-1)) + VCC) * scale, VCC = 0.5
+    VCC: tl.constexpr = (1 << (VBITS - 1)) - VC
 
     seq_len = tl.load(seq_lens_ptr + b)
     if IS_DECODE:                            # one query token per sequence, row b
@@ -212,14 +278,14 @@ def paged_attn_kernel(
         pvs = p * vs[None, :]
         pv16 = pvs.to(tl.float16)
         vc = tl.load(page[:, None] + V_CODE_OFF + (t_in * VP)[:, None] + dv[None, :], mask=n_ok[:, None], other=0)
-        v0, v1, v2, v3 = _planes(vc, VBITS, DEQ_ASM)
-        acc0 = tl.dot(pv16, v0, acc0 * alpha[:, None])
+        v0, v1, v2, v3 = _planes(vc, VBITS, DEQ_ASM, True)
+        acc0 = _acc_dot(pv16, v0, acc0, alpha)
         if NPV > 1:
-            acc1 = tl.dot(pv16, v1, acc1 * alpha[:, None])
+            acc1 = _acc_dot(pv16, v1, acc1, alpha)
         if NPV > 2:
-            acc2 = tl.dot(pv16, v2, acc2 * alpha[:, None])
-            acc3 = tl.dot(pv16, v3, acc3 * alpha[:, None])
-        accz = accz * alpha - VC * tl.sum(pvs, axis=1)
+            acc2 = _acc_dot(pv16, v2, acc2, alpha)
+            acc3 = _acc_dot(pv16, v3, acc3, alpha)
+        accz = accz * alpha + VCC * tl.sum(pvs, axis=1)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
 
@@ -246,12 +312,15 @@ def paged_attn_kernel(
             p = tl.exp2(s - m_use[:, None])
             p16 = p.to(tl.float16)
             fv = fv_ptr + frow[:, None]
-            acc0 = acc0 * alpha[:, None] + tl.dot(p16, tl.load(fv + dv[None, :], mask=j_ok[:, None], other=0.0))
+            acc0 = _acc_dot(p16, tl.load(fv + dv[None, :], mask=j_ok[:, None], other=0.0), acc0, alpha)
             if NPV > 1:
-                acc1 = acc1 * alpha[:, None] + (1 << VBITS) * tl.dot(p16, tl.load(fv + VP + dv[None, :], mask=j_ok[:, None], other=0.0))
+                acc1 = _acc_dot(p16, tl.load(fv + VP + dv[None, :], mask=j_ok[:, None], other=0.0), acc1, alpha,
+                                1 << VBITS)
             if NPV > 2:
-                acc2 = acc2 * alpha[:, None] + (1 << (2 * VBITS)) * tl.dot(p16, tl.load(fv + 2 * VP + dv[None, :], mask=j_ok[:, None], other=0.0))
-                acc3 = acc3 * alpha[:, None] + (1 << (3 * VBITS)) * tl.dot(p16, tl.load(fv + 3 * VP + dv[None, :], mask=j_ok[:, None], other=0.0))
+                acc2 = _acc_dot(p16, tl.load(fv + 2 * VP + dv[None, :], mask=j_ok[:, None], other=0.0), acc2, alpha,
+                                1 << (2 * VBITS))
+                acc3 = _acc_dot(p16, tl.load(fv + 3 * VP + dv[None, :], mask=j_ok[:, None], other=0.0), acc3, alpha,
+                                1 << (3 * VBITS))
             accz = accz * alpha
             l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new

@@ -18,11 +18,13 @@ Gimelshein 2018; FlashAttention, Dao et al. 2022; split-K merge as FlashDecoding
 import triton
 import triton.language as tl
 
+from kvrepro.ops.kernels.attention import _acc_dot
+
 
 @triton.jit
-def _codes_f16(packed, shift, MASK: tl.constexpr):
+def _codes_f16(packed, shift, MASK: tl.constexpr, CENTER: tl.constexpr = 0):
     c = (packed.to(tl.int16) >> shift) & MASK
-    return (c | 0x6400).to(tl.float16, bitcast=True) - 1024.0
+    return (c | 0x6400).to(tl.float16, bitcast=True) - (1024.0 + CENTER)
 
 
 @triton.jit
@@ -113,12 +115,12 @@ def paged_attn_kernel_v1(
         p = tl.exp2(s - m_use[:, None])
         vc = tl.load(pool_ptr + page[:, None] + V_CODE_OFF + t_in[:, None] * VP + vbyte[None, :],
                      mask=n_ok[:, None], other=0)
-        v16 = _codes_f16(vc, vshift[None, :], VMASK)
+        v16 = _codes_f16(vc, vshift[None, :], VMASK, (VMASK + 1) // 2)   # centred, as in v2
         vm = (pool_ptr + page + V_META_OFF + t_in * 2).to(tl.pointer_type(tl.float16))
         vs = tl.load(vm, mask=n_ok, other=0.0).to(tl.float32)
         pvs = p * vs[None, :]
-        acc = acc * alpha[:, None] + tl.dot(pvs.to(tl.float16), v16)
-        accz = accz * alpha - VC * tl.sum(pvs, axis=1)
+        acc = _acc_dot(pvs.to(tl.float16), v16, acc, alpha)
+        accz = accz * alpha + ((VMASK + 1) // 2 - VC) * tl.sum(pvs, axis=1)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
 
@@ -141,7 +143,7 @@ def paged_attn_kernel_v1(
             alpha = tl.exp2(m_i - m_use)
             p = tl.exp2(s - m_use[:, None])
             vf = tl.load(fv_ptr + fo, mask=j_ok[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), vf)
+            acc = _acc_dot(p.to(tl.float16), vf, acc, alpha)
             accz = accz * alpha
             l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new

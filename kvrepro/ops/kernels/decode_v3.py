@@ -18,7 +18,7 @@ codes are never used: ``p = 0``); pages past the end are not read.
 import triton
 import triton.language as tl
 
-from kvrepro.ops.kernels.attention import _planes
+from kvrepro.ops.kernels.attention import _acc_dot, _planes
 
 
 @triton.jit
@@ -73,6 +73,7 @@ def decode_v3_kernel(
     KP: tl.constexpr = D // NPK
     VP: tl.constexpr = D // NPV
     VC: tl.constexpr = ((1 << VBITS) - 1) / 2
+    VCC: tl.constexpr = (1 << (VBITS - 1)) - VC   # V planes centred, as in v2
     NP: tl.constexpr = BLOCK_N // BS
 
     seq_len = tl.load(seq_lens_ptr + b)
@@ -145,14 +146,14 @@ def decode_v3_kernel(
         p = tl.exp2(s - m_use[:, None])
         pvs = p * tl.where(n_ok, vs.to(tl.float32), 0.0)[None, :]
         pv16 = pvs.to(tl.float16)
-        v0, v1, v2, v3 = _planes(vc, VBITS, DEQ_ASM)
-        acc0 = tl.dot(pv16, v0, acc0 * alpha[:, None])
+        v0, v1, v2, v3 = _planes(vc, VBITS, DEQ_ASM, True)
+        acc0 = _acc_dot(pv16, v0, acc0, alpha)
         if NPV > 1:
-            acc1 = tl.dot(pv16, v1, acc1 * alpha[:, None])
+            acc1 = _acc_dot(pv16, v1, acc1, alpha)
         if NPV > 2:
-            acc2 = tl.dot(pv16, v2, acc2 * alpha[:, None])
-            acc3 = tl.dot(pv16, v3, acc3 * alpha[:, None])
-        accz = accz * alpha - VC * tl.sum(pvs, axis=1)
+            acc2 = _acc_dot(pv16, v2, acc2, alpha)
+            acc3 = _acc_dot(pv16, v3, acc3, alpha)
+        accz = accz * alpha + VCC * tl.sum(pvs, axis=1)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
         if PREFETCH:
