@@ -13,8 +13,7 @@ from kvrepro.ops.kernels.decode_v3 import decode_v3_kernel
 from kvrepro.ops.kernels.rotate import merge_splits_kernel, rotate_query_kernel
 
 LOG2E = 1.4426950408889634
-DECODE_BLOCK_N = 256   # v2 + asm dequant: best of H200 run 4 (notes/kernels.md)
-DECODE_BLOCK_N_TRITON = 128   # v2 + triton dequant (run 2) and under the CPU interpreter
+DECODE_BLOCK_N = 256   # v2, 2 warps: best of H200 runs 4-5 for both dequant modes (notes/kernels.md)
 DECODE_WARPS = 2
 DECODE_STAGES = 1
 PROGRAMS_PER_SM = 32   # default split count targets ~32 programs per SM (run 4: 4x fewer was 15% slower)
@@ -28,10 +27,11 @@ DEFAULT_VARIANT = "v2"
 
 
 def default_dequant(device: torch.device) -> str:
-    """``"asm"`` (inline PTX: prmt/lop3/sub.f16x2) on CUDA devices, ``"triton"`` elsewhere (the CPU
-    interpreter cannot run PTX). Both compute the same values (relerr vs float64 2.8e-4 on the
-    H200, runs 2-4); asm was 5-7% faster there (notes/kernels.md)."""
-    return "asm" if device.type == "cuda" else "triton"
+    """``"triton"`` on every device. ``"asm"`` (inline PTX: prmt/lop3/sub.f16x2) was 7% faster on
+    the H200 (run 5: 1.176 vs 1.271 ms at 128K x 13) and matched float64 there, but its centred
+    value planes (the run-5b fix, notes/kernels.md) are not yet verified on a GPU and cannot run
+    under the CPU interpreter, so it is opt-in until then."""
+    return "triton"
 
 
 def attention_kernel(variant: str, dequant: str | None, device: torch.device):
@@ -98,8 +98,8 @@ def decode_attention(query: torch.Tensor, pool, block_tables: torch.Tensor, seq_
         out: optional ``[B, Hq, D]`` output (query dtype); written in place.
         num_splits: splits per sequence; default ``default_num_splits`` (shape-only).
         workspace: optional float32 tensor of >= ``decode_workspace_numel(B, Hq, D, S)`` elements.
-        block_n, num_warps, num_stages: tiling (tokens per step; default ``DECODE_BLOCK_N`` with
-            asm dequantization, ``DECODE_BLOCK_N_TRITON`` otherwise) and Triton launch options.
+        block_n, num_warps, num_stages: tiling (tokens per step; default ``DECODE_BLOCK_N``) and
+            Triton launch options.
         dequant: ``"triton"`` (portable, runs under the interpreter) or ``"asm"`` (inline PTX,
             CUDA only); default ``default_dequant(device)``.
         variant: ``"v2"`` (default: per-plane dots, fewer integer ops), ``"v1"`` (full-width
@@ -146,7 +146,7 @@ def decode_attention(query: torch.Tensor, pool, block_tables: torch.Tensor, seq_
         check_float("out", out, (b, hq, d), dev)
     dequant = default_dequant(dev) if dequant is None else dequant
     if block_n is None:
-        block_n = DECODE_BLOCK_N if dequant == "asm" else DECODE_BLOCK_N_TRITON
+        block_n = DECODE_BLOCK_N
     if block_n not in (16, 32, 64, 128, 256):
         raise ValueError(f"block_n={block_n}; allowed: 16, 32, 64, 128, 256")
     if variant == "v3" and block_n < layout.block_size:
