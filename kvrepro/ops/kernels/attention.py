@@ -165,6 +165,30 @@ def _acc_dot(a, b, acc, alpha, SCALE: tl.constexpr = 1):
 
 
 @triton.jit
+def _query_planes(qrow, qmask, dk, KP: tl.constexpr, KBITS: tl.constexpr):
+    """Query planes for split-plane keys: plane ``i`` (channels ``[i*KP, (i+1)*KP)``) divided by
+    ``m_i = 2**(i*KBITS)`` (exact in float16), and the row sums of q (float32) for the zero points.
+    ``qrow`` [M, 1] row pointers, ``qmask`` [M, 1]. Unused planes are returned as plane 0."""
+    NPK: tl.constexpr = 8 // KBITS
+    q0 = tl.load(qrow + dk[None, :], mask=qmask, other=0.0)
+    qsum = tl.sum(q0.to(tl.float32), axis=1)
+    q1 = q0
+    q2 = q0
+    q3 = q0
+    if NPK > 1:
+        q1 = tl.load(qrow + KP + dk[None, :], mask=qmask, other=0.0)
+        qsum += tl.sum(q1.to(tl.float32), axis=1)
+        q1 = (q1.to(tl.float32) * (1.0 / (1 << KBITS))).to(tl.float16)
+    if NPK > 2:
+        q2 = tl.load(qrow + 2 * KP + dk[None, :], mask=qmask, other=0.0)
+        q3 = tl.load(qrow + 3 * KP + dk[None, :], mask=qmask, other=0.0)
+        qsum += tl.sum(q2.to(tl.float32), axis=1) + tl.sum(q3.to(tl.float32), axis=1)
+        q2 = (q2.to(tl.float32) * (1.0 / (1 << (2 * KBITS)))).to(tl.float16)
+        q3 = (q3.to(tl.float32) * (1.0 / (1 << (3 * KBITS)))).to(tl.float16)
+    return q0, q1, q2, q3, qsum
+
+
+@triton.jit
 def paged_attn_kernel(
     q_ptr, pool_ptr, bt_ptr, seq_lens_ptr, qsl_ptr,
     fk_ptr, fv_ptr,            # fresh rotated K/V [T, Hkv, D] float16 (HAS_FRESH) or dummies
@@ -217,21 +241,7 @@ def paged_attn_kernel(
     # Query planes, plane i divided by m_i = 2**(i*KBITS) (exact in float16).
     qrow = q_ptr + (tok * HQ + head)[:, None] * D
     qmask = (row_ok & (seq_len > 0))[:, None]
-    q0 = tl.load(qrow + dk[None, :], mask=qmask, other=0.0)
-    qsum = tl.sum(q0.to(tl.float32), axis=1)
-    q1 = q0
-    q2 = q0
-    q3 = q0
-    if NPK > 1:
-        q1 = tl.load(qrow + KP + dk[None, :], mask=qmask, other=0.0)
-        qsum += tl.sum(q1.to(tl.float32), axis=1)
-        q1 = (q1.to(tl.float32) * (1.0 / (1 << KBITS))).to(tl.float16)
-    if NPK > 2:
-        q2 = tl.load(qrow + 2 * KP + dk[None, :], mask=qmask, other=0.0)
-        q3 = tl.load(qrow + 3 * KP + dk[None, :], mask=qmask, other=0.0)
-        qsum += tl.sum(q2.to(tl.float32), axis=1) + tl.sum(q3.to(tl.float32), axis=1)
-        q2 = (q2.to(tl.float32) * (1.0 / (1 << (2 * KBITS)))).to(tl.float16)
-        q3 = (q3.to(tl.float32) * (1.0 / (1 << (3 * KBITS)))).to(tl.float16)
+    q0, q1, q2, q3, qsum = _query_planes(qrow, qmask, dk, KP, KBITS)
 
     # This split's range of paged keys (empty splits skip the loop).
     per_split = tl.cdiv(tl.cdiv(n_paged, NUM_SPLITS), BLOCK_N) * BLOCK_N

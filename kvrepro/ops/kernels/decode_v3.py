@@ -18,7 +18,7 @@ codes are never used: ``p = 0``); pages past the end are not read.
 import triton
 import triton.language as tl
 
-from kvrepro.ops.kernels.attention import _acc_dot, _planes
+from kvrepro.ops.kernels.attention import _acc_dot, _planes, _query_planes
 
 
 @triton.jit
@@ -84,21 +84,7 @@ def decode_v3_kernel(
     dv = tl.arange(0, VP)
     qrow = q_ptr + (b.to(tl.int64) * HQ + head)[:, None] * D
     qmask = (row_ok & (seq_len > 0))[:, None]
-    q0 = tl.load(qrow + dk[None, :], mask=qmask, other=0.0)
-    qsum = tl.sum(q0.to(tl.float32), axis=1)
-    q1 = q0
-    q2 = q0
-    q3 = q0
-    if NPK > 1:
-        q1 = tl.load(qrow + KP + dk[None, :], mask=qmask, other=0.0)
-        qsum += tl.sum(q1.to(tl.float32), axis=1)
-        q1 = (q1.to(tl.float32) * (1.0 / (1 << KBITS))).to(tl.float16)
-    if NPK > 2:
-        q2 = tl.load(qrow + 2 * KP + dk[None, :], mask=qmask, other=0.0)
-        q3 = tl.load(qrow + 3 * KP + dk[None, :], mask=qmask, other=0.0)
-        qsum += tl.sum(q2.to(tl.float32), axis=1) + tl.sum(q3.to(tl.float32), axis=1)
-        q2 = (q2.to(tl.float32) * (1.0 / (1 << (2 * KBITS)))).to(tl.float16)
-        q3 = (q3.to(tl.float32) * (1.0 / (1 << (3 * KBITS)))).to(tl.float16)
+    q0, q1, q2, q3, qsum = _query_planes(qrow, qmask, dk, KP, KBITS)
 
     per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * per_split
