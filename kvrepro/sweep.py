@@ -286,6 +286,120 @@ DEFAULT_PARAMS = {"gpu_memory_gb": 80.0, "prompt_tokens": 131072, "decode_tokens
                   "load_format": "dummy", "model_dir": None, "cudagraph_mode": None}
 
 
+CUDAGRAPH_MODES = ("NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")  # vLLM 0.20.2 CUDAGraphMode
+# Workload fields a resumed results file must share with this call (row field names; see check_resume).
+RESUME_FIELDS = ("prompt_tokens", "decode_tokens", "gpu_memory_gb", "block_size", "load_format", "model")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def check_params(params: dict) -> dict:
+    """Validate sweep parameters (``DEFAULT_PARAMS`` names, values merged over the defaults); returns
+    the merged dict.
+
+    Raises:
+        ValueError: an unknown name (listing the allowed ones), or a bad value, naming the parameter and
+            the allowed values: gpu_memory_gb a number > 0 (GiB); prompt_tokens, decode_tokens,
+            max_users, window_steps, max_num_seqs integers >= 1; block_size in ``SUPPORTED_BLOCK_SIZES``;
+            seed an integer; load_format a non-empty string; model_dir None or an existing folder with
+            config.json; cudagraph_mode None or one of ``CUDAGRAPH_MODES``.
+    """
+    from kvrepro.formats.layout import SUPPORTED_BLOCK_SIZES
+
+    if not isinstance(params, dict):
+        raise ValueError(f"params must be a dict of {sorted(DEFAULT_PARAMS)}, got {params!r}")
+    unknown = sorted(set(params) - set(DEFAULT_PARAMS))
+    if unknown:
+        raise ValueError(f"unknown sweep parameter(s) {unknown}; allowed: {sorted(DEFAULT_PARAMS)}")
+    p = {**DEFAULT_PARAMS, **params}
+    g = p["gpu_memory_gb"]
+    if isinstance(g, bool) or not isinstance(g, (int, float)) or not math.isfinite(g) or g <= 0:
+        raise ValueError(f"gpu_memory_gb must be a number of GiB > 0, got {g!r}")
+    for name in ("prompt_tokens", "decode_tokens", "max_users", "window_steps", "max_num_seqs"):
+        if not _is_int(p[name]) or p[name] < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {p[name]!r}")
+    if p["block_size"] not in SUPPORTED_BLOCK_SIZES or not _is_int(p["block_size"]):
+        raise ValueError(f"block_size must be one of {tuple(SUPPORTED_BLOCK_SIZES)}, got {p['block_size']!r}")
+    if not _is_int(p["seed"]):
+        raise ValueError(f"seed must be an integer, got {p['seed']!r}")
+    if not isinstance(p["load_format"], str) or not p["load_format"]:
+        raise ValueError(f"load_format must be a non-empty string (e.g. 'dummy', 'auto'), got {p['load_format']!r}")
+    md = p["model_dir"]
+    if md is not None and not (isinstance(md, str) and os.path.isfile(os.path.join(md, "config.json"))):
+        raise ValueError(f"model_dir must be None (bundled Qwen3-4B config) or a folder with config.json, got {md!r}")
+    if p["cudagraph_mode"] is not None and p["cudagraph_mode"] not in CUDAGRAPH_MODES:
+        raise ValueError(f"cudagraph_mode must be None or one of {CUDAGRAPH_MODES}, got {p['cudagraph_mode']!r}")
+    return p
+
+
+def model_label(model_dir: str | None) -> str:
+    """The ``model`` field of a row: the Hub name for the bundled Qwen3-4B config, else the folder."""
+    if model_dir is None:
+        from kvrepro.configs import config_dir
+
+        model_dir = str(config_dir())
+    return "Qwen/Qwen3-4B-Instruct-2507" if "qwen3-4b" in model_dir else model_dir
+
+
+def check_resume(rows: list[dict], mode: str, params: dict, results_path) -> None:
+    """Refuse to resume ``results_path`` for ``mode`` with a different workload: every existing row of
+    that mode must have the same ``RESUME_FIELDS`` as ``params`` (merged sweep parameters).
+
+    Raises:
+        ValueError: naming the mode, the differing field, the file's value and this call's value.
+    """
+    want = {"prompt_tokens": params["prompt_tokens"], "decode_tokens": params["decode_tokens"],
+            "gpu_memory_gb": params["gpu_memory_gb"], "block_size": params["block_size"],
+            "load_format": params["load_format"], "model": model_label(params["model_dir"])}
+    for r in rows:
+        if r.get("mode") != mode:
+            continue
+        for f in RESUME_FIELDS:
+            if f in r and r[f] != want[f]:
+                raise ValueError(f"{results_path} already holds {mode} rows with {f}={r[f]!r}, this call has "
+                                 f"{f}={want[f]!r}: resuming would mix workloads; use another --results file")
+
+
+def check_cli_values(results_path, run_id, timeout_s, budget_s=None, modes=(), confirm_edge=(),
+                     sizing_only=(), min_start_s=None) -> None:
+    """Validate run_sweep's non-workload arguments (before any GPU/vLLM check).
+
+    Raises:
+        ValueError: results_path empty, a folder, or in a folder that does not exist; run_id empty or with
+            whitespace or '/'; timeout_s not > 0; budget_s not None or > 0; confirm_edge / sizing_only
+            naming an unknown mode or one not in ``modes``; min_start_s not ``{mode: seconds >= 0}``.
+    """
+    rp = os.fspath(results_path) if isinstance(results_path, (str, os.PathLike)) else None
+    if not rp:
+        raise ValueError(f"results_path must be a file path (JSONL), got {results_path!r}")
+    if os.path.isdir(rp):
+        raise ValueError(f"results_path {rp!r} is a folder; give a .jsonl file path")
+    parent = os.path.dirname(os.path.abspath(rp))
+    if not os.path.isdir(parent):
+        raise ValueError(f"results_path {rp!r}: folder {parent!r} does not exist (create it first)")
+    if not isinstance(run_id, str) or not run_id.strip() or any(c.isspace() or c == "/" for c in run_id):
+        raise ValueError(f"run_id must be a non-empty string without whitespace or '/', got {run_id!r}")
+    for name, v, allow_none in (("timeout_s", timeout_s, False), ("budget_s", budget_s, True)):
+        if v is None and allow_none:
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise ValueError(f"{name} must be a number of seconds > 0, got {v!r}")
+    for name, sel in (("confirm_edge", confirm_edge), ("sizing_only", sizing_only)):
+        bad = [m for m in sel if m not in ALL_MODES]
+        if bad:
+            raise ValueError(f"{name}: unknown mode(s) {bad}; allowed: {', '.join(ALL_MODES)}")
+        extra = [m for m in sel if m not in modes]
+        if extra:
+            raise ValueError(f"{name}: {extra} not among the modes run ({', '.join(modes)})")
+    for m, v in (min_start_s or {}).items():
+        if m not in ALL_MODES:
+            raise ValueError(f"min_start_s: unknown mode {m!r}; allowed: {', '.join(ALL_MODES)}")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+            raise ValueError(f"min_start_s[{m!r}] must be a number of seconds >= 0, got {v!r}")
+
+
 def measurement_blockers(info: dict | None = None) -> list[str]:
     """What this machine lacks to measure a sweep: empty when it has a CUDA GPU and vLLM.
 
@@ -322,8 +436,10 @@ def run_sweep(modes, results_path: str | os.PathLike, run_id: str, params: dict 
     ``param_overrides``: ``{mode: {param: value}}`` on top of ``params`` for single modes.
     A failing mode does not stop the others; the rows it wrote stay in the file.
 
-    Returns the modes run now. Raises ValueError on bad modes or unknown parameter names;
-    RuntimeError without a CUDA GPU or vLLM (before anything runs), or at the end if a mode failed.
+    Returns the modes run now. Raises ValueError (before any GPU/vLLM check) on bad modes, unknown
+    parameter names or bad values (``check_params``, ``check_cli_values``), or when ``results_path``
+    already holds rows of a mode with a different workload (``check_resume``); RuntimeError without a
+    CUDA GPU or vLLM (before anything runs), or at the end if a mode failed.
     """
     import subprocess
 
@@ -334,6 +450,12 @@ def run_sweep(modes, results_path: str | os.PathLike, run_id: str, params: dict 
     unknown = sorted(set(params or {}).union(*[set(v) for v in overrides.values()]) - set(DEFAULT_PARAMS))
     if unknown:
         raise ValueError(f"unknown sweep parameter(s) {unknown}; allowed: {sorted(DEFAULT_PARAMS)}")
+    confirm_edge, sizing_only = tuple(confirm_edge), tuple(sizing_only)
+    check_cli_values(results_path, run_id, timeout_s, budget_s, modes, confirm_edge, sizing_only, min_start_s)
+    merged = {m: check_params({**(params or {}), **overrides.get(m, {})}) for m in modes}
+    existing = ResultsFile(results_path).rows
+    for m in modes:
+        check_resume(existing, m, merged[m], results_path)
     missing = measurement_blockers()
     if missing:
         raise RuntimeError(f"the capacity sweep measures with vLLM on a GPU; missing: {', '.join(missing)}. "
@@ -357,7 +479,7 @@ def run_sweep(modes, results_path: str | os.PathLike, run_id: str, params: dict 
                       "(resume later)", flush=True)
                 continue
             limit = min(timeout_s, left - 5)
-        mp = {**DEFAULT_PARAMS, **(params or {}), **overrides.get(mode, {})}
+        mp = dict(merged[mode])
         mp.update(confirm_edge=mode in confirm_edge, timeout_s=limit, sizing_only=only_size)
         cmd = [sys.executable, "-m", "kvrepro.vllm_backend.measure", "--mode", mode, "--results",
                str(results_path), "--run-id", run_id, "--params", json.dumps(mp)]

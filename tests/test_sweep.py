@@ -90,3 +90,56 @@ def test_window_and_ttft_stats():
     assert (t["ttft_s_mean"], t["ttft_s_max"], t["ttft_s_first"]) == (15.0, 20.0, 10.0)
     with pytest.raises(ValueError, match="empty window"):
         sweep.window_stats({"a": a}, 1.0, 1.0)
+
+
+def _cli(tmp_path, *extra):
+    return ["--modes", "fp8", "kvrepro:k4v4", "--results", str(tmp_path / "r.jsonl"), "--run-id", "r", *extra]
+
+
+@pytest.mark.parametrize("extra,name", [
+    (["--params", '{"gpu_memory_gb": -5}'], "gpu_memory_gb"), (["--params", '{"gpu_memory_gb": "lots"}'], "gpu_memory_gb"),
+    (["--params", '{"max_users": 0}'], "max_users"), (["--params", '{"block_size": 7}'], r"block_size must be one of \(16, 32, 64\)"),
+    (["--params", '{"decode_tokens": 0}'], "decode_tokens"), (["--params", '{"cudagraph_mode": "ful"}'], "cudagraph_mode"),
+    (["--params", '{"model_dir": "/nonexistent"}'], "model_dir"),
+    (["--mode-params", '{"fp8": {"prompt_tokens": -1}}'], "prompt_tokens"),
+    (["--run-id", ""], "run_id"), (["--timeout-s", "-1"], "timeout_s"), (["--budget-s", "0"], "budget_s"),
+    (["--confirm-edge", "kvrepro:k4v5"], "confirm_edge: unknown"), (["--sizing-only", "bf16"], "sizing_only: .*not among"),
+    (["--min-start-s", '{"fp8": -3}'], "min_start_s"),
+])
+def test_cli_rejects_bad_values_before_the_gpu_check(tmp_path, monkeypatch, capsys, extra, name):
+    import re
+
+    def blocked(info=None):
+        raise AssertionError("GPU/vLLM checked before the values were validated")
+    monkeypatch.setattr(sweep, "measurement_blockers", blocked)
+    assert sweep.main(_cli(tmp_path, *extra)) == 2
+    err = capsys.readouterr().err
+    assert re.search(name, err), err
+
+
+def test_cli_rejects_results_in_a_missing_folder(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(sweep, "measurement_blockers", lambda info=None: ["a CUDA GPU (found none)"])
+    assert sweep.main(["--modes", "fp8", "--results", str(tmp_path / "no" / "r.jsonl"), "--run-id", "r"]) == 2
+    assert "results_path" in capsys.readouterr().err
+    assert sweep.main(_cli(tmp_path)) == 2  # valid values: stops at the missing GPU, saying so
+    assert "missing: a CUDA GPU" in capsys.readouterr().err
+
+
+def test_resume_refuses_a_file_with_another_workload(tmp_path, monkeypatch):
+    import subprocess
+
+    calls = []
+    monkeypatch.setattr(sweep, "measurement_blockers", lambda info=None: [])
+    monkeypatch.setattr(subprocess, "call", lambda cmd: calls.append(cmd) or 0)
+    path = tmp_path / "r.jsonl"
+    sweep.ResultsFile(path).add([_row(block_size=16)])  # fp8: 80 GB, 131072 + 1024 tokens, Qwen3-4B, dummy
+    assert sweep.run_sweep(["fp8", "bf16"], path, "r") == ["bf16"]  # same workload: fp8 resumed (skipped)
+    for params, field in (({"gpu_memory_gb": 40}, "gpu_memory_gb"), ({"prompt_tokens": 4096}, "prompt_tokens"),
+                          ({"decode_tokens": 64}, "decode_tokens"), ({"block_size": 32}, "block_size"),
+                          ({"load_format": "auto"}, "load_format")):
+        with pytest.raises(ValueError, match=f"fp8 rows with {field}="):
+            sweep.run_sweep(["fp8"], path, "r", params)
+    sweep.ResultsFile(path).add([_row(mode="bf16", kv_cache_dtype="auto", model="/other/model")])
+    with pytest.raises(ValueError, match="bf16 rows with model='/other/model'"):
+        sweep.run_sweep(["fp8", "bf16"], path, "r")
+    assert len(calls) == 1  # nothing started by the refused calls

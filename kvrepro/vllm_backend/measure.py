@@ -16,6 +16,7 @@ import sys
 import time
 
 from kvrepro import sweep
+from kvrepro.accuracy_vllm import src_sha256
 
 
 def preemptions(llm) -> int:
@@ -84,14 +85,27 @@ def worker_memory(llm) -> dict:
     return {k: int(v) for k, v in got.items() if isinstance(v, (int, float))}
 
 
-def kvrepro_settings() -> dict:
-    """The backend's resolved choices (defaults included), for the provenance of kvrepro rows."""
+def kvrepro_settings(dequant: str | None = None) -> dict:
+    """The backend's resolved choices (defaults included), for the provenance of kvrepro rows.
+
+    ``decode_dequant``: the decode kernel's dequant mode (``kvrepro.ops.decode.default_dequant`` on the
+    CUDA device the backend runs on, which passes none; ``dequant`` overrides it); ``decode_block_n`` /
+    ``decode_num_warps``: ``DECODE_BLOCK_N`` / ``DECODE_WARPS`` (the backend passes no tiling);
+    ``kvrepro_src_sha256``: ``kvrepro.accuracy_vllm.src_sha256`` (SHA-256 over the package's .py files,
+    the same field accuracy_vllm rows record) so the code that ran is identified even off git HEAD."""
+    import torch
+
     from kvrepro.ops import decode
     from kvrepro.vllm_backend import config as cfg
 
-    return {"decode_variant": decode.DEFAULT_VARIANT, "prefill": cfg.resolve_prefill(),
-            "store_rotate": cfg.resolve_store_rotate(), "warmup": cfg.resolve_warmup(),
-            "num_splits": cfg.resolve_num_splits() or "runtime.decode_splits"}
+    dq = decode.default_dequant(torch.device("cuda")) if dequant is None else dequant
+    if dq not in decode.DEQUANT_MODES:
+        raise ValueError(f"dequant={dq!r}; allowed: {decode.DEQUANT_MODES}")
+    return {"decode_variant": decode.DEFAULT_VARIANT, "decode_dequant": dq,
+            "decode_block_n": decode.DECODE_BLOCK_N, "decode_num_warps": decode.DECODE_WARPS,
+            "prefill": cfg.resolve_prefill(), "store_rotate": cfg.resolve_store_rotate(),
+            "warmup": cfg.resolve_warmup(), "num_splits": cfg.resolve_num_splits() or "runtime.decode_splits",
+            "kvrepro_src_sha256": src_sha256()}
 
 
 def scheduler_of(llm):
@@ -215,14 +229,13 @@ def measure_mode(mode: str, results_path: str, run_id: str, *, model_dir: str | 
         "gpu": prov["gpu"], "gpu_total_memory_gib": prov["gpu_total_memory_gib"],
         "gpu_memory_gb": gpu_memory_gb, "gpu_memory_utilization": util, "vllm_version": vllm.__version__,
         "torch_version": torch.__version__, "kvrepro_version": prov["kvrepro_version"],
-        "triton_version": prov["triton_version"], "model": "Qwen/Qwen3-4B-Instruct-2507" if "qwen3-4b" in model_dir
-        else model_dir, "load_format": load_format, "run_id": run_id, "measured": True,
+        "triton_version": prov["triton_version"], "model": sweep.model_label(model_dir), "load_format": load_format, "run_id": run_id, "measured": True,
         "max_num_seqs": max_num_seqs, "max_model_len": kwargs["max_model_len"],
         "max_num_batched_tokens": llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens,
         "enable_prefix_caching": False, "cuda_graphs": True,
         "cudagraph_mode": str(getattr(llm.llm_engine.vllm_config.compilation_config.cudagraph_mode, "name",
                                       llm.llm_engine.vllm_config.compilation_config.cudagraph_mode)), "seed": seed, "engine_init_s": round(t_init, 1),
-        "hostname": prov["hostname"],
+        "hostname": prov["hostname"], "kvrepro_src_sha256": src_sha256(),
         "vllm_memory": dict(sweep.parse_vllm_memory_log(mem_log.lines), worker_bytes=worker_memory(llm)),
     }
     if mode.startswith("kvrepro:"):
