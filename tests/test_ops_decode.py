@@ -147,6 +147,10 @@ def test_decode_refuses_unsupported_shapes():
         decode_attention(q, pool.data, bt.long(), sl, pool.layout, pool.rotation, 0.125)
     with pytest.raises(ValueError, match="variant"):
         decode_attention(q, pool.data, bt, sl, pool.layout, pool.rotation, 0.125, variant="v9")
+    with pytest.raises(ValueError, match="num_splits must be a positive int"):
+        decode_attention(q, pool.data, bt, sl, pool.layout, pool.rotation, 0.125, num_splits=True)
+    with pytest.raises(ValueError, match="num_warps=3"):
+        decode_attention(q, pool.data, bt, sl, pool.layout, pool.rotation, 0.125, num_warps=3)
     if DEV == "cpu":
         with pytest.raises(ValueError, match="needs a CUDA device"):
             decode_attention(q, pool.data, bt, sl, pool.layout, pool.rotation, 0.125, variant="v2", dequant="asm")

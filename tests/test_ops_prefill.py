@@ -126,3 +126,30 @@ def test_prefill_rejects_bad_inputs():
         prefill_attention(q, k, v, pool.data, bt, sl, qsl[:-1], pool.layout, pool.rotation, 0.125)
     with pytest.raises(ValueError, match="rows"):
         prefill_attention(q, k, v, pool.data, bt, sl, qsl, pool.layout, pool.rotation, 0.125, rows=48)
+
+
+def test_prefill_refuses_inconsistent_lengths_and_options():
+    """Fresh-user review: rows that would never be written, decode-only variants and bad tiling
+    are refused with the parameter's name instead of returning uninitialised memory."""
+    pool, bt, sl, qsl, q, k, v, ref = _batch("k4v4", 8, 2, 64, 16, seed=5)
+    args = (pool.data, bt, sl)
+    tail = (pool.layout, pool.rotation, 0.125)
+    with pytest.raises(ValueError, match="max_query_len=0 is below the longest query"):
+        prefill_attention(q, k, v, *args, qsl, *tail, max_query_len=0)
+    short = qsl.clone()
+    short[-1] -= 1                                  # last sequence one row short of T
+    with pytest.raises(ValueError, match="query_start_loc must start at 0"):
+        prefill_attention(q, k, v, *args, short, *tail)
+    with pytest.raises(ValueError, match="max_query_len must be a non-negative int"):
+        prefill_attention(q, k, v, *args, qsl, *tail, max_query_len=2.5)
+    with pytest.raises(ValueError, match="'v3' is decode-only"):
+        prefill_attention(q, k, v, *args, qsl, *tail, variant="v3")
+    with pytest.raises(ValueError, match="block_n=48"):
+        prefill_attention(q, k, v, *args, qsl, *tail, block_n=48)
+    with pytest.raises(ValueError, match="num_warps=3"):
+        prefill_attention(q, k, v, *args, qsl, *tail, num_warps=3)
+    with pytest.raises(ValueError, match="num_stages=0"):
+        prefill_attention(q, k, v, *args, qsl, *tail, num_stages=0)
+    if DEV == "cpu":
+        with pytest.raises(ValueError, match="needs a CUDA device; pass dense_attn"):
+            prefill_attention(q, k, v, *args, qsl, *tail, impl="dequant")

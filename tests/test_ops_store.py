@@ -68,3 +68,20 @@ def test_store_rejects_bad_inputs():
         store_kv(k, k, pool.data, s, pool.layout, pool.rotation.double())
     with pytest.raises(ValueError, match="rotate="):
         store_kv(k, k, pool.data, s, pool.layout, pool.rotation, rotate="fwht")
+
+
+def test_store_refuses_kv_beyond_float16_range_like_the_reference():
+    """K = 60000 fits float16 but its rotated values exceed the float16 scale/zero range: the
+    reference (CompressedPool.write) refuses, and so must the kernel path (fresh-user review)."""
+    gen = torch.Generator().manual_seed(2)
+    pool = make_pool("k4v4", 2, 64, 16, 4, gen)
+    k = torch.full((3, 2, 64), 60000.0, dtype=torch.float16, device=DEV)
+    v = torch.zeros_like(k)
+    s = torch.arange(3, dtype=torch.int32, device=DEV)
+    before = pool.data.clone()
+    with pytest.raises(ValueError, match="exceeds"):
+        pool.write(k, v, s.long())
+    for rotate in ("torch", "kernel"):
+        with pytest.raises(ValueError, match="exceeds the float16 range"):
+            store_kv(k, v, pool.data, s, pool.layout, pool.rotation, rotate=rotate)
+    assert torch.equal(pool.data, before)   # nothing written

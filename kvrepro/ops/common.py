@@ -80,6 +80,14 @@ def check_int(name: str, x: torch.Tensor, dim: int, device: torch.device) -> Non
         raise ValueError(f"{name} must have a contiguous last dimension")
 
 
+def check_launch(num_warps, num_stages) -> None:
+    """Triton launch options: ``num_warps`` in 1, 2, 4, 8, 16; ``num_stages`` a positive int."""
+    if num_warps not in (1, 2, 4, 8, 16) or isinstance(num_warps, bool):
+        raise ValueError(f"num_warps={num_warps!r}; allowed: 1, 2, 4, 8, 16")
+    if not isinstance(num_stages, int) or isinstance(num_stages, bool) or num_stages < 1:
+        raise ValueError(f"num_stages={num_stages!r}; allowed: a positive int")
+
+
 @functools.lru_cache(maxsize=None)
 def num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from kvrepro.formats.layout import PageLayout
-from kvrepro.ops.common import (check_block_tables, check_float, check_heads, check_int, check_pool,
+from kvrepro.ops.common import (check_block_tables, check_float, check_heads, check_int, check_launch, check_pool,
                                 check_rotation, check_scale, next_pow2, pool_tensor, sm_count,
                                 want_checks)
 from kvrepro.ops.kernels.attention import paged_attn_kernel
@@ -156,8 +156,9 @@ def decode_attention(query: torch.Tensor, pool, block_tables: torch.Tensor, seq_
         raise ValueError(f"prefetch is a variant='v3' option, got variant={variant!r}")
     if num_splits is None:
         num_splits = default_num_splits(b, hkv, block_tables.shape[1] * layout.block_size, dev)
-    if not isinstance(num_splits, int) or num_splits < 1:
+    if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 1:
         raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
+    check_launch(num_warps, num_stages)
     if b == 0:
         return out
     need = decode_workspace_numel(b, hq, d, num_splits)

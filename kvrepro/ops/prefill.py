@@ -5,8 +5,8 @@ import torch
 import triton
 
 from kvrepro.formats.layout import PageLayout
-from kvrepro.ops.common import (check_block_tables, check_float, check_heads, check_int, check_pool,
-                                check_rotation, check_scale, next_pow2, pool_tensor, want_checks)
+from kvrepro.ops.common import (check_block_tables, check_float, check_heads, check_int, check_launch,
+                                check_pool, check_rotation, check_scale, next_pow2, pool_tensor, want_checks)
 from kvrepro.ops.decode import DEFAULT_VARIANT, LOG2E, attention_kernel
 from kvrepro.ops.kernels.dequant import dequant_pages_kernel
 from kvrepro.ops.kernels.rotate import rotate_query_kernel
@@ -213,17 +213,30 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         raise ValueError(f"need block_tables [B, *], query_start_loc [B + 1] for seq_lens [B={nseq}]")
     check_rotation(rotation, layout, dev)
     check_scale(scale)
+    if max_query_len is not None and (not isinstance(max_query_len, int) or isinstance(max_query_len, bool)
+                                      or max_query_len < 0):
+        raise ValueError(f"max_query_len must be a non-negative int or None, got {max_query_len!r}")
     if want_checks(validate, dev):
         check_block_tables(block_tables, seq_lens, data.shape[0], layout.block_size)
         qsl = query_start_loc.to(torch.int64).cpu()
         qlen = qsl[1:] - qsl[:-1]
-        if qlen.numel() and (int(qlen.min()) < 0 or int(qsl[-1]) > t or bool((qlen > seq_lens.cpu()).any())):
-            raise ValueError("query_start_loc must be non-decreasing, end <= num_tokens, and each "
-                             "query length <= its seq_len")
+        if qlen.numel() and (int(qsl[0]) != 0 or int(qlen.min()) < 0 or int(qsl[-1]) != t
+                             or bool((qlen > seq_lens.cpu()).any())):
+            raise ValueError(f"query_start_loc must start at 0, be non-decreasing, end at the number of "
+                             f"query rows T={t}, and give each sequence a query length <= its seq_len; "
+                             f"got {qsl.tolist()} for seq_lens {seq_lens.tolist()}")
+        if max_query_len is not None and qlen.numel() and max_query_len < int(qlen.max()):
+            raise ValueError(f"max_query_len={max_query_len} is below the longest query "
+                             f"({int(qlen.max())} rows): rows past it would never be computed")
     if out is None:
         out = torch.empty_like(query)
     else:
         check_float("out", out, (t, hq, d), dev)
+    if variant not in ("v1", "v2"):
+        raise ValueError(f"variant={variant!r} for prefill; allowed: 'v1', 'v2' ('v3' is decode-only)")
+    if block_n not in (16, 32, 64, 128, 256):
+        raise ValueError(f"block_n={block_n}; allowed: 16, 32, 64, 128, 256")
+    check_launch(num_warps, num_stages)
     gp = next_pow2(group)
     if rows not in (16, 32, 64, 128) or rows < gp:
         raise ValueError(f"rows={rows}; allowed: 16, 32, 64, 128 and >= {gp} (GQA group rounded up)")
@@ -232,6 +245,9 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r}; allowed: {IMPLS}")
     if impl == "dequant":
+        if dense_attn is None and dev.type != "cuda":
+            raise ValueError("impl='dequant' without dense_attn uses PyTorch's FlashAttention-2, which needs a "
+                             "CUDA device; pass dense_attn=... (e.g. a float64 reference) on CPU")
         if not isinstance(piece_tokens, int) or piece_tokens < 1:
             raise ValueError(f"piece_tokens must be a positive int, got {piece_tokens!r}")
         return _prefill_dequant(query, key, value, data, block_tables, seq_lens, query_start_loc, layout,

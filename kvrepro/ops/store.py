@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from kvrepro.formats.compressed import FP16_MAX
 from kvrepro.formats.layout import PageLayout
 from kvrepro.formats.base import check_finite
 from kvrepro.ops.common import check_float, check_pool, check_rotation, check_slots, pool_tensor, want_checks
@@ -61,11 +62,16 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, pool, slot_mapping: torch.T
     if slot_mapping.device != dev or slot_mapping.stride(0) != 1:
         raise ValueError(f"slot_mapping must be contiguous and on {dev}")
     check_rotation(rotation, layout, dev)
+    if rotate not in ROTATE_MODES:
+        raise ValueError(f"rotate={rotate!r}; allowed: {ROTATE_MODES}")
     if want_checks(validate, dev):
         check_slots(slot_mapping, data.shape[0], layout.block_size)
         check_finite(key, value)
-    if rotate not in ROTATE_MODES:
-        raise ValueError(f"rotate={rotate!r}; allowed: {ROTATE_MODES}")
+        for p0 in range(0, t, ROTATE_PIECE):   # the reference's range check (formats.compressed)
+            for x in (key[p0:p0 + ROTATE_PIECE], value[p0:p0 + ROTATE_PIECE]):
+                if float((x.float() @ rotation).abs().max()) > FP16_MAX:
+                    raise ValueError(f"K/V magnitude after rotation exceeds the float16 range ({FP16_MAX}) "
+                                     "of the stored scale/zero; refusing to store them")
     if t == 0:
         return
     if rotate == "kernel":
