@@ -103,10 +103,13 @@ def resolve_prefill(value: str | None = None) -> str:
     ``fa-sliced`` (the same slice by slice with a log-sum-exp merge: bounded temporaries; not yet run on a
     GPU), ``dequant`` (``fa_prefill.RotatedDequantPrefill``: context dequantized in the rotated space by
     a Triton kernel, one FlashAttention call; not yet run inside vLLM) or ``triton`` (kvrepro's
-    direct-read prefill kernel). From ``value`` or ``$KVREPRO_PREFILL``.
+    direct-read prefill kernel; wrong at long contexts on the H200 before the run-5b fix, not yet
+    re-verified: notes/kernels.md). From ``value`` or ``$KVREPRO_PREFILL`` (case and surrounding
+    spaces ignored, as for the preset).
     Raises ValueError naming KVREPRO_PREFILL and the allowed values."""
     if value is None:
         value = os.environ.get(PREFILL_ENV, "") or "fa"
+    value = value.strip().lower() if isinstance(value, str) else value
     if value not in PREFILL_PATHS:
         raise ValueError(f"{PREFILL_ENV}={value!r}; allowed: {', '.join(PREFILL_PATHS)}")
     return value
