@@ -206,7 +206,11 @@ def _main(argv: list[str] | None = None) -> int:
         if args.params:
             import yaml
 
-            params = yaml.safe_load(Path(args.params).read_text(encoding="utf-8")) or {}
+            try:
+                params = yaml.safe_load(Path(args.params).read_text(encoding="utf-8")) or {}
+            except yaml.YAMLError as e:
+                raise ValueError(f"{args.params}: not valid YAML ({e.__class__.__name__}: "
+                                 f"{str(e).splitlines()[0]})") from None
             if not isinstance(params, dict):
                 raise ValueError(f"{args.params}: expected a mapping of parameter names to values")
             check_parameters(args.notebook, params)

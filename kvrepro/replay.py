@@ -146,6 +146,21 @@ def replay_labels(df) -> list[str]:
     return labels
 
 
+def workload_mismatch(df, context_tokens: int, decode_tokens: int, gpu_memory_gb: float) -> str | None:
+    """A warning when replayed rows were measured for another workload than the notebook's
+    parameters (prompt + decode tokens per user, memory budget), else None: the replayed figures
+    are shown as measured and are not rescaled to the requested workload."""
+    have = {(int(r.prompt_tokens), int(r.decode_tokens), float(r.gpu_memory_gb)) for r in df.itertuples()}
+    want = (int(context_tokens), int(decode_tokens), float(gpu_memory_gb))
+    if have == {want}:
+        return None
+    got = ", ".join(f"{p}+{d} tokens per user at {g:g} GiB" for p, d, g in sorted(have))
+    return (f"The replayed rows were measured for {got}, not for this notebook's {want[0]}+{want[1]} "
+            f"tokens per user at {want[2]:g} GiB: they are shown as measured, not rescaled; the "
+            "arithmetic above uses this notebook's parameters. Set measure=True on a GPU with vLLM to "
+            "measure this workload.")
+
+
 def max_clean_capacity(df):
     """Per mode: the largest clean ``num_users`` and its aggregate decode tok/s.
 

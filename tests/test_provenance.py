@@ -92,3 +92,5 @@ def test_cli_check(tmp_path):
     assert provenance._main(["check", str(good), str(params)]) == 0
     params.write_text("kv_mod: fp8\n")
     assert provenance._main(["check", str(good), str(params)]) == 1
+    params.write_text("kv_mode: [fp8\n")                       # malformed YAML: a message, not a traceback
+    assert provenance._main(["check", str(good), str(params)]) == 1

@@ -133,3 +133,12 @@ def test_side_by_side_converts_card_tokens_to_users():
     assert (s.loc["bf16", "seed_users"], s.loc["bf16", "seed_tok_s"]) == (2, 66.6)
     assert s.loc["k4v4", "users_arithmetic"] == 13 and pd.isna(s.loc["k4v4", "seed_users"])
     assert s.loc["compressed (seed)", "seed_users"] == 6
+
+
+def test_workload_mismatch_is_said_not_hidden(tmp_path):
+    """02 replays rows measured for another workload than its parameters: it must say so."""
+    write(tmp_path / "a.jsonl", sweep_rows())
+    df = replay.load_results(tmp_path)
+    assert replay.workload_mismatch(df, 131_072, 1_024, 80.0) is None
+    msg = replay.workload_mismatch(df, 65_536, 1_024, 40.0)
+    assert "131072+1024 tokens per user at 80 GiB" in msg and "65536+1024" in msg and "40 GiB" in msg
