@@ -134,3 +134,14 @@ def test_spec_patch_sizes_pages_exactly(monkeypatch):
     assert spec_patch.uninstall(cls) is True
     assert cls(FakeBackend).get_kv_cache_spec(FakeVllmConfig) == "original"
     assert spec_patch.uninstall(cls) is False
+
+
+def test_debug_check_switch_is_validated(monkeypatch):
+    from kvrepro.vllm_backend import config as cfg
+    monkeypatch.delenv("KVREPRO_DEBUG_CHECK", raising=False)
+    assert cfg.resolve_debug_check() is False
+    monkeypatch.setenv("KVREPRO_DEBUG_CHECK", "1")
+    assert cfg.resolve_debug_check() is True
+    monkeypatch.setenv("KVREPRO_DEBUG_CHECK", "true")
+    with pytest.raises(ValueError, match="KVREPRO_DEBUG_CHECK='true'; allowed: 0, 1"):
+        cfg.resolve_debug_check()

@@ -204,7 +204,7 @@ class KVReproAttentionImpl(AttentionImpl[KVReproMetadata]):
         self._shape = shape
         self._warmup = cfg.resolve_warmup()
         # Debug only (slow, host syncs): compare every eagerly run step with reference_attend.
-        self._debug_check = os.environ.get("KVREPRO_DEBUG_CHECK", "") == "1"
+        self._debug_check = cfg.resolve_debug_check()
 
     def process_weights_after_loading(self, act_dtype: torch.dtype):
         """Before vLLM profiles memory and captures CUDA graphs: reserve the shared decode workspace

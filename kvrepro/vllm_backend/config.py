@@ -98,6 +98,19 @@ def resolve_warmup(value: str | None = None) -> bool:
     return value == "1"
 
 
+DEBUG_CHECK_ENV = "KVREPRO_DEBUG_CHECK"
+
+
+def resolve_debug_check(value: str | None = None) -> bool:
+    """Debug only (slow, host syncs): compare every eagerly run attention call with the reference.
+    ``value``, else ``$KVREPRO_DEBUG_CHECK``, else off. Raises ValueError unless ``0`` or ``1``."""
+    if value is None:
+        value = os.environ.get(DEBUG_CHECK_ENV, "") or "0"
+    if value not in ("0", "1"):
+        raise ValueError(f"{DEBUG_CHECK_ENV}={value!r}; allowed: 0, 1")
+    return value == "1"
+
+
 def resolve_prefill(value: str | None = None) -> str:
     """Prefill path: ``fa`` (dequantize the context, then vLLM's FlashAttention; default, measured),
     ``fa-sliced`` (the same slice by slice with a log-sum-exp merge: bounded temporaries; not yet run on a
