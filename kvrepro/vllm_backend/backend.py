@@ -27,7 +27,6 @@ outside the graph). Prefix caching works like chunked prefill (cached blocks are
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import ClassVar
 
