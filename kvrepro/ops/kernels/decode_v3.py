@@ -25,24 +25,17 @@ from kvrepro.ops.kernels.attention import _acc_dot, _planes, _query_planes
 def _load_step(pool_ptr, bt_row, n0, end, kvh, pp, tt, dk, dv, two,
                NUM_KV_HEADS: tl.constexpr, BS: tl.constexpr, PAGE_BYTES: tl.constexpr,
                KP: tl.constexpr, VP: tl.constexpr, BLOCK_N: tl.constexpr,
-               V_CODE_OFF: tl.constexpr, K_META_OFF: tl.constexpr, V_META_OFF: tl.constexpr,
-               V_T: tl.constexpr):
+               V_CODE_OFF: tl.constexpr, K_META_OFF: tl.constexpr, V_META_OFF: tl.constexpr):
     """Raw bytes of the tokens ``[n0, n0 + BLOCK_N)``: K codes ``[BLOCK_N, KP]`` u8, V codes
     ``[BLOCK_N, VP]`` u8, K scale / zero ``[BLOCK_N]`` f16, V scale ``[BLOCK_N]`` f16."""
-    NP: tl.constexpr = BLOCK_N // BS
     pg = n0 // BS + pp
     p_ok = pg * BS < end
     blk = tl.load(bt_row + pg, mask=p_ok, other=0).to(tl.int64)
     base = pool_ptr + (blk * NUM_KV_HEADS + kvh) * PAGE_BYTES                     # [NP]
     m3 = p_ok[:, None, None]
     kc = tl.load(base[:, None, None] + tt[None, :, None] * KP + dk[None, None, :], mask=m3, other=0)
-    if V_T:
-        vt = tl.load(base[:, None, None] + V_CODE_OFF + dv[None, :, None] * BS + tt[None, None, :],
-                     mask=m3, other=0)                                            # [NP, VP, BS]
-        vc = tl.trans(tl.reshape(tl.permute(vt, (1, 0, 2)), [VP, BLOCK_N]))
-    else:
-        vc = tl.load(base[:, None, None] + V_CODE_OFF + tt[None, :, None] * VP + dv[None, None, :],
-                     mask=m3, other=0)
+    vc = tl.load(base[:, None, None] + V_CODE_OFF + tt[None, :, None] * VP + dv[None, None, :],
+                 mask=m3, other=0)
     kmp = (base[:, None, None] + K_META_OFF + tt[None, :, None] * 4 + two[None, None, :] * 2)
     km = tl.load(kmp.to(tl.pointer_type(tl.float16)), mask=m3, other=0.0)
     vmp = (base[:, None] + V_META_OFF + tt[None, :] * 2).to(tl.pointer_type(tl.float16))
@@ -59,7 +52,6 @@ def decode_v3_kernel(
     BS: tl.constexpr, PAGE_BYTES: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
     V_CODE_OFF: tl.constexpr, K_META_OFF: tl.constexpr, V_META_OFF: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DEQ_ASM: tl.constexpr, PREFETCH: tl.constexpr,
-    V_T: tl.constexpr = False,
 ):
     """Grid ``(B, NUM_KV_HEADS * NUM_SPLITS)``. ``q`` [B, Hq, D] float16, rotated and scaled by
     ``softmax_scale * log2(e)``; writes rotated partials ``o`` [B, Hq, S, D] float32 and log2
@@ -106,16 +98,16 @@ def decode_v3_kernel(
     if PREFETCH:
         kc, vc, ks, kz, vs = _load_step(pool_ptr, bt_row, start, end, kvh, pp, tt, dk, dv, two,
                                         NUM_KV_HEADS, BS, PAGE_BYTES, KP, VP, BLOCK_N,
-                                        V_CODE_OFF, K_META_OFF, V_META_OFF, V_T)
+                                        V_CODE_OFF, K_META_OFF, V_META_OFF)
     for n0 in range(start, end, BLOCK_N):
         if PREFETCH:
             kc_n, vc_n, ks_n, kz_n, vs_n = _load_step(
                 pool_ptr, bt_row, n0 + BLOCK_N, end, kvh, pp, tt, dk, dv, two,
-                NUM_KV_HEADS, BS, PAGE_BYTES, KP, VP, BLOCK_N, V_CODE_OFF, K_META_OFF, V_META_OFF, V_T)
+                NUM_KV_HEADS, BS, PAGE_BYTES, KP, VP, BLOCK_N, V_CODE_OFF, K_META_OFF, V_META_OFF)
         else:
             kc, vc, ks, kz, vs = _load_step(pool_ptr, bt_row, n0, end, kvh, pp, tt, dk, dv, two,
                                             NUM_KV_HEADS, BS, PAGE_BYTES, KP, VP, BLOCK_N,
-                                            V_CODE_OFF, K_META_OFF, V_META_OFF, V_T)
+                                            V_CODE_OFF, K_META_OFF, V_META_OFF)
         n_ok = (n0 + nn) < end
         k0, k1, k2, k3 = _planes(kc, KBITS, DEQ_ASM)
         qk = tl.dot(q0, tl.trans(k0))
