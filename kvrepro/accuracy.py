@@ -48,6 +48,8 @@ class AccuracyParams:
         engine: "cpu" (this module's PyTorch reference path, measured now) or "vllm" (notebook 03: measure
             with ``scripts/vllm_accuracy.py`` on a GPU with vLLM, else replay ``vllm_results``).
         vllm_results: committed vLLM results (CSV of ``scripts/vllm_accuracy.py``) shown and compared.
+        overwrite: let ``save_results`` replace an existing ``results_path`` whose recorded grid differs
+            (default False: refuse, so a tiny run cannot replace a committed measured result).
     """
 
     formats: tuple = FORMAT_NAMES
@@ -62,6 +64,7 @@ class AccuracyParams:
     sanity_tokens: int = 0
     engine: str = "cpu"
     vllm_results: str = ""
+    overwrite: bool = False
 
     @classmethod
     def from_dict(cls, d: dict) -> "AccuracyParams":
@@ -120,6 +123,8 @@ class AccuracyParams:
             raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
         if not isinstance(self.vllm_results, str):
             raise ValueError(f"vllm_results must be a string, got {self.vllm_results!r}")
+        if not isinstance(self.overwrite, bool):
+            raise ValueError(f"overwrite must be true or false, got {self.overwrite!r}")
 
     def as_dict(self) -> dict:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
@@ -294,9 +299,53 @@ def resolve_path(path: str) -> str:
     return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), path)
 
 
+# Parameters that define the rows of a results CSV: an existing file is replaced only by a run of the same grid.
+GRID_KEYS = ("formats", "context_lengths", "depths", "num_keys", "seed", "max_new_tokens", "block_size",
+             "variants", "engine")
+
+
+def check_overwrite(params: AccuracyParams, path: str) -> None:
+    """Refuse to replace an existing results file ``path`` that holds another grid.
+
+    Allowed: no file at ``path``, or its ``<path>.json`` records the same ``GRID_KEYS`` values as
+    ``params`` (keys missing from an older sidecar count as ``AccuracyParams``' defaults), or
+    ``params.overwrite`` is True, or ``path`` is under the repository's ``reports/`` folder (``make
+    report``'s own gitignored output, rewritten by every run, also after notebooks/params/03_default.yaml
+    changes its grid; measured results are committed under ``results/``).
+
+    Raises:
+        ValueError: naming ``results_path``, the differing parameters (recorded vs this run) and
+            ``overwrite: true``; also when the file exists without a readable ``.json`` sidecar.
+    """
+    full = resolve_path(path)
+    reports = os.path.join(resolve_path("reports"), "")
+    if params.overwrite or not os.path.exists(full) or os.path.abspath(full).startswith(reports):
+        return
+    hint = ("; choose another results_path, or set overwrite: true (-p overwrite True) to replace it")
+    try:
+        with open(full + ".json") as f:
+            recorded = json.load(f).get("params", {})
+    except (OSError, ValueError, AttributeError):
+        raise ValueError(f"results_path {path!r} exists and has no readable {os.path.basename(full)}.json "
+                         f"recording its grid: refusing to overwrite it{hint}") from None
+    default, now = AccuracyParams().as_dict(), params.as_dict()
+    differ = [k for k in GRID_KEYS
+              if (list(recorded[k]) if isinstance(recorded.get(k), (list, tuple)) else recorded.get(k, default[k]))
+              != now[k]]
+    if differ:
+        what = ", ".join(f"{k}: recorded {recorded.get(k, default[k])!r}, this run {now[k]!r}" for k in differ)
+        raise ValueError(f"results_path {path!r} already holds a measured result of another grid ({what}): "
+                         f"refusing to overwrite it{hint}")
+
+
 def save_results(df: pd.DataFrame, params: AccuracyParams, path: str, provenance: dict) -> str:
     """Write ``df`` as CSV to ``path`` (``resolve_path``) and the resolved run config + provenance
-    as ``<path>.json`` beside it; each through a temp file then rename. Returns the CSV path."""
+    as ``<path>.json`` beside it; each through a temp file then rename. Returns the CSV path.
+
+    Raises:
+        ValueError: ``path`` exists and holds another grid (``check_overwrite``), unless ``params.overwrite``.
+    """
+    check_overwrite(params, path)
     path = resolve_path(path)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     meta = {"params": params.as_dict(), "provenance": provenance, "measured": True}
@@ -413,12 +462,20 @@ def sanity_table(sanity: pd.DataFrame, baseline: str = BASELINE) -> pd.DataFrame
     return t
 
 
-def target_check(df: pd.DataFrame, baseline: str = BASELINE, min_baseline: float = TARGET_MIN_BASELINE) -> pd.DataFrame:
+TARGET_VERDICTS = ("MET", "NOT MET", "NOT JUDGED")
+
+
+def target_check(df: pd.DataFrame, baseline: str = BASELINE, min_baseline: float = TARGET_MIN_BASELINE,
+                 min_variant_baseline: float = MIN_BASELINE_ACCURACY) -> pd.DataFrame:
     """Issue-5 target per format and variant: on every (variant, context length, depth) cell where the
     baseline retrieves >= ``min_baseline`` (over keys), the format's accuracy must be >= the baseline's.
 
     ``df`` columns: format, context_length, depth, correct (+ variant, default "single"). Returns one row
-    per (format, variant): cells judged, cells matched, cells below baseline (list), ``meets``.
+    per (format, variant): cells judged, cells matched, cells below baseline (list), accuracies,
+    ``verdict`` (one of ``TARGET_VERDICTS``), ``meets`` (True for MET, False for NOT MET, None for NOT
+    JUDGED) and ``reason``. NOT JUDGED when the format is the baseline itself (never compared with
+    itself), when the baseline's accuracy over the variant is below ``min_variant_baseline`` (the
+    comparison is noise, as ``verdict`` says), or when no cell has the baseline >= ``min_baseline``.
     """
     d = df.copy()
     if "variant" not in d:
@@ -429,25 +486,55 @@ def target_check(df: pd.DataFrame, baseline: str = BASELINE, min_baseline: float
     rows = []
     for (fmt, var), sub in acc.groupby(["format", "variant"], observed=True):
         s = sub.set_index(cell)["acc"]
-        judged = [c for c in s.index if c in base.index and base[c] >= min_baseline]
+        shared = [c for c in s.index if c in base.index]
+        judged = [c for c in shared if base[c] >= min_baseline]
         worse = [c for c in judged if s[c] < base[c]]
+        base_acc = float(d[(d["format"] == baseline) & (d["variant"] == var)]["correct"].mean()) \
+            if (base.index.get_level_values(0) == var).any() else float("nan")
+        if str(fmt) == baseline:
+            verdict, reason = "NOT JUDGED", "the baseline itself"
+        elif not base_acc >= min_variant_baseline:  # NaN (no baseline rows) lands here too
+            verdict, reason = "NOT JUDGED", (f"{baseline} {base_acc:.0%} < {min_variant_baseline:.0%} over this "
+                                             "variant: comparison is noise")
+        elif not judged:
+            verdict, reason = "NOT JUDGED", f"no cell with {baseline} >= {min_baseline:.0%}"
+        else:
+            verdict = "NOT MET" if worse else "MET"
+            reason = f"{len(judged) - len(worse)}/{len(judged)} judged cells match {baseline}"
         rows.append(dict(format=fmt, variant=var, cells_judged=len(judged), cells_matched=len(judged) - len(worse),
                          cells_worse=[f"{c[1]}/{c[2]}" for c in worse],
-                         accuracy=float(s.mean()), baseline_accuracy=float(base[[c for c in s.index if c in base.index]].mean()),
-                         meets=bool(judged) and not worse))
+                         accuracy=float(s.mean()), baseline_accuracy=float(base[shared].mean()) if shared else float("nan"),
+                         verdict=verdict, meets={"MET": True, "NOT MET": False}.get(verdict), reason=reason))
     return pd.DataFrame(rows).set_index(["format", "variant"])
 
 
+def target_line(t: pd.DataFrame, fmt: str = "k4v4") -> str:
+    """One line per variant of ``target_check``'s verdict for ``fmt``, e.g.
+    "single: MET (24/24 judged cells); multi: NOT JUDGED (bf16 50% < 90% over this variant: ...)"."""
+    if fmt not in t.index.get_level_values(0):
+        return f"no {fmt} rows"
+    parts = []
+    for v, r in t.loc[fmt].iterrows():
+        if r["verdict"] == "NOT JUDGED":
+            parts.append(f"{v}: NOT JUDGED ({r['reason']})")
+        else:
+            parts.append(f"{v}: {r['verdict']} ({r['cells_matched']}/{r['cells_judged']} judged cells"
+                         + (f", below {BASELINE} at {', '.join(r['cells_worse'])}" if r["cells_worse"] else "") + ")")
+    return "; ".join(parts)
+
+
 def engine_agreement(vllm: pd.DataFrame, cpu: pd.DataFrame, tolerance: float = AGREEMENT_TOLERANCE,
-                     baseline: str = BASELINE, min_baseline: float = TARGET_MIN_BASELINE) -> pd.DataFrame:
+                     baseline: str = BASELINE, min_baseline: float = TARGET_MIN_BASELINE,
+                     min_variant_baseline: float = MIN_BASELINE_ACCURACY) -> pd.DataFrame:
     """Compare the two engines on the runs both made (same prompt SHA-256 and format), per format and variant.
 
     Columns: ``shared_runs``, ``accuracy_vllm``, ``accuracy_cpu``, ``run_agreement`` (fraction of shared
     runs with the same verdict, right or wrong); ``judged_runs`` / ``judged_agreement``: the same on the
     *decided* cells only, i.e. (variant, length, depth) cells where the baseline retrieves >= ``min_baseline``
     on BOTH engines (near-chance cells flip on any numerical difference and are shown, not judged, as for
-    the target); ``target_vllm`` / ``target_cpu``: ``target_check`` verdict on the shared runs;
-    ``agree``: judged_agreement >= 1 - ``tolerance`` and the same target verdict (False if no cell is decided).
+    the target); ``target_vllm`` / ``target_cpu``: ``target_check`` verdict ("MET", "NOT MET", "NOT JUDGED")
+    on the shared runs; ``agree``: judged_agreement >= 1 - ``tolerance`` and the same target verdict (False
+    if no cell is decided).
 
     Raises:
         ValueError: no run is shared.
@@ -473,13 +560,13 @@ def engine_agreement(vllm: pd.DataFrame, cpu: pd.DataFrame, tolerance: float = A
         decided = ok if decided is None else decided & ok
     m["decided"] = [tuple(r) in decided for r in m[cell].itertuples(index=False)]
     m["same"] = m["correct_vllm"] == m["correct_cpu"]
-    tv = target_check(v[v["prompt_sha256"].isin(shared)], baseline, min_baseline)["meets"]
-    tc = target_check(c[c["prompt_sha256"].isin(shared)], baseline, min_baseline)["meets"]
+    tv = target_check(v[v["prompt_sha256"].isin(shared)], baseline, min_baseline, min_variant_baseline)["verdict"]
+    tc = target_check(c[c["prompt_sha256"].isin(shared)], baseline, min_baseline, min_variant_baseline)["verdict"]
     rows = []
     for (fmt, var), g in m.groupby(["format", "variant"]):
         j = g[g["decided"]]
         ja = float(j["same"].mean()) if len(j) else float("nan")
-        t_v, t_c = bool(tv.get((fmt, var), False)), bool(tc.get((fmt, var), False))
+        t_v, t_c = tv.get((fmt, var), "NOT JUDGED"), tc.get((fmt, var), "NOT JUDGED")
         rows.append(dict(format=fmt, variant=var, shared_runs=len(g), accuracy_vllm=g["correct_vllm"].mean(),
                          accuracy_cpu=g["correct_cpu"].mean(), run_agreement=g["same"].mean(), judged_runs=len(j),
                          judged_agreement=ja, target_vllm=t_v, target_cpu=t_c,
@@ -559,6 +646,45 @@ def load_cpu_results(paths=CPU_RESULTS) -> dict:
                                    prov.get("date_utc", "?")))
     rows = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
     return {"rows": rows, "labels": labels, "missing": missing}
+
+
+def replayed_grid(df: pd.DataFrame) -> pd.DataFrame:
+    """The grid replayed rows actually contain, one row per variant: formats, context lengths, depths,
+    keys per cell and runs (shown beside the provenance table, whose grid parameters were requested,
+    not used, for replayed rows)."""
+    rows = []
+    for v, g in df.groupby("variant", sort=True):
+        fmts = set(g["format"].astype(str))
+        rows.append(dict(variant=v, formats=", ".join([f for f in FORMAT_NAMES if f in fmts]
+                                                      + sorted(fmts - set(FORMAT_NAMES))),
+                         context_lengths=", ".join(map(str, sorted(set(g["context_length"])))),
+                         depths=", ".join(f"{x:g}" for x in sorted(set(g["depth"]))),
+                         keys_per_cell=int(g.groupby(["context_length", "depth"])["key"].nunique().max()),
+                         runs=len(g)))
+    return pd.DataFrame(rows).set_index("variant")
+
+
+def failed_vllm_attempts(root: str = "results/accuracy") -> list[dict]:
+    """Committed records of vLLM accuracy runs that produced no rows: folders ``<root>/vllm_*_failed``
+    holding a ``vllm_accuracy.json``. Per folder: ``path``, ``started_utc``, ``gpu`` (nvidia-smi line)
+    and ``errors`` ("mode: phase, error" per failed mode)."""
+    out = []
+    base = resolve_path(root)
+    if not os.path.isdir(base):
+        return out
+    for name in sorted(os.listdir(base)):
+        meta = os.path.join(base, name, "vllm_accuracy.json")
+        if name.startswith("vllm_") and name.endswith("_failed") and os.path.isfile(meta):
+            try:
+                with open(meta) as f:
+                    m = json.load(f)
+            except (OSError, ValueError):
+                m = {}
+            errs = [f"{mode}: {st.get('phase', '?')}, {st.get('error', '?')}" for mode, st in
+                    (m.get("status") or {}).items() if isinstance(st, dict) and st.get("status") != "ok"]
+            out.append(dict(path=f"{root}/{name}/", started_utc=m.get("started_utc", "?"),
+                            gpu=m.get("nvidia_smi", "?"), errors=errs, weights_note=m.get("weights_note", "")))
+    return out
 
 
 def measure_vllm(out_dir: str, modes=None, timeout_s: float = 600.0) -> str:

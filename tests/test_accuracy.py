@@ -161,11 +161,23 @@ def test_target_check_judges_only_cells_where_bf16_is_at_least_95_percent():
             + _cells("k4v4", {(1024, 0.0): [1, 1], (1024, 1.0): [0, 0]})
             + _cells("k4v2", {(1024, 0.0): [1, 0], (1024, 1.0): [1, 1]})
             + _cells("bf16", {(1024, 0.0): [0, 0]}, "multi") + _cells("k4v4", {(1024, 0.0): [0, 0]}, "multi"))
-    t = accuracy.target_check(pd.DataFrame(rows))
+    t = accuracy.target_check(pd.DataFrame(rows), min_variant_baseline=0.0)  # cell rule only
     assert t.loc[("k4v4", "single"), "meets"] and t.loc[("k4v4", "single"), "cells_judged"] == 1
-    assert not t.loc[("k4v2", "single"), "meets"] and t.loc[("k4v2", "single"), "cells_worse"] == ["1024/0.0"]
-    assert t.loc[("k4v2", "single"), "accuracy"] == 0.75
-    assert not t.loc[("k4v4", "multi"), "meets"] and t.loc[("k4v4", "multi"), "cells_judged"] == 0  # nothing to judge
+    assert t.loc[("k4v4", "single"), "verdict"] == "MET"
+    assert t.loc[("k4v2", "single"), "meets"] is False and t.loc[("k4v2", "single"), "cells_worse"] == ["1024/0.0"]
+    assert t.loc[("k4v2", "single"), "verdict"] == "NOT MET" and t.loc[("k4v2", "single"), "accuracy"] == 0.75
+    # nothing to judge: NOT JUDGED, never NOT MET (0/0)
+    k = t.loc[("k4v4", "multi")]
+    assert k["verdict"] == "NOT JUDGED" and k["meets"] is None and k["cells_judged"] == 0 and "no cell" in k["reason"]
+    # the baseline is never judged against itself
+    assert (t.loc["bf16", "verdict"] == "NOT JUDGED").all() and t.loc["bf16", "meets"].isna().all()
+    assert accuracy.target_line(t) == "multi: NOT JUDGED (no cell with bf16 >= 95%); single: MET (1/1 judged cells)"
+    assert accuracy.target_line(t, "k4v2") == "single: NOT MET (0/1 judged cells, below bf16 at 1024/0.0)"
+    # default: bf16 at 75% over the single variant (< 90%): the comparison is noise, so not judged
+    d = accuracy.target_check(pd.DataFrame(rows))
+    assert d.loc[("k4v4", "single"), "verdict"] == "NOT JUDGED" and d.loc[("k4v4", "single"), "meets"] is None
+    assert "bf16 75% < 90%" in d.loc[("k4v4", "single"), "reason"]
+    assert "NOT MET" not in accuracy.target_line(d) and " MET" not in accuracy.target_line(d).replace("NOT JUDGED", "")
 
 
 def test_engine_agreement_against_hand_values():
@@ -175,14 +187,18 @@ def test_engine_agreement_against_hand_values():
     v_k4 = {(1024, 0.0): [1, 1, 1, 1], (2048, 0.0): [1, 1, 1, 0], (4096, 0.0): [0, 0, 1, 1]}  # one decided miss
     vllm = pd.DataFrame(_cells("bf16", v_bf, engine="vllm") + _cells("k4v4", v_k4, engine="vllm")
                         + _cells("k4v4", {(8184, 0.0): [0, 0]}, engine="vllm"))  # not shared: ignored
-    t = accuracy.engine_agreement(vllm, cpu)
+    t = accuracy.engine_agreement(vllm, cpu, min_variant_baseline=0.0)
     k = t.loc[("k4v4", "single")]
     assert k["shared_runs"] == 12 and k["accuracy_vllm"] == 9 / 12 and k["accuracy_cpu"] == 9 / 12
     assert k["run_agreement"] == 8 / 12  # 2048: 1 run differs; 4096: 3 differ
     assert k["judged_runs"] == 8 and k["judged_agreement"] == 7 / 8  # only 1K and 2K are decided (bf16 100%)
-    assert not k["agree"] and k["target_cpu"] and not k["target_vllm"]
+    assert not k["agree"] and (k["target_cpu"], k["target_vllm"]) == ("MET", "NOT MET")
     b = t.loc[("bf16", "single")]
     assert b["agree"] and b["judged_agreement"] == 1.0 and b["run_agreement"] == 9 / 12  # 4096 undecided
+    assert b["target_cpu"] == b["target_vllm"] == "NOT JUDGED"  # the baseline itself
+    # default: bf16 at 75% on both engines (< 90%): the target is not judged on either
+    assert set(accuracy.engine_agreement(vllm, cpu).loc[("k4v4", "single"), ["target_cpu", "target_vllm"]]) \
+        == {"NOT JUDGED"}
     with pytest.raises(ValueError, match="share no"):
         accuracy.engine_agreement(vllm.assign(prompt_sha256="x"), cpu)
 
@@ -228,3 +244,100 @@ def test_notebook_replays_vllm_results_labelled_when_vllm_is_not_runnable(tmp_pa
     assert f"replayed from {path}, measured on NVIDIA H200 2026-11-30T01:00:00Z" in text
     assert "replayed from results/accuracy/03_default.csv, measured on CPU" in text
     assert "run_agreement" in text and "k4v4 target" in text and "NOT MET" in text
+    # the provenance table lists the requested grid (512 tokens); the replayed rows' own grid is tabled too
+    text = _outputs(out)
+    assert "requested, not used" in text and "Grid of the replayed CPU rows" in text
+    assert "Grid of the replayed vLLM rows" in text and "1024, 2048, 4096" in text
+    assert "0/0 judged" not in text
+
+
+def _run_ci_notebook(tmp_path, **over):
+    papermill = pytest.importorskip("papermill")
+    params = yaml.safe_load((ROOT / "notebooks" / "params" / "03_ci.yaml").read_text()) | over
+    out = tmp_path / "out.ipynb"
+    papermill.execute_notebook(str(NB), str(out), kernel_name="python3", parameters=params, cwd=str(NB.parent),
+                               progress_bar=False)
+    return _outputs(out)
+
+
+def _outputs(path):
+    """What the executed notebook displayed (outputs only, not its source)."""
+    import json
+
+    parts = []
+    for c in json.loads(path.read_text())["cells"]:
+        for o in c.get("outputs", []):
+            parts.append("".join(o.get("text", "")))
+            for v in o.get("data", {}).values():
+                parts.append("".join(v) if isinstance(v, (list, str)) else "")
+    return "\n".join(parts)
+
+
+def test_notebook_without_committed_vllm_results_says_so_once(tmp_path):
+    from kvrepro.sweep import measurement_blockers
+
+    if not measurement_blockers():
+        pytest.skip("GPU and vLLM present: engine='vllm' would measure")
+    text = _run_ci_notebook(tmp_path, engine="vllm", vllm_results=str(tmp_path / "none.csv"), sanity_tokens=0)
+    assert "replayed** from committed results" not in text and "Every vLLM figure" not in text
+    assert text.count("No vLLM results") == 1 and text.count(f"committed at `{tmp_path / 'none.csv'}`") == 1
+    failed = accuracy.failed_vllm_attempts()
+    for f in failed:  # e.g. results/accuracy/vllm_h200_20261130_failed/: named with its errors
+        assert f"Failed attempt recorded** in `{f['path']}`" in text
+    assert "Grid of the replayed CPU rows" in text
+
+
+def test_notebook_refuses_to_overwrite_a_committed_result_before_running(tmp_path):
+    papermill = pytest.importorskip("papermill")
+    before = (ROOT / "results" / "accuracy" / "03_default.csv").read_bytes()
+    with pytest.raises(papermill.PapermillExecutionError, match="results_path 'results/accuracy/03_default.csv'"):
+        _run_ci_notebook(tmp_path, results_path="results/accuracy/03_default.csv")
+    assert (ROOT / "results" / "accuracy" / "03_default.csv").read_bytes() == before
+
+
+def test_save_results_refuses_to_overwrite_another_grid(tmp_path):
+    """A tiny run must not replace a committed measured result of another grid (its .json sidecar records
+    the grid); the same grid (``make report`` run twice) or ``overwrite=True`` may replace it."""
+    df = pd.DataFrame(_cells("bf16", {(1024, 0.0): [1]}))
+    big = AccuracyParams(context_lengths=(1024, 2048), num_keys=2)
+    path = str(tmp_path / "03_default.csv")
+    accuracy.save_results(df, big, path, {"date_utc": "d1"})
+    accuracy.save_results(df, big, path, {"date_utc": "d2"})  # same grid: a rerun replaces it
+    tiny = AccuracyParams.from_dict(big.as_dict() | dict(formats=["bf16", "k4v4"], context_lengths=[512], num_keys=1))
+    with pytest.raises(ValueError, match=r"results_path .*03_default.csv.* another grid .*context_lengths: "
+                                         r"recorded \[1024, 2048\], this run \[512\].*overwrite: true"):
+        accuracy.save_results(df.iloc[:0], tiny, path, {"date_utc": "d3"})
+    with pytest.raises(ValueError, match="formats"):
+        accuracy.check_overwrite(tiny, path)
+    assert len(pd.read_csv(path)) == 1 and '"d2"' in open(path + ".json").read()  # untouched
+    accuracy.save_results(df.iloc[:0], AccuracyParams.from_dict(tiny.as_dict() | dict(overwrite=True)), path, {})
+    assert len(pd.read_csv(path)) == 0
+    (tmp_path / "bare.csv").write_text("x\n1\n")  # no .json sidecar: provenance unknown, refused
+    with pytest.raises(ValueError, match="bare.csv.*no readable"):
+        accuracy.save_results(df, big, str(tmp_path / "bare.csv"), {})
+    with pytest.raises(ValueError, match="overwrite"):
+        AccuracyParams.from_dict(big.as_dict() | dict(overwrite="yes"))
+
+
+def test_make_report_output_may_be_rewritten_after_a_grid_change(tmp_path, monkeypatch):
+    """reports/ (make report's gitignored output, results_path of 03_default.yaml) is rewritten by every
+    run, even when 03_default.yaml's grid changed since the last one; results/ stays protected."""
+    monkeypatch.setattr(accuracy, "resolve_path", lambda p: str(tmp_path / p))
+    default = yaml.safe_load((ROOT / "notebooks" / "params" / "03_default.yaml").read_text())
+    assert default["results_path"].startswith("reports/")
+    df = pd.DataFrame(_cells("bf16", {(1024, 0.0): [1]}))
+    old = AccuracyParams.from_dict(default | dict(num_keys=2))
+    new = AccuracyParams.from_dict(default)
+    for p in (old, new, new):
+        accuracy.save_results(df, p, default["results_path"], {})
+    accuracy.save_results(df, old, "results/x.csv", {})
+    with pytest.raises(ValueError, match="num_keys: recorded 2, this run 1"):
+        accuracy.save_results(df, new, "results/x.csv", {})
+
+
+def test_committed_default_results_are_protected_from_the_ci_grid():
+    """The review's case: 03_ci.yaml with results_path = the committed results/accuracy/03_default.csv."""
+    ci = yaml.safe_load((ROOT / "notebooks" / "params" / "03_ci.yaml").read_text())
+    p = AccuracyParams.from_dict(ci | dict(results_path="results/accuracy/03_default.csv"))
+    with pytest.raises(ValueError, match="results_path 'results/accuracy/03_default.csv'"):
+        accuracy.check_overwrite(p, p.results_path)
