@@ -105,8 +105,10 @@ def summarize(res: dict) -> dict:
         s["distractor_answers"] = df[df["answer_kind"] == "distractor"].groupby("mode").size().to_dict()
         if (df["format"] == "bf16").any():
             t = accuracy.target_check(df)
-            s["target"] = {f"{f}/{v}": {"meets": bool(r["meets"]), "cells_judged": int(r["cells_judged"]),
-                                        "cells_worse": r["cells_worse"]} for (f, v), r in t.iterrows()}
+            s["target"] = {f"{f}/{v}": {"verdict": r["verdict"], "reason": r.get("reason", ""),
+                                        "meets": {"MET": True, "NOT MET": False}.get(r["verdict"]),
+                                        "cells_judged": int(r["cells_judged"]), "cells_worse": r["cells_worse"]}
+                           for (f, v), r in t.iterrows()}
     if res["sanity"]:
         sd = pd.DataFrame(res["sanity"])
         if (sd["format"] == "bf16").any():
@@ -164,7 +166,7 @@ def main(argv=None) -> int:
         s = summarize(res)
         print("[vllm-accuracy] accuracy: " + json.dumps(s.get("accuracy", {})))
         print("[vllm-accuracy] target (matches bf16 on cells where bf16 >= 95%): "
-              + json.dumps({k: (v["meets"], v["cells_worse"]) for k, v in s.get("target", {}).items()}))
+              + json.dumps({k: (v["verdict"], v["cells_worse"]) for k, v in s.get("target", {}).items()}))
         for r in s.get("sanity", []):
             print(f"[vllm-accuracy] sanity {r['format']}: prefix {r['prefix_agreement']}, tokens {r['token_agreement']}, "
                   f"dup {r['dup_rate']}, pass {r['sanity_pass']}")
