@@ -88,14 +88,19 @@ def resolve_store_rotate(value: str | None = None) -> str:
 WARMUP_ENV = "KVREPRO_WARMUP"
 
 
+def _switch(env: str, value: str | None, default: str) -> bool:
+    """A 0/1 switch: ``value``, else ``$env``, else ``default``. Raises ValueError naming ``env``."""
+    if value is None:
+        value = os.environ.get(env, "") or default
+    if value not in ("0", "1"):
+        raise ValueError(f"{env}={value!r}; allowed: 0, 1")
+    return value == "1"
+
+
 def resolve_warmup(value: str | None = None) -> bool:
     """Whether the impl compiles its decode-kernel variants before vLLM's memory profiling:
     ``value``, else ``$KVREPRO_WARMUP``, else on. Raises ValueError unless ``0`` or ``1``."""
-    if value is None:
-        value = os.environ.get(WARMUP_ENV, "") or "1"
-    if value not in ("0", "1"):
-        raise ValueError(f"{WARMUP_ENV}={value!r}; allowed: 0, 1")
-    return value == "1"
+    return _switch(WARMUP_ENV, value, "1")
 
 
 DEBUG_CHECK_ENV = "KVREPRO_DEBUG_CHECK"
@@ -104,11 +109,7 @@ DEBUG_CHECK_ENV = "KVREPRO_DEBUG_CHECK"
 def resolve_debug_check(value: str | None = None) -> bool:
     """Debug only (slow, host syncs): compare every eagerly run attention call with the reference.
     ``value``, else ``$KVREPRO_DEBUG_CHECK``, else off. Raises ValueError unless ``0`` or ``1``."""
-    if value is None:
-        value = os.environ.get(DEBUG_CHECK_ENV, "") or "0"
-    if value not in ("0", "1"):
-        raise ValueError(f"{DEBUG_CHECK_ENV}={value!r}; allowed: 0, 1")
-    return value == "1"
+    return _switch(DEBUG_CHECK_ENV, value, "0")
 
 
 def resolve_prefill(value: str | None = None) -> str:
