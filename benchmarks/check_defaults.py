@@ -22,9 +22,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import benchmarks.run_h200 as rh  # noqa: E402
-from benchmarks.common import copy_bandwidth, provenance, write_json  # noqa: E402
-from kvrepro.formats import get_format  # noqa: E402
-from kvrepro.ops import prefill_attention, store_kv  # noqa: E402
+from benchmarks.common import copy_bandwidth, cuda_event_ms, prefill_prompt, provenance, write_json  # noqa: E402
+from kvrepro.ops import prefill_attention  # noqa: E402
 from kvrepro.ops.prefill import flash_dense_attn  # noqa: E402
 
 ALTERNATIVES = {"defaults": {},
@@ -35,15 +34,7 @@ ALTERNATIVES = {"defaults": {},
 
 def prefill_part(res, gen):
     L, C, HQ, HKV, D, BS = 131072, 8192, rh.HQ, rh.HKV, rh.D, rh.BS
-    k = torch.randn(L, HKV, D, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn(L, HKV, D, device="cuda", dtype=torch.bfloat16)
-    q = torch.randn(L, HQ, D, device="cuda", dtype=torch.bfloat16)
-    pool = get_format("k4v4").new_pool(L // BS + 8, HKV, D, BS, device="cuda")
-    bt = torch.randperm(pool.num_blocks, device="cuda", generator=gen)[: L // BS][None].to(torch.int32)
-    pos = torch.arange(L, device="cuda")
-    slots = (bt[0, pos // BS].long() * BS + pos % BS).to(torch.int32)
-    store_kv(k, v, pool.data, slots, pool.layout, pool.rotation, rotate="torch")
-    torch.cuda.synchronize()
+    q, k, v, pool, bt = prefill_prompt(L, HQ, HKV, D, BS, gen)
 
     def chunk(c0, **kw):
         qsl = torch.tensor([0, C], dtype=torch.int32, device="cuda")
@@ -74,20 +65,11 @@ def prefill_part(res, gen):
     res["prefill_relerr_vs_fp32_last64rows"] = checks
     print("prefill relerr vs fp32", checks, flush=True)
     torch.cuda.empty_cache()
-
-    def timed(fn):
-        fn()
-        e0, e1 = torch.cuda.Event(True), torch.cuda.Event(True)
-        e0.record()
-        fn()
-        e1.record()
-        torch.cuda.synchronize()
-        return e0.elapsed_time(e1)
     variants = {"dequant_fa2_piece32k": lambda c: chunk(c, impl="dequant", piece_tokens=32768),
                 "dequant_fa2_piece128k": lambda c: chunk(c, impl="dequant", piece_tokens=L),
                 "bf16_fa2_chunked": lambda c: (lambda: flash_dense_attn(q[c:c + C], k[:c + C], v[:c + C], D ** -0.5, True))}
     for name, mk in variants.items():
-        per = [timed(mk(c)) for c in range(0, L, C)]
+        per = [cuda_event_ms(mk(c)) for c in range(0, L, C)]
         res["prefill"][name] = {"ms": sum(per), "per_chunk_ms": per}
     base = res["prefill"]["bf16_fa2_chunked"]["ms"]
     for r_ in res["prefill"].values():

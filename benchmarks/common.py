@@ -67,3 +67,34 @@ def copy_bandwidth(nbytes: int = 4 << 30) -> dict:
         b.copy_(a)
     ms = triton.testing.do_bench(copy, warmup=50, rep=300, return_mode="median")
     return {"bytes": nbytes, "ms": ms, "GBps_read_plus_write": 2 * nbytes / ms / 1e6}
+
+
+def cuda_event_ms(fn) -> float:
+    """One warm-up call, then one call timed with CUDA events (ms). For long calls (a 128K prefill
+    chunk) where ``do_bench``'s repetitions would cost minutes."""
+    fn()
+    e0, e1 = torch.cuda.Event(True), torch.cuda.Event(True)
+    e0.record()
+    fn()
+    e1.record()
+    torch.cuda.synchronize()
+    return e0.elapsed_time(e1)
+
+
+def prefill_prompt(num_tokens: int, num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+                   gen: torch.Generator, preset: str = "k4v4"):
+    """A random bf16 prompt (q ``[T, Hq, D]``, k/v ``[T, Hkv, D]``) whose K/V are stored in a fresh
+    ``preset`` pool (``store_kv``, rotation in PyTorch) under a shuffled one-row block table.
+    Returns ``(q, k, v, pool, block_table [1, T / block_size] int32)``."""
+    from kvrepro.ops import store_kv
+    n, dev = num_tokens, "cuda"
+    k = torch.randn(n, num_kv_heads, head_dim, device=dev, dtype=torch.bfloat16)
+    v = torch.randn(n, num_kv_heads, head_dim, device=dev, dtype=torch.bfloat16)
+    q = torch.randn(n, num_q_heads, head_dim, device=dev, dtype=torch.bfloat16)
+    pool = get_format(preset).new_pool(n // block_size + 8, num_kv_heads, head_dim, block_size, device=dev)
+    bt = torch.randperm(pool.num_blocks, device=dev, generator=gen)[: n // block_size][None].to(torch.int32)
+    pos = torch.arange(n, device=dev)
+    slots = (bt[0, pos // block_size].long() * block_size + pos % block_size).to(torch.int32)
+    store_kv(k, v, pool.data, slots, pool.layout, pool.rotation, rotate="torch")
+    torch.cuda.synchronize()
+    return q, k, v, pool, bt

@@ -20,9 +20,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import benchmarks.run_h200 as rh  # noqa: E402
-from benchmarks.common import copy_bandwidth, provenance, write_json  # noqa: E402
-from kvrepro.formats import get_format  # noqa: E402
-from kvrepro.ops import default_num_splits, prefill_attention, store_kv  # noqa: E402
+from benchmarks.common import copy_bandwidth, cuda_event_ms, prefill_prompt, provenance, write_json  # noqa: E402
+from kvrepro.ops import default_num_splits, prefill_attention  # noqa: E402
 from kvrepro.ops.prefill import flash_dense_attn  # noqa: E402
 
 CONFIGS = {"v2 triton bn128 w4": {"variant": "v2", "dequant": "triton", "block_n": 128, "num_warps": 4},
@@ -57,30 +56,13 @@ def decode_part(res, gen, copy_bw, t0, budget):
 
 def prefill_part(res, gen):
     L, C, HQ, HKV, D, BS = 131072, 8192, rh.HQ, rh.HKV, rh.D, rh.BS
-    k = torch.randn(L, HKV, D, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn(L, HKV, D, device="cuda", dtype=torch.bfloat16)
-    q = torch.randn(L, HQ, D, device="cuda", dtype=torch.bfloat16)
-    pool = get_format("k4v4").new_pool(L // BS + 8, HKV, D, BS, device="cuda")
-    bt = torch.randperm(pool.num_blocks, device="cuda", generator=gen)[: L // BS][None].to(torch.int32)
-    pos = torch.arange(L, device="cuda")
-    slots = (bt[0, pos // BS].long() * BS + pos % BS).to(torch.int32)
-    store_kv(k, v, pool.data, slots, pool.layout, pool.rotation, rotate="torch")
-    torch.cuda.synchronize()
+    q, k, v, pool, bt = prefill_prompt(L, HQ, HKV, D, BS, gen)
 
     def chunk(c0, **kw):
         qsl = torch.tensor([0, C], dtype=torch.int32, device="cuda")
         sl = torch.tensor([c0 + C], dtype=torch.int32, device="cuda")
         return lambda: prefill_attention(q[c0:c0 + C], k[c0:c0 + C], v[c0:c0 + C], pool.data, bt, sl, qsl,
                                          pool.layout, pool.rotation, D ** -0.5, max_query_len=C, **kw)
-
-    def timed(fn):
-        fn()
-        e0, e1 = torch.cuda.Event(True), torch.cuda.Event(True)
-        e0.record()
-        fn()
-        e1.record()
-        torch.cuda.synchronize()
-        return e0.elapsed_time(e1)
 
     # Correctness at full size on the last chunk: dequant impl vs paged impl (same function).
     a = chunk(L - C, impl="dequant", piece_tokens=L)()
@@ -94,7 +76,7 @@ def prefill_part(res, gen):
     }
     for name, mk in variants.items():
         try:
-            per = [timed(mk(c0)) for c0 in range(0, L, C)]
+            per = [cuda_event_ms(mk(c0)) for c0 in range(0, L, C)]
             res["prefill"][name] = {"ms": sum(per), "per_chunk_ms": per}
         except Exception as e:
             res["prefill"][name] = {"error": repr(e)[:300]}

@@ -24,7 +24,7 @@ import triton
 import triton.testing
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from benchmarks.common import copy_bandwidth, provenance, random_pool, write_json  # noqa: E402
+from benchmarks.common import copy_bandwidth, cuda_event_ms, provenance, random_pool, write_json  # noqa: E402
 from kvrepro.formats import get_format  # noqa: E402
 from kvrepro.formats.compressed import unpack_codes  # noqa: E402
 from kvrepro.ops import decode_attention, default_num_splits, prefill_attention, store_kv  # noqa: E402
@@ -384,15 +384,6 @@ def prefill_bench(gen):
     kw = {"rows": best["rows"], "block_n": best["block_n"], "num_warps": best["warps"], "dequant": mode,
           "variant": "v2"}
     res["best"] = kw
-
-    def timed(fn):
-        fn()
-        e0, e1 = torch.cuda.Event(True), torch.cuda.Event(True)
-        e0.record()
-        fn()
-        e1.record()
-        torch.cuda.synchronize()
-        return e0.elapsed_time(e1)
     from kvrepro.ops.prefill import flash_dense_attn
     flops = 4 * HQ * D * sum(C * c0 + C * (C + 1) / 2 for c0 in range(0, L, C))
     variants = {"paged": lambda c0: chunk(c0, **kw),
@@ -403,7 +394,7 @@ def prefill_bench(gen):
         if elapsed() > BUDGET * 0.97:
             break
         try:
-            per = [timed(mk(c0)) for c0 in range(0, L, C)]
+            per = [cuda_event_ms(mk(c0)) for c0 in range(0, L, C)]
             res[f"chunked16x8k_{name}_ms"] = sum(per)
             res[f"chunked16x8k_{name}_per_chunk_ms"] = per
             res[f"chunked16x8k_{name}_TFLOPs"] = flops / (sum(per) / 1e3) / 1e12
