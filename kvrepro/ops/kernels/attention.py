@@ -189,6 +189,64 @@ def _query_planes(qrow, qmask, dk, KP: tl.constexpr, KBITS: tl.constexpr):
 
 
 @triton.jit
+def _qk_planes(kc, q0, q1, q2, q3, KBITS: tl.constexpr, ASM: tl.constexpr):
+    """``sum_i (q_i / m_i) . (m_i code_i)`` over the key planes of a packed tile ``kc``
+    ``[N, KP]`` u8: ``[M, N]`` float32 (logits are ``qk * scale_k + sum(q) * zero_k``)."""
+    NPK: tl.constexpr = 8 // KBITS
+    k0, k1, k2, k3 = _planes(kc, KBITS, ASM)
+    qk = tl.dot(q0, tl.trans(k0))
+    if NPK > 1:
+        qk = tl.dot(q1, tl.trans(k1), qk)
+    if NPK > 2:
+        qk = tl.dot(q2, tl.trans(k2), qk)
+        qk = tl.dot(q3, tl.trans(k3), qk)
+    return qk
+
+
+@triton.jit
+def _online_softmax(s, m_i):
+    """One online-softmax step over log2-domain logits ``s`` [M, N] (masked keys at -inf):
+    ``(m_new, alpha, p)`` with ``alpha = 2**(m_i - m_new)``; rows with no key yet keep m = -inf."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    return m_new, tl.exp2(m_i - m_use), tl.exp2(s - m_use[:, None])
+
+
+@triton.jit
+def _pv_planes(pvs, pv16, vc, alpha, acc0, acc1, acc2, acc3, accz, VBITS: tl.constexpr, ASM: tl.constexpr):
+    """Add ``p @ v`` for a packed value tile ``vc`` [N, VP] u8, given ``pvs = p * scale_v``
+    [M, N] float32 (0 for masked keys) and its float16 rounding ``pv16``: per-plane accumulators
+    hold ``m_i x sum pv16 (code - 2**(VBITS-1))`` (centred planes), ``accz`` the mid-rise
+    remainder ``0.5 x sum pvs``. Returns the updated ``(acc0, acc1, acc2, acc3, accz)``.
+    (The caller rounds pv16 before loading ``vc``: that order gives the shorter SASS.)"""
+    NPV: tl.constexpr = 8 // VBITS
+    VCC: tl.constexpr = (1 << (VBITS - 1)) - ((1 << VBITS) - 1) / 2
+    v0, v1, v2, v3 = _planes(vc, VBITS, ASM, True)
+    acc0 = _acc_dot(pv16, v0, acc0, alpha)
+    if NPV > 1:
+        acc1 = _acc_dot(pv16, v1, acc1, alpha)
+    if NPV > 2:
+        acc2 = _acc_dot(pv16, v2, acc2, alpha)
+        acc3 = _acc_dot(pv16, v3, acc3, alpha)
+    return acc0, acc1, acc2, acc3, accz * alpha + VCC * tl.sum(pvs, axis=1)
+
+
+@triton.jit
+def _finish(acc0, acc1, acc2, acc3, accz, l_i, m_i, VBITS: tl.constexpr):
+    """Normalized per-plane outputs ``o_i = acc_i / (m_i l) + accz / l`` (rotated space) and the
+    log2 sum-exp (``-inf`` and zeros for a row that saw no key)."""
+    ok = l_i > 0
+    inv_l = tl.where(ok, 1.0 / tl.where(ok, l_i, 1.0), 0.0)
+    zl = accz * inv_l
+    o0 = acc0 * inv_l[:, None] + zl[:, None]
+    o1 = acc1 * (inv_l / (1 << VBITS))[:, None] + zl[:, None]
+    o2 = acc2 * (inv_l / (1 << (2 * VBITS)))[:, None] + zl[:, None]
+    o3 = acc3 * (inv_l / (1 << (3 * VBITS)))[:, None] + zl[:, None]
+    lse = tl.where(ok, m_i + tl.log2(tl.where(ok, l_i, 1.0)), float("-inf"))
+    return o0, o1, o2, o3, lse
+
+
+@triton.jit
 def paged_attn_kernel(
     q_ptr, pool_ptr, bt_ptr, seq_lens_ptr, qsl_ptr,
     fk_ptr, fv_ptr,            # fresh rotated K/V [T, Hkv, D] float16 (HAS_FRESH) or dummies
@@ -211,9 +269,6 @@ def paged_attn_kernel(
     NPV: tl.constexpr = 8 // VBITS
     KP: tl.constexpr = D // NPK
     VP: tl.constexpr = D // NPV
-    VC: tl.constexpr = ((1 << VBITS) - 1) / 2   # values: v = (code - VC) * scale (mid-rise)
-    # V planes are centred on 2**(VBITS-1): v = ((code - 2**(VBITS-1)) + VCC) * scale, VCC = 0.5
-    VCC: tl.constexpr = (1 << (VBITS - 1)) - VC
 
     seq_len = tl.load(seq_lens_ptr + b)
     if IS_DECODE:                            # one query token per sequence, row b
@@ -266,36 +321,21 @@ def paged_attn_kernel(
         page = pool_ptr + (blk * NUM_KV_HEADS + kvh) * PAGE_BYTES
         t_in = n % BS
         kc = tl.load(page[:, None] + (t_in * KP)[:, None] + dk[None, :], mask=n_ok[:, None], other=0)
-        k0, k1, k2, k3 = _planes(kc, KBITS, DEQ_ASM)
-        qk = tl.dot(q0, tl.trans(k0))
-        if NPK > 1:
-            qk = tl.dot(q1, tl.trans(k1), qk)
-        if NPK > 2:
-            qk = tl.dot(q2, tl.trans(k2), qk)
-            qk = tl.dot(q3, tl.trans(k3), qk)
+        qk = _qk_planes(kc, q0, q1, q2, q3, KBITS, DEQ_ASM)
         km = (page + K_META_OFF + t_in * 4).to(tl.pointer_type(tl.float16))
         ks = tl.load(km, mask=n_ok, other=0.0).to(tl.float32)
         kz = tl.load(km + 1, mask=n_ok, other=0.0).to(tl.float32)
         s = qk * ks[None, :] + qsum[:, None] * kz[None, :]
         vis = n_ok[None, :] & (n[None, :] <= qpos[:, None])
         s = tl.where(vis, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(s - m_use[:, None])
+        m_new, alpha, p = _online_softmax(s, m_i)
         vm = (page + V_META_OFF + t_in * 2).to(tl.pointer_type(tl.float16))
         vs = tl.load(vm, mask=n_ok, other=0.0).to(tl.float32)
         pvs = p * vs[None, :]
         pv16 = pvs.to(tl.float16)
         vc = tl.load(page[:, None] + V_CODE_OFF + (t_in * VP)[:, None] + dv[None, :], mask=n_ok[:, None], other=0)
-        v0, v1, v2, v3 = _planes(vc, VBITS, DEQ_ASM, True)
-        acc0 = _acc_dot(pv16, v0, acc0, alpha)
-        if NPV > 1:
-            acc1 = _acc_dot(pv16, v1, acc1, alpha)
-        if NPV > 2:
-            acc2 = _acc_dot(pv16, v2, acc2, alpha)
-            acc3 = _acc_dot(pv16, v3, acc3, alpha)
-        accz = accz * alpha + VCC * tl.sum(pvs, axis=1)
+        acc0, acc1, acc2, acc3, accz = _pv_planes(pvs, pv16, vc, alpha, acc0, acc1, acc2, acc3, accz, VBITS,
+                                                  DEQ_ASM)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
 
@@ -316,10 +356,7 @@ def paged_attn_kernel(
                 s += (1 << (3 * KBITS)) * tl.dot(q3, tl.trans(tl.load(fk + 3 * KP + dk[None, :], mask=j_ok[:, None], other=0.0)))
             vis = j_ok[None, :] & (j[None, :] <= tq[:, None])
             s = tl.where(vis, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_use)
-            p = tl.exp2(s - m_use[:, None])
+            m_new, alpha, p = _online_softmax(s, m_i)
             p16 = p.to(tl.float16)
             fv = fv_ptr + frow[:, None]
             acc0 = _acc_dot(p16, tl.load(fv + dv[None, :], mask=j_ok[:, None], other=0.0), acc0, alpha)
@@ -335,14 +372,7 @@ def paged_attn_kernel(
             l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new
 
-    ok = l_i > 0
-    inv_l = tl.where(ok, 1.0 / tl.where(ok, l_i, 1.0), 0.0)
-    zl = accz * inv_l
-    o0 = acc0 * inv_l[:, None] + zl[:, None]
-    o1 = acc1 * (inv_l / (1 << VBITS))[:, None] + zl[:, None]
-    o2 = acc2 * (inv_l / (1 << (2 * VBITS)))[:, None] + zl[:, None]
-    o3 = acc3 * (inv_l / (1 << (3 * VBITS)))[:, None] + zl[:, None]
-    lse = tl.where(ok, m_i + tl.log2(tl.where(ok, l_i, 1.0)), float("-inf"))
+    o0, o1, o2, o3, lse = _finish(acc0, acc1, acc2, acc3, accz, l_i, m_i, VBITS)
     if SPLIT_OUT:
         base = (tok * HQ + head) * NUM_SPLITS + split
         orow = o_ptr + base[:, None] * D

@@ -18,7 +18,7 @@ codes are never used: ``p = 0``); pages past the end are not read.
 import triton
 import triton.language as tl
 
-from kvrepro.ops.kernels.attention import _acc_dot, _planes, _query_planes
+from kvrepro.ops.kernels.attention import _finish, _online_softmax, _pv_planes, _qk_planes, _query_planes
 
 
 @triton.jit
@@ -64,8 +64,6 @@ def decode_v3_kernel(
     NPV: tl.constexpr = 8 // VBITS
     KP: tl.constexpr = D // NPK
     VP: tl.constexpr = D // NPV
-    VC: tl.constexpr = ((1 << VBITS) - 1) / 2
-    VCC: tl.constexpr = (1 << (VBITS - 1)) - VC   # V planes centred, as in v2
     NP: tl.constexpr = BLOCK_N // BS
 
     seq_len = tl.load(seq_lens_ptr + b)
@@ -109,29 +107,13 @@ def decode_v3_kernel(
                                             NUM_KV_HEADS, BS, PAGE_BYTES, KP, VP, BLOCK_N,
                                             V_CODE_OFF, K_META_OFF, V_META_OFF)
         n_ok = (n0 + nn) < end
-        k0, k1, k2, k3 = _planes(kc, KBITS, DEQ_ASM)
-        qk = tl.dot(q0, tl.trans(k0))
-        if NPK > 1:
-            qk = tl.dot(q1, tl.trans(k1), qk)
-        if NPK > 2:
-            qk = tl.dot(q2, tl.trans(k2), qk)
-            qk = tl.dot(q3, tl.trans(k3), qk)
+        qk = _qk_planes(kc, q0, q1, q2, q3, KBITS, DEQ_ASM)
         s = qk * ks.to(tl.float32)[None, :] + qsum[:, None] * kz.to(tl.float32)[None, :]
         s = tl.where(n_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(s - m_use[:, None])
+        m_new, alpha, p = _online_softmax(s, m_i)
         pvs = p * tl.where(n_ok, vs.to(tl.float32), 0.0)[None, :]
-        pv16 = pvs.to(tl.float16)
-        v0, v1, v2, v3 = _planes(vc, VBITS, DEQ_ASM, True)
-        acc0 = _acc_dot(pv16, v0, acc0, alpha)
-        if NPV > 1:
-            acc1 = _acc_dot(pv16, v1, acc1, alpha)
-        if NPV > 2:
-            acc2 = _acc_dot(pv16, v2, acc2, alpha)
-            acc3 = _acc_dot(pv16, v3, acc3, alpha)
-        accz = accz * alpha + VCC * tl.sum(pvs, axis=1)
+        acc0, acc1, acc2, acc3, accz = _pv_planes(pvs, pvs.to(tl.float16), vc, alpha, acc0, acc1, acc2, acc3,
+                                                  accz, VBITS, DEQ_ASM)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
         if PREFETCH:
@@ -141,19 +123,13 @@ def decode_v3_kernel(
             kz = kz_n
             vs = vs_n
 
-    ok = l_i > 0
-    inv_l = tl.where(ok, 1.0 / tl.where(ok, l_i, 1.0), 0.0)
-    zl = accz * inv_l
-    lse = tl.where(ok, m_i + tl.log2(tl.where(ok, l_i, 1.0)), float("-inf"))
+    o0, o1, o2, o3, lse = _finish(acc0, acc1, acc2, acc3, accz, l_i, m_i, VBITS)
     base = (b.to(tl.int64) * HQ + head) * NUM_SPLITS + split
     orow = o_ptr + base[:, None] * D
-    tl.store(orow + dv[None, :], acc0 * inv_l[:, None] + zl[:, None], mask=row_ok[:, None])
+    tl.store(orow + dv[None, :], o0, mask=row_ok[:, None])
     if NPV > 1:
-        tl.store(orow + VP + dv[None, :], acc1 * (inv_l / (1 << VBITS))[:, None] + zl[:, None],
-                 mask=row_ok[:, None])
+        tl.store(orow + VP + dv[None, :], o1, mask=row_ok[:, None])
     if NPV > 2:
-        tl.store(orow + 2 * VP + dv[None, :],
-                 acc2 * (inv_l / (1 << (2 * VBITS)))[:, None] + zl[:, None], mask=row_ok[:, None])
-        tl.store(orow + 3 * VP + dv[None, :],
-                 acc3 * (inv_l / (1 << (3 * VBITS)))[:, None] + zl[:, None], mask=row_ok[:, None])
+        tl.store(orow + 2 * VP + dv[None, :], o2, mask=row_ok[:, None])
+        tl.store(orow + 3 * VP + dv[None, :], o3, mask=row_ok[:, None])
     tl.store(lse_ptr + base, lse, mask=row_ok)
