@@ -34,40 +34,15 @@ def _plane(packed, I: tl.constexpr, BITS: tl.constexpr, CENTER: tl.constexpr):
     return (c | 0x6400).to(tl.float16, bitcast=True) - (1024.0 + CENTER * (1 << (I * BITS)))
 
 
-@triton.jit
-def _planes4_asm(packed):
-    """uint8 tile of 4-bit pairs -> (low nibble, 16 x high nibble) as exact float16 tiles."""
-    return tl.inline_asm_elementwise(
-        asm="""
-        {
-        .reg .b32 t, u, k;
-        mov.b32 k, 0x64006400;
-        prmt.b32 t, $4, 0, 0x4140;
-        lop3.b32 u, t, 0x000F000F, 0x64006400, 0xEA;
-        sub.f16x2 $0, u, k;
-        lop3.b32 u, t, 0x00F000F0, 0x64006400, 0xEA;
-        sub.f16x2 $2, u, k;
-        prmt.b32 t, $4, 0, 0x4342;
-        lop3.b32 u, t, 0x000F000F, 0x64006400, 0xEA;
-        sub.f16x2 $1, u, k;
-        lop3.b32 u, t, 0x00F000F0, 0x64006400, 0xEA;
-        sub.f16x2 $3, u, k;
-        }
-        """,
-        constraints="=r,=r,=r,=r,r", args=[packed], dtype=(tl.float16, tl.float16),
-        is_pure=True, pack=4)
-
-
-@triton.jit
-def _planes4c_asm(packed):
-    """As ``_planes4_asm``, centred: (low nibble - 8, 16 x (high nibble - 8)); 0x6408 = 1032 and
-    0x6480 = 1152 in float16."""
-    return tl.inline_asm_elementwise(
-        asm="""
-        {
+def _asm_planes4(k_lo: str, k_hi: str) -> str:
+    """PTX: 4 packed bytes (8 nibbles) -> 4 x f16x2: low nibbles then high nibbles (x16), each as
+    ``(x | 0x6400) - k`` (FasterTransformer's int4 -> fp16 trick); ``k_lo`` / ``k_hi`` are the f16x2
+    subtrahends of the low / high plane."""
+    return f"""
+        {{
         .reg .b32 t, u, k0, k1;
-        mov.b32 k0, 0x64086408;
-        mov.b32 k1, 0x64806480;
+        mov.b32 k0, {k_lo};
+        mov.b32 k1, {k_hi};
         prmt.b32 t, $4, 0, 0x4140;
         lop3.b32 u, t, 0x000F000F, 0x64006400, 0xEA;
         sub.f16x2 $0, u, k0;
@@ -78,42 +53,48 @@ def _planes4c_asm(packed):
         sub.f16x2 $1, u, k0;
         lop3.b32 u, t, 0x00F000F0, 0x64006400, 0xEA;
         sub.f16x2 $3, u, k1;
-        }
-        """,
+        }}
+        """
+
+
+def _asm_plane8(k: str) -> str:
+    """PTX: 4 packed bytes -> 2 x f16x2 of ``(0x64 << 8 | byte) - k``."""
+    return f"""
+        {{
+        .reg .b32 t, k;
+        mov.b32 k, {k};
+        prmt.b32 t, $2, 0x64, 0x4140;
+        sub.f16x2 $0, t, k;
+        prmt.b32 t, $2, 0x64, 0x4342;
+        sub.f16x2 $1, t, k;
+        }}
+        """
+
+
+# 0x6400 = 1024 (plain planes: m_i * code); 0x6408 = 1032 and 0x6480 = 1152 (centred planes:
+# m_i * (code - 2**(bits-1)) for the low nibble, the high nibble x 16 and an 8-bit code).
+_PLANES4_ASM = tl.constexpr(_asm_planes4("0x64006400", "0x64006400"))
+_PLANES4C_ASM = tl.constexpr(_asm_planes4("0x64086408", "0x64806480"))
+_PLANE8_ASM = tl.constexpr(_asm_plane8("0x64006400"))
+_PLANE8C_ASM = tl.constexpr(_asm_plane8("0x64806480"))
+
+
+@triton.jit
+def _planes4_asm(packed, CENTERED: tl.constexpr):
+    """uint8 tile of 4-bit pairs -> (low nibble, 16 x high nibble) as exact float16 tiles, centred
+    on 8 (and 16 x 8) if ``CENTERED``."""
+    return tl.inline_asm_elementwise(
+        asm=_PLANES4C_ASM if CENTERED else _PLANES4_ASM,
         constraints="=r,=r,=r,=r,r", args=[packed], dtype=(tl.float16, tl.float16),
         is_pure=True, pack=4)
 
 
 @triton.jit
-def _plane8_asm(packed, K: tl.constexpr):
-    """uint8 tile of 8-bit codes -> exact float16 tile of ``code`` (K = 0x64006400) or of
-    ``code - 128`` (K = 0x64806480)."""
-    if K == 0x64006400:
-        return tl.inline_asm_elementwise(
-            asm="""
-            {
-            .reg .b32 t, k;
-            mov.b32 k, 0x64006400;
-            prmt.b32 t, $2, 0x64, 0x4140;
-            sub.f16x2 $0, t, k;
-            prmt.b32 t, $2, 0x64, 0x4342;
-            sub.f16x2 $1, t, k;
-            }
-            """,
-            constraints="=r,=r,r", args=[packed], dtype=tl.float16, is_pure=True, pack=4)
-    else:
-        return tl.inline_asm_elementwise(
-            asm="""
-            {
-            .reg .b32 t, k;
-            mov.b32 k, 0x64806480;
-            prmt.b32 t, $2, 0x64, 0x4140;
-            sub.f16x2 $0, t, k;
-            prmt.b32 t, $2, 0x64, 0x4342;
-            sub.f16x2 $1, t, k;
-            }
-            """,
-            constraints="=r,=r,r", args=[packed], dtype=tl.float16, is_pure=True, pack=4)
+def _plane8_asm(packed, CENTERED: tl.constexpr):
+    """uint8 tile of 8-bit codes -> exact float16 tile of ``code`` (or ``code - 128`` if ``CENTERED``)."""
+    return tl.inline_asm_elementwise(
+        asm=_PLANE8C_ASM if CENTERED else _PLANE8_ASM,
+        constraints="=r,=r,r", args=[packed], dtype=tl.float16, is_pure=True, pack=4)
 
 
 @triton.jit
@@ -127,14 +108,11 @@ def _planes(packed, BITS: tl.constexpr, ASM: tl.constexpr, CENTERED: tl.constexp
     rounding bias measured 45 % output error on the H200 (notes/kernels.md, run 5b)."""
     C: tl.constexpr = (1 << (BITS - 1)) if CENTERED else 0
     if ASM and BITS == 4:
-        if CENTERED:
-            p0, p1 = _planes4c_asm(packed)
-        else:
-            p0, p1 = _planes4_asm(packed)
+        p0, p1 = _planes4_asm(packed, CENTERED)
         p2 = p0
         p3 = p0
     elif ASM and BITS == 8:
-        p0 = _plane8_asm(packed, 0x64806480 if CENTERED else 0x64006400)
+        p0 = _plane8_asm(packed, CENTERED)
         p1 = p0
         p2 = p0
         p3 = p0
