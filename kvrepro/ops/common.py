@@ -80,6 +80,14 @@ def check_int(name: str, x: torch.Tensor, dim: int, device: torch.device) -> Non
         raise ValueError(f"{name} must have a contiguous last dimension")
 
 
+def page_constexprs(layout: PageLayout, num_kv_heads: int) -> dict:
+    """The page geometry every kernel over compressed pages takes as constexprs (``PageLayout``)."""
+    return dict(NUM_KV_HEADS=num_kv_heads, D=layout.head_dim, BS=layout.block_size,
+                PAGE_BYTES=layout.page_bytes, KBITS=layout.key_bits, VBITS=layout.value_bits,
+                V_CODE_OFF=layout.v_code_offset, K_META_OFF=layout.k_meta_offset,
+                V_META_OFF=layout.v_meta_offset)
+
+
 def check_launch(num_warps, num_stages) -> None:
     """Triton launch options: ``num_warps`` in 1, 2, 4, 8, 16; ``num_stages`` a positive int."""
     if num_warps not in (1, 2, 4, 8, 16) or isinstance(num_warps, bool):

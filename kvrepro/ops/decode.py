@@ -4,9 +4,9 @@ from __future__ import annotations
 import torch
 
 from kvrepro.formats.layout import PageLayout
-from kvrepro.ops.common import (check_block_tables, check_float, check_heads, check_int, check_launch, check_pool,
-                                check_rotation, check_scale, next_pow2, pool_tensor, sm_count,
-                                want_checks)
+from kvrepro.ops.common import (check_block_tables, check_float, check_heads, check_int, check_launch,
+                                check_pool, check_rotation, check_scale, next_pow2, page_constexprs,
+                                pool_tensor, sm_count, want_checks)
 from kvrepro.ops.kernels.attention import paged_attn_kernel
 from kvrepro.ops.kernels.attention_v1 import paged_attn_kernel_v1
 from kvrepro.ops.kernels.decode_v3 import decode_v3_kernel
@@ -77,7 +77,7 @@ def decode_workspace_numel(batch: int, num_q_heads: int, head_dim: int, num_spli
 def decode_attention(query: torch.Tensor, pool, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                      layout: PageLayout, rotation: torch.Tensor, scale: float,
                      out: torch.Tensor | None = None, num_splits: int | None = None,
-                     workspace: torch.Tensor | None = None, *, block_n: int | None = None,
+                     workspace: torch.Tensor | None = None, *, block_n: int = DECODE_BLOCK_N,
                      num_warps: int = DECODE_WARPS, num_stages: int = DECODE_STAGES,
                      dequant: str | None = None, variant: str = DEFAULT_VARIANT,
                      prefetch: bool | None = None, validate: bool | None = None) -> torch.Tensor:
@@ -98,8 +98,7 @@ def decode_attention(query: torch.Tensor, pool, block_tables: torch.Tensor, seq_
         out: optional ``[B, Hq, D]`` output (query dtype); written in place.
         num_splits: splits per sequence; default ``default_num_splits`` (shape-only).
         workspace: optional float32 tensor of >= ``decode_workspace_numel(B, Hq, D, S)`` elements.
-        block_n, num_warps, num_stages: tiling (tokens per step; default ``DECODE_BLOCK_N``) and
-            Triton launch options.
+        block_n, num_warps, num_stages: tiling (tokens per step) and Triton launch options.
         dequant: ``"triton"`` (portable, runs under the interpreter) or ``"asm"`` (inline PTX,
             CUDA only); default ``default_dequant(device)``.
         variant: ``"v2"`` (default: per-plane dots, fewer integer ops), ``"v1"`` (full-width
@@ -144,9 +143,6 @@ def decode_attention(query: torch.Tensor, pool, block_tables: torch.Tensor, seq_
         out = torch.empty_like(query)
     else:
         check_float("out", out, (b, hq, d), dev)
-    dequant = default_dequant(dev) if dequant is None else dequant
-    if block_n is None:
-        block_n = DECODE_BLOCK_N
     if block_n not in (16, 32, 64, 128, 256):
         raise ValueError(f"block_n={block_n}; allowed: 16, 32, 64, 128, 256")
     if variant == "v3" and block_n < layout.block_size:
@@ -178,19 +174,14 @@ def decode_attention(query: torch.Tensor, pool, block_tables: torch.Tensor, seq_
     if variant == "v3":
         kernel[(b, hkv * num_splits)](
             q16, data, block_tables, seq_lens, part_o, part_lse, block_tables.stride(0), num_splits,
-            NUM_KV_HEADS=hkv, G=group, D=d, BS=layout.block_size, PAGE_BYTES=layout.page_bytes,
-            KBITS=layout.key_bits, VBITS=layout.value_bits, V_CODE_OFF=layout.v_code_offset,
-            K_META_OFF=layout.k_meta_offset, V_META_OFF=layout.v_meta_offset,
-            BLOCK_M=max(16, gp), BLOCK_N=block_n,
+            G=group, **page_constexprs(layout, hkv), BLOCK_M=max(16, gp), BLOCK_N=block_n,
             PREFETCH=V3_PREFETCH if prefetch is None else bool(prefetch),
             num_warps=num_warps, num_stages=num_stages, **extra)
     else:
         kernel[(b, 1, hkv * num_splits)](
             q16, data, block_tables, seq_lens, seq_lens, q16, q16, part_o, part_lse, rotation,
             block_tables.stride(0), NUM_SPLITS=num_splits,
-            NUM_KV_HEADS=hkv, G=group, GP=gp, D=d, BS=layout.block_size, PAGE_BYTES=layout.page_bytes,
-            KBITS=layout.key_bits, VBITS=layout.value_bits, V_CODE_OFF=layout.v_code_offset,
-            K_META_OFF=layout.k_meta_offset, V_META_OFF=layout.v_meta_offset,
+            G=group, GP=gp, **page_constexprs(layout, hkv),
             BLOCK_Q=1, BLOCK_M=max(16, gp), BLOCK_N=block_n, HAS_FRESH=False, SPLIT_OUT=True,
             IS_DECODE=True, num_warps=num_warps, num_stages=num_stages, **extra,
         )

@@ -6,7 +6,8 @@ import triton
 
 from kvrepro.formats.layout import PageLayout
 from kvrepro.ops.common import (check_block_tables, check_float, check_heads, check_int, check_launch,
-                                check_pool, check_rotation, check_scale, next_pow2, pool_tensor, want_checks)
+                                check_pool, check_rotation, check_scale, next_pow2, page_constexprs,
+                                pool_tensor, want_checks)
 from kvrepro.ops.decode import DEFAULT_VARIANT, LOG2E, attention_kernel
 from kvrepro.ops.kernels.dequant import dequant_pages_kernel
 from kvrepro.ops.kernels.rotate import rotate_query_kernel
@@ -68,9 +69,7 @@ def dequantize_context(pool, block_row: torch.Tensor, first: int, num: int, layo
     _, hkv = check_pool(data, layout)
     dequant_pages_kernel[(triton.cdiv(num, 32), hkv)](
         data, block_row, rotation, k_out, v_out, first, num,
-        NUM_KV_HEADS=hkv, D=layout.head_dim, BS=layout.block_size, PAGE_BYTES=layout.page_bytes,
-        KBITS=layout.key_bits, VBITS=layout.value_bits, V_CODE_OFF=layout.v_code_offset,
-        K_META_OFF=layout.k_meta_offset, V_META_OFF=layout.v_meta_offset, BLOCK_T=32,
+        **page_constexprs(layout, hkv), BLOCK_T=32,
         ROTATE=not rotated)
 
 
@@ -267,9 +266,7 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     kernel[grid](
         q16, data, block_tables, seq_lens, query_start_loc, k16, v16, out, q16, rotation,
         block_tables.stride(0), NUM_SPLITS=1,
-        NUM_KV_HEADS=hkv, G=group, GP=gp, D=d, BS=layout.block_size, PAGE_BYTES=layout.page_bytes,
-        KBITS=layout.key_bits, VBITS=layout.value_bits, V_CODE_OFF=layout.v_code_offset,
-        K_META_OFF=layout.k_meta_offset, V_META_OFF=layout.v_meta_offset,
+        G=group, GP=gp, **page_constexprs(layout, hkv),
         BLOCK_Q=block_q, BLOCK_M=rows, BLOCK_N=block_n, HAS_FRESH=True, SPLIT_OUT=False,
         IS_DECODE=False, num_warps=num_warps, num_stages=num_stages, **extra,
     )

@@ -7,7 +7,8 @@ import triton
 from kvrepro.formats.compressed import FP16_MAX
 from kvrepro.formats.layout import PageLayout
 from kvrepro.formats.base import check_finite
-from kvrepro.ops.common import check_float, check_pool, check_rotation, check_slots, pool_tensor, want_checks
+from kvrepro.ops.common import (check_float, check_pool, check_rotation, check_slots, page_constexprs,
+                                pool_tensor, want_checks)
 from kvrepro.ops.kernels.store import store_kv_kernel
 
 STORE_BLOCK_T = 16
@@ -89,8 +90,6 @@ def _launch(key, value, data, slot_mapping, rotation, layout, hkv, rotate_here):
     store_kv_kernel[grid](
         key, value, data, slot_mapping, rotation, t,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        NUM_KV_HEADS=hkv, D=layout.head_dim, BS=layout.block_size, PAGE_BYTES=layout.page_bytes,
-        KBITS=layout.key_bits, VBITS=layout.value_bits, V_CODE_OFF=layout.v_code_offset,
-        K_META_OFF=layout.k_meta_offset, V_META_OFF=layout.v_meta_offset, BLOCK_T=STORE_BLOCK_T,
+        **page_constexprs(layout, hkv), BLOCK_T=STORE_BLOCK_T,
         ROTATE=rotate_here,
     )
