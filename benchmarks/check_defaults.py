@@ -22,8 +22,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import benchmarks.run_h200 as rh  # noqa: E402
-from benchmarks.common import copy_bandwidth, cuda_event_ms, prefill_prompt, provenance, write_json  # noqa: E402
-from kvrepro.ops import prefill_attention  # noqa: E402
+from benchmarks.common import (copy_bandwidth, cuda_event_ms, prefill_chunk, prefill_prompt,  # noqa: E402
+                               provenance, write_json)
 from kvrepro.ops.prefill import flash_dense_attn  # noqa: E402
 
 # Run 5 (00:18 UTC) timed the then-defaults (asm) against these; after the run-5b fix the defaults
@@ -39,10 +39,7 @@ def prefill_part(res, gen):
     q, k, v, pool, bt = prefill_prompt(L, HQ, HKV, D, BS, gen)
 
     def chunk(c0, **kw):
-        qsl = torch.tensor([0, C], dtype=torch.int32, device="cuda")
-        sl = torch.tensor([c0 + C], dtype=torch.int32, device="cuda")
-        return lambda: prefill_attention(q[c0:c0 + C], k[c0:c0 + C], v[c0:c0 + C], pool.data, bt, sl, qsl,
-                                         pool.layout, pool.rotation, D ** -0.5, max_query_len=C, **kw)
+        return prefill_chunk(q, k, v, pool, bt, c0, C, **kw)
 
     # float32 reference for the last 64 rows of the last chunk (rotated space, context from pages).
     c0, rows = L - C, 64

@@ -98,3 +98,14 @@ def prefill_prompt(num_tokens: int, num_q_heads: int, num_kv_heads: int, head_di
     store_kv(k, v, pool.data, slots, pool.layout, pool.rotation, rotate="torch")
     torch.cuda.synchronize()
     return q, k, v, pool, bt
+
+
+def prefill_chunk(q, k, v, pool, block_table, c0: int, chunk: int, **kw):
+    """A no-argument callable: ``prefill_attention`` of the prompt's chunk ``[c0, c0 + chunk)``
+    (context ``[0, c0)`` from ``pool``, the chunk's own K/V fresh), softmax scale ``D ** -0.5``."""
+    from kvrepro.ops import prefill_attention
+    qsl = torch.tensor([0, chunk], dtype=torch.int32, device=q.device)
+    sl = torch.tensor([c0 + chunk], dtype=torch.int32, device=q.device)
+    rows = slice(c0, c0 + chunk)
+    return lambda: prefill_attention(q[rows], k[rows], v[rows], pool.data, block_table, sl, qsl, pool.layout,
+                                     pool.rotation, q.shape[-1] ** -0.5, max_query_len=chunk, **kw)

@@ -20,8 +20,9 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import benchmarks.run_h200 as rh  # noqa: E402
-from benchmarks.common import copy_bandwidth, cuda_event_ms, prefill_prompt, provenance, write_json  # noqa: E402
-from kvrepro.ops import default_num_splits, prefill_attention  # noqa: E402
+from benchmarks.common import (copy_bandwidth, cuda_event_ms, prefill_chunk, prefill_prompt,  # noqa: E402
+                               provenance, write_json)
+from kvrepro.ops import default_num_splits  # noqa: E402
 from kvrepro.ops.prefill import flash_dense_attn  # noqa: E402
 
 CONFIGS = {"v2 triton bn128 w4": {"variant": "v2", "dequant": "triton", "block_n": 128, "num_warps": 4},
@@ -59,10 +60,7 @@ def prefill_part(res, gen):
     q, k, v, pool, bt = prefill_prompt(L, HQ, HKV, D, BS, gen)
 
     def chunk(c0, **kw):
-        qsl = torch.tensor([0, C], dtype=torch.int32, device="cuda")
-        sl = torch.tensor([c0 + C], dtype=torch.int32, device="cuda")
-        return lambda: prefill_attention(q[c0:c0 + C], k[c0:c0 + C], v[c0:c0 + C], pool.data, bt, sl, qsl,
-                                         pool.layout, pool.rotation, D ** -0.5, max_query_len=C, **kw)
+        return prefill_chunk(q, k, v, pool, bt, c0, C, **kw)
 
     # Correctness at full size on the last chunk: dequant impl vs paged impl (same function).
     a = chunk(L - C, impl="dequant", piece_tokens=L)()

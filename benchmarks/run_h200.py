@@ -24,7 +24,8 @@ import triton
 import triton.testing
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from benchmarks.common import copy_bandwidth, cuda_event_ms, provenance, random_pool, write_json  # noqa: E402
+from benchmarks.common import (copy_bandwidth, cuda_event_ms, prefill_chunk, provenance,  # noqa: E402
+                               random_pool, write_json)
 from kvrepro.formats import get_format  # noqa: E402
 from kvrepro.formats.compressed import unpack_codes  # noqa: E402
 from kvrepro.ops import decode_attention, default_num_splits, prefill_attention, store_kv  # noqa: E402
@@ -362,10 +363,7 @@ def prefill_bench(gen):
     torch.cuda.synchronize()
 
     def chunk(c0, **kw):
-        qsl = torch.tensor([0, C], dtype=torch.int32, device="cuda")
-        sl = torch.tensor([c0 + C], dtype=torch.int32, device="cuda")
-        return lambda: prefill_attention(q[c0:c0 + C], k[c0:c0 + C], v[c0:c0 + C], pool.data, bt, sl, qsl,
-                                         pool.layout, pool.rotation, D ** -0.5, max_query_len=C, **kw)
+        return prefill_chunk(q, k, v, pool, bt, c0, C, **kw)
     mode = "asm" if "v2_asm" not in BAD_VARIANTS else "triton"
     sweep = []
     for rows_, bn, w in ((64, 64, 4), (128, 64, 8), (128, 128, 8), (64, 128, 4)):
