@@ -1,6 +1,7 @@
 """H200 probe: is the long-context disagreement of the paged prefill (run 5, check_prefill_paged) a
 property of long loops in one program? Decode at 128K with 1 / 4 / 64 splits (each split = one loop
-over ctx / splits tokens) and prefill at ctx 32K (v2 asm, v1 triton, fp16 vs bf16 inputs), each vs
+over ctx / splits tokens; triton and asm dequant) and paged prefill at ctx 120K (v2 triton, v2 asm, v1 triton;
+64 query rows; fp16 and bf16 inputs), each vs
 a float32 reference in the rotated space (context from the format's PyTorch dequantization).
 
     PYTHONUNBUFFERED=1 PYTHONPATH=. python benchmarks/check_long_loop.py --out $OUT
@@ -58,18 +59,19 @@ def main():
     for dt in (torch.float16, torch.bfloat16):
         q = torch.randn(1, HQ, D, device="cuda", dtype=dt, generator=gen)
         want = ref(q, L)
-        for s in (1, 4, 64):
+        for s, dq in ((1, "triton"), (1, "asm"), (4, "triton"), (4, "asm"), (64, "triton")):
             o = decode_attention(q, pool.data, bt, torch.tensor([L], dtype=torch.int32, device="cuda"),
-                                 pool.layout, pool.rotation, D ** -0.5, num_splits=s)
-            row = {"kind": "decode", "dtype": str(dt), "ctx": L, "splits": s, "relerr": relerr(o, want)}
+                                 pool.layout, pool.rotation, D ** -0.5, num_splits=s, dequant=dq)
+            row = {"kind": "decode", "dtype": str(dt), "ctx": L, "splits": s, "dequant": dq,
+                   "relerr": relerr(o, want)}
             res["cases"].append(row)
             print(row, flush=True)
-    ctx, ql = 32768, 64
+    ctx, ql = 122880, 64
     for dt in (torch.float16, torch.bfloat16):
         q = torch.randn(ql, HQ, D, device="cuda", dtype=dt, generator=gen)
         kn, vn = k[ctx:ctx + ql].to(dt), v[ctx:ctx + ql].to(dt)
         want = ref(q, ctx, kn, vn)
-        for kw in ({}, {"variant": "v1", "dequant": "triton"}, {"block_n": 16, "rows": 16}):
+        for kw in ({}, {"dequant": "asm"}, {"variant": "v1", "dequant": "triton"}):
             o = prefill_attention(q, kn, vn, pool.data, bt, torch.tensor([ctx + ql], dtype=torch.int32, device="cuda"),
                                   torch.tensor([0, ql], dtype=torch.int32, device="cuda"), pool.layout, pool.rotation,
                                   D ** -0.5, max_query_len=ql, **kw)
