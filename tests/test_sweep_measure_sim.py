@@ -166,7 +166,7 @@ def test_measure_mode_on_a_simulated_engine(tmp_path, monkeypatch):
     assert ks["store_rotate"] == "torch" and ks["prefill"] == "fa" and ks["num_splits"] == "runtime.decode_splits"
     from kvrepro.accuracy_vllm import src_sha256
     from kvrepro.ops import decode as dec
-    assert ks["decode_dequant"] == dec.default_dequant(torch.device("cuda")) == "triton"
+    assert ks["decode_dequant"] == dec.default_dequant(torch.device("cuda")) == "asm"
     assert (ks["decode_block_n"], ks["decode_num_warps"]) == (dec.DECODE_BLOCK_N, dec.DECODE_WARPS) == (256, 2)
     assert ks["kvrepro_src_sha256"] == full["kvrepro_src_sha256"] == src_sha256() and len(src_sha256()) == 64
     assert all(r["kvrepro_settings"] == ks for r in rows)  # every row of the mode, edge and abort windows too

@@ -27,11 +27,12 @@ DEFAULT_VARIANT = "v2"
 
 
 def default_dequant(device: torch.device) -> str:
-    """``"triton"`` on every device. ``"asm"`` (inline PTX: prmt/lop3/sub.f16x2) was 7% faster on
-    the H200 (run 5: 1.176 vs 1.271 ms at 128K x 13) and matched float64 there, but its centred
-    value planes (the run-5b fix, notes/kernels.md) are not yet verified on a GPU and cannot run
-    under the CPU interpreter, so it is opt-in until then."""
-    return "triton"
+    """``"asm"`` on CUDA, ``"triton"`` elsewhere (the CPU interpreter cannot run inline PTX).
+    ``"asm"`` (inline PTX: prmt/lop3/sub.f16x2, centred value planes) matched float64 on the H200
+    (2026-11-30 02:37 UTC, benchmarks/results/h200_run7_fix: relerr 3.7e-4 fp16 / 1.7e-3 bf16 at 128K
+    with one split, identical to the triton dequantization) and was 7-8% faster (1.252 vs 1.358 ms at
+    128K x 13, 0.311 vs 0.336 ms at 128K x 3; notes/kernels.md run 7)."""
+    return "asm" if device.type == "cuda" else "triton"
 
 
 def attention_kernel(variant: str, dequant: str | None, device: torch.device):
