@@ -147,16 +147,21 @@ def replay_labels(df) -> list[str]:
 
 
 def workload_mismatch(df, context_tokens: int, decode_tokens: int, gpu_memory_gb: float) -> str | None:
-    """A warning when replayed rows were measured for another workload than the notebook's
-    parameters (prompt + decode tokens per user, memory budget), else None: the replayed figures
-    are shown as measured and are not rescaled to the requested workload."""
-    have = {(int(r.prompt_tokens), int(r.decode_tokens), float(r.gpu_memory_gb)) for r in df.itertuples()}
+    """A warning naming the modes whose replayed rows were measured for another workload than the
+    notebook's parameters (prompt + decode tokens per user, memory budget), else None: the replayed
+    figures are shown as measured and are not rescaled to the requested workload."""
     want = (int(context_tokens), int(decode_tokens), float(gpu_memory_gb))
-    if have == {want}:
+    other = {}
+    for r in df.itertuples():
+        w = (int(r.prompt_tokens), int(r.decode_tokens), float(r.gpu_memory_gb))
+        if w != want:
+            other.setdefault(w, set()).add(str(r.mode))
+    if not other:
         return None
-    got = ", ".join(f"{p}+{d} tokens per user at {g:g} GiB" for p, d, g in sorted(have))
-    return (f"The replayed rows were measured for {got}, not for this notebook's {want[0]}+{want[1]} "
-            f"tokens per user at {want[2]:g} GiB: they are shown as measured, not rescaled; the "
+    got = "; ".join(f"{', '.join(sorted(m))}: {p}+{d} tokens per user at {g:g} GiB"
+                    for (p, d, g), m in sorted(other.items()))
+    return (f"Replayed rows measured for another workload than this notebook's {want[0]}+{want[1]} "
+            f"tokens per user at {want[2]:g} GiB ({got}): they are shown as measured, not rescaled; the "
             "arithmetic above uses this notebook's parameters. Set measure=True on a GPU with vLLM to "
             "measure this workload.")
 
@@ -169,8 +174,9 @@ def max_clean_capacity(df):
             (measured results) or ``max_clean`` (reference data, taken as given).
 
     Returns:
-        DataFrame indexed by nothing, columns mode, max_clean_users (0 when no run was clean),
-        aggregate_decode_tok_s (NaN when none), plus ``source`` when the input has it.
+        DataFrame indexed by nothing, columns mode, max_clean_users (nullable Int64: 0 when no run was
+        clean, <NA> when the mode has only ``measured_by == "sizing"`` rows, i.e. was not run with
+        users), aggregate_decode_tok_s (NaN when none), plus ``source`` when the input has it.
     """
     import pandas as pd
 
@@ -184,13 +190,17 @@ def max_clean_capacity(df):
         key = key if isinstance(key, tuple) else (key,)
         good = g[ok.loc[g.index] & g["aggregate_decode_tok_s"].notna()]
         row = dict(zip(keys, key))
+        sizing_only = "measured_by" in g.columns and (g["measured_by"] == "sizing").all()
         if len(good):
             best = good.loc[good["num_users"].idxmax()]
             row.update(max_clean_users=int(best["num_users"]), aggregate_decode_tok_s=float(best["aggregate_decode_tok_s"]))
         else:
-            row.update(max_clean_users=0, aggregate_decode_tok_s=float("nan"))
+            row.update(max_clean_users=pd.NA if sizing_only else 0, aggregate_decode_tok_s=float("nan"))
         rows.append(row)
-    return pd.DataFrame(rows)
+    out = pd.DataFrame(rows)
+    if len(out):
+        out["max_clean_users"] = out["max_clean_users"].astype("Int64")
+    return out
 
 
 def _baseline(cap, name: str):
@@ -220,8 +230,9 @@ def ratios(cap):
         for name in ("bf16", "fp8"):
             base = _baseline(g, name)
             for col, ref in (("users", "max_clean_users"), ("tok_s", "aggregate_decode_tok_s")):
-                denom = float(base[ref]) if base is not None else float("nan")
-                g[f"{col}_vs_{name}"] = g[ref] / denom if denom and not math.isnan(denom) else float("nan")
+                denom = float(base[ref]) if base is not None and not pd.isna(base[ref]) else float("nan")
+                num = g[ref].astype("float64")  # <NA> (sizing-only modes) -> NaN
+                g[f"{col}_vs_{name}"] = num / denom if denom and not math.isnan(denom) else float("nan")
         out.append(g)
     return pd.concat(out, ignore_index=True)
 
@@ -307,7 +318,7 @@ def plot_throughput(df, ax=None, title: str = "Aggregate decode tok/s vs concurr
     sns.scatterplot(data=data, x="num_users", y="aggregate_decode_tok_s", hue="mode", palette=palette,
                     style=style, s=50, ax=ax)
     cap = max_clean_capacity(df)
-    cap = cap[cap["max_clean_users"] > 0]
+    cap = cap[cap["max_clean_users"].fillna(0) > 0]
     for _, r in cap.iterrows():
         ax.scatter([r["max_clean_users"]], [r["aggregate_decode_tok_s"]], marker="*", s=300,
                    color=palette[r["mode"]], edgecolor="black", zorder=5)

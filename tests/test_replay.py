@@ -112,12 +112,15 @@ def test_plot_marks_max_clean(tmp_path):
 
 
 def test_sizing_rows_are_kept_out_of_capacity(tmp_path):
+    import pandas as pd
     rows = sweep_rows() + [row("k4v4", 0, None, measured_by="sizing", kv_cache_tokens=1_740_032,
                                users_fit_arithmetic=13, ttft_s_mean=None, ttft_s_max=None, tpot_ms_mean=None)]
     write(tmp_path / "s.jsonl", rows)
     df = replay.load_results(tmp_path)
     cap = replay.max_clean_capacity(df).set_index("mode")
-    assert cap.loc["k4v4", "max_clean_users"] == 0
+    assert cap.loc["k4v4", "max_clean_users"] is pd.NA and cap.loc["bf16", "max_clean_users"] == 3  # not run, not 0
+    r = replay.ratios(replay.max_clean_capacity(df)).set_index("mode")
+    assert math.isnan(r.loc["k4v4", "users_vs_bf16"]) and r.loc["fp8", "users_vs_bf16"] == 2.0
     sizes = replay.kv_sizes(df).set_index("mode")
     assert sizes.loc["k4v4", "kv_cache_tokens"] == 1_740_032 and sizes.loc["k4v4", "users_fit_arithmetic"] == 13
 
@@ -142,3 +145,7 @@ def test_workload_mismatch_is_said_not_hidden(tmp_path):
     assert replay.workload_mismatch(df, 131_072, 1_024, 80.0) is None
     msg = replay.workload_mismatch(df, 65_536, 1_024, 40.0)
     assert "131072+1024 tokens per user at 80 GiB" in msg and "65536+1024" in msg and "40 GiB" in msg
+    # one mode run with another split of the same footprint is named, the matching ones are not
+    write(tmp_path / "a.jsonl", sweep_rows() + [row("tq", 4, 30.0, prompt_tokens=132_032, decode_tokens=64)])
+    msg = replay.workload_mismatch(replay.load_results(tmp_path), 131_072, 1_024, 80.0)
+    assert "(tq: 132032+64 tokens per user at 80 GiB)" in msg and "bf16" not in msg
