@@ -154,9 +154,9 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
 
     ``impl="paged"`` (default): one Triton kernel reads the compressed pages directly (no
     dequantized copy, no host sync if ``max_query_len`` is given). On the H200 it was 3.0x bf16
-    FlashAttention-2 at 128K and, before the run-5b fix (centred value planes, per-tile tensor-core
-    sums; CPU-verified, not yet re-run on a GPU), wrong at long contexts (relerr 0.04 at 32K,
-    0.40 at 120K; notes/kernels.md); ``impl="dequant"`` measured 1.08x and correct there. ``impl="dequant"``: per
+    FlashAttention-2 at 128K; its long-context error (relerr 0.40 at ctx 120K before the fix of
+    centred value planes and per-tile tensor-core sums) is 3.7e-4 (fp16) / 1.7e-3 (bf16) there since
+    (run 7, notes/kernels.md). ``impl="dequant"`` measured 1.08x bf16 and correct. ``impl="dequant"``: per
     sequence, everything happens in the pages' rotated space: the chunk's q/k/v are rotated
     (``@ R``), the context is dequantized without the inverse rotation into a workspace of
     ``piece_tokens`` tokens (``2 * piece_tokens * Hkv * D * 2`` bytes; 128 MiB at 32K x 8 x 128),
