@@ -15,7 +15,10 @@ with its error and the others still run; modes not started within ``--deadline-s
 Writes under ``--out`` (4 files): ``vllm_accuracy.csv`` (one row per prompt and mode),
 ``vllm_sanity.csv`` (one row per sanity prompt and mode), ``vllm_accuracy.json`` (grid, provenance,
 per-mode status/errors/engine info, summary, target verdict), ``vllm_accuracy.log`` (worker logs).
-The CSVs are rewritten (temp file + rename) after every mode.
+The CSVs are rewritten (temp file + rename) after every mode. ``--merge-from DIR`` (an earlier output
+folder of the same prompt bundle, e.g. the committed results/accuracy/vllm_h200) keeps that folder's rows
+and status for the modes not run now, so re-running some modes gives one complete table (each row keeps
+its own date and provenance; the JSON records ``merged_from``).
 """
 from __future__ import annotations
 
@@ -72,6 +75,44 @@ def assemble(parts_dir: str, want_sha: str | None) -> str:
     if want_sha and av.file_sha256(target) != want_sha:
         raise ValueError(f"{target}: SHA-256 differs from the bundle's model_sha256 {want_sha} (parts missing?)")
     return target
+
+
+def load_previous(path: str, bundle: dict, modes) -> dict:
+    """Rows, sanity rows and per-mode status of an earlier run's output folder ``path`` for the modes
+    NOT in ``modes`` (those are re-measured now and replace the earlier rows). Refuses a folder whose
+    prompts are not the bundle's (a merged table must compare the same prompts)."""
+    import pandas as pd
+
+    csv = os.path.join(path, "vllm_accuracy.csv")
+    if not os.path.isfile(csv):
+        raise FileNotFoundError(f"--merge-from {path}: no vllm_accuracy.csv there")
+    rows = pd.read_csv(csv, dtype={"key": str, "output_ids": str, "vault": str, "distractors": str})
+    known = {p["prompt_sha256"] for p in bundle["prompts"]}
+    foreign = set(rows["prompt_sha256"]) - known
+    if foreign:
+        raise ValueError(f"--merge-from {path}: {len(foreign)} prompt SHA-256s are not in this bundle; "
+                         "only results of the same prompt bundle can be merged")
+    keep = rows[~rows["mode"].isin(modes)]
+    sp = os.path.join(path, "vllm_sanity.csv")
+    sanity = pd.read_csv(sp, dtype={"output_ids": str}) if os.path.isfile(sp) else pd.DataFrame(columns=["mode"])
+    meta = {}
+    if os.path.isfile(os.path.join(path, "vllm_accuracy.json")):
+        with open(os.path.join(path, "vllm_accuracy.json")) as f:
+            meta = json.load(f)
+    status = {m: dict(st, merged_from=meta.get("started_utc", "?")) for m, st in (meta.get("status") or {}).items()
+              if m not in modes}
+    return {"rows": keep.to_dict(orient="records"),
+            "sanity": sanity[~sanity["mode"].isin(modes)].to_dict(orient="records"),
+            "status": status, "source": {"path": path, "started_utc": meta.get("started_utc", "?"),
+                                         "modes": sorted(status)}}
+
+
+def merged(res: dict, prev: dict | None) -> dict:
+    """``res`` with ``prev``'s rows and status put first (earlier modes, then this run's)."""
+    if not prev:
+        return res
+    return dict(res, rows=prev["rows"] + res["rows"], sanity=prev["sanity"] + res["sanity"],
+                status={**prev["status"], **res["status"]})
 
 
 def write_outputs(res: dict, out: str, meta: dict) -> None:
@@ -132,11 +173,15 @@ def main(argv=None) -> int:
     ap.add_argument("--deadline-s", type=float, default=330.0, help="no mode starts after this many seconds")
     ap.add_argument("--mode-timeout-s", type=float, default=110.0)
     ap.add_argument("--factory", default=av.DEFAULT_FACTORY, help="engine factory module:function (tests)")
+    ap.add_argument("--merge-from", default="", help="an earlier output folder of the same prompt bundle: its "
+                    "rows and status for the modes not run now are kept in the outputs (e.g. "
+                    "results/accuracy/vllm_h200 when re-running some modes)")
     a = ap.parse_args(argv)
     t0 = time.monotonic()
     modes = av.check_modes(a.modes)
     os.makedirs(a.out, exist_ok=True)
     bundle = av.load_bundle(a.bundle)
+    prev = load_previous(a.merge_from, bundle, modes) if a.merge_from else None
     want = bundle["meta"].get("model_sha256")
     model = assemble(a.gguf_parts, want) if a.gguf_parts else a.gguf
     if a.gguf and want and av.file_sha256(model) != want:
@@ -151,6 +196,8 @@ def main(argv=None) -> int:
             "sanity_prompts": len(bundle["sanity"]), "modes": list(modes), "compile": a.compile,
             "gpu_memory_utilization": a.gpu_memory_utilization, "nvidia_smi": smi, "measured": True,
             "started_utc": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
+    if prev:
+        meta["merged_from"] = prev["source"]
     print(f"[vllm-accuracy] {len(bundle['prompts'])} prompts + {len(bundle['sanity'])} sanity, modes {modes}, "
           f"model {model}, {smi}", flush=True)
     engine_kw = {"compile": a.compile, "gpu_memory_utilization": a.gpu_memory_utilization}
@@ -158,7 +205,9 @@ def main(argv=None) -> int:
     res = av.run_modes(modes, a.bundle, model, work, factory=a.factory, weights=a.weights, engine_kw=engine_kw,
                        mode_timeout_s=a.mode_timeout_s, deadline_s=a.deadline_s - (time.monotonic() - t0),
                        log_path=os.path.join(a.out, "vllm_accuracy.log"),
-                       on_mode_done=lambda r: write_outputs(r, a.out, meta), dequant=av.dequantize_gguf)
+                       on_mode_done=lambda r: write_outputs(merged(r, prev), a.out, meta), dequant=av.dequantize_gguf)
+    run_status = dict(res["status"])
+    res = merged(res, prev)
     write_outputs(res, a.out, meta)
     print("[vllm-accuracy] status: " + "; ".join(
         f"{m} {s['status']} ({s.get('wall_s', 0)} s{', ' + s['error'] if s.get('error') else ''}"
@@ -178,7 +227,7 @@ def main(argv=None) -> int:
         if s["status"] not in ("ok", "skipped"):
             print(f"[vllm-accuracy] {m} log tail:\n{s.get('log_tail', '')[-1200:]}")
     print(f"[vllm-accuracy] done in {time.monotonic() - t0:.0f} s; files in {a.out}", flush=True)
-    return 0 if all(s["status"] == "ok" for s in res["status"].values()) else 1
+    return 0 if all(s["status"] == "ok" for s in run_status.values()) else 1
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ prompts, right on multi-needle prompts only when the asked vault's needle comes 
 prompts with the prompt's own first tokens, and misbehaves on demand through FAKE_* variables.
 """
 import gzip
+import importlib.util
 import json
 import os
 import pathlib
@@ -272,3 +273,25 @@ def test_device_script_end_to_end_with_fake_engine(small_bundle, tmp_path, fake_
         assert col in df.columns
     assert df["prompt_sha256"].map(len).eq(64).all()
     assert ids_sha256([1, 2]) != ids_sha256([2, 1])
+    # re-running one mode into a new folder, merged with the first: bf16 kept, fp8 replaced, k4v4 added
+    out2 = tmp_path / "out2"
+    cmd2 = cmd[:cmd.index("--modes") + 1] + ["fp8,kvrepro:k4v4"] + cmd[cmd.index("--modes") + 2:]
+    cmd2[cmd2.index("--out") + 1] = str(out2)
+    r = subprocess.run(cmd2 + ["--merge-from", str(out)], capture_output=True, text=True, timeout=180, cwd=ROOT,
+                       env=os.environ)
+    assert r.returncode == 0, r.stdout + r.stderr
+    df2 = pd.read_csv(out2 / "vllm_accuracy.csv", dtype={"key": str})
+    meta2 = json.loads((out2 / "vllm_accuracy.json").read_text())
+    assert df2.groupby("mode").size().to_dict() == {m: len(df) // 2 for m in ("bf16", "fp8", "kvrepro:k4v4")}
+    pd.testing.assert_frame_equal(df2[df2["mode"] == "bf16"].reset_index(drop=True),
+                                  df[df["mode"] == "bf16"].reset_index(drop=True), check_dtype=False)
+    assert meta2["status"]["bf16"]["merged_from"] == meta["started_utc"] and "merged_from" not in meta2["status"]["fp8"]
+    assert meta2["merged_from"]["modes"] == ["bf16"] and meta2["summary"]["target"]["k4v4/single"]["meets"] is True
+    assert set(pd.read_csv(out2 / "vllm_sanity.csv")["mode"]) == {"bf16", "fp8", "kvrepro:k4v4"}
+    # a folder of another prompt bundle is refused, naming the option
+    spec = importlib.util.spec_from_file_location("vllm_accuracy_script", ROOT / "scripts" / "vllm_accuracy.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    df.assign(prompt_sha256="0" * 64).to_csv(out / "vllm_accuracy.csv", index=False)
+    with pytest.raises(ValueError, match="--merge-from .* not in this bundle"):
+        script.load_previous(str(out), av.load_bundle(small_bundle), ("fp8",))
