@@ -125,15 +125,18 @@ def load_results(results_dir: str | Path = DEFAULT_RESULTS_DIR):
     return pd.concat([load_jsonl(f) for f in files], ignore_index=True)
 
 
-def replay_labels(df) -> list[str]:
+def replay_labels(df, measured_now=()) -> list[str]:
     """One label per source file: ``"replayed from <file>, measured on <GPU> <date> (<workload>)"``
     (file relative to the repo root when inside it; date = the UTC day; several GPUs/days are joined
     with "/"; workload = the rows' prompt + decode tokens and memory budget, which may differ from the
-    notebook's parameters: replayed rows are shown as measured)."""
+    notebook's parameters: replayed rows are shown as measured). Files in ``measured_now`` (paths
+    written by this run's ``measure``) are labelled ``"measured now, written to <file>, on ..."``."""
     labels = []
     root = repo_root()
+    now = {str(Path(m).resolve()) for m in measured_now}
     for src, g in df.groupby("source_file", sort=True):
         p = Path(src)
+        fresh = str(p.resolve()) in now
         try:
             p = p.resolve().relative_to(root)
         except ValueError:
@@ -142,7 +145,8 @@ def replay_labels(df) -> list[str]:
         dates = "/".join(sorted({str(d)[:10] for d in g["date"]}))  # the day (UTC); rows carry full times
         work = "/".join(sorted({f"{int(r.prompt_tokens)}+{int(r.decode_tokens)} tokens per user, "
                                 f"{float(r.gpu_memory_gb):g} GiB budget" for r in g.itertuples()}))
-        labels.append(f"replayed from {p}, measured on {gpus} {dates} ({work})")
+        labels.append(f"{'measured now, written to' if fresh else 'replayed from'} {p}, measured on {gpus} "
+                      f"{dates} ({work})")
     return labels
 
 
@@ -176,11 +180,18 @@ def max_clean_capacity(df):
     Returns:
         DataFrame indexed by nothing, columns mode, max_clean_users (nullable Int64: 0 when no run was
         clean, <NA> when the mode has only ``measured_by == "sizing"`` rows, i.e. was not run with
-        users), aggregate_decode_tok_s (NaN when none), plus ``source`` when the input has it.
+        users, or reference data without a max-clean point), aggregate_decode_tok_s (NaN when none),
+        plus the input's ``source`` (reference data) or ``source_file`` (result files) column: one
+        row per mode and source, so several files are never merged into one figure.
     """
     import pandas as pd
 
-    keys = ["mode", "source"] if "source" in df.columns else ["mode"]
+    src = "source" if "source" in df.columns else "source_file" if "source_file" in df.columns else None
+    keys = ["mode", src] if src else ["mode"]
+    if not len(df):
+        return pd.DataFrame({**{k: pd.Series(dtype=object) for k in keys},
+                             "max_clean_users": pd.Series(dtype="Int64"),
+                             "aggregate_decode_tok_s": pd.Series(dtype="float64")})
     if "max_clean" in df.columns:
         ok = df["max_clean"].astype(bool)
     else:
@@ -190,7 +201,8 @@ def max_clean_capacity(df):
         key = key if isinstance(key, tuple) else (key,)
         good = g[ok.loc[g.index] & g["aggregate_decode_tok_s"].notna()]
         row = dict(zip(keys, key))
-        sizing_only = "measured_by" in g.columns and (g["measured_by"] == "sizing").all()
+        # <NA>: capacity not measured (only sized, or reference data without a max-clean point)
+        sizing_only = ("measured_by" in g.columns and (g["measured_by"] == "sizing").all()) or "max_clean" in g.columns
         if len(good):
             best = good.loc[good["num_users"].idxmax()]
             row.update(max_clean_users=int(best["num_users"]), aggregate_decode_tok_s=float(best["aggregate_decode_tok_s"]))
@@ -223,7 +235,8 @@ def ratios(cap):
     """
     import pandas as pd
 
-    parts = [cap] if "source" not in cap.columns else [g for _, g in cap.groupby("source", sort=False)]
+    src = "source" if "source" in cap.columns else "source_file" if "source_file" in cap.columns else None
+    parts = [cap] if src is None or not len(cap) else [g for _, g in cap.groupby(src, sort=False)]
     out = []
     for g in parts:
         g = g.copy()

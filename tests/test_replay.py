@@ -149,3 +149,32 @@ def test_workload_mismatch_is_said_not_hidden(tmp_path):
     write(tmp_path / "a.jsonl", sweep_rows() + [row("tq", 4, 30.0, prompt_tokens=132_032, decode_tokens=64)])
     msg = replay.workload_mismatch(replay.load_results(tmp_path), 131_072, 1_024, 80.0)
     assert "(tq: 132032+64 tokens per user at 80 GiB)" in msg and "bf16" not in msg
+
+
+def test_two_result_files_are_never_merged(tmp_path):
+    """Each result file is its own source: a second run's rows do not mix into the first's capacity,
+    ratios are taken within a file, and a file written now is labelled as measured now."""
+    write(tmp_path / "a.jsonl", sweep_rows())
+    b = [dict(r, aggregate_decode_tok_s=r["aggregate_decode_tok_s"] * 2, run_id="t2") for r in sweep_rows()]
+    write(tmp_path / "b.jsonl", b)
+    df = replay.load_results(tmp_path)
+    cap = replay.ratios(replay.max_clean_capacity(df))
+    assert len(cap) == 4 and set(cap["source_file"]) == {str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")}
+    got = cap.set_index(["source_file", "mode"])["aggregate_decode_tok_s"]
+    assert got[(str(tmp_path / "a.jsonl"), "bf16")] == 150.0 and got[(str(tmp_path / "b.jsonl"), "bf16")] == 300.0
+    assert cap.set_index("mode").loc["fp8", "tok_s_vs_bf16"].tolist() == pytest.approx([240 / 150] * 2)  # within a file
+    labels = replay.replay_labels(df, measured_now=[tmp_path / "b.jsonl"])
+    assert labels[0].startswith(f"replayed from {tmp_path / 'a.jsonl'}, measured on")
+    assert labels[1].startswith(f"measured now, written to {tmp_path / 'b.jsonl'}, measured on")
+
+
+def test_empty_and_reference_capacity():
+    import pandas as pd
+    empty = replay.max_clean_capacity(pd.DataFrame(columns=["mode", "num_users", "aggregate_decode_tok_s",
+                                                            "clean", "preemptions"]))
+    assert list(empty.columns) == ["mode", "max_clean_users", "aggregate_decode_tok_s"] and len(empty) == 0
+    assert len(replay.ratios(empty)) == 0
+    ref = replay.max_clean_capacity(replay.reference_points()).set_index("mode")
+    # the card ran TurboQuant at 3 users without finding its capacity: not measured, not "0 clean"
+    assert ref.loc["turboquant_4bit_nc", "max_clean_users"] is pd.NA
+    assert ref.loc["fp8", "max_clean_users"].max() >= 5
