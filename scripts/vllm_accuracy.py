@@ -178,7 +178,20 @@ def main(argv=None) -> int:
                     "results/accuracy/vllm_h200 when re-running some modes)")
     a = ap.parse_args(argv)
     t0 = time.monotonic()
-    modes = av.check_modes(a.modes)
+    try:
+        modes = av.check_modes(a.modes)
+    except ValueError as e:
+        ap.error(f"--modes: {e}")
+    if not 0 < a.gpu_memory_utilization <= 1:
+        ap.error(f"--gpu-memory-utilization must be in (0, 1], got {a.gpu_memory_utilization}")
+    if a.gguf and not os.path.isfile(a.gguf):
+        ap.error(f"--gguf {a.gguf}: no such file")
+    if a.factory == av.DEFAULT_FACTORY:
+        try:
+            import vllm  # noqa: F401  (checked before any de-quantization or model assembly)
+        except ImportError as e:
+            raise SystemExit(f"error: the default engine needs vLLM 0.20.2 and a GPU ({e!r}); "
+                             "on a CPU machine use notebook 03 with engine='cpu'")
     os.makedirs(a.out, exist_ok=True)
     bundle = av.load_bundle(a.bundle)
     prev = load_previous(a.merge_from, bundle, modes) if a.merge_from else None

@@ -179,7 +179,7 @@ def test_run_modes_with_fake_engine(tok, small_bundle, tmp_path, fake_env):
     fake_env.setenv("FAKE_LP_FAIL", "kvrepro:k4v2")
     done = []
     res = av.run_modes(["bf16", "kvrepro:k4v4", "kvrepro:k8v4", "kvrepro:k4v2"], small_bundle, small_bundle,
-                       str(tmp_path / "w"), factory=FACTORY, engine_kw={"compile": "eager"},
+                       str(tmp_path / "w"), factory=FACTORY, engine_kw={"compile": "eager"}, weights="dequant",
                        mode_timeout_s=60, deadline_s=240, on_mode_done=lambda r: done.append(len(r["status"])))
     assert done == [1, 2, 3, 4]
     st = res["status"]
@@ -228,21 +228,31 @@ def test_weights_dequant_and_degenerate_output(small_bundle, tmp_path, fake_env)
     assert {r["weights"] for r in res["rows"]} == {"dequant"} and sum(r["correct"] for r in res["rows"]) > 0
     res = av.run_modes(["bf16", "fp8"], small_bundle, gguf, str(tmp_path / "w2"), weights="gguf", **kw)
     assert [s["status"] for s in res["status"].values()] == ["failed", "failed"] and res["rows"] == []
-    assert res["status"]["bf16"]["error"] == f"degenerate output: {n}/{n} prompts answered one repeated token " \
-                                             "(most often id 49151); broken model load?"
+    assert res["status"]["bf16"]["error"] == f"degenerate output: {n}/{n} prompts answered one or two repeated " \
+                                             "tokens (most often id 49151); broken model load?"
     res = av.run_modes(["bf16", "fp8"], small_bundle, gguf, str(tmp_path / "w3"), weights="auto", **kw)
     assert [s["status"] for s in res["status"].values()] == ["ok", "ok"] and res["weights"] == "dequant"
     assert "degenerate output" in res["weights_note"] and calls == [gguf, gguf]
     with pytest.raises(ValueError, match="weights='dequant' but model="):
-        av.run_worker("bf16", small_bundle, gguf, str(tmp_path / "o.json"), factory=FACTORY, weights="dequant")
-    assert av.degenerate_output([{"output_ids": "5 5 5 5"}, {"output_ids": "1 2 3 4"}]) == ""
-    assert av.degenerate_output([{"output_ids": "5 5 5"}] * 3) == ""  # too short to call stuck
+        av.run_worker("bf16", small_bundle, str(tmp_path / "M.GGUF"), str(tmp_path / "o.json"), factory=FACTORY,
+                      weights="dequant")
+    with pytest.raises(ValueError, match="weights='gguf' but model=.* not a .gguf file"):
+        av.run_worker("bf16", small_bundle, str(tmp_path / "hf"), str(tmp_path / "o.json"), factory=FACTORY,
+                      weights="gguf")
+    dg = av.degenerate_output
+    assert dg([{"output_ids": "5 5 5 5"}, {"output_ids": "1 2 3 4"}]) == ""
+    assert dg([{"output_ids": "5 5 5"}] * 3) == "" and dg([]) == ""  # too short to call stuck; nothing to judge
+    assert dg([{"output_ids": "7 7 7 7 7 7 7 2"}] * 2).startswith("degenerate output: 2/2 prompts")  # then EOS
+    assert dg([{"output_ids": [7, 8, 7, 8, 7, 8]}] * 2).startswith("degenerate output: 2/2 prompts")  # 2-token loop
+    assert dg([{"output_ids": "2"}, {"output_ids": ""}]) == \
+        "degenerate output: 2/2 prompts answered at most one token; broken model load?"
+    assert dg([{"output_ids": [38, 32, 36, 41, 36, 30, 2]}] * 2) == ""  # "60494." + EOS
 
 
 def test_timeout_keeps_finished_phases_and_deadline_skips(small_bundle, tmp_path, fake_env):
     fake_env.setenv("FAKE_SLOW", "fp8")
     res = av.run_modes(["fp8", "bf16"], small_bundle, small_bundle, str(tmp_path / "w"), factory=FACTORY,
-                       mode_timeout_s=12, deadline_s=30)
+                       mode_timeout_s=12, deadline_s=30, weights="dequant")
     s = res["status"]
     assert s["fp8"]["status"] == "failed" and s["fp8"]["error"].startswith("timeout")
     assert s["fp8"]["phase"] == "teacher-forced"  # greedy + sanity rows were written before the kill
