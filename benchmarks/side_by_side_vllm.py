@@ -8,8 +8,10 @@ Needs vLLM on the device (``/work/shared/device/README.md``: stage vllm-a, vllm-
         python benchmarks/side_by_side_vllm.py --out $OUT
 
 Time per step = median of ``triton.testing.do_bench`` (L2 flushed before every call), one
-attention layer, eager launches for every kernel (kvrepro with its defaults). "KV bytes" = the
-bytes of KV (codes + scales) the step must read once.
+attention layer, kvrepro with its defaults. Every kernel is timed twice in the same process: eager
+launches (``ms``) and one call captured in a CUDA graph and replayed (``ms_graph``; as vLLM serves
+decode; ``graph_error`` if a kernel cannot be captured), so ratios can be taken within one method.
+"KV bytes" = the bytes of KV (codes + scales) the step must read once.
 """
 from __future__ import annotations
 
@@ -31,9 +33,24 @@ BATCHES = (1, 3, 6, 13)
 
 
 def bench(fn):
+    """``(eager_ms, graph_ms, graph_error)``: do_bench medians of ``fn`` and of a CUDA graph of one call."""
     fn()
     torch.cuda.synchronize()
-    return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
+    eager = triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
+    try:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):  # warm-up off the capture stream, as PyTorch's graph docs do
+            fn()
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        torch.cuda.synchronize()
+        return eager, triton.testing.do_bench(g.replay, warmup=10, rep=50, return_mode="median"), ""
+    except Exception as e:  # recorded, never replaced by the eager figure
+        torch.cuda.synchronize()
+        return eager, None, repr(e)[:300]
 
 
 def block_table(batch, ctx, num_blocks, gen):
@@ -117,17 +134,22 @@ def main():
         for batch in BATCHES:
             for name, fn in cases.items():
                 try:
-                    ms, nbytes = fn(batch, ctx)
+                    (ms, gms, gerr), nbytes = fn(batch, ctx)
                     row = {"kernel": name, "ctx": ctx, "batch": batch, "ms": ms, "kv_bytes": nbytes,
-                           "GBps": nbytes / ms / 1e6, "pct_copy": 100 * nbytes / ms / 1e6 / bw}
+                           "GBps": nbytes / ms / 1e6, "pct_copy": 100 * nbytes / ms / 1e6 / bw, "ms_graph": gms}
+                    if gms:
+                        row["pct_copy_graph"] = 100 * nbytes / gms / 1e6 / bw
+                    if gerr:
+                        row["graph_error"] = gerr
                 except Exception as e:
                     row = {"kernel": name, "ctx": ctx, "batch": batch, "error": "".join(traceback.format_exception(e))[-800:]}
                 res["rows"].append(row)
                 torch.cuda.empty_cache()
             write_json(os.path.join(args.out, "side_by_side.json"), res)
     for r in res["rows"]:
-        print(r["kernel"], r["ctx"], r["batch"], round(r.get("ms", -1), 4), round(r.get("pct_copy", -1), 1),
-              r.get("error", "")[-120:])
+        print(r["kernel"], r["ctx"], r["batch"], "eager", round(r.get("ms", -1), 4), "graph",
+              round(r.get("ms_graph") or -1, 4), round(r.get("pct_copy_graph") or -1, 1),
+              (r.get("error", "") or r.get("graph_error", ""))[-120:])
 
 
 if __name__ == "__main__":
