@@ -300,14 +300,17 @@ def side_by_side(table, context_tokens: int, decode_tokens: int, block_size: int
     return df.astype({c: "Int64" for c in ints})
 
 
-def plot_throughput(df, ax=None, title: str = "Aggregate decode tok/s vs concurrent users"):
+def plot_throughput(df, ax=None, title: str = "Aggregate decode tok/s vs concurrent users", reference=None):
     """The seed-style chart: aggregate decode tok/s (y) vs concurrent users (x), one line per mode
-    (marker style = source, or the sweep's ``measured_by`` window, when several), the max-clean-capacity point of each mode marked with a
-    large star in the mode's colour and annotated.
+    (marker style = source, or the sweep's ``measured_by`` window, when several), the max-clean-capacity
+    point of each mode marked with a large star in the mode's colour and annotated.
 
     Args:
         df: runs (measured: clean/preemptions columns; reference: max_clean column).
         ax: matplotlib Axes (default: a new figure).
+        reference: optional points drawn for comparison as grey hollow diamonds, each annotated
+            with its mode (e.g. the seed's published A100 points: ``reference_points()`` rows of one
+            source); columns mode, num_users, aggregate_decode_tok_s.
 
     Returns:
         the Axes.
@@ -339,6 +342,12 @@ def plot_throughput(df, ax=None, title: str = "Aggregate decode tok/s vs concurr
                     (r["max_clean_users"], r["aggregate_decode_tok_s"]), textcoords="offset points",
                     xytext=(8, -3), fontsize=8)
     ax.scatter([], [], marker="*", s=150, color="white", edgecolor="black", label="max clean capacity")
+    if reference is not None and len(reference):
+        ax.scatter(reference["num_users"], reference["aggregate_decode_tok_s"], marker="D", s=60,
+                   facecolor="none", edgecolor="grey", zorder=4, label="seed, published (A100 80GB)")
+        for _, r in reference.iterrows():
+            ax.annotate(str(r["mode"]), (r["num_users"], r["aggregate_decode_tok_s"]), textcoords="offset points",
+                        xytext=(6, 4), fontsize=7, color="grey")
     ax.set_xlabel("concurrent users")
     ax.set_ylabel("aggregate decode tok/s")
     ax.set_title(title)

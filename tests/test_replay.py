@@ -178,3 +178,15 @@ def test_empty_and_reference_capacity():
     # the card ran TurboQuant at 3 users without finding its capacity: not measured, not "0 clean"
     assert ref.loc["turboquant_4bit_nc", "max_clean_users"] is pd.NA
     assert ref.loc["fp8", "max_clean_users"].max() >= 5
+
+
+def test_plot_overlays_reference_points(tmp_path):
+    import matplotlib
+    matplotlib.use("Agg")
+    write(tmp_path / "a.jsonl", sweep_rows())
+    ref = replay.reference_points()
+    seed = ref[ref["source"].str.startswith("seed")]
+    ax = replay.plot_throughput(replay.load_results(tmp_path), reference=seed)
+    pts = [c for c in ax.collections if c.get_label() == "seed, published (A100 80GB)"]
+    assert len(pts) == 1 and sorted(map(tuple, pts[0].get_offsets().tolist())) == [(2.0, 66.6), (5.0, 105.0), (6.0, 140.9)]
+    assert {t.get_text() for t in ax.texts} >= {"fp16", "fp8", "compressed (seed)"}
