@@ -182,6 +182,26 @@ def _qk_planes(kc, q0, q1, q2, q3, KBITS: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
+def _split_range(n_keys, split, NUM_SPLITS, BLOCK_N: tl.constexpr):
+    """``[start, end)`` of this split's keys: ``n_keys`` cut into ``NUM_SPLITS`` runs of whole
+    ``BLOCK_N`` tiles (trailing splits may be empty: their loop does not run)."""
+    per_split = tl.cdiv(tl.cdiv(n_keys, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    return start, tl.minimum(start + per_split, n_keys)
+
+
+@triton.jit
+def _softmax_state(BLOCK_M: tl.constexpr, VP: tl.constexpr):
+    """Initial online-softmax state: ``(m_i, l_i, accz, acc0, acc1, acc2, acc3)`` (max -inf, sums 0,
+    the mid-rise remainder [M] and the four per-plane [M, VP] float32 accumulators at 0)."""
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    accz = tl.zeros([BLOCK_M], tl.float32)
+    acc0 = tl.zeros([BLOCK_M, VP], tl.float32)
+    return m_i, l_i, accz, acc0, acc0, acc0, acc0
+
+
+@triton.jit
 def _online_softmax(s, m_i):
     """One online-softmax step over log2-domain logits ``s`` [M, N] (masked keys at -inf):
     ``(m_new, alpha, p)`` with ``alpha = 2**(m_i - m_new)``; rows with no key yet keep m = -inf."""
@@ -277,18 +297,9 @@ def paged_attn_kernel(
     q0, q1, q2, q3, qsum = _query_planes(qrow, qmask, dk, KP, KBITS)
 
     # This split's range of paged keys (empty splits skip the loop).
-    per_split = tl.cdiv(tl.cdiv(n_paged, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * per_split
-    end = tl.minimum(start + per_split, n_paged)
+    start, end = _split_range(n_paged, split, NUM_SPLITS, BLOCK_N)
     end = tl.where(qt * BLOCK_Q >= q_len, start, end)   # query tile past this chunk: no work
-
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    accz = tl.zeros([BLOCK_M], tl.float32)
-    acc0 = tl.zeros([BLOCK_M, VP], tl.float32)
-    acc1 = acc0
-    acc2 = acc0
-    acc3 = acc0
+    m_i, l_i, accz, acc0, acc1, acc2, acc3 = _softmax_state(BLOCK_M, VP)
 
     nn = tl.arange(0, BLOCK_N)
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt

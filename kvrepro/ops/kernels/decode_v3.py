@@ -18,7 +18,8 @@ codes are never used: ``p = 0``); pages past the end are not read.
 import triton
 import triton.language as tl
 
-from kvrepro.ops.kernels.attention import _finish, _online_softmax, _pv_planes, _qk_planes, _query_planes
+from kvrepro.ops.kernels.attention import (_finish, _online_softmax, _pv_planes, _qk_planes, _query_planes,
+                                          _softmax_state, _split_range)
 
 
 @triton.jit
@@ -76,17 +77,8 @@ def decode_v3_kernel(
     qmask = (row_ok & (seq_len > 0))[:, None]
     q0, q1, q2, q3, qsum = _query_planes(qrow, qmask, dk, KP, KBITS)
 
-    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * per_split
-    end = tl.minimum(start + per_split, seq_len)
-
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    accz = tl.zeros([BLOCK_M], tl.float32)
-    acc0 = tl.zeros([BLOCK_M, VP], tl.float32)
-    acc1 = acc0
-    acc2 = acc0
-    acc3 = acc0
+    start, end = _split_range(seq_len, split, NUM_SPLITS, BLOCK_N)
+    m_i, l_i, accz, acc0, acc1, acc2, acc3 = _softmax_state(BLOCK_M, VP)
 
     pp = tl.arange(0, NP)
     tt = tl.arange(0, BS)
