@@ -24,11 +24,11 @@ import subprocess
 import sys
 import tempfile
 
+import torch
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from kvrepro.formats import FORMAT_NAMES, get_format  # noqa: E402
 from kvrepro.ops import decode  # noqa: E402
-from kvrepro.ops.common import page_constexprs  # noqa: E402
-from kvrepro.ops.kernels.attention import paged_attn_kernel  # noqa: E402
 
 SIGNATURE = {"q_ptr": "*fp16", "pool_ptr": "*u8", "bt_ptr": "*i32", "seq_lens_ptr": "*i32", "qsl_ptr": "*i32",
              "fk_ptr": "*fp16", "fv_ptr": "*fp16", "o_ptr": "*fp32", "lse_ptr": "*fp32", "rot_ptr": "*fp32",
@@ -43,14 +43,12 @@ def compile_decode(preset: str, head_dim: int, num_q_heads: int, num_kv_heads: i
     from triton.compiler import ASTSource
 
     layout = get_format(preset).layout(head_dim, block_size)
-    group = num_q_heads // num_kv_heads
-    gp = 1 << (group - 1).bit_length()
-    consts = dict(G=group, GP=gp, **page_constexprs(layout, num_kv_heads), BLOCK_Q=1, BLOCK_M=max(16, gp),
-                  BLOCK_N=block_n, HAS_FRESH=False, SPLIT_OUT=True, IS_DECODE=True, DEQ_ASM=dequant == "asm")
+    kernel, extra = decode.attention_kernel("v2", dequant, torch.device("cuda"))  # the launch's DEQ_ASM
+    consts = dict(decode.v2_decode_constexprs(layout, num_kv_heads, num_q_heads // num_kv_heads, block_n), **extra)
     sig = dict(SIGNATURE, **{k: "constexpr" for k in consts})
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(SIGNATURE)
              if SIGNATURE[n].startswith("*") or n == "stride_bt"}
-    src = ASTSource(fn=paged_attn_kernel, signature=sig, constexprs=consts, attrs=attrs)
+    src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=num_warps, num_stages=1))
 
 

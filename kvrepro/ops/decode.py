@@ -53,6 +53,16 @@ def attention_kernel(variant: str, dequant: str | None, device: torch.device):
     return paged_attn_kernel, {"DEQ_ASM": dequant == "asm"}
 
 
+def v2_decode_constexprs(layout: PageLayout, num_kv_heads: int, group: int, block_n: int) -> dict:
+    """The constexprs ``decode_attention`` launches the v2 kernel (``paged_attn_kernel``) with, besides
+    ``DEQ_ASM`` (from ``attention_kernel``): one query token per sequence, the GQA group padded to a
+    power of two and to >= 16 rows for ``tl.dot``, split output. Also used by the offline SASS count
+    (benchmarks/sass_loop_mix.py), so that it compiles exactly what runs."""
+    gp = next_pow2(group)
+    return dict(G=group, GP=gp, **page_constexprs(layout, num_kv_heads), BLOCK_Q=1, BLOCK_M=max(16, gp),
+                BLOCK_N=block_n, HAS_FRESH=False, SPLIT_OUT=True, IS_DECODE=True)
+
+
 MIN_TOKENS_PER_SPLIT = 256
 
 
@@ -181,10 +191,8 @@ def decode_attention(query: torch.Tensor, pool, block_tables: torch.Tensor, seq_
     else:
         kernel[(b, 1, hkv * num_splits)](
             q16, data, block_tables, seq_lens, seq_lens, q16, q16, part_o, part_lse, rotation,
-            block_tables.stride(0), NUM_SPLITS=num_splits,
-            G=group, GP=gp, **page_constexprs(layout, hkv),
-            BLOCK_Q=1, BLOCK_M=max(16, gp), BLOCK_N=block_n, HAS_FRESH=False, SPLIT_OUT=True,
-            IS_DECODE=True, num_warps=num_warps, num_stages=num_stages, **extra,
+            block_tables.stride(0), NUM_SPLITS=num_splits, **v2_decode_constexprs(layout, hkv, group, block_n),
+            num_warps=num_warps, num_stages=num_stages, **extra,
         )
     merge_splits_kernel[(b * hq,)](part_o, part_lse, rotation, out, out.stride(0), out.stride(1),
                                    HQ=hq, D=d, NUM_SPLITS=num_splits, SP=next_pow2(num_splits))
