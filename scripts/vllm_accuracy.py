@@ -81,28 +81,23 @@ def load_previous(path: str, bundle: dict, modes) -> dict:
     """Rows, sanity rows and per-mode status of an earlier run's output folder ``path`` for the modes
     NOT in ``modes`` (those are re-measured now and replace the earlier rows). Refuses a folder whose
     prompts are not the bundle's (a merged table must compare the same prompts)."""
-    import pandas as pd
+    from kvrepro import accuracy
 
-    csv = os.path.join(path, "vllm_accuracy.csv")
+    csv = os.path.join(os.path.abspath(path), "vllm_accuracy.csv")
     if not os.path.isfile(csv):
         raise FileNotFoundError(f"--merge-from {path}: no vllm_accuracy.csv there")
-    rows = pd.read_csv(csv, dtype={"key": str, "output_ids": str, "vault": str, "distractors": str})
+    prev = accuracy.load_vllm_results(csv)  # the reader notebook 03 replays with (rows, sanity, meta)
+    rows, sanity, meta = prev["rows"], prev["sanity"], prev["meta"]
     known = {p["prompt_sha256"] for p in bundle["prompts"]}
     foreign = set(rows["prompt_sha256"]) - known
     if foreign:
         raise ValueError(f"--merge-from {path}: {len(foreign)} prompt SHA-256s are not in this bundle; "
                          "only results of the same prompt bundle can be merged")
     keep = rows[~rows["mode"].isin(modes)]
-    sp = os.path.join(path, "vllm_sanity.csv")
-    sanity = pd.read_csv(sp, dtype={"output_ids": str}) if os.path.isfile(sp) else pd.DataFrame(columns=["mode"])
-    meta = {}
-    if os.path.isfile(os.path.join(path, "vllm_accuracy.json")):
-        with open(os.path.join(path, "vllm_accuracy.json")) as f:
-            meta = json.load(f)
     status = {m: dict(st, merged_from=meta.get("started_utc", "?")) for m, st in (meta.get("status") or {}).items()
               if m not in modes}
     return {"rows": keep.to_dict(orient="records"),
-            "sanity": sanity[~sanity["mode"].isin(modes)].to_dict(orient="records"),
+            "sanity": [] if sanity is None else sanity[~sanity["mode"].isin(modes)].to_dict(orient="records"),
             "status": status, "source": {"path": path, "started_utc": meta.get("started_utc", "?"),
                                          "modes": sorted(status)}}
 
