@@ -21,8 +21,8 @@ import torch
 
 from kvrepro.formats import FORMAT_NAMES, get_format
 from kvrepro.hf import greedy_generate, kv_bytes, load_smollm2, make_cache, prefill, teacher_forced_logprobs
-from kvrepro.needle import (VARIANTS, answer_decided, answer_kind, build_prompt, build_sanity_prompts, make_keys,
-                            score_answer)
+from kvrepro.needle import (VARIANTS, answer_decided, answer_kind, build_prompt, build_sanity_prompts,
+                            check_needle_grid, is_int, make_keys, score_answer)
 
 BASELINE = "bf16"
 MIN_BASELINE_ACCURACY = 0.9
@@ -80,9 +80,6 @@ class AccuracyParams:
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad parameter and the allowed values."""
-        def is_int(x):
-            return isinstance(x, int) and not isinstance(x, bool)
-
         if not isinstance(self.formats, (tuple, list)) or not self.formats:
             raise ValueError(f"formats must be a non-empty list of {FORMAT_NAMES}, got {self.formats!r}")
         for f in self.formats:
@@ -97,15 +94,7 @@ class AccuracyParams:
         for n in self.context_lengths:
             if not is_int(n) or not 128 <= n <= 8192:
                 raise ValueError(f"context_lengths: {n!r} is not an integer in [128, 8192] tokens")
-        if not isinstance(self.depths, (tuple, list)) or not self.depths:
-            raise ValueError(f"depths must be a non-empty list, got {self.depths!r}")
-        for x in self.depths:
-            if isinstance(x, bool) or not isinstance(x, (int, float)) or not 0 <= x <= 1:
-                raise ValueError(f"depths: {x!r} is not a number in [0, 1]")
-        if not is_int(self.num_keys) or self.num_keys < 1:
-            raise ValueError(f"num_keys must be a positive integer, got {self.num_keys!r}")
-        if not is_int(self.seed):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        check_needle_grid(self.depths, self.num_keys, self.seed)
         if not is_int(self.max_new_tokens) or not 1 <= self.max_new_tokens <= 64:
             raise ValueError(f"max_new_tokens must be an integer in [1, 64], got {self.max_new_tokens!r}")
         if self.block_size not in (16, 32, 64):

@@ -48,8 +48,8 @@ import time
 import traceback
 from dataclasses import dataclass
 
-from kvrepro.needle import (VARIANTS, answer_kind, build_prompt, build_sanity_prompts, ids_sha256, make_keys,
-                            score_answer)
+from kvrepro.needle import (VARIANTS, answer_kind, build_prompt, build_sanity_prompts, check_needle_grid, ids_sha256,
+                            is_int, make_keys, score_answer)
 
 MAX_MODEL_LEN = 8192  # SmolLM2's trained window (GGUF llama.context_length); prompt + answer must fit
 MODES = ("bf16", "fp8", "kvrepro:k4v4", "kvrepro:k8v4", "kvrepro:k4v2")
@@ -59,10 +59,6 @@ WEIGHTS = ("gguf", "dequant", "auto")
 COMPILE = ("decode-graphs", "full", "eager")
 DEFAULT_FACTORY = "kvrepro.accuracy_vllm:vllm_engine"
 BUNDLE_PATH = "results/accuracy/vllm_prompts.json.gz"
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 @dataclass(frozen=True)
@@ -90,28 +86,20 @@ class VllmGrid:
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad parameter and the allowed values."""
-        if not _is_int(self.max_new_tokens) or not 6 <= self.max_new_tokens <= 64:
+        if not is_int(self.max_new_tokens) or not 6 <= self.max_new_tokens <= 64:
             raise ValueError(f"max_new_tokens must be an integer in [6, 64], got {self.max_new_tokens!r}")
         top = MAX_MODEL_LEN - self.max_new_tokens
         if not isinstance(self.context_lengths, (tuple, list)) or not self.context_lengths:
             raise ValueError(f"context_lengths must be a non-empty list, got {self.context_lengths!r}")
         for n in self.context_lengths:
-            if not _is_int(n) or not 128 <= n <= top:
+            if not is_int(n) or not 128 <= n <= top:
                 raise ValueError(f"context_lengths: {n!r} is not an integer in [128, {top}] tokens "
                                  f"(prompt + {self.max_new_tokens} new tokens must fit {MAX_MODEL_LEN})")
-        if not isinstance(self.depths, (tuple, list)) or not self.depths:
-            raise ValueError(f"depths must be a non-empty list, got {self.depths!r}")
-        for x in self.depths:
-            if isinstance(x, bool) or not isinstance(x, (int, float)) or not 0 <= x <= 1:
-                raise ValueError(f"depths: {x!r} is not a number in [0, 1]")
-        if not _is_int(self.num_keys) or self.num_keys < 1:
-            raise ValueError(f"num_keys must be a positive integer, got {self.num_keys!r}")
-        if not _is_int(self.seed):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        check_needle_grid(self.depths, self.num_keys, self.seed)
         if not isinstance(self.variants, (tuple, list)) or not self.variants or any(
                 v not in VARIANTS for v in self.variants):
             raise ValueError(f"variants must be a non-empty list from {VARIANTS}, got {self.variants!r}")
-        if not _is_int(self.sanity_tokens) or not 8 <= self.sanity_tokens <= 256:
+        if not is_int(self.sanity_tokens) or not 8 <= self.sanity_tokens <= 256:
             raise ValueError(f"sanity_tokens must be an integer in [8, 256], got {self.sanity_tokens!r}")
 
     def as_dict(self) -> dict:

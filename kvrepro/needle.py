@@ -91,6 +91,28 @@ class NeedlePrompt:
         return len(self.input_ids)
 
 
+def is_int(x) -> bool:
+    """``x`` is an int and not a bool (parameter checks)."""
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def check_needle_grid(depths, num_keys, seed) -> None:
+    """The grid parameters the CPU and vLLM accuracy grids share (``AccuracyParams``, ``VllmGrid``).
+
+    Raises:
+        ValueError: ``depths`` not a non-empty list of numbers in [0, 1], ``num_keys`` not a positive
+            integer or ``seed`` not an integer (the message names the parameter)."""
+    if not isinstance(depths, (tuple, list)) or not depths:
+        raise ValueError(f"depths must be a non-empty list, got {depths!r}")
+    for x in depths:
+        if isinstance(x, bool) or not isinstance(x, (int, float)) or not 0 <= x <= 1:
+            raise ValueError(f"depths: {x!r} is not a number in [0, 1]")
+    if not is_int(num_keys) or num_keys < 1:
+        raise ValueError(f"num_keys must be a positive integer, got {num_keys!r}")
+    if not is_int(seed):
+        raise ValueError(f"seed must be an integer, got {seed!r}")
+
+
 def make_keys(num_keys: int, seed: int) -> list[str]:
     """``num_keys`` distinct 5-digit keys (no leading zero) from ``random.Random(seed)``."""
     if isinstance(num_keys, bool) or not isinstance(num_keys, int) or num_keys < 1:
