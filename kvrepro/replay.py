@@ -170,6 +170,11 @@ def workload_mismatch(df, context_tokens: int, decode_tokens: int, gpu_memory_gb
             "measure this workload.")
 
 
+def _source_column(df) -> str | None:
+    """The column that tells sources apart: ``source`` (reference data), ``source_file`` (result files)."""
+    return next((c for c in ("source", "source_file") if c in df.columns), None)
+
+
 def max_clean_capacity(df):
     """Per mode: the largest clean ``num_users`` and its aggregate decode tok/s.
 
@@ -186,7 +191,7 @@ def max_clean_capacity(df):
     """
     import pandas as pd
 
-    src = "source" if "source" in df.columns else "source_file" if "source_file" in df.columns else None
+    src = _source_column(df)
     keys = ["mode", src] if src else ["mode"]
     if not len(df):
         return pd.DataFrame({**{k: pd.Series(dtype=object) for k in keys},
@@ -235,7 +240,7 @@ def ratios(cap):
     """
     import pandas as pd
 
-    src = "source" if "source" in cap.columns else "source_file" if "source_file" in cap.columns else None
+    src = _source_column(cap)
     parts = [cap] if src is None or not len(cap) else [g for _, g in cap.groupby(src, sort=False)]
     out = []
     for g in parts:
