@@ -170,6 +170,9 @@ def workload_mismatch(df, context_tokens: int, decode_tokens: int, gpu_memory_gb
             "measure this workload.")
 
 
+WORKLOAD_KEYS = ("gpu", "gpu_memory_gb", "prompt_tokens", "decode_tokens")  # a baseline from another file must match these
+
+
 def _source_column(df) -> str | None:
     """The column that tells sources apart: ``source`` (reference data), ``source_file`` (result files)."""
     return next((c for c in ("source", "source_file") if c in df.columns), None)
@@ -187,7 +190,9 @@ def max_clean_capacity(df):
         clean, <NA> when the mode has only ``measured_by == "sizing"`` rows, i.e. was not run with
         users, or reference data without a max-clean point), aggregate_decode_tok_s (NaN when none),
         plus the input's ``source`` (reference data) or ``source_file`` (result files) column: one
-        row per mode and source, so several files are never merged into one figure.
+        row per mode and source, so several files are never merged into one figure; and, where the
+        input has them, the workload columns ``WORKLOAD_KEYS`` (first value per mode and source) that
+        :func:`ratios` matches before it takes a baseline from another file.
     """
     import pandas as pd
 
@@ -206,6 +211,7 @@ def max_clean_capacity(df):
         key = key if isinstance(key, tuple) else (key,)
         good = g[ok.loc[g.index] & g["aggregate_decode_tok_s"].notna()]
         row = dict(zip(keys, key))
+        row.update({c: g[c].iloc[0] for c in WORKLOAD_KEYS if c in g.columns})
         # <NA>: capacity not measured (only sized, or reference data without a max-clean point)
         sizing_only = ("measured_by" in g.columns and (g["measured_by"] == "sizing").all()) or "max_clean" in g.columns
         if len(good):
@@ -231,12 +237,18 @@ def _baseline(cap, name: str):
 def ratios(cap):
     """Capacity and throughput ratios vs bf16 (or fp16/auto) and fp8, per source when ``cap`` has one.
 
+    A result file without its own bf16 / fp8 rows (e.g. a re-measure of one kvrepro mode after a kernel
+    change) takes that baseline from another file of the same workload (equal ``WORKLOAD_KEYS``: GPU,
+    memory budget, prompt and decode tokens); the latest such file by name wins, and the column
+    ``baseline_from`` says where each row's baselines came from ("same file" or the other file), so a
+    cross-run ratio is never shown as a same-run one.
+
     Args:
         cap: output of :func:`max_clean_capacity`.
 
     Returns:
         ``cap`` plus columns users_vs_bf16, tok_s_vs_bf16, users_vs_fp8, tok_s_vs_fp8 (NaN where the
-        baseline is missing or zero).
+        baseline is missing or zero) and, with a source column, ``baseline_from``.
     """
     import pandas as pd
 
@@ -245,14 +257,41 @@ def ratios(cap):
     out = []
     for g in parts:
         g = g.copy()
+        froms = []
         for name in ("bf16", "fp8"):
-            base = _baseline(g, name)
+            base, origin = _baseline(g, name), "same file"
+            if base is None and src is not None:
+                base, origin = _borrowed_baseline(cap, g, src, name)
+            if base is not None:
+                froms.append(origin if origin == "same file" else f"other run: {Path(origin).name}")
             for col, ref in (("users", "max_clean_users"), ("tok_s", "aggregate_decode_tok_s")):
                 denom = float(base[ref]) if base is not None and not pd.isna(base[ref]) else float("nan")
                 num = g[ref].astype("float64")  # <NA> (sizing-only modes) -> NaN
                 g[f"{col}_vs_{name}"] = num / denom if denom and not math.isnan(denom) else float("nan")
+        if src is not None:
+            g["baseline_from"] = "; ".join(dict.fromkeys(froms)) or "none"
         out.append(g)
     return pd.concat(out, ignore_index=True)
+
+
+def _borrowed_baseline(cap, g, src: str, name: str):
+    """``(row, source)`` of baseline ``name`` from another source of ``cap`` with the same workload as
+    ``g`` (every ``WORKLOAD_KEYS`` column present in ``cap`` equal), the latest source by name; else
+    ``(None, None)``."""
+    keys = [c for c in WORKLOAD_KEYS if c in cap.columns]
+    if not keys:
+        return None, None
+    want = g[keys].drop_duplicates()
+    if len(want) != 1:
+        return None, None
+    others = cap[cap[src] != g[src].iloc[0]]
+    for c in keys:
+        others = others[others[c] == want[c].iloc[0]]
+    for source in sorted(others[src].unique(), reverse=True):
+        base = _baseline(others[others[src] == source], name)
+        if base is not None:
+            return base, str(source)
+    return None, None
 
 
 def reference_points():

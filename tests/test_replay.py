@@ -190,3 +190,19 @@ def test_plot_overlays_reference_points(tmp_path):
     pts = [c for c in ax.collections if c.get_label() == "seed, published (A100 80GB)"]
     assert len(pts) == 1 and sorted(map(tuple, pts[0].get_offsets().tolist())) == [(2.0, 66.6), (5.0, 105.0), (6.0, 140.9)]
     assert {t.get_text() for t in ax.texts} >= {"fp16", "fp8", "compressed (seed)"}
+
+
+def test_baseline_borrowed_only_from_a_matching_workload_and_labelled(tmp_path):
+    """A re-measure file with one kvrepro mode takes bf16 / fp8 from another file of the same GPU, budget and
+    workload (latest by name), says so in ``baseline_from``, and borrows nothing from a different budget."""
+    write(tmp_path / "a.jsonl", sweep_rows())                                   # bf16 150 tok/s @3, fp8 240 @6
+    write(tmp_path / "b-fix.jsonl", [row("kvrepro:k4v4", 13, 480.0, run_id="t2")])
+    write(tmp_path / "c-40g.jsonl", [row("kvrepro:k4v4", 6, 200.0, run_id="t3", gpu_memory_gb=40.0)])
+    cap = replay.ratios(replay.max_clean_capacity(replay.load_results(tmp_path))).set_index("source_file")
+    fix = cap.loc[str(tmp_path / "b-fix.jsonl")]
+    assert fix["tok_s_vs_fp8"] == pytest.approx(480 / 240) and fix["users_vs_bf16"] == pytest.approx(13 / 3)
+    assert fix["baseline_from"] == "other run: a.jsonl"
+    other = cap.loc[str(tmp_path / "c-40g.jsonl")]
+    assert math.isnan(other["tok_s_vs_fp8"]) and other["baseline_from"] == "none"
+    same = cap[cap["mode"] == "fp8"].iloc[0]
+    assert same["baseline_from"] == "same file" and same["tok_s_vs_bf16"] == pytest.approx(240 / 150)
