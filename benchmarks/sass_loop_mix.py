@@ -10,6 +10,7 @@ the direction of a change before any device time is spent; it is not a timing.
 
     python benchmarks/sass_loop_mix.py                       # the CUDA defaults, k4v4
     python benchmarks/sass_loop_mix.py --preset k8v4 --dequant triton --block-n 128 --warps 4
+    python benchmarks/sass_loop_mix.py --key-mma int8          # keys through int8 tensor cores
 
 Pointers are compiled as 16-byte aligned (``tt.divisibility`` 16), as at run time with PyTorch
 allocations. Query heads 32, KV heads 8 (Qwen3-4B) unless given.
@@ -36,7 +37,7 @@ SIGNATURE = {"q_ptr": "*fp16", "pool_ptr": "*u8", "bt_ptr": "*i32", "seq_lens_pt
 
 
 def compile_decode(preset: str, head_dim: int, num_q_heads: int, num_kv_heads: int, block_size: int,
-                   block_n: int, num_warps: int, dequant: str, arch: int = 90):
+                   block_n: int, num_warps: int, dequant: str, arch: int = 90, key_mma: str = "f16"):
     """The compiled kernel (``triton.compile`` result) for these launch parameters."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -44,7 +45,8 @@ def compile_decode(preset: str, head_dim: int, num_q_heads: int, num_kv_heads: i
 
     layout = get_format(preset).layout(head_dim, block_size)
     kernel, extra = decode.attention_kernel("v2", dequant, torch.device("cuda"))  # the launch's DEQ_ASM
-    consts = dict(decode.v2_decode_constexprs(layout, num_kv_heads, num_q_heads // num_kv_heads, block_n), **extra)
+    consts = dict(decode.v2_decode_constexprs(layout, num_kv_heads, num_q_heads // num_kv_heads, block_n, key_mma),
+                  **extra)
     sig = dict(SIGNATURE, **{k: "constexpr" for k in consts})
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(SIGNATURE)
              if SIGNATURE[n].startswith("*") or n == "stride_bt"}
@@ -87,13 +89,16 @@ def main(argv=None) -> int:
     ap.add_argument("--q-heads", type=int, default=32)
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--block-size", type=int, default=16, choices=(16, 32, 64))
+    ap.add_argument("--key-mma", default=decode.DEFAULT_KEY_MMA, choices=decode.KEY_MMAS,
+                    help="key dot products: float16 (HMMA) or int8 (IMMA) tensor cores")
     ap.add_argument("--top", type=int, default=16, help="opcodes shown")
     a = ap.parse_args(argv)
     if a.block_n < 16 or a.block_n & (a.block_n - 1):
         ap.error(f"--block-n must be a power of two >= 16, got {a.block_n}")
     if a.q_heads % a.kv_heads:
         ap.error(f"--q-heads {a.q_heads} is not a multiple of --kv-heads {a.kv_heads}")
-    k = compile_decode(a.preset, a.head_dim, a.q_heads, a.kv_heads, a.block_size, a.block_n, a.warps, a.dequant)
+    k = compile_decode(a.preset, a.head_dim, a.q_heads, a.kv_heads, a.block_size, a.block_n, a.warps, a.dequant,
+                       key_mma=a.key_mma)
     usage = cuobjdump(k.asm["cubin"], "--dump-resource-usage")
     m = re.search(r"REG:(\d+).*?STACK:(\d+)", usage)
     body = loop_body(cuobjdump(k.asm["cubin"], "-sass"))
@@ -101,7 +106,7 @@ def main(argv=None) -> int:
         print("no backward branch found: the loop was not recognised", file=sys.stderr)
         return 1
     per_token_head = len(body) * a.warps / a.block_n
-    print(f"decode v2, {a.preset}, dequant {a.dequant}, block_n {a.block_n}, {a.warps} warps, head_dim {a.head_dim}, "
+    print(f"decode v2, {a.preset}, key_mma {a.key_mma}, dequant {a.dequant}, block_n {a.block_n}, {a.warps} warps, head_dim {a.head_dim}, "
           f"{a.q_heads}q/{a.kv_heads}kv, sm_90, triton {__import__('triton').__version__}")
     print(f"registers {m.group(1) if m else '?'}, stack {m.group(2) if m else '?'} B; loop {len(body)} instructions "
           f"per warp per {a.block_n} tokens = {per_token_head:.1f} warp-instructions per token and KV head")

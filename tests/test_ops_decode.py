@@ -154,3 +154,40 @@ def test_decode_refuses_unsupported_shapes():
     if DEV == "cpu":
         with pytest.raises(ValueError, match="needs a CUDA device"):
             decode_attention(q, pool.data, bt, sl, pool.layout, pool.rotation, 0.125, variant="v2", dequant="asm")
+
+
+@pytest.mark.parametrize("preset,hq,hkv,d,bs,splits", [
+    ("k4v4", 32, 8, 128, 16, 3),      # Qwen3-4B, GQA group 4
+    ("k4v4", 9, 3, 64, 16, 16),       # group 3 (padded to 4 rows of 16); 16 splits: empty ones
+    ("k8v4", 8, 2, 128, 32, 2),
+    ("k4v2", 8, 2, 64, 16, 1),
+])
+def test_decode_key_mma_int8(preset, hq, hkv, d, bs, splits):
+    """key_mma='int8' (int8 tensor-core keys, q as two int8 digits) vs float64 attention over the
+    dequantized cache. Measured relerr 2.2e-4 - 2.7e-4 (fp16 output rounding level). Checked to fail:
+    key centre off by one (4-bit 8 -> 7: 1.4e-2 - 2.0e-2; 8-bit 128 -> 127: 7.4e-4) and a 1 % key
+    scale error (3.2e-3 - 4.2e-3), hence the 5e-4 bound."""
+    pool, bt, sl, q, _ = _setup(preset, hq, hkv, d, bs, LENS, torch.float16, seed=hq * d + bs + 1)
+    out = torch.full_like(q, float("nan"))
+    decode_attention(q, pool.data, bt, sl, pool.layout, pool.rotation, d ** -0.5, out=out,
+                     num_splits=splits, key_mma="int8")
+    ref = _ref(q, pool, bt, sl)
+    assert torch.isfinite(out).all()
+    assert torch.equal(out[4], torch.zeros_like(out[4]))         # seq_len 0 -> zeros
+    err = relerr(out[:4], ref[:4])
+    print(f"key_mma int8 {preset} {hq}q/{hkv}kv/{d} splits {splits}: relerr {err:.2e}")
+    assert err < 5e-4
+
+
+def test_decode_key_mma_refuses_bad_arguments():
+    gen = torch.Generator().manual_seed(0)
+    pool = make_pool("k4v4", 1, 64, 16, 4, gen)
+    bt = torch.zeros(1, 2, dtype=torch.int32, device=DEV)
+    sl = torch.ones(1, dtype=torch.int32, device=DEV)
+    q = torch.zeros(1, 4, 64, dtype=torch.float16, device=DEV)
+    with pytest.raises(ValueError, match=r"key_mma='fp8'; allowed: \('f16', 'int8'\)"):
+        decode_attention(q, pool.data, bt, sl, pool.layout, pool.rotation, 0.125, key_mma="fp8")
+    for variant in ("v1", "v3"):
+        with pytest.raises(ValueError, match=f"key_mma='int8' is implemented for variant='v2' only.*{variant}"):
+            decode_attention(q, pool.data, bt, sl, pool.layout, pool.rotation, 0.125, variant=variant,
+                             key_mma="int8")

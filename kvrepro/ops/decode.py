@@ -19,6 +19,8 @@ DECODE_STAGES = 1
 PROGRAMS_PER_SM = 32   # default split count targets ~32 programs per SM (run 4: 4x fewer was 15% slower)
 DEQUANT_MODES = ("triton", "asm")
 VARIANTS = ("v1", "v2", "v3")
+KEY_MMAS = ("f16", "int8")
+DEFAULT_KEY_MMA = "f16"   # "int8" is opt-in until timed on the H200 (notes/kernels.md, "Keys through int8")
 V3_PREFETCH = True   # v3: issue the loads of step i + 1 before the math of step i
 # v2 (split-plane dot products) is verified at full size on the H200 (run 2, 2026-11-29: relerr
 # 2.8e-4 vs float64 over the dequantized cache, every preset) and is 19-24% faster than v1 at 128K
@@ -53,14 +55,25 @@ def attention_kernel(variant: str, dequant: str | None, device: torch.device):
     return paged_attn_kernel, {"DEQ_ASM": dequant == "asm"}
 
 
-def v2_decode_constexprs(layout: PageLayout, num_kv_heads: int, group: int, block_n: int) -> dict:
+def check_key_mma(key_mma: str, variant: str) -> None:
+    """ValueError unless ``key_mma`` is one of ``KEY_MMAS`` and, for ``"int8"``, ``variant`` is ``"v2"``."""
+    if key_mma not in KEY_MMAS:
+        raise ValueError(f"key_mma={key_mma!r}; allowed: {KEY_MMAS}")
+    if key_mma == "int8" and variant != "v2":
+        raise ValueError(f"key_mma='int8' is implemented for variant='v2' only, got variant={variant!r}")
+
+
+def v2_decode_constexprs(layout: PageLayout, num_kv_heads: int, group: int, block_n: int,
+                         key_mma: str = DEFAULT_KEY_MMA) -> dict:
     """The constexprs ``decode_attention`` launches the v2 kernel (``paged_attn_kernel``) with, besides
     ``DEQ_ASM`` (from ``attention_kernel``): one query token per sequence, the GQA group padded to a
-    power of two and to >= 16 rows for ``tl.dot``, split output. Also used by the offline SASS count
-    (benchmarks/sass_loop_mix.py), so that it compiles exactly what runs."""
+    power of two and to >= 16 rows for ``tl.dot``, split output, and ``KEY_I8`` for ``key_mma="int8"``.
+    Also used by the offline SASS count (benchmarks/sass_loop_mix.py), so that it compiles exactly
+    what runs. Raises ValueError for a ``key_mma`` not in ``KEY_MMAS``."""
+    check_key_mma(key_mma, "v2")
     gp = next_pow2(group)
     return dict(G=group, GP=gp, **page_constexprs(layout, num_kv_heads), BLOCK_Q=1, BLOCK_M=max(16, gp),
-                BLOCK_N=block_n, HAS_FRESH=False, SPLIT_OUT=True, IS_DECODE=True)
+                BLOCK_N=block_n, HAS_FRESH=False, SPLIT_OUT=True, IS_DECODE=True, KEY_I8=key_mma == "int8")
 
 
 MIN_TOKENS_PER_SPLIT = 256
@@ -91,7 +104,8 @@ def decode_attention(query: torch.Tensor, pool, block_tables: torch.Tensor, seq_
                      workspace: torch.Tensor | None = None, *, block_n: int = DECODE_BLOCK_N,
                      num_warps: int = DECODE_WARPS, num_stages: int = DECODE_STAGES,
                      dequant: str | None = None, variant: str = DEFAULT_VARIANT,
-                     prefetch: bool | None = None, validate: bool | None = None) -> torch.Tensor:
+                     prefetch: bool | None = None, key_mma: str = DEFAULT_KEY_MMA,
+                     validate: bool | None = None) -> torch.Tensor:
     """Decode attention (one new token per sequence) over compressed KV pages.
 
     Each page is read once per KV head for all query heads of its GQA group; the context is cut
@@ -117,6 +131,15 @@ def decode_attention(query: torch.Tensor, pool, block_tables: torch.Tensor, seq_
             decode only; needs ``block_n >= block_size``); see notes/kernels.md.
         prefetch: v3 only: load step ``i + 1`` before computing step ``i`` (default
             ``V3_PREFETCH``).
+        key_mma: ``"f16"`` (default: key codes -> float16, HMMA) or ``"int8"`` (v2 only, opt-in:
+            key codes stay integers and go through int8 tensor cores, IMMA, int32 sums). For
+            ``"int8"`` each program quantizes its rotated, scaled query rows ``[M, D]`` to
+            ``qi = round(q / S_q)``, ``S_q = max|q| / 16255`` (per sequence, KV head and split),
+            held as two int8 digits ``qi = 128 qh + ql``; the keys are their exact centred codes
+            (4-bit: ``16 (code - 8)``, 8-bit: ``code - 128``), so the int32 logits are exact for
+            the ~14-bit query (relative error per q element <= 2**-15 of the row group's max |q|,
+            below float16's 2**-11). Method: SageAttention (Zhang et al. 2024, 2025) quantizes
+            Q and K to int8 for attention; here only q is quantized. Values are unchanged.
 
     Returns:
         ``out`` ``[B, Hq, D]`` in the query dtype.
@@ -131,7 +154,8 @@ def decode_attention(query: torch.Tensor, pool, block_tables: torch.Tensor, seq_
 
     Raises:
         ValueError: wrong shapes/dtypes/devices, unsupported head_dim or GQA group size, a scale
-            that is not finite and positive; with ``validate``, bad seq_lens or block ids.
+            that is not finite and positive; with ``validate``, bad seq_lens or block ids;
+            ``key_mma`` not in ``KEY_MMAS`` or ``"int8"`` with a variant other than ``"v2"``.
     """
     data = pool_tensor(pool)
     _, hkv = check_pool(data, layout)
@@ -159,6 +183,7 @@ def decode_attention(query: torch.Tensor, pool, block_tables: torch.Tensor, seq_
     if variant == "v3" and block_n < layout.block_size:
         raise ValueError(f"variant='v3' needs block_n >= block_size, got block_n={block_n}, "
                          f"block_size={layout.block_size}")
+    check_key_mma(key_mma, variant)
     if prefetch is not None and variant != "v3":
         raise ValueError(f"prefetch is a variant='v3' option, got variant={variant!r}")
     if num_splits is None:
@@ -191,7 +216,7 @@ def decode_attention(query: torch.Tensor, pool, block_tables: torch.Tensor, seq_
     else:
         kernel[(b, 1, hkv * num_splits)](
             q16, data, block_tables, seq_lens, seq_lens, q16, q16, part_o, part_lse, rotation,
-            block_tables.stride(0), NUM_SPLITS=num_splits, **v2_decode_constexprs(layout, hkv, group, block_n),
+            block_tables.stride(0), NUM_SPLITS=num_splits, **v2_decode_constexprs(layout, hkv, group, block_n, key_mma),
             num_warps=num_warps, num_stages=num_stages, **extra,
         )
     merge_splits_kernel[(b * hq,)](part_o, part_lse, rotation, out, out.stride(0), out.stride(1),

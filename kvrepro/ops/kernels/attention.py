@@ -19,6 +19,16 @@ dequantization is folded in (per token ``k = code * s + z``, ``v = (code - c) * 
 ``lop3``, ``sub.f16x2``: two channels per instruction), as FasterTransformer's int4->fp16 path.
 Accumulation is float32 (online softmax, Milakov & Gimelshein 2018; FlashAttention, Dao et al.
 2022); the split-K merge follows FlashDecoding (Dao et al. 2023).
+
+``KEY_I8`` (decode only, opt-in): the key dot products run on int8 tensor cores instead
+(SageAttention, Zhang et al. 2024/2025, quantizes Q and K to int8 for attention; here the keys
+are their exact codes and q is two int8 digits, ~14 bits). Per program
+``S_q = max|q| / 16255``, ``qi = round(q / S_q)`` = ``128 qh + ql`` (``qh`` in [-127, 127],
+``ql`` in [-64, 63]); key plane ``i`` as int8 is ``m (code_i - c)`` (4-bit: m 16, c 8, one
+``lop3`` per 4 codes; 8-bit: m 1, c 128, one ``xor``). The int32 sum
+``acc = 128 qh.P + ql.P = m qi.code - m c sum(qi)`` is exact, and with ``q^ = S_q qi``::
+
+    q^ . k = (S_q / m) s acc + S_q sum(qi) (c s + z)
 """
 import triton
 import triton.language as tl
@@ -95,6 +105,88 @@ def _plane8_asm(packed, CENTERED: tl.constexpr):
     return tl.inline_asm_elementwise(
         asm=_PLANE8C_ASM if CENTERED else _PLANE8_ASM,
         constraints="=r,=r,r", args=[packed], dtype=tl.float16, is_pure=True, pack=4)
+
+
+# int8 key planes, 4 packed bytes per register: lop3 immLut 0x6A = (a & b) ^ c (a 0xF0, b 0xCC,
+# c 0xAA: (0xF0 & 0xCC) ^ 0xAA = 0x6A). Low nibbles: ((x << 4) & 0xF0) ^ 0x80 = 16 (c_lo - 8) as s8;
+# high nibbles: (x & 0xF0) ^ 0x80 = 16 (c_hi - 8); 8-bit codes: x ^ 0x80 = c - 128.
+_I8_PLANES4_ASM = tl.constexpr("""
+        {
+        .reg .b32 t;
+        shl.b32 t, $2, 4;
+        lop3.b32 $0, t, 0xF0F0F0F0, 0x80808080, 0x6A;
+        lop3.b32 $1, $2, 0xF0F0F0F0, 0x80808080, 0x6A;
+        }
+        """)
+_I8_PLANE8_ASM = tl.constexpr("xor.b32 $0, $1, 0x80808080;")
+
+
+@triton.jit
+def _key_planes_i8(kc, KBITS: tl.constexpr, ASM: tl.constexpr):
+    """uint8 key tile ``[N, KP]`` -> int8 planes ``(p0, p1)`` = ``m (code_i - c)`` (4-bit: m 16,
+    c 8, plane 1 = high nibbles; 8-bit: m 1, c 128, p1 = p0 unused). Exact."""
+    if ASM and KBITS == 4:
+        p0, p1 = tl.inline_asm_elementwise(asm=_I8_PLANES4_ASM, constraints="=r,=r,r", args=[kc],
+                                           dtype=(tl.int8, tl.int8), is_pure=True, pack=4)
+    elif ASM:
+        p0 = tl.inline_asm_elementwise(asm=_I8_PLANE8_ASM, constraints="=r,r", args=[kc], dtype=tl.int8,
+                                       is_pure=True, pack=4)
+        p1 = p0
+    elif KBITS == 4:
+        p0 = (((kc << 4) & 0xF0) ^ 0x80).to(tl.int8, bitcast=True)
+        p1 = ((kc & 0xF0) ^ 0x80).to(tl.int8, bitcast=True)
+    else:
+        p0 = (kc ^ 0x80).to(tl.int8, bitcast=True)
+        p1 = p0
+    return p0, p1
+
+
+@triton.jit
+def _query_digits(qrow, qmask, dk, KP: tl.constexpr, KBITS: tl.constexpr):
+    """int8 query digits for ``KEY_I8``: ``S_q = max|q| / 16255`` over the program's (valid) rows
+    and all channels (1 if q is all zero), ``qi = round(q / S_q)`` in [-16255, 16255] split as
+    ``qi = 128 qh + ql`` with ``qh = floor((qi + 64) / 128)`` in [-127, 127] and ``ql`` in [-64, 63].
+    Returns ``(qh0, qh1, ql0, ql1, qsum, s_q)``: int8 [M, KP] per key plane (plane 1 = plane 0 for
+    8-bit keys), ``qsum = S_q sum(qi)`` float32 [M] and the scalar ``S_q``."""
+    NPK: tl.constexpr = 8 // KBITS
+    tl.static_assert(NPK <= 2, "KEY_I8 supports 4- and 8-bit keys")
+    q0 = tl.load(qrow + dk[None, :], mask=qmask, other=0.0).to(tl.float32)
+    amax = tl.max(tl.max(tl.abs(q0), axis=1), axis=0)
+    q1 = q0
+    if NPK > 1:
+        q1 = tl.load(qrow + KP + dk[None, :], mask=qmask, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.max(tl.max(tl.abs(q1), axis=1), axis=0))
+    s_q = tl.where(amax > 0, amax * (1.0 / 16255.0), 1.0)
+    inv = 1.0 / s_q
+    qi0 = tl.floor(q0 * inv + 0.5).to(tl.int32)      # |q * inv| <= 16255 (1 ulp): no overflow of 16255
+    qh0 = (qi0 + 64) >> 7                             # arithmetic shift = floor
+    ql0 = qi0 - (qh0 << 7)
+    isum = tl.sum(qi0, axis=1)
+    qh1 = qh0
+    ql1 = ql0
+    if NPK > 1:
+        qi1 = tl.floor(q1 * inv + 0.5).to(tl.int32)
+        qh1 = (qi1 + 64) >> 7
+        ql1 = qi1 - (qh1 << 7)
+        isum += tl.sum(qi1, axis=1)
+    return (qh0.to(tl.int8), qh1.to(tl.int8), ql0.to(tl.int8), ql1.to(tl.int8),
+            isum.to(tl.float32) * s_q, s_q)
+
+
+@triton.jit
+def _qk_i8(kc, qh0, qh1, ql0, ql1, KBITS: tl.constexpr, ASM: tl.constexpr):
+    """``qi . P`` = ``m qi.code - m c sum(qi)`` [M, N] int32 (exact) for a packed key tile ``kc``
+    ``[N, KP]`` u8: two independent int32 tensor-core chains (high and low digits; two chains let
+    the IMMAs of one fill the other's dependency stalls), combined as ``128 hi + lo``.
+    Bound: |qh|, |P| <= 128 over D <= 128 channels: |qh.P| <= 2^21, x 128 <= 2^28; |ql.P| <= 2^20;
+    |acc| < 2^28.1 < 2^31 (the s32 mma saturates, so it must not get near that)."""
+    p0, p1 = _key_planes_i8(kc, KBITS, ASM)
+    hi = tl.dot(qh0, tl.trans(p0), out_dtype=tl.int32)
+    lo = tl.dot(ql0, tl.trans(p0), out_dtype=tl.int32)
+    if KBITS == 4:
+        hi = tl.dot(qh1, tl.trans(p1), hi, out_dtype=tl.int32)
+        lo = tl.dot(ql1, tl.trans(p1), lo, out_dtype=tl.int32)
+    return hi * 128 + lo
 
 
 @triton.jit
@@ -256,7 +348,7 @@ def paged_attn_kernel(
     V_CODE_OFF: tl.constexpr, K_META_OFF: tl.constexpr, V_META_OFF: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_FRESH: tl.constexpr, SPLIT_OUT: tl.constexpr, IS_DECODE: tl.constexpr,
-    DEQ_ASM: tl.constexpr,
+    DEQ_ASM: tl.constexpr, KEY_I8: tl.constexpr = False,
 ):
     b = tl.program_id(0)
     qt = tl.program_id(1)
@@ -294,7 +386,14 @@ def paged_attn_kernel(
     # Query planes, plane i divided by m_i = 2**(i*KBITS) (exact in float16).
     qrow = q_ptr + (tok * HQ + head)[:, None] * D
     qmask = (row_ok & (seq_len > 0))[:, None]
-    q0, q1, q2, q3, qsum = _query_planes(qrow, qmask, dk, KP, KBITS)
+    if KEY_I8:                               # int8 digits of q (decode only, no fresh keys)
+        tl.static_assert(IS_DECODE and not HAS_FRESH, "KEY_I8 is a decode-only path")
+        qh0, qh1, ql0, ql1, qsum, s_q = _query_digits(qrow, qmask, dk, KP, KBITS)
+        KM: tl.constexpr = 16 if KBITS == 4 else 1            # key plane multiplier m
+        KC: tl.constexpr = 8.0 if KBITS == 4 else 128.0       # key code centre c
+        k_mul = s_q * (1.0 / KM)
+    else:
+        q0, q1, q2, q3, qsum = _query_planes(qrow, qmask, dk, KP, KBITS)
 
     # This split's range of paged keys (empty splits skip the loop).
     start, end = _split_range(n_paged, split, NUM_SPLITS, BLOCK_N)
@@ -310,10 +409,16 @@ def paged_attn_kernel(
         page = pool_ptr + (blk * NUM_KV_HEADS + kvh) * PAGE_BYTES
         t_in = n % BS
         kc = tl.load(page[:, None] + (t_in * KP)[:, None] + dk[None, :], mask=n_ok[:, None], other=0)
-        qk = _qk_planes(kc, q0, q1, q2, q3, KBITS, DEQ_ASM)
+        if KEY_I8:
+            qk = _qk_i8(kc, qh0, qh1, ql0, ql1, KBITS, DEQ_ASM).to(tl.float32)
+        else:
+            qk = _qk_planes(kc, q0, q1, q2, q3, KBITS, DEQ_ASM)
         km = (page + K_META_OFF + t_in * 4).to(tl.pointer_type(tl.float16))
         ks = tl.load(km, mask=n_ok, other=0.0).to(tl.float32)
         kz = tl.load(km + 1, mask=n_ok, other=0.0).to(tl.float32)
+        if KEY_I8:                           # s = (S_q/m) ks acc + S_q sum(qi) (c ks + kz)
+            kz = kz + KC * ks
+            ks = ks * k_mul
         s = qk * ks[None, :] + qsum[:, None] * kz[None, :]
         vis = n_ok[None, :] & (n[None, :] <= qpos[:, None])
         s = tl.where(vis, s, float("-inf"))
