@@ -25,7 +25,7 @@ import triton.testing
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from benchmarks.common import copy_bandwidth, provenance, random_pool, write_json  # noqa: E402
-from kvrepro.ops import decode_attention  # noqa: E402
+from kvrepro.ops import decode, decode_attention  # noqa: E402
 
 HQ, HKV, D, BS = 32, 8, 128, 16
 CTXS = (32768, 131072)
@@ -117,19 +117,25 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     ap.add_argument("--ctxs", type=int, nargs="+", default=list(CTXS), help="context lengths (tokens)")
+    ap.add_argument("--key-mma", nargs="+", default=[decode.DEFAULT_KEY_MMA], choices=decode.KEY_MMAS,
+                    help="kvrepro key paths to time (rows kvrepro_<preset> for the default, "
+                         "kvrepro_<preset>_<key_mma> for others)")
     args = ap.parse_args()
     import vllm
     gen = torch.Generator(device="cuda").manual_seed(7)
-    res = {"provenance": provenance({"script": "benchmarks/side_by_side_vllm.py", "vllm": vllm.__version__}),
+    res = {"provenance": provenance({"script": "benchmarks/side_by_side_vllm.py", "vllm": vllm.__version__,
+                                     "kvrepro_default_key_mma": decode.DEFAULT_KEY_MMA, "key_mma": args.key_mma}),
            "copy_bandwidth": copy_bandwidth(), "rows": []}
     bw = res["copy_bandwidth"]["GBps_read_plus_write"]
     cases = {"bf16_fa3": lambda b, c: fa3_case("bf16", b, c, gen),
              "fp8_fa3": lambda b, c: fa3_case("fp8", b, c, gen),
              "turboquant_4bit_nc": lambda b, c: turboquant_case("turboquant_4bit_nc", b, c, gen),
              "turboquant_k8v4": lambda b, c: turboquant_case("turboquant_k8v4", b, c, gen),
-             "kvrepro_k4v4": lambda b, c: kvrepro_case("k4v4", b, c, gen),
-             "kvrepro_k8v4": lambda b, c: kvrepro_case("k8v4", b, c, gen),
-             "kvrepro_k4v2": lambda b, c: kvrepro_case("k4v2", b, c, gen)}
+             }
+    for mma in args.key_mma:
+        for preset in ("k4v4", "k8v4", "k4v2"):
+            name = f"kvrepro_{preset}" + ("" if mma == decode.DEFAULT_KEY_MMA else f"_{mma}")
+            cases[name] = lambda b, c, preset=preset, mma=mma: kvrepro_case(preset, b, c, gen, key_mma=mma)
     for ctx in args.ctxs:
         for batch in BATCHES:
             for name, fn in cases.items():
