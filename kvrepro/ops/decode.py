@@ -20,7 +20,13 @@ PROGRAMS_PER_SM = 32   # default split count targets ~32 programs per SM (run 4:
 DEQUANT_MODES = ("triton", "asm")
 VARIANTS = ("v1", "v2", "v3")
 KEY_MMAS = ("f16", "int8")
-DEFAULT_KEY_MMA = "f16"   # "int8" is opt-in until timed on the H200 (notes/kernels.md, "Keys through int8")
+# Keys through int8 tensor cores: same relerr as "f16" at full size on the H200 (2.2e-4 fp16 / 1.7e-3 bf16
+# vs float64, every preset; 3.8e-4 with one 128K split) and 8-12% faster for k4v4 at 128K (1.108 vs 1.258 ms
+# at B=13; run 9, 2026-11-30 05:10 UTC, benchmarks/results/h200_run9_key_mma). Default for variant "v2";
+# v1 / v3 have only the "f16" path.
+DEFAULT_KEY_MMA = "int8"
+# int8 keys with 8-bit codes (k8v4): block_n 256 spills 160 B of stack; 128 was 14-18% faster in run 9.
+DECODE_BLOCK_N_I8_8BIT = 128
 V3_PREFETCH = True   # v3: issue the loads of step i + 1 before the math of step i
 # v2 (split-plane dot products) is verified at full size on the H200 (run 2, 2026-11-29: relerr
 # 2.8e-4 vs float64 over the dequantized cache, every preset) and is 19-24% faster than v1 at 128K
@@ -55,12 +61,31 @@ def attention_kernel(variant: str, dequant: str | None, device: torch.device):
     return paged_attn_kernel, {"DEQ_ASM": dequant == "asm"}
 
 
-def check_key_mma(key_mma: str, variant: str) -> None:
-    """ValueError unless ``key_mma`` is one of ``KEY_MMAS`` and, for ``"int8"``, ``variant`` is ``"v2"``."""
+I8_KEY_BITS = (4, 8)   # key code widths the int8 key path implements
+
+
+def resolve_key_mma(key_mma: str | None, variant: str, key_bits: int) -> str:
+    """``key_mma``, or the default: ``DEFAULT_KEY_MMA`` for variant "v2" with 4- or 8-bit keys, else "f16"."""
+    if key_mma is not None:
+        return key_mma
+    return DEFAULT_KEY_MMA if variant == "v2" and key_bits in I8_KEY_BITS else "f16"
+
+
+def default_block_n(key_bits: int, key_mma: str) -> int:
+    """Tokens per decode step: ``DECODE_BLOCK_N``, except ``DECODE_BLOCK_N_I8_8BIT`` for 8-bit keys
+    through int8 tensor cores (no register spill there; H200 run 9)."""
+    return DECODE_BLOCK_N_I8_8BIT if key_mma == "int8" and key_bits == 8 else DECODE_BLOCK_N
+
+
+def check_key_mma(key_mma: str, variant: str, key_bits: int | None = None) -> None:
+    """ValueError unless ``key_mma`` is one of ``KEY_MMAS`` and, for ``"int8"``, ``variant`` is ``"v2"``
+    and ``key_bits`` (when given) is one of ``I8_KEY_BITS``."""
     if key_mma not in KEY_MMAS:
         raise ValueError(f"key_mma={key_mma!r}; allowed: {KEY_MMAS}")
     if key_mma == "int8" and variant != "v2":
         raise ValueError(f"key_mma='int8' is implemented for variant='v2' only, got variant={variant!r}")
+    if key_mma == "int8" and key_bits is not None and key_bits not in I8_KEY_BITS:
+        raise ValueError(f"key_mma='int8' needs key_bits in {I8_KEY_BITS}, got key_bits={key_bits}; use key_mma='f16'")
 
 
 def v2_decode_constexprs(layout: PageLayout, num_kv_heads: int, group: int, block_n: int,
@@ -70,7 +95,7 @@ def v2_decode_constexprs(layout: PageLayout, num_kv_heads: int, group: int, bloc
     power of two and to >= 16 rows for ``tl.dot``, split output, and ``KEY_I8`` for ``key_mma="int8"``.
     Also used by the offline SASS count (benchmarks/sass_loop_mix.py), so that it compiles exactly
     what runs. Raises ValueError for a ``key_mma`` not in ``KEY_MMAS``."""
-    check_key_mma(key_mma, "v2")
+    check_key_mma(key_mma, "v2", layout.key_bits)
     gp = next_pow2(group)
     return dict(G=group, GP=gp, **page_constexprs(layout, num_kv_heads), BLOCK_Q=1, BLOCK_M=max(16, gp),
                 BLOCK_N=block_n, HAS_FRESH=False, SPLIT_OUT=True, IS_DECODE=True, KEY_I8=key_mma == "int8")
@@ -101,10 +126,10 @@ def decode_workspace_numel(batch: int, num_q_heads: int, head_dim: int, num_spli
 def decode_attention(query: torch.Tensor, pool, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                      layout: PageLayout, rotation: torch.Tensor, scale: float,
                      out: torch.Tensor | None = None, num_splits: int | None = None,
-                     workspace: torch.Tensor | None = None, *, block_n: int = DECODE_BLOCK_N,
+                     workspace: torch.Tensor | None = None, *, block_n: int | None = None,
                      num_warps: int = DECODE_WARPS, num_stages: int = DECODE_STAGES,
                      dequant: str | None = None, variant: str = DEFAULT_VARIANT,
-                     prefetch: bool | None = None, key_mma: str = DEFAULT_KEY_MMA,
+                     prefetch: bool | None = None, key_mma: str | None = None,
                      validate: bool | None = None) -> torch.Tensor:
     """Decode attention (one new token per sequence) over compressed KV pages.
 
@@ -123,7 +148,8 @@ def decode_attention(query: torch.Tensor, pool, block_tables: torch.Tensor, seq_
         out: optional ``[B, Hq, D]`` output (query dtype); written in place.
         num_splits: splits per sequence; default ``default_num_splits`` (shape-only).
         workspace: optional float32 tensor of >= ``decode_workspace_numel(B, Hq, D, S)`` elements.
-        block_n, num_warps, num_stages: tiling (tokens per step) and Triton launch options.
+        block_n, num_warps, num_stages: tiling (tokens per step; default ``default_block_n``) and
+            Triton launch options.
         dequant: ``"triton"`` (portable, runs under the interpreter) or ``"asm"`` (inline PTX,
             CUDA only); default ``default_dequant(device)``.
         variant: ``"v2"`` (default: per-plane dots, fewer integer ops), ``"v1"`` (full-width
@@ -131,14 +157,14 @@ def decode_attention(query: torch.Tensor, pool, block_tables: torch.Tensor, seq_
             decode only; needs ``block_n >= block_size``); see notes/kernels.md.
         prefetch: v3 only: load step ``i + 1`` before computing step ``i`` (default
             ``V3_PREFETCH``).
-        key_mma: ``"f16"`` (default: key codes -> float16, HMMA) or ``"int8"`` (v2 only, opt-in:
-            key codes stay integers and go through int8 tensor cores, IMMA, int32 sums). For
-            ``"int8"`` each program quantizes its rotated, scaled query rows ``[M, D]`` to
-            ``qi = round(q / S_q)``, ``S_q = max|q| / 16255`` (per sequence, KV head and split),
-            held as two int8 digits ``qi = 128 qh + ql``; the keys are their exact centred codes
-            (4-bit: ``16 (code - 8)``, 8-bit: ``code - 128``), so the int32 logits are exact for
-            the ~14-bit query (relative error per q element <= 2**-15 of the row group's max |q|,
-            below float16's 2**-11). Method: SageAttention (Zhang et al. 2024, 2025) quantizes
+        key_mma: ``"int8"`` (default for ``variant="v2"`` with 4- or 8-bit keys: key codes stay integers and go through
+            int8 tensor cores, IMMA, int32 sums) or ``"f16"`` (key codes -> float16, HMMA; the only
+            path of v1 / v3, their default). For ``"int8"`` each program quantizes its rotated, scaled
+            query rows ``[M, D]`` to ``qi = round(q / S_q)``, ``S_q = max|q| / 16255`` (per sequence,
+            KV head and split), held as two int8 digits ``qi = 128 qh + ql``; the keys are their exact
+            centred codes (4-bit: ``16 (code - 8)``, 8-bit: ``code - 128``), so the int32 logits are
+            exact for the ~14-bit query (relative error per q element <= 2**-15 of the row group's
+            max |q|, below float16's 2**-11). Method: SageAttention (Zhang et al. 2024, 2025) quantizes
             Q and K to int8 for attention; here only q is quantized. Values are unchanged.
 
     Returns:
@@ -155,7 +181,8 @@ def decode_attention(query: torch.Tensor, pool, block_tables: torch.Tensor, seq_
     Raises:
         ValueError: wrong shapes/dtypes/devices, unsupported head_dim or GQA group size, a scale
             that is not finite and positive; with ``validate``, bad seq_lens or block ids;
-            ``key_mma`` not in ``KEY_MMAS`` or ``"int8"`` with a variant other than ``"v2"``.
+            ``key_mma`` not in ``KEY_MMAS``, or ``"int8"`` with a variant other than ``"v2"`` or keys
+            other than 4 / 8 bits.
     """
     data = pool_tensor(pool)
     _, hkv = check_pool(data, layout)
@@ -178,12 +205,15 @@ def decode_attention(query: torch.Tensor, pool, block_tables: torch.Tensor, seq_
         out = torch.empty_like(query)
     else:
         check_float("out", out, (b, hq, d), dev)
+    key_mma = resolve_key_mma(key_mma, variant, layout.key_bits)
+    check_key_mma(key_mma, variant, layout.key_bits)
+    if block_n is None:
+        block_n = default_block_n(layout.key_bits, key_mma)
     if block_n not in (16, 32, 64, 128, 256):
         raise ValueError(f"block_n={block_n}; allowed: 16, 32, 64, 128, 256")
     if variant == "v3" and block_n < layout.block_size:
         raise ValueError(f"variant='v3' needs block_n >= block_size, got block_n={block_n}, "
                          f"block_size={layout.block_size}")
-    check_key_mma(key_mma, variant)
     if prefetch is not None and variant != "v3":
         raise ValueError(f"prefetch is a variant='v3' option, got variant={variant!r}")
     if num_splits is None:
