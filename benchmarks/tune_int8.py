@@ -1,0 +1,76 @@
+"""One-call H200 sweep of the decode launch around the int8-key default (k4v4, Qwen3-4B shapes, 128K).
+
+    PYTHONUNBUFFERED=1 PYTHONPATH=. python benchmarks/tune_int8.py --out $OUT
+
+Per configuration (block_n, warps, num_stages, split count relative to ``default_num_splits``): the
+output's relative error against the default configuration's output (same inputs), and the CUDA-graph
+time (``run_h200.time_decode``) at batch 3 and 13, with the ratio to the default measured in the same
+run. Writes ``tune_int8.json`` (provenance, copy bandwidth, rows). Budget ~120 s; rows past it are
+listed as skipped.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import benchmarks.run_h200 as rh  # noqa: E402
+from benchmarks.common import copy_bandwidth, provenance, write_json  # noqa: E402
+from kvrepro.ops import decode_attention  # noqa: E402
+from kvrepro.ops.decode import default_num_splits  # noqa: E402
+
+CTX = 131072
+BATCHES = (3, 13)
+# (block_n, warps, stages, split factor vs the default split count)
+CONFIGS = [(256, 2, 1, 1), (256, 2, 2, 1), (128, 2, 2, 1), (128, 2, 1, 1), (256, 4, 1, 1), (128, 4, 2, 1),
+           (256, 2, 1, 0.5), (256, 2, 1, 2), (64, 2, 2, 1), (64, 1, 2, 1)]
+BUDGET_S = 120.0
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("tune_int8.py needs a CUDA device")
+    t0 = time.time()
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    res = {"provenance": provenance({"script": "benchmarks/tune_int8.py", "ctx": CTX, "preset": "k4v4",
+                                     "key_mma": "int8", "dequant": "asm"}),
+           "copy_bandwidth": copy_bandwidth(), "rows": [], "skipped": []}
+    bw = res["copy_bandwidth"]["GBps_read_plus_write"]
+    for batch in BATCHES:
+        pool, bt, sl, q = rh.decode_setup("k4v4", CTX, batch, gen)
+        s0 = default_num_splits(batch, rh.HKV, bt.shape[1] * rh.BS, q.device)
+        ref = decode_attention(q, pool.data, bt, sl, pool.layout, pool.rotation, rh.D ** -0.5).float()
+        base = None
+        for bn, w, st, f in CONFIGS:
+            if time.time() - t0 > BUDGET_S:
+                res["skipped"].append([batch, bn, w, st, f])
+                continue
+            kw = dict(block_n=bn, num_warps=w, num_stages=st, num_splits=max(1, int(s0 * f)), key_mma="int8")
+            row = {"batch": batch, "block_n": bn, "warps": w, "stages": st, "splits": kw["num_splits"]}
+            try:
+                o = decode_attention(q, pool.data, bt, sl, pool.layout, pool.rotation, rh.D ** -0.5, **kw).float()
+                row["relerr_vs_default"] = float((o - ref).norm() / ref.norm())
+                _, gms, _ = rh.time_decode(pool, bt, sl, q, **kw)
+                row["ms_graph"] = gms
+                row["pct_copy"] = 100 * batch * CTX * rh.HKV * pool.layout.bytes_per_token / gms / 1e6 / bw
+                base = gms if base is None else base
+                row["vs_default"] = gms / base
+            except Exception as e:  # recorded (e.g. out of shared memory), the sweep goes on
+                row["error"] = repr(e)[:300]
+            res["rows"].append(row)
+            print(row, flush=True)
+            write_json(os.path.join(args.out, "tune_int8.json"), res)
+        del pool
+        torch.cuda.empty_cache()
+    print(f"total {time.time() - t0:.0f} s; skipped {res['skipped']}")
+
+
+if __name__ == "__main__":
+    main()
