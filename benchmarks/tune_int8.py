@@ -11,6 +11,7 @@ listed as skipped.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -34,21 +35,25 @@ BUDGET_S = 120.0
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+    ap.add_argument("--configs", default="", help="JSON list of [block_n, warps, stages, split factor]; the first "
+                    "is the baseline of vs_default (default: CONFIGS)")
+    ap.add_argument("--preset", default="k4v4")
     args = ap.parse_args()
+    configs = [tuple(c) for c in json.loads(args.configs)] if args.configs else CONFIGS
     if not torch.cuda.is_available():
         sys.exit("tune_int8.py needs a CUDA device")
     t0 = time.time()
     gen = torch.Generator(device="cuda").manual_seed(11)
-    res = {"provenance": provenance({"script": "benchmarks/tune_int8.py", "ctx": CTX, "preset": "k4v4",
+    res = {"provenance": provenance({"script": "benchmarks/tune_int8.py", "ctx": CTX, "preset": args.preset,
                                      "key_mma": "int8", "dequant": "asm"}),
            "copy_bandwidth": copy_bandwidth(), "rows": [], "skipped": []}
     bw = res["copy_bandwidth"]["GBps_read_plus_write"]
     for batch in BATCHES:
-        pool, bt, sl, q = rh.decode_setup("k4v4", CTX, batch, gen)
+        pool, bt, sl, q = rh.decode_setup(args.preset, CTX, batch, gen)
         s0 = default_num_splits(batch, rh.HKV, bt.shape[1] * rh.BS, q.device)
         ref = decode_attention(q, pool.data, bt, sl, pool.layout, pool.rotation, rh.D ** -0.5).float()
         base = None
-        for bn, w, st, f in CONFIGS:
+        for bn, w, st, f in configs:
             if time.time() - t0 > BUDGET_S:
                 res["skipped"].append([batch, bn, w, st, f])
                 continue
