@@ -83,8 +83,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="k4v4", choices=[f for f in FORMAT_NAMES if f not in ("bf16", "fp8")])
     ap.add_argument("--dequant", default="asm", choices=decode.DEQUANT_MODES, help="default: the CUDA default")
-    ap.add_argument("--block-n", type=int, default=decode.DECODE_BLOCK_N)
-    ap.add_argument("--warps", type=int, default=decode.DECODE_WARPS, choices=(1, 2, 4, 8))
+    ap.add_argument("--block-n", type=int, default=None, help="default: decode.default_launch for the preset")
+    ap.add_argument("--warps", type=int, default=None, choices=(1, 2, 4, 8),
+                    help="default: decode.default_launch for the preset")
     ap.add_argument("--head-dim", type=int, default=128, choices=(64, 128))
     ap.add_argument("--q-heads", type=int, default=32)
     ap.add_argument("--kv-heads", type=int, default=8)
@@ -93,6 +94,9 @@ def main(argv=None) -> int:
                     help="key dot products: float16 (HMMA) or int8 (IMMA) tensor cores")
     ap.add_argument("--top", type=int, default=16, help="opcodes shown")
     a = ap.parse_args(argv)
+    bn, w = decode.default_launch(get_format(a.preset).key_bits, a.key_mma)
+    a.block_n = bn if a.block_n is None else a.block_n
+    a.warps = w if a.warps is None else a.warps
     if a.block_n < 16 or a.block_n & (a.block_n - 1):
         ap.error(f"--block-n must be a power of two >= 16, got {a.block_n}")
     if a.q_heads % a.kv_heads:

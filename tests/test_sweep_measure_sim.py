@@ -167,7 +167,7 @@ def test_measure_mode_on_a_simulated_engine(tmp_path, monkeypatch):
     from kvrepro.accuracy_vllm import src_sha256
     from kvrepro.ops import decode as dec
     assert ks["decode_dequant"] == dec.default_dequant(torch.device("cuda")) == "asm"
-    assert (ks["decode_block_n"], ks["decode_num_warps"]) == (dec.DECODE_BLOCK_N, dec.DECODE_WARPS) == (256, 2)
+    assert (ks["decode_block_n"], ks["decode_num_warps"]) == dec.default_launch(4, "int8") == (256, 4)
     assert ks["decode_key_mma"] == dec.DEFAULT_KEY_MMA == "int8"  # k4v4, the default preset
     assert ks["kvrepro_src_sha256"] == full["kvrepro_src_sha256"] == src_sha256() and len(src_sha256()) == 64
     assert all(r["kvrepro_settings"] == ks for r in rows)  # every row of the mode, edge and abort windows too

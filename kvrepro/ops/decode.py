@@ -25,8 +25,11 @@ KEY_MMAS = ("f16", "int8")
 # at B=13; run 9, 2026-11-30 05:10 UTC, benchmarks/results/h200_run9_key_mma). Default for variant "v2";
 # v1 / v3 have only the "f16" path.
 DEFAULT_KEY_MMA = "int8"
-# int8 keys with 8-bit codes (k8v4): block_n 256 spills 160 B of stack; 128 was 14-18% faster in run 9.
-DECODE_BLOCK_N_I8_8BIT = 128
+# Launch (block_n, num_warps) of the int8 key path per key width, H200 runs 9 and 11 (notes/kernels.md):
+# 4-bit keys: block_n 256 with 4 warps, 0.90x the time of 2 warps at 128K x 13 and 0.955x at 128K x 3;
+# 8-bit keys (k8v4): block_n 256 spills 160 B of stack, block_n 128 with 2 warps was 14-18% faster
+# than 256 and 6% faster than 128 with 4 warps.
+DECODE_LAUNCH_I8 = {4: (256, 4), 8: (128, 2)}
 V3_PREFETCH = True   # v3: issue the loads of step i + 1 before the math of step i
 # v2 (split-plane dot products) is verified at full size on the H200 (run 2, 2026-11-29: relerr
 # 2.8e-4 vs float64 over the dequantized cache, every preset) and is 19-24% faster than v1 at 128K
@@ -71,10 +74,12 @@ def resolve_key_mma(key_mma: str | None, variant: str, key_bits: int) -> str:
     return DEFAULT_KEY_MMA if variant == "v2" and key_bits in I8_KEY_BITS else "f16"
 
 
-def default_block_n(key_bits: int, key_mma: str) -> int:
-    """Tokens per decode step: ``DECODE_BLOCK_N``, except ``DECODE_BLOCK_N_I8_8BIT`` for 8-bit keys
-    through int8 tensor cores (no register spill there; H200 run 9)."""
-    return DECODE_BLOCK_N_I8_8BIT if key_mma == "int8" and key_bits == 8 else DECODE_BLOCK_N
+def default_launch(key_bits: int, key_mma: str) -> tuple[int, int]:
+    """``(block_n, num_warps)`` of the decode launch: ``DECODE_LAUNCH_I8`` for the int8 key path,
+    else ``(DECODE_BLOCK_N, DECODE_WARPS)`` (the float16 key path's best, H200 runs 4-5)."""
+    if key_mma == "int8" and key_bits in DECODE_LAUNCH_I8:
+        return DECODE_LAUNCH_I8[key_bits]
+    return DECODE_BLOCK_N, DECODE_WARPS
 
 
 def check_key_mma(key_mma: str, variant: str, key_bits: int | None = None) -> None:
@@ -127,7 +132,7 @@ def decode_attention(query: torch.Tensor, pool, block_tables: torch.Tensor, seq_
                      layout: PageLayout, rotation: torch.Tensor, scale: float,
                      out: torch.Tensor | None = None, num_splits: int | None = None,
                      workspace: torch.Tensor | None = None, *, block_n: int | None = None,
-                     num_warps: int = DECODE_WARPS, num_stages: int = DECODE_STAGES,
+                     num_warps: int | None = None, num_stages: int = DECODE_STAGES,
                      dequant: str | None = None, variant: str = DEFAULT_VARIANT,
                      prefetch: bool | None = None, key_mma: str | None = None,
                      validate: bool | None = None) -> torch.Tensor:
@@ -148,8 +153,8 @@ def decode_attention(query: torch.Tensor, pool, block_tables: torch.Tensor, seq_
         out: optional ``[B, Hq, D]`` output (query dtype); written in place.
         num_splits: splits per sequence; default ``default_num_splits`` (shape-only).
         workspace: optional float32 tensor of >= ``decode_workspace_numel(B, Hq, D, S)`` elements.
-        block_n, num_warps, num_stages: tiling (tokens per step; default ``default_block_n``) and
-            Triton launch options.
+        block_n, num_warps, num_stages: tiling (tokens per step) and Triton launch options;
+            ``block_n`` / ``num_warps`` default to ``default_launch(layout.key_bits, key_mma)``.
         dequant: ``"triton"`` (portable, runs under the interpreter) or ``"asm"`` (inline PTX,
             CUDA only); default ``default_dequant(device)``.
         variant: ``"v2"`` (default: per-plane dots, fewer integer ops), ``"v1"`` (full-width
@@ -207,8 +212,9 @@ def decode_attention(query: torch.Tensor, pool, block_tables: torch.Tensor, seq_
         check_float("out", out, (b, hq, d), dev)
     key_mma = resolve_key_mma(key_mma, variant, layout.key_bits)
     check_key_mma(key_mma, variant, layout.key_bits)
-    if block_n is None:
-        block_n = default_block_n(layout.key_bits, key_mma)
+    launch = default_launch(layout.key_bits, key_mma)
+    block_n = launch[0] if block_n is None else block_n
+    num_warps = launch[1] if num_warps is None else num_warps
     if block_n not in (16, 32, 64, 128, 256):
         raise ValueError(f"block_n={block_n}; allowed: 16, 32, 64, 128, 256")
     if variant == "v3" and block_n < layout.block_size:

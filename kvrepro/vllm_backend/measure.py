@@ -90,8 +90,8 @@ def kvrepro_settings(dequant: str | None = None) -> dict:
 
     ``decode_dequant``: the decode kernel's dequant mode (``kvrepro.ops.decode.default_dequant`` on the
     CUDA device the backend runs on, which passes none; ``dequant`` overrides it); ``decode_block_n`` /
-    ``decode_num_warps`` / ``decode_key_mma``: ``decode.default_block_n`` / ``DECODE_WARPS`` /
-    ``decode.resolve_key_mma`` for the preset in use (the backend passes no tiling and no key path);
+    ``decode_num_warps`` / ``decode_key_mma``: ``decode.default_launch`` / ``decode.resolve_key_mma``
+    for the preset in use (the backend passes no tiling and no key path);
     ``kvrepro_src_sha256``: ``kvrepro.accuracy_vllm.src_sha256`` (SHA-256 over the package's .py files,
     the same field accuracy_vllm rows record) so the code that ran is identified even off git HEAD."""
     import torch
@@ -106,8 +106,9 @@ def kvrepro_settings(dequant: str | None = None) -> dict:
 
     key_bits = get_format(cfg.resolve_preset()).key_bits
     mma = decode.resolve_key_mma(None, decode.DEFAULT_VARIANT, key_bits)
+    block_n, warps = decode.default_launch(key_bits, mma)
     return {"decode_variant": decode.DEFAULT_VARIANT, "decode_dequant": dq, "decode_key_mma": mma,
-            "decode_block_n": decode.default_block_n(key_bits, mma), "decode_num_warps": decode.DECODE_WARPS,
+            "decode_block_n": block_n, "decode_num_warps": warps,
             "prefill": cfg.resolve_prefill(), "store_rotate": cfg.resolve_store_rotate(),
             "warmup": cfg.resolve_warmup(), "num_splits": cfg.resolve_num_splits() or "runtime.decode_splits",
             "kvrepro_src_sha256": src_sha256()}
