@@ -84,10 +84,10 @@ def correctness(gen) -> dict:
     return res
 
 
-def timing(gen, copy_bw, skipped) -> list:
+def timing(gen, copy_bw, skipped, batches=BATCHES) -> list:
     rows = []
     for preset in ("k4v4", "k8v4"):
-        for batch in BATCHES:
+        for batch in batches:
             if time.time() - T0 > BUDGET_S:
                 skipped.append(f"timing {preset} B={batch}")
                 continue
@@ -115,6 +115,8 @@ def timing(gen, copy_bw, skipped) -> list:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+    ap.add_argument("--batches", type=int, nargs="*", default=list(BATCHES),
+                    help="batch sizes timed (none: correctness only)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("check_key_mma.py needs a CUDA device (H200); none found")
@@ -133,7 +135,7 @@ def main():
         print("correctness FAILED", repr(e), flush=True)
     print(f"correctness done {time.time() - T0:.0f} s", flush=True)
     write_json(path, res)
-    res["decode"] = timing(torch.Generator(device=DEV).manual_seed(7), copy_bw, res["skipped"])
+    res["decode"] = timing(torch.Generator(device=DEV).manual_seed(7), copy_bw, res["skipped"], args.batches)
     res["graph_mismatch"] = rh.RESULTS.get("graph_mismatch", [])
     res["total_s"] = time.time() - T0
     write_json(path, res)
