@@ -94,12 +94,14 @@ def check_key_mma(key_mma: str, variant: str, key_bits: int | None = None) -> No
 
 
 def v2_decode_constexprs(layout: PageLayout, num_kv_heads: int, group: int, block_n: int,
-                         key_mma: str = DEFAULT_KEY_MMA) -> dict:
+                         key_mma: str | None = None) -> dict:
     """The constexprs ``decode_attention`` launches the v2 kernel (``paged_attn_kernel``) with, besides
     ``DEQ_ASM`` (from ``attention_kernel``): one query token per sequence, the GQA group padded to a
     power of two and to >= 16 rows for ``tl.dot``, split output, and ``KEY_I8`` for ``key_mma="int8"``.
     Also used by the offline SASS count (benchmarks/sass_loop_mix.py), so that it compiles exactly
-    what runs. Raises ValueError for a ``key_mma`` not in ``KEY_MMAS``."""
+    what runs. ``key_mma`` None = ``resolve_key_mma`` (int8 for 4- and 8-bit keys, else f16). Raises
+    ValueError as ``check_key_mma``."""
+    key_mma = resolve_key_mma(key_mma, "v2", layout.key_bits)
     check_key_mma(key_mma, "v2", layout.key_bits)
     gp = next_pow2(group)
     return dict(G=group, GP=gp, **page_constexprs(layout, num_kv_heads), BLOCK_Q=1, BLOCK_M=max(16, gp),
@@ -165,11 +167,12 @@ def decode_attention(query: torch.Tensor, pool, block_tables: torch.Tensor, seq_
         key_mma: ``"int8"`` (default for ``variant="v2"`` with 4- or 8-bit keys: key codes stay integers and go through
             int8 tensor cores, IMMA, int32 sums) or ``"f16"`` (key codes -> float16, HMMA; the only
             path of v1 / v3, their default). For ``"int8"`` each program quantizes its rotated, scaled
-            query rows ``[M, D]`` to ``qi = round(q / S_q)``, ``S_q = max|q| / 16255`` (per sequence,
-            KV head and split), held as two int8 digits ``qi = 128 qh + ql``; the keys are their exact
-            centred codes (4-bit: ``16 (code - 8)``, 8-bit: ``code - 128``), so the int32 logits are
-            exact for the ~14-bit query (relative error per q element <= 2**-15 of the row group's
-            max |q|, below float16's 2**-11). Method: SageAttention (Zhang et al. 2024, 2025) quantizes
+            query rows ``[M, D]`` to ``qi = round(q / S_q)``, ``S_q = max|q| / 16255`` per query head
+            (and sequence and split), held as two int8 digits ``qi = 128 qh + ql``; the keys are their
+            exact centred codes (4-bit: ``16 (code - 8)``, 8-bit: ``code - 128``), so the int32 logits
+            are exact for the ~14-bit query (absolute error per q element <= 2**-15 of that head's
+            max |q|; float16 rounds each element to 2**-11 of itself, so elements smaller than
+            ~1/16 of the head's max keep fewer bits than in float16). Method: SageAttention (Zhang et al. 2024, 2025) quantizes
             Q and K to int8 for attention; here only q is quantized. Values are unchanged.
 
     Returns:
@@ -215,7 +218,7 @@ def decode_attention(query: torch.Tensor, pool, block_tables: torch.Tensor, seq_
     launch = default_launch(layout.key_bits, key_mma)
     block_n = launch[0] if block_n is None else block_n
     num_warps = launch[1] if num_warps is None else num_warps
-    if block_n not in (16, 32, 64, 128, 256):
+    if not isinstance(block_n, int) or isinstance(block_n, bool) or block_n not in (16, 32, 64, 128, 256):
         raise ValueError(f"block_n={block_n}; allowed: 16, 32, 64, 128, 256")
     if variant == "v3" and block_n < layout.block_size:
         raise ValueError(f"variant='v3' needs block_n >= block_size, got block_n={block_n}, "

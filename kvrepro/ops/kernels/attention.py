@@ -20,10 +20,10 @@ dequantization is folded in (per token ``k = code * s + z``, ``v = (code - c) * 
 Accumulation is float32 (online softmax, Milakov & Gimelshein 2018; FlashAttention, Dao et al.
 2022); the split-K merge follows FlashDecoding (Dao et al. 2023).
 
-``KEY_I8`` (decode only, opt-in): the key dot products run on int8 tensor cores instead
-(SageAttention, Zhang et al. 2024/2025, quantizes Q and K to int8 for attention; here the keys
-are their exact codes and q is two int8 digits, ~14 bits). Per program
-``S_q = max|q| / 16255``, ``qi = round(q / S_q)`` = ``128 qh + ql`` (``qh`` in [-127, 127],
+``KEY_I8`` (decode only; the default of ``decode_attention`` for 4- and 8-bit keys): the key dot
+products run on int8 tensor cores instead (SageAttention, Zhang et al. 2024/2025, quantizes Q and K
+to int8 for attention; here the keys are their exact codes and q is two int8 digits, ~14 bits). Per
+query row (one query head) ``S_q = max|q| / 16255``, ``qi = round(q / S_q)`` = ``128 qh + ql`` (``qh`` in [-127, 127],
 ``ql`` in [-64, 63]); key plane ``i`` as int8 is ``m (code_i - c)`` (4-bit: m 16, c 8, one
 ``lop3`` per 4 codes; 8-bit: m 1, c 128, one ``xor``). The int32 sum
 ``acc = 128 qh.P + ql.P = m qi.code - m c sum(qi)`` is exact, and with ``q^ = S_q qi``::
@@ -143,21 +143,22 @@ def _key_planes_i8(kc, KBITS: tl.constexpr, ASM: tl.constexpr):
 
 @triton.jit
 def _query_digits(qrow, qmask, dk, KP: tl.constexpr, KBITS: tl.constexpr):
-    """int8 query digits for ``KEY_I8``: ``S_q = max|q| / 16255`` over the program's (valid) rows
-    and all channels (1 if q is all zero), ``qi = round(q / S_q)`` in [-16255, 16255] split as
+    """int8 query digits for ``KEY_I8``: ``S_q = max|q| / 16255`` per row (query head) over all
+    channels (1 for an all-zero or masked row), so a head with a small norm keeps its 14 bits next to
+    a large one of the same GQA group, ``qi = round(q / S_q)`` in [-16255, 16255] split as
     ``qi = 128 qh + ql`` with ``qh = floor((qi + 64) / 128)`` in [-127, 127] and ``ql`` in [-64, 63].
     Returns ``(qh0, qh1, ql0, ql1, qsum, s_q)``: int8 [M, KP] per key plane (plane 1 = plane 0 for
-    8-bit keys), ``qsum = S_q sum(qi)`` float32 [M] and the scalar ``S_q``."""
+    8-bit keys), ``qsum = S_q sum(qi)`` float32 [M] and ``S_q`` float32 [M]."""
     NPK: tl.constexpr = 8 // KBITS
     tl.static_assert(NPK <= 2, "KEY_I8 supports 4- and 8-bit keys")
     q0 = tl.load(qrow + dk[None, :], mask=qmask, other=0.0).to(tl.float32)
-    amax = tl.max(tl.max(tl.abs(q0), axis=1), axis=0)
+    amax = tl.max(tl.abs(q0), axis=1)
     q1 = q0
     if NPK > 1:
         q1 = tl.load(qrow + KP + dk[None, :], mask=qmask, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.max(tl.max(tl.abs(q1), axis=1), axis=0))
+        amax = tl.maximum(amax, tl.max(tl.abs(q1), axis=1))
     s_q = tl.where(amax > 0, amax * (1.0 / 16255.0), 1.0)
-    inv = 1.0 / s_q
+    inv = (1.0 / s_q)[:, None]
     qi0 = tl.floor(q0 * inv + 0.5).to(tl.int32)      # |q * inv| <= 16255 (1 ulp): no overflow of 16255
     qh0 = (qi0 + 64) >> 7                             # arithmetic shift = floor
     ql0 = qi0 - (qh0 << 7)
@@ -179,7 +180,8 @@ def _qk_i8(kc, qh0, qh1, ql0, ql1, KBITS: tl.constexpr, ASM: tl.constexpr):
     ``[N, KP]`` u8: two independent int32 tensor-core chains (high and low digits; two chains let
     the IMMAs of one fill the other's dependency stalls), combined as ``128 hi + lo``.
     Bound: |qh|, |P| <= 128 over D <= 128 channels: |qh.P| <= 2^21, x 128 <= 2^28; |ql.P| <= 2^20;
-    |acc| < 2^28.1 < 2^31 (the s32 mma saturates, so it must not get near that)."""
+    |acc| < 2^28.1 < 2^31 (Triton 3.6 emits ``mma ... .satfinite.s32``, which would clip, not wrap,
+    past that)."""
     p0, p1 = _key_planes_i8(kc, KBITS, ASM)
     hi = tl.dot(qh0, tl.trans(p0), out_dtype=tl.int32)
     lo = tl.dot(ql0, tl.trans(p0), out_dtype=tl.int32)
@@ -416,10 +418,11 @@ def paged_attn_kernel(
         km = (page + K_META_OFF + t_in * 4).to(tl.pointer_type(tl.float16))
         ks = tl.load(km, mask=n_ok, other=0.0).to(tl.float32)
         kz = tl.load(km + 1, mask=n_ok, other=0.0).to(tl.float32)
-        if KEY_I8:                           # s = (S_q/m) ks acc + S_q sum(qi) (c ks + kz)
+        if KEY_I8:                           # s = (S_q/m) ks acc + S_q sum(qi) (c ks + kz), S_q per row
             kz = kz + KC * ks
-            ks = ks * k_mul
-        s = qk * ks[None, :] + qsum[:, None] * kz[None, :]
+            s = qk * k_mul[:, None] * ks[None, :] + qsum[:, None] * kz[None, :]
+        else:
+            s = qk * ks[None, :] + qsum[:, None] * kz[None, :]
         vis = n_ok[None, :] & (n[None, :] <= qpos[:, None])
         s = tl.where(vis, s, float("-inf"))
         m_new, alpha, p = _online_softmax(s, m_i)
