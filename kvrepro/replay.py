@@ -170,7 +170,9 @@ def workload_mismatch(df, context_tokens: int, decode_tokens: int, gpu_memory_gb
             "measure this workload.")
 
 
-WORKLOAD_KEYS = ("gpu", "gpu_memory_gb", "prompt_tokens", "decode_tokens")  # a baseline from another file must match these
+# What a ratio's two rows must share to be a like-for-like comparison (those present in the data).
+WORKLOAD_KEYS = ("gpu", "gpu_memory_gb", "model", "prompt_tokens", "decode_tokens", "vllm_version", "load_format",
+                 "enable_prefix_caching")
 
 
 def _source_column(df) -> str | None:
@@ -237,11 +239,13 @@ def _baseline(cap, name: str):
 def ratios(cap):
     """Capacity and throughput ratios vs bf16 (or fp16/auto) and fp8, per source when ``cap`` has one.
 
-    A result file without its own bf16 / fp8 rows (e.g. a re-measure of one kvrepro mode after a kernel
-    change) takes that baseline from another file of the same workload (equal ``WORKLOAD_KEYS``: GPU,
-    memory budget, prompt and decode tokens); the latest such file by name wins, and the column
-    ``baseline_from`` says where each row's baselines came from ("same file" or the other file), so a
-    cross-run ratio is never shown as a same-run one.
+    Each row's baseline is the bf16 / fp8 row of its own source. A result file without one (e.g. a
+    re-measure of one kvrepro mode after a kernel change) takes it from another file whose baseline
+    row has the same ``WORKLOAD_KEYS`` as the row (GPU, budget, model, prompt and decode tokens, vLLM
+    version, load format, prefix caching); the latest such file by name wins. The column
+    ``baseline_from`` says, per row, where its baselines came from: "same file" (or "same source" for
+    reference data), "other run: <file>", and "(workload differs: <keys>)" when a same-source baseline
+    ran another workload, so a cross-run or unlike ratio is never shown as a like-for-like one.
 
     Args:
         cap: output of :func:`max_clean_capacity`.
@@ -253,44 +257,55 @@ def ratios(cap):
     import pandas as pd
 
     src = _source_column(cap)
+    keys = [c for c in WORKLOAD_KEYS if c in cap.columns]
+    same = "same source" if src == "source" else "same file"
     parts = [cap] if src is None or not len(cap) else [g for _, g in cap.groupby(src, sort=False)]
     out = []
     for g in parts:
         g = g.copy()
-        froms = []
+        notes = {i: [] for i in g.index}
         for name in ("bf16", "fp8"):
-            base, origin = _baseline(g, name), "same file"
-            if base is None and src is not None:
-                base, origin = _borrowed_baseline(cap, g, src, name)
-            if base is not None:
-                froms.append(origin if origin == "same file" else f"other run: {Path(origin).name}")
-            for col, ref in (("users", "max_clean_users"), ("tok_s", "aggregate_decode_tok_s")):
-                denom = float(base[ref]) if base is not None and not pd.isna(base[ref]) else float("nan")
-                num = g[ref].astype("float64")  # <NA> (sizing-only modes) -> NaN
-                g[f"{col}_vs_{name}"] = num / denom if denom and not math.isnan(denom) else float("nan")
+            own = _baseline(g, name)
+            for col in ("users", "tok_s"):
+                g[f"{col}_vs_{name}"] = float("nan")
+            for i, row in g.iterrows():
+                base, origin = own, same
+                if base is None and src is not None:
+                    base, origin = _borrowed_baseline(cap, row, src, name, keys)
+                if base is None:
+                    continue
+                differ = [c for c in keys if not _same_value(row[c], base[c])]
+                notes[i].append(origin + (f" (workload differs: {', '.join(differ)})" if differ else ""))
+                for col, ref in (("users", "max_clean_users"), ("tok_s", "aggregate_decode_tok_s")):
+                    num, den = row[ref], base[ref]
+                    if not pd.isna(num) and not pd.isna(den) and float(den):
+                        g.loc[i, f"{col}_vs_{name}"] = float(num) / float(den)
         if src is not None:
-            g["baseline_from"] = "; ".join(dict.fromkeys(froms)) or "none"
+            g["baseline_from"] = ["; ".join(dict.fromkeys(notes[i])) or "none" for i in g.index]
         out.append(g)
     return pd.concat(out, ignore_index=True)
 
 
-def _borrowed_baseline(cap, g, src: str, name: str):
-    """``(row, source)`` of baseline ``name`` from another source of ``cap`` with the same workload as
-    ``g`` (every ``WORKLOAD_KEYS`` column present in ``cap`` equal), the latest source by name; else
-    ``(None, None)``."""
-    keys = [c for c in WORKLOAD_KEYS if c in cap.columns]
+def _same_value(a, b) -> bool:
+    import pandas as pd
+
+    return (pd.isna(a) and pd.isna(b)) or (not pd.isna(a) and not pd.isna(b) and a == b)
+
+
+def _borrowed_baseline(cap, row, src: str, name: str, keys):
+    """``(row, "other run: <file>")`` of baseline ``name`` from another source of ``cap`` whose
+    baseline has the same ``keys`` values as ``row``, the latest source by name; else ``(None, None)``."""
     if not keys:
         return None, None
-    want = g[keys].drop_duplicates()
-    if len(want) != 1:
-        return None, None
-    others = cap[cap[src] != g[src].iloc[0]]
+    import pandas as pd
+
+    others = cap[cap[src] != row[src]]
     for c in keys:
-        others = others[others[c] == want[c].iloc[0]]
+        others = others[pd.Series([_same_value(v, row[c]) for v in others[c]], index=others.index, dtype=bool)]
     for source in sorted(others[src].unique(), reverse=True):
         base = _baseline(others[others[src] == source], name)
         if base is not None:
-            return base, str(source)
+            return base, f"other run: {Path(str(source)).name}"
     return None, None
 
 

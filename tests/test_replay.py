@@ -206,3 +206,18 @@ def test_baseline_borrowed_only_from_a_matching_workload_and_labelled(tmp_path):
     assert math.isnan(other["tok_s_vs_fp8"]) and other["baseline_from"] == "none"
     same = cap[cap["mode"] == "fp8"].iloc[0]
     assert same["baseline_from"] == "same file" and same["tok_s_vs_bf16"] == pytest.approx(240 / 150)
+
+
+def test_borrowing_needs_the_same_model_and_vllm_and_unlike_rows_are_labelled(tmp_path):
+    """No baseline is borrowed from a run of another model or vLLM version; a same-file baseline that ran
+    another workload is named as such in ``baseline_from``."""
+    write(tmp_path / "a.jsonl", sweep_rows() + [row("tq", 2, 30.0, prompt_tokens=132_032, decode_tokens=64)])
+    write(tmp_path / "b.jsonl", [row("kvrepro:k4v4", 13, 480.0, run_id="t2", model="other-70b")])
+    write(tmp_path / "c.jsonl", [row("kvrepro:k4v4", 13, 480.0, run_id="t3", vllm_version="0.9.0")])
+    cap = replay.ratios(replay.max_clean_capacity(replay.load_results(tmp_path)))
+    for f in ("b.jsonl", "c.jsonl"):
+        r = cap[cap["source_file"] == str(tmp_path / f)].iloc[0]
+        assert math.isnan(r["tok_s_vs_fp8"]) and r["baseline_from"] == "none"
+    tq = cap[cap["mode"] == "tq"].iloc[0]
+    assert tq["tok_s_vs_fp8"] == pytest.approx(30 / 240)
+    assert tq["baseline_from"] == "same file (workload differs: prompt_tokens, decode_tokens)"
