@@ -465,6 +465,9 @@ def target_check(df: pd.DataFrame, baseline: str = BASELINE, min_baseline: float
     JUDGED) and ``reason``. NOT JUDGED when the format is the baseline itself (never compared with
     itself), when the baseline's accuracy over the variant is below ``min_variant_baseline`` (the
     comparison is noise, as ``verdict`` says), or when no cell has the baseline >= ``min_baseline``.
+    With a ``prompt_sha256`` column, also the paired prompt counts over the judged cells (the same
+    prompt in both formats): ``prompts_lost`` (right with the baseline, wrong with the format) and
+    ``prompts_gained`` (the reverse); the verdict itself is the cell rule above.
     """
     d = df.copy()
     if "variant" not in d:
@@ -490,7 +493,17 @@ def target_check(df: pd.DataFrame, baseline: str = BASELINE, min_baseline: float
         else:
             verdict = "NOT MET" if worse else "MET"
             reason = f"{len(judged) - len(worse)}/{len(judged)} judged cells match {baseline}"
+        lost = gained = float("nan")
+        if "prompt_sha256" in d and judged:
+            keyed = d[d["variant"] == var].set_index(cell)
+            on = keyed.index.isin(judged)
+            mine = keyed[on & (keyed["format"] == fmt).to_numpy()].set_index("prompt_sha256")["correct"]
+            ref = keyed[on & (keyed["format"] == baseline).to_numpy()].set_index("prompt_sha256")["correct"]
+            both = mine.index.intersection(ref.index)
+            lost = int(((ref[both] == 1) & (mine[both] == 0)).sum())
+            gained = int(((ref[both] == 0) & (mine[both] == 1)).sum())
         rows.append(dict(format=fmt, variant=var, cells_judged=len(judged), cells_matched=len(judged) - len(worse),
+                         prompts_lost=lost, prompts_gained=gained,
                          cells_worse=[f"{c[1]}/{c[2]}" for c in worse],
                          accuracy=float(s.mean()), baseline_accuracy=float(base[shared].mean()) if shared else float("nan"),
                          verdict=verdict, meets={"MET": True, "NOT MET": False}.get(verdict), reason=reason))
@@ -499,7 +512,8 @@ def target_check(df: pd.DataFrame, baseline: str = BASELINE, min_baseline: float
 
 def target_line(t: pd.DataFrame, fmt: str = "k4v4") -> str:
     """One line per variant of ``target_check``'s verdict for ``fmt``, e.g.
-    "single: MET (24/24 judged cells); multi: NOT JUDGED (bf16 50% < 90% over this variant: ...)"."""
+    "single: MET (24/24 judged cells; prompts lost / gained vs bf16: 0 / 1); multi: NOT JUDGED (bf16 50%
+    < 90% over this variant: ...)"."""
     if fmt not in t.index.get_level_values(0):
         return f"no {fmt} rows"
     parts = []
@@ -507,8 +521,11 @@ def target_line(t: pd.DataFrame, fmt: str = "k4v4") -> str:
         if r["verdict"] == "NOT JUDGED":
             parts.append(f"{v}: NOT JUDGED ({r['reason']})")
         else:
+            paired = "" if pd.isna(r.get("prompts_lost", float("nan"))) else \
+                f"; prompts lost / gained vs {BASELINE}: {int(r['prompts_lost'])} / {int(r['prompts_gained'])}"
             parts.append(f"{v}: {r['verdict']} ({r['cells_matched']}/{r['cells_judged']} judged cells"
-                         + (f", below {BASELINE} at {', '.join(r['cells_worse'])}" if r["cells_worse"] else "") + ")")
+                         + (f", below {BASELINE} at {', '.join(r['cells_worse'])}" if r["cells_worse"] else "")
+                         + paired + ")")
     return "; ".join(parts)
 
 

@@ -1,6 +1,7 @@
 """kvrepro.accuracy: parameter validation (fail fast, naming the parameter), the per-format
 summary against hand-computed values, a tiny real run of SmolLM2 in two formats, and notebook 03's
 parameters (field-faults row 12)."""
+import math
 import pathlib
 
 import pandas as pd
@@ -171,8 +172,10 @@ def test_target_check_judges_only_cells_where_bf16_is_at_least_95_percent():
     assert k["verdict"] == "NOT JUDGED" and k["meets"] is None and k["cells_judged"] == 0 and "no cell" in k["reason"]
     # the baseline is never judged against itself
     assert (t.loc["bf16", "verdict"] == "NOT JUDGED").all() and t.loc["bf16", "meets"].isna().all()
-    assert accuracy.target_line(t) == "multi: NOT JUDGED (no cell with bf16 >= 95%); single: MET (1/1 judged cells)"
-    assert accuracy.target_line(t, "k4v2") == "single: NOT MET (0/1 judged cells, below bf16 at 1024/0.0)"
+    assert accuracy.target_line(t) == ("multi: NOT JUDGED (no cell with bf16 >= 95%); single: MET (1/1 judged cells; "
+                                       "prompts lost / gained vs bf16: 0 / 0)")
+    assert accuracy.target_line(t, "k4v2") == ("single: NOT MET (0/1 judged cells, below bf16 at 1024/0.0; "
+                                               "prompts lost / gained vs bf16: 1 / 0)")
     # default: bf16 at 75% over the single variant (< 90%): the comparison is noise, so not judged
     d = accuracy.target_check(pd.DataFrame(rows))
     assert d.loc[("k4v4", "single"), "verdict"] == "NOT JUDGED" and d.loc[("k4v4", "single"), "meets"] is None
@@ -341,3 +344,14 @@ def test_committed_default_results_are_protected_from_the_ci_grid():
     p = AccuracyParams.from_dict(ci | dict(results_path="results/accuracy/03_default.csv"))
     with pytest.raises(ValueError, match="results_path 'results/accuracy/03_default.csv'"):
         accuracy.check_overwrite(p, p.results_path)
+
+
+def test_target_check_counts_paired_prompts_lost_and_gained_on_judged_cells():
+    rows = (_cells("bf16", {(1024, 0.0): [1, 1, 1, 1], (2048, 0.0): [1, 1, 1, 1], (4096, 0.0): [0, 1, 0, 0]})
+            + _cells("k4v4", {(1024, 0.0): [1, 0, 1, 1], (2048, 0.0): [1, 1, 1, 1], (4096, 0.0): [1, 1, 1, 1]}))
+    t = accuracy.target_check(pd.DataFrame(rows), min_variant_baseline=0.0)
+    k = t.loc[("k4v4", "single")]
+    assert k["verdict"] == "NOT MET" and k["cells_judged"] == 2          # 4096 is not judged (bf16 25%)
+    assert (k["prompts_lost"], k["prompts_gained"]) == (1, 0)            # 4096's gains are outside judged cells
+    no_hash = accuracy.target_check(pd.DataFrame(rows).drop(columns="prompt_sha256"), min_variant_baseline=0.0)
+    assert math.isnan(no_hash.loc[("k4v4", "single"), "prompts_lost"])
