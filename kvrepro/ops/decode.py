@@ -164,16 +164,17 @@ def decode_attention(query: torch.Tensor, pool, block_tables: torch.Tensor, seq_
             decode only; needs ``block_n >= block_size``); see notes/kernels.md.
         prefetch: v3 only: load step ``i + 1`` before computing step ``i`` (default
             ``V3_PREFETCH``).
-        key_mma: ``"int8"`` (default for ``variant="v2"`` with 4- or 8-bit keys: key codes stay integers and go through
-            int8 tensor cores, IMMA, int32 sums) or ``"f16"`` (key codes -> float16, HMMA; the only
-            path of v1 / v3, their default). For ``"int8"`` each program quantizes its rotated, scaled
-            query rows ``[M, D]`` to ``qi = round(q / S_q)``, ``S_q = max|q| / 16255`` per query head
-            (and sequence and split), held as two int8 digits ``qi = 128 qh + ql``; the keys are their
-            exact centred codes (4-bit: ``16 (code - 8)``, 8-bit: ``code - 128``), so the int32 logits
-            are exact for the ~14-bit query (absolute error per q element <= 2**-15 of that head's
-            max |q|; float16 rounds each element to 2**-11 of itself, so elements smaller than
-            ~1/16 of the head's max keep fewer bits than in float16). Method: SageAttention (Zhang et al. 2024, 2025) quantizes
-            Q and K to int8 for attention; here only q is quantized. Values are unchanged.
+        key_mma: ``"int8"`` (default for ``variant="v2"`` with 4- or 8-bit keys: key codes stay
+            integers and go through int8 tensor cores, IMMA, int32 sums) or ``"f16"`` (key codes ->
+            float16, HMMA; the only path of v1 / v3, their default). For ``"int8"`` each program
+            quantizes its rotated, scaled float16 query rows ``[M, D]`` to ``qi = round(q / S_q)``,
+            ``S_q = max|q| / 16255`` per query head (and sequence and split), held as two int8 digits
+            ``qi = 128 qh + ql``; the keys are their exact centred codes (4-bit: ``16 (code - 8)``,
+            8-bit: ``code - 128``), so the int32 logits are exact for the ~14-bit query (absolute
+            error per q element <= 2**-15 of that head's max |q|; float16 rounds each element to
+            2**-11 of itself, so elements below ~1/16 of the head's max keep fewer bits than in
+            float16). Method: SageAttention (Zhang et al. 2024, 2025) quantizes Q and K to int8 for
+            attention; here only q is quantized. Values are unchanged.
 
     Returns:
         ``out`` ``[B, Hq, D]`` in the query dtype.
