@@ -115,7 +115,7 @@ def check_needle_grid(depths, num_keys, seed) -> None:
 
 def make_keys(num_keys: int, seed: int) -> list[str]:
     """``num_keys`` distinct 5-digit keys (no leading zero) from ``random.Random(seed)``."""
-    if isinstance(num_keys, bool) or not isinstance(num_keys, int) or num_keys < 1:
+    if not is_int(num_keys) or num_keys < 1:
         raise ValueError(f"num_keys must be a positive integer, got {num_keys!r}")
     return [str(k) for k in random.Random(seed).sample(range(10_000, 100_000), num_keys)]
 
@@ -199,7 +199,7 @@ def build_prompt(tokenizer, context_length: int, depth: float, key: str, variant
         ValueError: bad ``context_length``, ``depth``, ``key`` or ``variant`` (naming it), or a rule of
             ``check_prompt`` broken.
     """
-    if isinstance(context_length, bool) or not isinstance(context_length, int) or context_length < 128:
+    if not is_int(context_length) or context_length < 128:
         raise ValueError(f"context_length must be an integer >= 128 tokens, got {context_length!r}")
     if isinstance(depth, bool) or not isinstance(depth, (int, float)) or not 0.0 <= depth <= 1.0:
         raise ValueError(f"depth must be a number in [0, 1], got {depth!r}")

@@ -23,8 +23,8 @@ Accumulation is float32 (online softmax, Milakov & Gimelshein 2018; FlashAttenti
 ``KEY_I8`` (decode only; the default of ``decode_attention`` for 4- and 8-bit keys): the key dot
 products run on int8 tensor cores instead (SageAttention, Zhang et al. 2024/2025, quantizes Q and K
 to int8 for attention; here the keys are their exact codes and q is two int8 digits, ~14 bits). Per
-query row (one query head) ``S_q = max|q| / 16255``, ``qi = round(q / S_q)`` = ``128 qh + ql`` (``qh`` in [-127, 127],
-``ql`` in [-64, 63]); key plane ``i`` as int8 is ``m (code_i - c)`` (4-bit: m 16, c 8, one
+query row (one query head) ``S_q = max|q| / 16255``, ``qi = round(q / S_q)`` = ``128 qh + ql``
+(``qh`` in [-127, 127], ``ql`` in [-64, 63]); key plane ``i`` as int8 is ``m (code_i - c)`` (4-bit: m 16, c 8, one
 ``lop3`` per 4 codes; 8-bit: m 1, c 128, one ``xor``). The int32 sum
 ``acc = 128 qh.P + ql.P = m qi.code - m c sum(qi)`` is exact, and with ``q^ = S_q qi``::
 
