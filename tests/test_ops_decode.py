@@ -179,6 +179,20 @@ def test_decode_key_mma_int8(preset, hq, hkv, d, bs, splits):
     assert err < 5e-4
 
 
+def test_decode_max_registers():
+    """``max_registers`` (Triton's maxnreg) is a launch option only: same output as without it, and bad
+    values are refused by name."""
+    pool, bt, sl, q, _ = _setup("k4v4", 8, 2, 64, 16, LENS, torch.float16, seed=21)
+    plain = decode_attention(q, pool.data, bt, sl, pool.layout, pool.rotation, 0.125, num_splits=2)
+    capped = decode_attention(q, pool.data, bt, sl, pool.layout, pool.rotation, 0.125, num_splits=2,
+                              max_registers=128)
+    assert torch.equal(plain, capped)
+    assert relerr(capped[:4], _ref(q, pool, bt, sl)[:4]) < 5e-4
+    for bad in (100, 16, 256, 128.0, True):
+        with pytest.raises(ValueError, match=rf"max_registers={bad!r}; allowed: None or a multiple of 8 in \[32, 255\]"):
+            decode_attention(q, pool.data, bt, sl, pool.layout, pool.rotation, 0.125, max_registers=bad)
+
+
 def test_decode_key_mma_refuses_bad_arguments():
     gen = torch.Generator().manual_seed(0)
     pool = make_pool("k4v4", 1, 64, 16, 4, gen)

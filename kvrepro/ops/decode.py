@@ -31,6 +31,7 @@ DEFAULT_KEY_MMA = "int8"
 # than 256 and 6% faster than 128 with 4 warps.
 DECODE_LAUNCH_I8 = {4: (256, 4), 8: (128, 2)}
 V3_PREFETCH = True   # v3: issue the loads of step i + 1 before the math of step i
+V2_VALUE_LOAD = "late"   # v2: value codes loaded after the softmax ("late") or with the key codes ("early")
 # v2 (split-plane dot products) is verified at full size on the H200 (run 2, 2026-11-29: relerr
 # 2.8e-4 vs float64 over the dequantized cache, every preset) and is 19-24% faster than v1 at 128K
 # (notes/kernels.md, benchmarks/results/h200_run2_quick). v1 stays selectable for comparison.
@@ -105,7 +106,8 @@ def v2_decode_constexprs(layout: PageLayout, num_kv_heads: int, group: int, bloc
     check_key_mma(key_mma, "v2", layout.key_bits)
     gp = next_pow2(group)
     return dict(G=group, GP=gp, **page_constexprs(layout, num_kv_heads), BLOCK_Q=1, BLOCK_M=max(16, gp),
-                BLOCK_N=block_n, HAS_FRESH=False, SPLIT_OUT=True, IS_DECODE=True, KEY_I8=key_mma == "int8")
+                BLOCK_N=block_n, HAS_FRESH=False, SPLIT_OUT=True, IS_DECODE=True, KEY_I8=key_mma == "int8",
+                EARLY_V=V2_VALUE_LOAD == "early")
 
 
 MIN_TOKENS_PER_SPLIT = 256
@@ -137,7 +139,7 @@ def decode_attention(query: torch.Tensor, pool, block_tables: torch.Tensor, seq_
                      num_warps: int | None = None, num_stages: int = DECODE_STAGES,
                      dequant: str | None = None, variant: str = DEFAULT_VARIANT,
                      prefetch: bool | None = None, key_mma: str | None = None,
-                     validate: bool | None = None) -> torch.Tensor:
+                     max_registers: int | None = None, validate: bool | None = None) -> torch.Tensor:
     """Decode attention (one new token per sequence) over compressed KV pages.
 
     Each page is read once per KV head for all query heads of its GQA group; the context is cut
@@ -164,6 +166,11 @@ def decode_attention(query: torch.Tensor, pool, block_tables: torch.Tensor, seq_
             decode only; needs ``block_n >= block_size``); see notes/kernels.md.
         prefetch: v3 only: load step ``i + 1`` before computing step ``i`` (default
             ``V3_PREFETCH``).
+        max_registers: registers per thread the attention kernel may use (Triton's ``maxnreg``,
+            ptxas ``--maxrregcount``); None (default) = the compiler's choice. A cap trades spills
+            for resident warps: 128 lets 4 programs of 4 warps share an H200 SM instead of 3
+            (measured 2.7-3.4% slower for k4v4 and 8-39% slower for k8v4 at 128K on the H200: run 15
+            in notes/kernels.md; no cap is the default).
         key_mma: ``"int8"`` (default for ``variant="v2"`` with 4- or 8-bit keys: key codes stay
             integers and go through int8 tensor cores, IMMA, int32 sums) or ``"f16"`` (key codes ->
             float16, HMMA; the only path of v1 / v3, their default). For ``"int8"`` each program
@@ -191,7 +198,7 @@ def decode_attention(query: torch.Tensor, pool, block_tables: torch.Tensor, seq_
         ValueError: wrong shapes/dtypes/devices, unsupported head_dim or GQA group size, a scale
             that is not finite and positive; with ``validate``, bad seq_lens or block ids;
             ``key_mma`` not in ``KEY_MMAS``, or ``"int8"`` with a variant other than ``"v2"`` or keys
-            other than 4 / 8 bits.
+            other than 4 / 8 bits; ``max_registers`` not None or a multiple of 8 in [32, 255].
     """
     data = pool_tensor(pool)
     _, hkv = check_pool(data, layout)
@@ -231,6 +238,10 @@ def decode_attention(query: torch.Tensor, pool, block_tables: torch.Tensor, seq_
     if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 1:
         raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
     check_launch(num_warps, num_stages)
+    if max_registers is not None and (not isinstance(max_registers, int) or isinstance(max_registers, bool)
+                                      or not 32 <= max_registers <= 255 or max_registers % 8):
+        raise ValueError(f"max_registers={max_registers!r}; allowed: None or a multiple of 8 in [32, 255]")
+    launch_opts = {} if max_registers is None else {"maxnreg": max_registers}
     if b == 0:
         return out
     need = decode_workspace_numel(b, hq, d, num_splits)
@@ -252,12 +263,12 @@ def decode_attention(query: torch.Tensor, pool, block_tables: torch.Tensor, seq_
             q16, data, block_tables, seq_lens, part_o, part_lse, block_tables.stride(0), num_splits,
             G=group, **page_constexprs(layout, hkv), BLOCK_M=max(16, gp), BLOCK_N=block_n,
             PREFETCH=V3_PREFETCH if prefetch is None else bool(prefetch),
-            num_warps=num_warps, num_stages=num_stages, **extra)
+            num_warps=num_warps, num_stages=num_stages, **launch_opts, **extra)
     else:
         kernel[(b, 1, hkv * num_splits)](
             q16, data, block_tables, seq_lens, seq_lens, q16, q16, part_o, part_lse, rotation,
             block_tables.stride(0), NUM_SPLITS=num_splits, **v2_decode_constexprs(layout, hkv, group, block_n, key_mma),
-            num_warps=num_warps, num_stages=num_stages, **extra,
+            num_warps=num_warps, num_stages=num_stages, **launch_opts, **extra,
         )
     merge_splits_kernel[(b * hq,)](part_o, part_lse, rotation, out, out.stride(0), out.stride(1),
                                    HQ=hq, D=d, NUM_SPLITS=num_splits, SP=next_pow2(num_splits))

@@ -1,0 +1,46 @@
+"""Workload for an Nsight Compute profile of one ``decode_attention`` launch on the H200: a k4v4 cache
+(Qwen3-4B shapes, 32 q / 8 KV heads, head_dim 128, block 16, shuffled block table) at one context
+length and batch, the default launch (keys through int8 tensor cores, asm dequantization).
+
+    ncu --set full --import-source yes -k regex:paged_attn --launch-skip 2 --launch-count 1 \\
+        -o $OUT/decode_b13 python3 benchmarks/ncu_decode.py --batch 13
+
+Runs the decode 4 times (2 warm-up launches compile and load the kernel; ncu skips those), prints the
+launch (splits, block_n, warps) and exits. Needs CUDA. Nothing is timed here: ncu reports the figures.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import benchmarks.run_h200 as rh  # noqa: E402
+from kvrepro.ops import decode_attention, decode_workspace_numel, default_num_splits  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batch", type=int, default=13)
+    ap.add_argument("--ctx", type=int, default=131072)
+    ap.add_argument("--preset", default="k4v4", choices=("k4v4", "k8v4", "k4v2"))
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("ncu_decode.py needs a CUDA device; none found")
+    gen = torch.Generator(device="cuda").manual_seed(1234)
+    pool, bt, sl, q = rh.decode_setup(args.preset, args.ctx, args.batch, gen)
+    s = default_num_splits(args.batch, rh.HKV, bt.shape[1] * rh.BS, q.device)
+    out = torch.empty_like(q)
+    ws = torch.empty(decode_workspace_numel(args.batch, rh.HQ, rh.D, s), device="cuda", dtype=torch.float32)
+    for _ in range(4):
+        decode_attention(q, pool.data, bt, sl, pool.layout, pool.rotation, rh.D ** -0.5, out=out, workspace=ws,
+                         num_splits=s)
+    torch.cuda.synchronize()
+    print(f"ncu_decode: {args.preset} ctx {args.ctx} batch {args.batch} splits {s} "
+          f"({args.batch * rh.HKV * s} programs), finite {bool(torch.isfinite(out).all())}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
