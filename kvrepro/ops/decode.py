@@ -31,7 +31,6 @@ DEFAULT_KEY_MMA = "int8"
 # than 256 and 6% faster than 128 with 4 warps.
 DECODE_LAUNCH_I8 = {4: (256, 4), 8: (128, 2)}
 V3_PREFETCH = True   # v3: issue the loads of step i + 1 before the math of step i
-V2_VALUE_LOAD = "late"   # v2: value codes loaded after the softmax ("late") or with the key codes ("early")
 # v2 (split-plane dot products) is verified at full size on the H200 (run 2, 2026-11-29: relerr
 # 2.8e-4 vs float64 over the dequantized cache, every preset) and is 19-24% faster than v1 at 128K
 # (notes/kernels.md, benchmarks/results/h200_run2_quick). v1 stays selectable for comparison.
@@ -106,8 +105,7 @@ def v2_decode_constexprs(layout: PageLayout, num_kv_heads: int, group: int, bloc
     check_key_mma(key_mma, "v2", layout.key_bits)
     gp = next_pow2(group)
     return dict(G=group, GP=gp, **page_constexprs(layout, num_kv_heads), BLOCK_Q=1, BLOCK_M=max(16, gp),
-                BLOCK_N=block_n, HAS_FRESH=False, SPLIT_OUT=True, IS_DECODE=True, KEY_I8=key_mma == "int8",
-                EARLY_V=V2_VALUE_LOAD == "early")
+                BLOCK_N=block_n, HAS_FRESH=False, SPLIT_OUT=True, IS_DECODE=True, KEY_I8=key_mma == "int8")
 
 
 MIN_TOKENS_PER_SPLIT = 256

@@ -350,7 +350,7 @@ def paged_attn_kernel(
     V_CODE_OFF: tl.constexpr, K_META_OFF: tl.constexpr, V_META_OFF: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_FRESH: tl.constexpr, SPLIT_OUT: tl.constexpr, IS_DECODE: tl.constexpr,
-    DEQ_ASM: tl.constexpr, KEY_I8: tl.constexpr = False, EARLY_V: tl.constexpr = False,
+    DEQ_ASM: tl.constexpr, KEY_I8: tl.constexpr = False,
 ):
     b = tl.program_id(0)
     qt = tl.program_id(1)
@@ -411,9 +411,6 @@ def paged_attn_kernel(
         page = pool_ptr + (blk * NUM_KV_HEADS + kvh) * PAGE_BYTES
         t_in = n % BS
         kc = tl.load(page[:, None] + (t_in * KP)[:, None] + dk[None, :], mask=n_ok[:, None], other=0)
-        if EARLY_V:                          # value codes in flight during the key dot and softmax
-            vc = tl.load(page[:, None] + V_CODE_OFF + (t_in * VP)[:, None] + dv[None, :], mask=n_ok[:, None],
-                         other=0)
         if KEY_I8:
             qk = _qk_i8(kc, qh0, qh1, ql0, ql1, KBITS, DEQ_ASM).to(tl.float32)
         else:
@@ -433,9 +430,7 @@ def paged_attn_kernel(
         vs = tl.load(vm, mask=n_ok, other=0.0).to(tl.float32)
         pvs = p * vs[None, :]
         pv16 = pvs.to(tl.float16)
-        if not EARLY_V:
-            vc = tl.load(page[:, None] + V_CODE_OFF + (t_in * VP)[:, None] + dv[None, :], mask=n_ok[:, None],
-                         other=0)
+        vc = tl.load(page[:, None] + V_CODE_OFF + (t_in * VP)[:, None] + dv[None, :], mask=n_ok[:, None], other=0)
         acc0, acc1, acc2, acc3, accz = _pv_planes(pvs, pv16, vc, alpha, acc0, acc1, acc2, acc3, accz, VBITS,
                                                   DEQ_ASM)
         l_i = l_i * alpha + tl.sum(p, axis=1)
