@@ -1,9 +1,14 @@
-"""Workload for an Nsight Compute profile of one ``decode_attention`` launch on the H200: a k4v4 cache
-(Qwen3-4B shapes, 32 q / 8 KV heads, head_dim 128, block 16, shuffled block table) at one context
-length and batch, the default launch (keys through int8 tensor cores, asm dequantization).
+"""Workload for an Nsight Compute profile of one decode_attention launch (CUDA; default k4v4, 128K x 13).
+
+The cache: ``--preset`` (k4v4 default, k8v4, k4v2) with Qwen3-4B shapes (32 q / 8 KV heads, head_dim 128,
+block 16, shuffled block table) at one context length and batch, the default launch (keys through int8
+tensor cores, asm dequantization). Run 14 (notes/kernels.md) on the lent H200::
 
     ncu --set full --import-source yes -k regex:paged_attn --launch-skip 2 --launch-count 1 \\
         -o $OUT/decode_b13 python3 benchmarks/ncu_decode.py --batch 13
+    ncu --import $OUT/decode_b13.ncu-rep --page details --csv > $OUT/details_b13.csv
+    ncu --import $OUT/decode_b13.ncu-rep --page source --csv --print-source sass > $OUT/sass_b13.csv
+    python benchmarks/ncu_summary.py $OUT/sass_b13.csv       # stall reasons, instruction mix
 
 Runs the decode 4 times (2 warm-up launches compile and load the kernel; ncu skips those), prints the
 launch (splits, block_n, warps) and exits. Needs CUDA. Nothing is timed here: ncu reports the figures.

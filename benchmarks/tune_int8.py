@@ -5,9 +5,10 @@
 Per configuration (block_n, warps, num_stages, split count relative to ``default_num_splits``, and
 optionally a register cap ``max_registers``, Triton's maxnreg; 0 or absent = none): the
 output's relative error against ``decode_attention``'s default launch on the same inputs, and the
-CUDA-graph time (``run_h200.time_decode``) at batch 3 and 13. The default launch is always timed first in
-each batch, and ``vs_default`` is each time over that one (the baseline launch is stored in the JSON). Writes ``tune_int8.json`` (provenance, copy bandwidth, rows). Budget ~120 s; rows past it are
-listed as skipped.
+CUDA-graph time (``run_h200.time_decode``) at each of ``--batches`` (default 3 and 13). The default launch is
+always timed first in each batch, and ``vs_default`` is each time over that one (the baseline launch is stored
+in the JSON). Writes ``tune_int8{--tag}.json`` (provenance, copy bandwidth, rows). Budget ~120 s; rows past it
+are listed as skipped.
 """
 from __future__ import annotations
 
@@ -45,8 +46,11 @@ def main():
     ap.add_argument("--tag", default="", help="suffix of the output file name (tune_int8{tag}.json)")
     args = ap.parse_args()
     configs = [tuple(c) for c in json.loads(args.configs)] if args.configs else CONFIGS
+    bad = [c for c in configs if len(c) not in (4, 5)]
+    if bad:
+        ap.error(f"--configs: each entry is [block_n, warps, stages, split factor] or [..., max_registers]; got {bad}")
     base_cfg = (*default_launch(get_format(args.preset).key_bits, "int8"), DECODE_STAGES, 1, 0)
-    configs = [tuple(c) + (0,) * (5 - len(c)) for c in configs]
+    configs = [(*c[:4], (c[4] if len(c) == 5 else 0) or 0) for c in configs]
     configs = [base_cfg] + [c for c in configs if c != base_cfg]
     if not torch.cuda.is_available():
         sys.exit("tune_int8.py needs a CUDA device")

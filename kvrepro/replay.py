@@ -245,7 +245,8 @@ def ratios(cap):
     version, load format, prefix caching); the latest such file by name wins. The column
     ``baseline_from`` says, per row, where its baselines came from: "same file" (or "same source" for
     reference data), "other run: <file>", and "(workload differs: <keys>)" when a same-source baseline
-    ran another workload, so a cross-run or unlike ratio is never shown as a like-for-like one.
+    ran another workload, so a cross-run or unlike ratio is never shown as a like-for-like one;
+    "none" where the row has no ratio (no baseline, or a sizing-only row without users).
 
     Args:
         cap: output of :func:`max_clean_capacity`.
@@ -274,12 +275,15 @@ def ratios(cap):
                     base, origin = _borrowed_baseline(cap, row, src, name, keys)
                 if base is None:
                     continue
-                differ = [c for c in keys if not _same_value(row[c], base[c])]
-                notes[i].append(origin + (f" (workload differs: {', '.join(differ)})" if differ else ""))
+                used = False
                 for col, ref in (("users", "max_clean_users"), ("tok_s", "aggregate_decode_tok_s")):
                     num, den = row[ref], base[ref]
                     if not pd.isna(num) and not pd.isna(den) and float(den):
                         g.loc[i, f"{col}_vs_{name}"] = float(num) / float(den)
+                        used = True
+                if used:                     # a row with no ratio (e.g. sizing only) names no baseline
+                    differ = [c for c in keys if not _same_value(row[c], base[c])]
+                    notes[i].append(origin + (f" (workload differs: {', '.join(differ)})" if differ else ""))
         if src is not None:
             g["baseline_from"] = ["; ".join(dict.fromkeys(notes[i])) or "none" for i in g.index]
         out.append(g)

@@ -10,7 +10,8 @@
 # MIN_START='{"mode": s}' overrides kvrepro.sweep.MIN_START_S (seconds a mode needs to be started).
 # PREFILL_AUTO=1: kvrepro modes prefill with KVREPRO_PREFILL=dequant if the smoke passed it (see smoke).
 # Results: $OUT/RUN_ID.jsonl (rows of earlier calls resume from results/capacity/RUN_ID.jsonl or from
-# the warm machine's /tmp/kvres copy, whichever has more rows) + $OUT/sweep_log.txt (full vLLM log).
+# the warm machine's /tmp/kvres copy, whichever has more rows) + $OUT/sweep_log.txt (full vLLM log)
+# + $OUT/smoke_log.txt (the smoke test's SMOKE lines).
 set -u
 T0=${CALL_T0:-$(date +%s)}
 left() { echo $(( ${CALL_LIMIT_S:-585} - ($(date +%s) - T0) )); }
@@ -41,8 +42,8 @@ smoke() {
   # right and faster than fa).
   rm -f /tmp/kvcache/flags/prefill_dequant_ok
   KVREPRO_SMOKE_FLAGS=/tmp/kvcache/flags timeout 120 python3 -m pytest -q -s -x tests/test_vllm_gpu_runtime.py 2>&1 \
-    | grep -E "SMOKE|passed|failed|skipped|[Ee]rror" | tail -12
-  echo "smoke done at $(( $(date +%s) - T0 )) s"
+    | grep -E "SMOKE|passed|failed|skipped|[Ee]rror" | tail -12 | tee $OUT/smoke_log.txt
+  echo "smoke done at $(( $(date +%s) - T0 )) s" | tee -a $OUT/smoke_log.txt
 }
 
 sweep() {

@@ -179,17 +179,58 @@ def test_decode_key_mma_int8(preset, hq, hkv, d, bs, splits):
     assert err < 5e-4
 
 
-def test_decode_max_registers():
-    """``max_registers`` (Triton's maxnreg) is a launch option only: same output as without it, and bad
-    values are refused by name."""
+@pytest.mark.parametrize("key_mma,splits", [("f16", 1), ("f16", 3), ("int8", 1), ("int8", 3)])
+def test_decode_nan_query_stays_nan(key_mma, splits):
+    """A NaN in one query head reaches that head's output as NaN (as in the float64 reference), on
+    both key paths and through the split merge; every other head is unaffected. (Before: the int8
+    digits turned the NaN into a finite number and an all-NaN softmax sum was taken for "no key",
+    so the output was silently finite.)"""
+    pool, bt, sl, q, _ = _setup("k4v4", 8, 2, 64, 16, LENS, torch.float16, seed=31)
+    q[1, 5, 7] = float("nan")
+    ref = _ref(q, pool, bt, sl)
+    out = decode_attention(q, pool.data, bt, sl, pool.layout, pool.rotation, 0.125, key_mma=key_mma,
+                           num_splits=splits)
+    assert torch.isnan(ref[1, 5]).all() and torch.isnan(out[1, 5]).all()
+    ok = torch.ones(out.shape[:2], dtype=torch.bool)
+    ok[1, 5] = False
+    assert torch.isfinite(out[ok]).all()
+    assert relerr(out[:4][ok[:4]], ref[:4][ok[:4]]) < 5e-4
+    assert torch.equal(out[4], torch.zeros_like(out[4]))         # the padding row still reads nothing
+
+
+@pytest.mark.parametrize("variant", ["v1", "v2", "v3"])
+def test_decode_max_registers(variant, monkeypatch):
+    """``max_registers`` reaches the attention launch as Triton's ``maxnreg`` (the interpreter ignores
+    it, so the launch keywords are recorded) and changes nothing else: same output, which matches the
+    float64 reference. Bad values are refused by name."""
+    from kvrepro.ops import decode as dec
+
+    seen = []
+    real = dec.attention_kernel
+
+    class Recorder:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                seen.append(kw.get("maxnreg"))
+                return self.kernel[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(dec, "attention_kernel", lambda *a, **k: (Recorder(real(*a, **k)[0]), real(*a, **k)[1]))
     pool, bt, sl, q, _ = _setup("k4v4", 8, 2, 64, 16, LENS, torch.float16, seed=21)
-    plain = decode_attention(q, pool.data, bt, sl, pool.layout, pool.rotation, 0.125, num_splits=2)
-    capped = decode_attention(q, pool.data, bt, sl, pool.layout, pool.rotation, 0.125, num_splits=2,
-                              max_registers=128)
+    kw = dict(num_splits=2, variant=variant, dequant="triton")
+    plain = decode_attention(q, pool.data, bt, sl, pool.layout, pool.rotation, 0.125, **kw)
+    capped = decode_attention(q, pool.data, bt, sl, pool.layout, pool.rotation, 0.125, max_registers=128, **kw)
+    assert seen == [None, 128]
     assert torch.equal(plain, capped)
-    assert relerr(capped[:4], _ref(q, pool, bt, sl)[:4]) < 5e-4
-    for bad in (100, 16, 256, 128.0, True):
-        with pytest.raises(ValueError, match=rf"max_registers={bad!r}; allowed: None or a multiple of 8 in \[32, 255\]"):
+    assert relerr(capped[:4], _ref(q, pool, bt, sl)[:4]) < 2e-3
+    decode_attention(q, pool.data, bt, sl, pool.layout, pool.rotation, 0.125, max_registers=32, **kw)
+    decode_attention(q, pool.data, bt, sl, pool.layout, pool.rotation, 0.125, max_registers=248, **kw)
+    assert seen[2:] == [32, 248]
+    for bad in (0, 100, 16, 255, 256, 128.0, True):
+        with pytest.raises(ValueError, match=rf"max_registers={bad!r}; allowed: None or a multiple of 8 in \[32, 248\]"):
             decode_attention(q, pool.data, bt, sl, pool.layout, pool.rotation, 0.125, max_registers=bad)
 
 

@@ -59,6 +59,21 @@ def test_prefill_paged_matches_reference(variant, preset, hq, hkv, d, bs, rows):
     assert relerr(out, ref) < 2e-3
 
 
+def test_prefill_paged_nan_query_stays_nan():
+    """A NaN in one query row and head of a chunk gives NaN there (as the reference does) and nothing
+    else changes. (The paged prefill writes its output without a split merge, so this held before
+    the decode fix too; it guards the shared ``_finish``, which now keeps a NaN softmax sum NaN.)"""
+    pool, bt, sl, qsl, q, k, v, ref = _batch("k4v4", 8, 2, 64, 16, seed=77)
+    q[10, 1, 0] = float("nan")                         # sequence 2: 40 tokens of paged context
+    out = prefill_attention(q, k, v, pool.data, bt, sl, qsl, pool.layout, pool.rotation, 0.125, rows=16,
+                            max_query_len=max(QLENS))
+    assert torch.isnan(out[10, 1]).all()
+    ok = torch.ones(out.shape[:2], dtype=torch.bool)
+    ok[10, 1] = False
+    assert torch.isfinite(out[ok]).all()
+    assert relerr(out[ok], ref[ok]) < 2e-3
+
+
 @pytest.mark.parametrize("piece_tokens,bottom_right", [(32, True), (4096, True), (4096, False)])
 def test_prefill_dequant_impl_matches_reference(piece_tokens, bottom_right):
     """impl="dequant" (rotated space): context in pieces of 32 tokens through a dense attention

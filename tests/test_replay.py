@@ -221,3 +221,15 @@ def test_borrowing_needs_the_same_model_and_vllm_and_unlike_rows_are_labelled(tm
     tq = cap[cap["mode"] == "tq"].iloc[0]
     assert tq["tok_s_vs_fp8"] == pytest.approx(30 / 240)
     assert tq["baseline_from"] == "same file (workload differs: prompt_tokens, decode_tokens)"
+
+
+def test_row_without_ratio_names_no_baseline(tmp_path):
+    """A sizing-only row (no users run) gets NaN ratios and ``baseline_from`` "none", also when a
+    matching baseline exists in its own file or in another one."""
+    sized = row("tq8", 0, None, run_id="t2")
+    sized.update(measured_by="sizing", aggregate_decode_tok_s=None)
+    write(tmp_path / "a.jsonl", sweep_rows() + [dict(sized, run_id="t1")])
+    write(tmp_path / "b.jsonl", [sized])
+    cap = replay.ratios(replay.max_clean_capacity(replay.load_results(tmp_path)))
+    for r in cap[cap["mode"] == "tq8"].itertuples():
+        assert math.isnan(r.tok_s_vs_fp8) and math.isnan(r.users_vs_bf16) and r.baseline_from == "none"

@@ -167,8 +167,8 @@ def decode_attention(query: torch.Tensor, pool, block_tables: torch.Tensor, seq_
         max_registers: registers per thread the attention kernel may use (Triton's ``maxnreg``,
             ptxas ``--maxrregcount``); None (default) = the compiler's choice. A cap trades spills
             for resident warps: 128 lets 4 programs of 4 warps share an H200 SM instead of 3
-            (measured 2.7-3.4% slower for k4v4 and 8-39% slower for k8v4 at 128K on the H200: run 15
-            in notes/kernels.md; no cap is the default).
+            (the default launch measured 2.7-3.4% slower for k4v4 and 37-39% slower for k8v4 at 128K
+            on the H200: run 15 in notes/kernels.md; no cap is the default).
         key_mma: ``"int8"`` (default for ``variant="v2"`` with 4- or 8-bit keys: key codes stay
             integers and go through int8 tensor cores, IMMA, int32 sums) or ``"f16"`` (key codes ->
             float16, HMMA; the only path of v1 / v3, their default). For ``"int8"`` each program
@@ -182,7 +182,9 @@ def decode_attention(query: torch.Tensor, pool, block_tables: torch.Tensor, seq_
             attention; here only q is quantized. Values are unchanged.
 
     Returns:
-        ``out`` ``[B, Hq, D]`` in the query dtype.
+        ``out`` ``[B, Hq, D]`` in the query dtype. A query head whose softmax meets a NaN (in its query
+        or in a cached value it attends to) comes out NaN, as in float64 attention, never as a finite
+        number.
 
     No host sync and a launch grid fixed by ``(B, Hkv, num_splits)``: CUDA-graph capturable.
     Precision: q is rotated and scaled in float32, then rounded to float16 (needs
@@ -196,7 +198,7 @@ def decode_attention(query: torch.Tensor, pool, block_tables: torch.Tensor, seq_
         ValueError: wrong shapes/dtypes/devices, unsupported head_dim or GQA group size, a scale
             that is not finite and positive; with ``validate``, bad seq_lens or block ids;
             ``key_mma`` not in ``KEY_MMAS``, or ``"int8"`` with a variant other than ``"v2"`` or keys
-            other than 4 / 8 bits; ``max_registers`` not None or a multiple of 8 in [32, 255].
+            other than 4 / 8 bits; ``max_registers`` not None or a multiple of 8 in [32, 248].
     """
     data = pool_tensor(pool)
     _, hkv = check_pool(data, layout)
@@ -237,8 +239,8 @@ def decode_attention(query: torch.Tensor, pool, block_tables: torch.Tensor, seq_
         raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
     check_launch(num_warps, num_stages)
     if max_registers is not None and (not isinstance(max_registers, int) or isinstance(max_registers, bool)
-                                      or not 32 <= max_registers <= 255 or max_registers % 8):
-        raise ValueError(f"max_registers={max_registers!r}; allowed: None or a multiple of 8 in [32, 255]")
+                                      or not 32 <= max_registers <= 248 or max_registers % 8):
+        raise ValueError(f"max_registers={max_registers!r}; allowed: None or a multiple of 8 in [32, 248]")
     launch_opts = {} if max_registers is None else {"maxnreg": max_registers}
     if b == 0:
         return out

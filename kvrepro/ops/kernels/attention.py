@@ -144,7 +144,7 @@ def _key_planes_i8(kc, KBITS: tl.constexpr, ASM: tl.constexpr):
 @triton.jit
 def _query_digits(qrow, qmask, dk, KP: tl.constexpr, KBITS: tl.constexpr):
     """int8 query digits for ``KEY_I8``: ``S_q = max|q| / 16255`` per row (query head) over all
-    channels (1 for an all-zero or masked row), so a head with a small norm keeps its 14 bits next to
+    channels (1 for an all-zero or masked row, NaN for a row holding a NaN), so a head with a small norm keeps its 14 bits next to
     a large one of the same GQA group, ``qi = round(q / S_q)`` in [-16255, 16255] split as
     ``qi = 128 qh + ql`` with ``qh = floor((qi + 64) / 128)`` in [-127, 127] and ``ql`` in [-64, 63].
     Returns ``(qh0, qh1, ql0, ql1, qsum, s_q)``: int8 [M, KP] per key plane (plane 1 = plane 0 for
@@ -158,6 +158,12 @@ def _query_digits(qrow, qmask, dk, KP: tl.constexpr, KBITS: tl.constexpr):
         q1 = tl.load(qrow + KP + dk[None, :], mask=qmask, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.max(tl.abs(q1), axis=1))
     s_q = tl.where(amax > 0, amax * (1.0 / 16255.0), 1.0)
+    # A NaN anywhere in a row makes its scale NaN, so the NaN reaches the logits: the integer digits
+    # alone would turn it into a finite number (float -> int of NaN).
+    nan_row = tl.max((q0 != q0).to(tl.int32), axis=1)
+    if NPK > 1:
+        nan_row = tl.maximum(nan_row, tl.max((q1 != q1).to(tl.int32), axis=1))
+    s_q = tl.where(nan_row > 0, float("nan"), s_q)
     inv = (1.0 / s_q)[:, None]
     qi0 = tl.floor(q0 * inv + 0.5).to(tl.int32)      # |q * inv| <= 16255 (1 ulp): no overflow of 16255
     qh0 = (qi0 + 64) >> 7                             # arithmetic shift = floor
@@ -326,15 +332,16 @@ def _pv_planes(pvs, pv16, vc, alpha, acc0, acc1, acc2, acc3, accz, VBITS: tl.con
 @triton.jit
 def _finish(acc0, acc1, acc2, acc3, accz, l_i, m_i, VBITS: tl.constexpr):
     """Normalized per-plane outputs ``o_i = acc_i / (m_i l) + accz / l`` (rotated space) and the
-    log2 sum-exp (``-inf`` and zeros for a row that saw no key)."""
-    ok = l_i > 0
-    inv_l = tl.where(ok, 1.0 / tl.where(ok, l_i, 1.0), 0.0)
+    log2 sum-exp (``-inf`` and zeros for a row that saw no key; NaN for a row whose softmax sum is
+    NaN, i.e. a NaN query or cache value reached it, so that it shows in the output)."""
+    empty = l_i == 0
+    inv_l = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, l_i))
     zl = accz * inv_l
     o0 = acc0 * inv_l[:, None] + zl[:, None]
     o1 = acc1 * (inv_l / (1 << VBITS))[:, None] + zl[:, None]
     o2 = acc2 * (inv_l / (1 << (2 * VBITS)))[:, None] + zl[:, None]
     o3 = acc3 * (inv_l / (1 << (3 * VBITS)))[:, None] + zl[:, None]
-    lse = tl.where(ok, m_i + tl.log2(tl.where(ok, l_i, 1.0)), float("-inf"))
+    lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
     return o0, o1, o2, o3, lse
 
 

@@ -27,7 +27,8 @@ def merge_splits_kernel(po_ptr, plse_ptr, rot_ptr, out_ptr, stride_ot, stride_oh
                         HQ: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr,
                         SP: tl.constexpr):
     """Grid ``(T * HQ,)``. ``po`` [T, HQ, S, D] f32 rotated partials, ``plse`` [T, HQ, S] log2.
-    Writes ``out[t, h] = merged @ R.T`` (zeros where every split is empty)."""
+    Writes ``out[t, h] = merged @ R.T`` (zeros where every split is empty; NaN where a split's
+    log-sum-exp is NaN, i.e. a NaN reached that split's softmax)."""
     pid = tl.program_id(0)
     t = (pid // HQ).to(tl.int64)
     h = pid % HQ
@@ -42,6 +43,7 @@ def merge_splits_kernel(po_ptr, plse_ptr, rot_ptr, out_ptr, stride_ot, stride_oh
     d = tl.arange(0, D)
     po = tl.load(po_ptr + (base + sp)[:, None] * D + d[None, :], mask=(w > 0)[:, None], other=0.0)
     o = tl.sum(po * w[:, None], axis=0) / tl.where(wsum > 0, wsum, 1.0)
+    o = tl.where(tl.max((lse != lse).to(tl.int32), axis=0) > 0, float("nan"), o)   # masked lanes are -inf
     rot = tl.load(rot_ptr + d[:, None] * D + d[None, :])           # rot[c, j] = R[c, j]
     out = tl.sum(rot * o[None, :], axis=1)                         # out[c] = sum_j o[j] R[c, j]
     tl.store(out_ptr + t * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty))
