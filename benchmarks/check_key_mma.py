@@ -7,7 +7,8 @@ the default ``key_mma="f16"``, Qwen3-4B shapes (32q / 8kv / d128, block 16), asm
     preset, lens 8193 / 97 / 1 / 0 / 5 (0 = padding row, must be zeros), float16 and bfloat16
     queries, plus a query with 8 outlier channels x 20 (before rotation) and one 131,072-token
     sequence with 1 split (one long loop) and the default split count (k4v4); key_mma f16 and int8
-    (asm), int8 also with triton dequantization.
+    (asm), int8 also with triton dequantization; and a NaN in one query head (k4v4), which must give
+    that head all NaN and leave the others within the float16 bound.
 (b) Decode time from a CUDA graph (``run_h200.time_decode``: triton do_bench median of graph
     replays), k4v4 and k8v4, 128K context, batch 1 / 3 / 6 / 13, f16 and int8 alternating twice
     (A B A B, the minimum is reported), device copy bandwidth in the same run and % of it; also int8
@@ -87,6 +88,28 @@ def correctness(gen) -> dict:
     return res
 
 
+def nan_case(gen) -> dict:
+    """A NaN in one query head (k4v4, lens ``LENS``, default splits): that head must come out all NaN on
+    every checked mode, every other head finite and within the float16 bound of float64."""
+    pool = get_format("k4v4").new_pool(len(LENS) * 520, rh.HKV, rh.D, rh.BS, device=DEV)
+    bt = rh.fill_seqs(pool, LENS, gen, torch.bfloat16, max_blocks=520)
+    sl = torch.tensor(LENS, dtype=torch.int32, device=DEV)
+    q = torch.randn(len(LENS), rh.HQ, rh.D, device=DEV, dtype=torch.float16)
+    q[1, 5, 7] = float("nan")
+    keep = torch.ones(q.shape[:2], dtype=torch.bool, device=DEV)
+    keep[1, 5] = False
+    keep[3] = False                                                      # the padding row (len 0)
+    ref = paged_attention_ref(q, pool, bt, sl, torch.arange(q.shape[0] + 1, device=DEV), rh.D ** -0.5,
+                              dtype=torch.float64)
+    res = {}
+    for mode in CHECKED:
+        o = decode_attention(q, pool.data, bt, sl, pool.layout, pool.rotation, rh.D ** -0.5, **MODES[mode])
+        res[mode] = {"nan_head_all_nan": bool(torch.isnan(o[1, 5]).all()),
+                     "others_finite": bool(torch.isfinite(o[keep]).all()),
+                     "others_relerr": rh.relerr(o[keep], ref[keep])}
+    return res
+
+
 def timing(gen, copy_bw, skipped, batches=BATCHES) -> list:
     rows = []
     for preset in ("k4v4", "k8v4"):
@@ -138,6 +161,13 @@ def main():
         print("correctness FAILED", repr(e), flush=True)
     bad = [k for k, r in res.get("correctness", {}).items()
            if not (r["finite"] and r["pad_rows_zero"] and r["relerr_vs_dequant_ref"] < MAX_RELERR[k.split()[1]])]
+    try:
+        res["nan_query"] = nan_case(gen)
+        bad += [f"nan_query {m}" for m, r in res["nan_query"].items()
+                if not (r["nan_head_all_nan"] and r["others_finite"] and r["others_relerr"] < MAX_RELERR["float16"])]
+    except Exception as e:  # recorded like the other correctness cases
+        res["nan_query_error"] = repr(e)[:800]
+        bad.append("nan_query exception")
     res["correctness_failed"] = bad + (["exception"] if "correctness_error" in res else [])
     print(f"correctness done {time.time() - T0:.0f} s", flush=True)
     write_json(path, res)
@@ -149,6 +179,9 @@ def main():
     print(f"\n{'case':42} {'relerr':>9} finite pad0")
     for name, r in res.get("correctness", {}).items():
         print(f"{name:42} {r['relerr_vs_dequant_ref']:9.2e} {r['finite']!s:6} {r['pad_rows_zero']}")
+    for mode, r in res.get("nan_query", {}).items():
+        print(f"{'k4v4 NaN query head ' + mode:42} {r['others_relerr']:9.2e} nan-head {r['nan_head_all_nan']} "
+              f"others-finite {r['others_finite']}")
     print(f"\n{'preset':6} {'B':>3} {'mode':14} {'S':>4} {'ms':>7} {'GB/s':>6} {'%copy':>6}")
     by = {}
     for r in res["decode"]:

@@ -7,7 +7,10 @@ One case per process (``--case``), vLLM in-process, results as one JSON line on 
             greedy twice (must be identical), then sampled; every eagerly run attention call
             (prefill/mixed) is compared with ``runtime.reference_attend`` (KVREPRO_DEBUG_CHECK=1).
   piecewise same engine with cudagraph_mode PIECEWISE (decode attention eager, hence checked too) and
-            prefix caching on (a shared-prefix pair); greedy tokens compared with the graphs case.
+            prefix caching on: a shared-prefix pair, the second request's prefill must hit vLLM's prefix
+            cache (``vllm:prefix_cache_hits`` grows by >= 1,024 tokens) and read that context from the
+            compressed pages, checked against the reference like every call; greedy tokens compared with
+            the graphs case.
   refuse    a head_dim-96 model with --attention-backend CUSTOM must fail at engine start naming head_dim.
   sizing    Qwen3-4B bundled config at an emulated 80 GiB: KV-cache tokens with CUSTOM (KVREPRO_PRESET)
             vs bf16 from --bf16-tokens; needs ``--preset``.
@@ -97,11 +100,24 @@ def case_piecewise(a):
     prefix = rng.integers(1000, 150000, size=1024).tolist()
     pair = [{"prompt_token_ids": prefix + rng.integers(1000, 150000, size=n).tolist()} for n in (50, 90)]
     gen(llm, pair[:1], temperature=0.0, max_tokens=4)
+    from kvrepro.vllm_backend.runtime import CHECKS
+
+    hits0, calls0 = counter(llm, "vllm:prefix_cache_hits"), len(CHECKS)
     p2 = gen(llm, pair[1:], temperature=0.0, max_tokens=16)
+    hit_calls = [c for c in CHECKS[calls0:] if c["rel_err"] is not None]
     ref = json.load(open(a.compare)) if a.compare and os.path.exists(a.compare) else None
     same = None if ref is None else [x == y for x, y in zip(g, ref["greedy"])]
-    return {"greedy": g, "greedy_equal_to_graphs_case": same, "prefix_hit_tokens": len(p2[0]),
+    return {"greedy": g, "greedy_equal_to_graphs_case": same, "prefix_hit_output_tokens": len(p2[0]),
+            "prefix_cache_hit_tokens": counter(llm, "vllm:prefix_cache_hits") - hits0,
+            "prefix_hit_request_checked_calls": len(hit_calls),
+            "prefix_hit_request_max_rel_err": max((c["rel_err"] for c in hit_calls), default=None),
             **check_summary()}
+
+
+def counter(llm, name: str) -> int:
+    """Current value of one of vLLM's counters (``llm.get_metrics()``; a ``_total`` suffix is accepted),
+    summed over label sets."""
+    return int(sum(getattr(m, "value", 0) for m in llm.get_metrics() if m.name in (name, name + "_total")))
 
 
 def case_refuse(a):
