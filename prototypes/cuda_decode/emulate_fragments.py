@@ -96,6 +96,41 @@ def hsub2(x, c):
     return np.frombuffer((a - b).astype(np.float16).tobytes(), np.uint32)[0]
 
 
+def key_dot(page: np.ndarray, bh: np.ndarray, bl: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The kernel's S^T = K Q^T for one page: int32 C fragments [32, 4] of the high- and low-digit chains
+    (``bh`` / ``bl``: [4 chunks, 32, 2] B fragments of the query digits)."""
+    chi = np.zeros((32, 4), np.int64)
+    clo = np.zeros((32, 4), np.int64)
+    for half in range(2):
+        addr = [((t >> 3 & 1) * 8 + (t & 7)) * 64 + half * 32 + (t >> 4) * 16 for t in range(32)]
+        r = ldmatrix_x4(page, addr, trans=False)
+        a_lo = np.array([[lop(np.uint32(r[t, i]) << np.uint32(4), 0xF0F0F0F0, 0x80808080, True) for i in range(4)]
+                         for t in range(32)], np.uint32)
+        a_hi = np.array([[lop(r[t, i], 0xF0F0F0F0, 0x80808080, True) for i in range(4)] for t in range(32)], np.uint32)
+        chi += mma_s8(a_lo, bh[half]) + mma_s8(a_hi, bh[2 + half])
+        clo += mma_s8(a_lo, bl[half]) + mma_s8(a_hi, bl[2 + half])
+    return chi, clo
+
+
+def value_dot(page: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """The kernel's O^T contribution of one page: [8 channel tiles, 32, 4] float64 C fragments for the P^T B
+    fragments ``b`` [32, 2] (tile 4 p + 2 half + e: plane p, bytes 32 half + 16 e)."""
+    tc = np.zeros((8, 32, 4))
+    for half in range(2):
+        addr = [V_OFF + ((t >> 3 & 1) * 8 + (t & 7)) * 64 + half * 32 + (t >> 4) * 16 for t in range(32)]
+        r = ldmatrix_x4(page, addr, trans=True)
+        for e in range(2):
+            lo, hi = r[:, 2 * e], r[:, 2 * e + 1]
+            for p, (mask, c) in enumerate(((0x000F000F, 0x64086408), (0x00F000F0, 0x64806480))):
+                a = np.array([[hsub2(lop(lo[t], mask, 0x64006400, False), c),
+                               hsub2(lop(lo[t] >> np.uint32(8), mask, 0x64006400, False), c),
+                               hsub2(lop(hi[t], mask, 0x64006400, False), c),
+                               hsub2(lop(hi[t] >> np.uint32(8), mask, 0x64006400, False), c)] for t in range(32)],
+                             np.uint32)
+                tc[4 * p + 2 * half + e] += mma_f16(a, b)
+    return tc
+
+
 def main() -> int:
     rng = np.random.default_rng(0)
     fmt = get_format("k4v4")
@@ -109,7 +144,6 @@ def main() -> int:
     vc = page[V_OFF:KM_OFF].reshape(16, 64)
     kcode = np.concatenate([kc & 15, kc >> 4], 1).astype(np.int64)          # [16 tokens, 128 channels]
     vcode = np.concatenate([vc & 15, vc >> 4], 1).astype(np.int64)
-    km = page[KM_OFF:VM_OFF].view(np.float16).reshape(16, 2).astype(np.float64)
     vs = page[VM_OFF:].view(np.float16).astype(np.float64)
     group = 4
     qi = rng.integers(-16255, 16256, size=(8, D))
@@ -128,16 +162,7 @@ def main() -> int:
                     fr[c, t, j] = np.frombuffer(dig[g, ch + off: ch + off + 4].astype(np.int8).tobytes(), np.uint32)[0]
         return fr
     bh, bl = qfrag(qh), qfrag(ql)
-    chi = np.zeros((32, 4), np.int64)
-    clo = np.zeros((32, 4), np.int64)
-    for half in range(2):
-        addr = [((t >> 3 & 1) * 8 + (t & 7)) * 64 + half * 32 + (t >> 4) * 16 for t in range(32)]
-        r = ldmatrix_x4(page, addr, trans=False)
-        a_lo = np.array([[lop(np.uint32(r[t, i]) << np.uint32(4), 0xF0F0F0F0, 0x80808080, True) for i in range(4)]
-                         for t in range(32)], np.uint32)
-        a_hi = np.array([[lop(r[t, i], 0xF0F0F0F0, 0x80808080, True) for i in range(4)] for t in range(32)], np.uint32)
-        chi += mma_s8(a_lo, bh[half]) + mma_s8(a_hi, bh[2 + half])
-        clo += mma_s8(a_lo, bl[half]) + mma_s8(a_hi, bl[2 + half])
+    chi, clo = key_dot(page, bh, bl)
     acc = chi * 128 + clo                                                  # [lane, (tok g h0, g h1, g+8 h0, g+8 h1)]
     direct = 16 * (kcode - 8) @ qi.T                                       # [16 tokens, 8 heads]
     emu = np.zeros((16, 8), np.int64)
@@ -156,19 +181,7 @@ def main() -> int:
                       for t in range(32)], np.uint32)
         pb.append(movmatrix_t(x))
     b = np.stack(pb, 1)                                                    # [32, 2]
-    tc = np.zeros((8, 32, 4))
-    for half in range(2):
-        addr = [V_OFF + ((t >> 3 & 1) * 8 + (t & 7)) * 64 + half * 32 + (t >> 4) * 16 for t in range(32)]
-        r = ldmatrix_x4(page, addr, trans=True)
-        for e in range(2):
-            lo, hi = r[:, 2 * e], r[:, 2 * e + 1]
-            for p, (mask, c) in enumerate(((0x000F000F, 0x64086408), (0x00F000F0, 0x64806480))):
-                a = np.array([[hsub2(lop(lo[t], mask, 0x64006400, False), c),
-                               hsub2(lop(lo[t] >> np.uint32(8), mask, 0x64006400, False), c),
-                               hsub2(lop(hi[t], mask, 0x64006400, False), c),
-                               hsub2(lop(hi[t] >> np.uint32(8), mask, 0x64006400, False), c)] for t in range(32)],
-                             np.uint32)
-                tc[4 * p + 2 * half + e] += mma_f16(a, b)
+    tc = value_dot(page, b)
     emu_o = np.zeros((8, D))                                               # [head, channel] = sum w (code - 8) (x16 plane 1)
     for t8 in range(8):
         ch0 = (t8 >> 2) * 64 + ((t8 >> 1) & 1) * 32 + (t8 & 1) * 16

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from emulate_fragments import hsub2, ldmatrix_x4, lop, mma_f16, mma_s8, movmatrix_t, pack_f16x2  # noqa: E402
+from emulate_fragments import key_dot, movmatrix_t, pack_f16x2, value_dot  # noqa: E402
 
 from kvrepro.formats import get_format  # noqa: E402
 from kvrepro.ops import store_kv  # noqa: E402
@@ -75,16 +75,7 @@ def warp_pages(pool, bt_row, kvh, p0, warp, my_pages, end, bh, bl, kmul, qsv):
     for i in range(my_pages):
         pg = pool[bt_row[p0 + warp + i * WARPS], kvh]
         tok0 = (p0 + warp + i * WARPS) * BS
-        chi = np.zeros((32, 4), np.int64)
-        clo = np.zeros((32, 4), np.int64)
-        for half in range(2):
-            addr = [((t >> 3 & 1) * 8 + (t & 7)) * 64 + half * 32 + (t >> 4) * 16 for t in range(32)]
-            r = ldmatrix_x4(pg, addr, trans=False)
-            a_lo = np.array([[lop(np.uint32(r[t, k]) << np.uint32(4), 0xF0F0F0F0, 0x80808080, True) for k in range(4)]
-                             for t in range(32)], np.uint32)
-            a_hi = np.array([[lop(r[t, k], 0xF0F0F0F0, 0x80808080, True) for k in range(4)] for t in range(32)], np.uint32)
-            chi += mma_s8(a_lo, bh[half]) + mma_s8(a_hi, bh[2 + half])
-            clo += mma_s8(a_lo, bl[half]) + mma_s8(a_hi, bl[2 + half])
+        chi, clo = key_dot(pg, bh, bl)
         km = pg[KM_OFF:VM_OFF].view(np.float16).reshape(16, 2).astype(np.float32)
         ksA, ksB = km[G_, 0], km[G_ + 8, 0]
         kzA, kzB = km[G_, 1] + 8 * ksA, km[G_ + 8, 1] + 8 * ksB
@@ -121,18 +112,7 @@ def warp_pages(pool, bt_row, kvh, p0, warp, my_pages, end, bh, bl, kmul, qsv):
         pb0 = movmatrix_t(np.array([pack_f16x2(w[t, 0], w[t, 1]) for t in range(32)], np.uint32))
         pb1 = movmatrix_t(np.array([pack_f16x2(w[t, 2], w[t, 3]) for t in range(32)], np.uint32))
         b = np.stack([pb0, pb1], 1)
-        for half in range(2):
-            addr = [V_OFF + ((t >> 3 & 1) * 8 + (t & 7)) * 64 + half * 32 + (t >> 4) * 16 for t in range(32)]
-            r = ldmatrix_x4(pg, addr, trans=True)
-            for e in range(2):
-                lo, hi = r[:, 2 * e], r[:, 2 * e + 1]
-                for pl, (mask, c) in enumerate(((0x000F000F, 0x64086408), (0x00F000F0, 0x64806480))):
-                    a = np.array([[hsub2(lop(lo[t], mask, 0x64006400, False), c),
-                                   hsub2(lop(lo[t] >> np.uint32(8), mask, 0x64006400, False), c),
-                                   hsub2(lop(hi[t], mask, 0x64006400, False), c),
-                                   hsub2(lop(hi[t] >> np.uint32(8), mask, 0x64006400, False), c)] for t in range(32)],
-                                 np.uint32)
-                    tc[4 * pl + 2 * half + e] += mma_f16(a, b)
+        tc += value_dot(pg, b)
         if (i + 1) % FLUSH == 0 or i + 1 == my_pages:
             acc += tc
             tc[:] = 0
