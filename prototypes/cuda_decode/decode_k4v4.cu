@@ -110,7 +110,7 @@ kvrepro_decode_k4v4(const __half* __restrict__ q16, const uint8_t* __restrict__ 
   const int hq = num_kv_heads * group;
 
   __shared__ __align__(128) uint8_t ring[WARPS][STAGES][PAGE];
-  __shared__ int8_t qd_hi[8][D], qd_lo[8][D];
+  __shared__ __align__(16) int8_t qd_hi[8][D], qd_lo[8][D];  // read back as 32-bit words
   __shared__ float s_q[8], q_sum[8];
 
   // ---- query digits (Triton _query_digits): S_q = max|q| / 16255 per head, qi = round(q / S_q) = 128 qh + ql
