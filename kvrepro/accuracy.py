@@ -654,6 +654,13 @@ def load_cpu_results(paths=CPU_RESULTS) -> dict:
     return {"rows": rows, "labels": labels, "missing": missing}
 
 
+def format_order(formats) -> list[str]:
+    """``formats`` (any iterable of names) in display order: ``FORMAT_NAMES`` order first, then the others
+    (e.g. a vLLM control such as ``bf16-triton_attn``) sorted by name."""
+    fmts = set(map(str, formats))
+    return [f for f in FORMAT_NAMES if f in fmts] + sorted(fmts - set(FORMAT_NAMES))
+
+
 def replayed_grid(df: pd.DataFrame) -> pd.DataFrame:
     """The grid replayed rows actually contain, one row per variant: formats, context lengths, depths,
     keys per cell and runs (shown beside the provenance table, whose grid parameters were requested,
@@ -661,8 +668,7 @@ def replayed_grid(df: pd.DataFrame) -> pd.DataFrame:
     rows = []
     for v, g in df.groupby("variant", sort=True):
         fmts = set(g["format"].astype(str))
-        rows.append(dict(variant=v, formats=", ".join([f for f in FORMAT_NAMES if f in fmts]
-                                                      + sorted(fmts - set(FORMAT_NAMES))),
+        rows.append(dict(variant=v, formats=", ".join(format_order(fmts)),
                          context_lengths=", ".join(map(str, sorted(set(g["context_length"])))),
                          depths=", ".join(f"{x:g}" for x in sorted(set(g["depth"]))),
                          keys_per_cell=int(g.groupby(["context_length", "depth"])["key"].nunique().max()),

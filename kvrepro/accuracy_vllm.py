@@ -9,7 +9,10 @@ bundle (exact for ASCII answers; ``decode_ids``) and scored by ``kvrepro.needle.
 
 Modes (``kvrepro.sweep.engine_settings``): ``bf16`` = ``kv_cache_dtype="auto"`` with vLLM's default
 backend (FlashAttention), ``fp8`` = ``kv_cache_dtype="fp8"`` (per-layer scale 1.0, FlashAttention),
-``kvrepro:<preset>`` = ``attention_backend="CUSTOM"`` with ``KVREPRO_PRESET=<preset>``. Each mode runs
+``kvrepro:<preset>`` = ``attention_backend="CUSTOM"`` with ``KVREPRO_PRESET=<preset>``; the control
+``bf16:triton_attn`` = the bf16 KV cache through vLLM's ``TRITON_ATTN`` kernel instead of FlashAttention (format
+``bf16-triton_attn``): no quantization, only another attention kernel, so its cells "below bf16" measure how many
+judged prompts a kernel's rounding alone flips on this grid. Each mode runs
 in its own subprocess (``python -m kvrepro.accuracy_vllm worker``): GPU memory is returned between
 modes and the preset's environment variable is set before vLLM (and kvrepro's plugin) starts.
 Per mode, one engine: (1) every grid prompt in ONE batched greedy ``generate()`` (``max_new_tokens``,
@@ -52,8 +55,10 @@ from kvrepro.needle import (VARIANTS, answer_kind, build_prompt, build_sanity_pr
                             is_int, make_keys, score_answer)
 
 MAX_MODEL_LEN = 8192  # SmolLM2's trained window (GGUF llama.context_length); prompt + answer must fit
-MODES = ("bf16", "fp8", "kvrepro:k4v4", "kvrepro:k8v4", "kvrepro:k4v2")
+CONTROL_MODES = {"bf16:triton_attn": {"kv_cache_dtype": "auto", "attention_backend": "TRITON_ATTN", "env": {}}}
+MODES = ("bf16", "fp8", "kvrepro:k4v4", "kvrepro:k8v4", "kvrepro:k4v2", *CONTROL_MODES)
 FORMAT_OF_MODE = {"bf16": "bf16", "fp8": "fp8", "kvrepro:k4v4": "k4v4", "kvrepro:k8v4": "k8v4",
+                  "bf16:triton_attn": "bf16-triton_attn",
                   "kvrepro:k4v2": "k4v2"}
 WEIGHTS = ("gguf", "dequant", "auto")
 COMPILE = ("decode-graphs", "full", "eager")
@@ -119,6 +124,15 @@ def check_modes(modes) -> tuple[str, ...]:
     if len(set(modes)) != len(modes):
         raise ValueError(f"modes has duplicates: {modes!r}")
     return modes
+
+
+def mode_settings(mode: str) -> dict:
+    """vLLM settings of a mode (``{"kv_cache_dtype", "attention_backend", "env"}``): ``CONTROL_MODES`` here,
+    else ``kvrepro.sweep.engine_settings``. Raises ValueError for an unknown mode (``check_modes``)."""
+    from kvrepro.sweep import engine_settings
+
+    check_modes([mode])
+    return dict(CONTROL_MODES[mode]) if mode in CONTROL_MODES else engine_settings(mode)
 
 
 def file_sha256(path: str) -> str:
@@ -227,12 +241,10 @@ class VllmEngine:
 
     def __init__(self, mode: str, model: str, compile: str = "decode-graphs", gpu_memory_utilization: float = 0.35,
                  max_num_seqs: int = 128, seed: int = 0):
-        from kvrepro.sweep import engine_settings
-
         check_modes([mode])
         if compile not in COMPILE:
             raise ValueError(f"compile must be one of {COMPILE}, got {compile!r}")
-        s = engine_settings(mode)
+        s = mode_settings(mode)
         for k, v in s["env"].items():
             if os.environ.get(k) != v:
                 raise ValueError(f"mode {mode} needs {k}={v} in the environment before vLLM starts "
@@ -439,11 +451,9 @@ def run_worker(mode: str, bundle_path: str, model: str, out_path: str, factory: 
 def mode_env(mode: str, base: dict | None = None) -> dict:
     """Environment of a mode's subprocess: ``base`` (default ``os.environ``) + the mode's variables
     (``KVREPRO_PRESET`` for kvrepro presets; removed for the others) + in-process engine, offline hub."""
-    from kvrepro.sweep import engine_settings
-
     env = dict(os.environ if base is None else base)
     env.pop("KVREPRO_PRESET", None)
-    env.update(engine_settings(mode)["env"])
+    env.update(mode_settings(mode)["env"])
     env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                PYTHONUNBUFFERED="1")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # kvrepro importable from any cwd

@@ -355,3 +355,17 @@ def test_target_check_counts_paired_prompts_lost_and_gained_on_judged_cells():
     assert (k["prompts_lost"], k["prompts_gained"]) == (1, 0)            # 4096's gains are outside judged cells
     no_hash = accuracy.target_check(pd.DataFrame(rows).drop(columns="prompt_sha256"), min_variant_baseline=0.0)
     assert math.isnan(no_hash.loc[("k4v4", "single"), "prompts_lost"])
+
+
+def test_format_order_and_replayed_grid_keep_formats_outside_format_names():
+    """A vLLM control format (not a kvrepro KV format) sorts after the known ones and survives the replayed-grid
+    summary and the categorical order 03 applies (it used to become NaN there)."""
+    assert accuracy.format_order(["k4v4", "bf16-triton_attn", "bf16", "fp8", "a-control"]) == \
+        ["bf16", "fp8", "k4v4", "a-control", "bf16-triton_attn"]
+    df = pd.DataFrame(dict(variant="single", format=["bf16", "bf16-triton_attn", "k4v4"], context_length=1024,
+                           depth=0.0, key=[1, 1, 1], correct=[1, 0, 1]))
+    df["format"] = pd.Categorical(df["format"], categories=accuracy.format_order(df["format"]), ordered=True)
+    assert not df["format"].isna().any()
+    assert accuracy.replayed_grid(df).loc["single", "formats"] == "bf16, k4v4, bf16-triton_attn"
+    t = accuracy.target_check(df)
+    assert t.loc[("bf16-triton_attn", "single"), "verdict"] == "NOT MET"

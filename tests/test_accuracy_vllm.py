@@ -157,6 +157,21 @@ def test_modes_validation():
     assert "KVREPRO_PRESET" not in av.mode_env("fp8", {"KVREPRO_PRESET": "k4v4"})
 
 
+def test_control_mode_is_bf16_through_another_kernel():
+    """``bf16:triton_attn``: the bf16 KV cache (no kvrepro preset in the environment) through vLLM's TRITON_ATTN
+    backend, recorded as its own format so ``target_check`` judges it against bf16 like any format."""
+    assert av.check_modes("bf16,bf16:triton_attn") == ("bf16", "bf16:triton_attn")
+    assert av.mode_settings("bf16:triton_attn") == {"kv_cache_dtype": "auto", "attention_backend": "TRITON_ATTN",
+                                                   "env": {}}
+    assert av.mode_settings("kvrepro:k4v4")["attention_backend"] == "CUSTOM"
+    assert av.mode_settings("bf16")["attention_backend"] is None
+    assert "KVREPRO_PRESET" not in av.mode_env("bf16:triton_attn", {"KVREPRO_PRESET": "k4v4"})
+    assert av.FORMAT_OF_MODE["bf16:triton_attn"] == "bf16-triton_attn"
+    assert set(av.FORMAT_OF_MODE) == set(av.MODES)
+    with pytest.raises(ValueError, match="modes: unknown"):
+        av.mode_settings("bf16:flashinfer")
+
+
 def test_tampered_bundle_is_refused(small_bundle, tmp_path):
     with gzip.open(small_bundle, "rt") as f:
         b = json.load(f)
