@@ -10,7 +10,9 @@ it); no PyTorch extension build is needed.
 from __future__ import annotations
 
 import ctypes
+import glob
 import os
+import shutil
 import subprocess
 import tempfile
 
@@ -25,15 +27,27 @@ SOURCE = os.path.join(HERE, "decode_k4v4.cu")
 WARPS = 4
 
 
-def build(nvcc: str = "nvcc", arch: str = "sm_90", out_dir: str | None = None) -> str:
-    """Compile ``decode_k4v4.cu`` to a cubin; returns its path. Raises RuntimeError with nvcc's output."""
+def find_nvcc(nvcc: str | None = None) -> str:
+    """``nvcc`` if given, else the one on PATH, else the newest ``/usr/local/cuda*/bin/nvcc``. Raises
+    FileNotFoundError naming the places looked at."""
+    cands = [nvcc] if nvcc else [shutil.which("nvcc"), *sorted(glob.glob("/usr/local/cuda*/bin/nvcc"), reverse=True)]
+    for c in cands:
+        if c and os.path.isfile(c) and os.access(c, os.X_OK):
+            return c
+    raise FileNotFoundError(f"nvcc not found (looked at {nvcc or 'PATH and /usr/local/cuda*/bin'})")
+
+
+def build(nvcc: str | None = None, arch: str = "sm_90", out_dir: str | None = None) -> tuple[str, str]:
+    """Compile ``decode_k4v4.cu`` to a cubin: ``(path, ptxas report)`` (registers, spills, shared memory).
+    Raises RuntimeError with nvcc's output, FileNotFoundError without an nvcc."""
+    exe = find_nvcc(nvcc)
     out_dir = out_dir or tempfile.mkdtemp(prefix="kvrepro_cuda_")
     path = os.path.join(out_dir, f"decode_k4v4_{arch}.cubin")
-    r = subprocess.run([nvcc, f"-arch={arch}", "-O3", "-cubin", "-Xptxas", "-v", "-o", path, SOURCE],
+    r = subprocess.run([exe, f"-arch={arch}", "-O3", "-cubin", "-Xptxas", "-v", "-o", path, SOURCE],
                        capture_output=True, text=True)
     if r.returncode:
         raise RuntimeError(f"nvcc failed:\n{r.stdout}\n{r.stderr}")
-    return path
+    return path, (r.stdout + r.stderr).strip()
 
 
 class _Driver:
@@ -71,10 +85,20 @@ def decode_cuda(query, pool, block_tables, seq_lens, layout, rotation, scale, ou
     Returns ``out`` [B, Hq, D] in the query dtype. Raises ValueError for other shapes, RuntimeError if
     ``load`` was not called."""
     if _DRIVER is None:
-        raise RuntimeError("call cuda_decode.load(build()) first")
+        raise RuntimeError("call cuda_decode.load(build()[0]) first")
     data = pool_tensor(pool)
     b, hq, d = query.shape
     hkv = data.shape[1]
+    for name, t in (("query", query), ("pool", data), ("block_tables", block_tables), ("seq_lens", seq_lens)):
+        if t.device.type != "cuda":
+            raise ValueError(f"{name} must be on a CUDA device, got {t.device}")
+    for name, t in (("block_tables", block_tables), ("seq_lens", seq_lens)):
+        if t.dtype != torch.int32:
+            raise ValueError(f"{name} must be int32, got {t.dtype}")
+    if block_tables.dim() != 2 or block_tables.stride(1) != 1 or not seq_lens.is_contiguous():
+        raise ValueError("block_tables must be [B, max_blocks] with contiguous rows and seq_lens contiguous")
+    if not data.is_contiguous():
+        raise ValueError("pool must be contiguous [num_blocks, num_kv_heads, page_bytes]")
     if (layout.key_bits, layout.value_bits, layout.head_dim, layout.block_size) != (4, 4, 128, 16):
         raise ValueError(f"decode_cuda supports k4v4, head_dim 128, block 16; got {layout}")
     if hq % hkv or hq // hkv > 8:
@@ -83,6 +107,8 @@ def decode_cuda(query, pool, block_tables, seq_lens, layout, rotation, scale, ou
     if num_splits is None:
         num_splits = default_num_splits(b, hkv, block_tables.shape[1] * layout.block_size, data.device)
     out = torch.empty_like(query) if out is None else out
+    if b == 0:
+        return out
     need = decode_workspace_numel(b, hq, d, num_splits)
     workspace = torch.empty(need, dtype=torch.float32, device=data.device) if workspace is None else workspace
     n_o = b * hq * num_splits * d

@@ -39,20 +39,26 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
+// "memory" clobbers: no shared-memory access may move across the copies, the waits or the ldmatrix reads
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
 }
-__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N>
-__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+
+// Shared-memory swizzle of the code regions: 16-byte chunk j of token row t (64 B per row) is stored at chunk
+// j ^ ((t >> 1) & 3) of its row, so the 8 rows an ldmatrix phase reads spread over all 32 banks (rows t and t + 2
+// of a 64-byte-row tile share banks otherwise: 4-way conflicts). Chunks 128.. (the metadata) are not moved.
+__device__ __forceinline__ int swz_row_chunk(int t, int j) { return t * 4 + (j ^ ((t >> 1) & 3)); }
 
 __device__ __forceinline__ void ldsm_x4(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr) : "memory");
 }
 __device__ __forceinline__ void ldsm_x4_t(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr) : "memory");
 }
 __device__ __forceinline__ uint32_t movm_t(uint32_t x) {
   uint32_t y;
@@ -97,7 +103,7 @@ __device__ __forceinline__ uint32_t pack_f16x2(float lo, float hi) {
 
 }  // namespace
 
-extern "C" __global__ void __launch_bounds__(WARPS * 32)
+extern "C" __global__ void __launch_bounds__(WARPS * 32, 4)  // 4 CTAs (16 warps) per SM: <= 128 registers
 kvrepro_decode_k4v4(const __half* __restrict__ q16, const uint8_t* __restrict__ pool,
                     const int* __restrict__ block_tables, const int* __restrict__ seq_lens,
                     float* __restrict__ part_o, float* __restrict__ part_lse,
@@ -158,7 +164,8 @@ kvrepro_decode_k4v4(const __half* __restrict__ q16, const uint8_t* __restrict__ 
   const float kmul0 = s_q[h0] * (1.0f / 16.0f), kmul1 = s_q[h0 + 1] * (1.0f / 16.0f);
   const float qs0 = q_sum[h0], qs1 = q_sum[h0 + 1];
 
-  // ---- this split's pages (token ranges as the Triton kernel: whole pages per split)
+  // ---- this split's pages: whole 16-token pages per split (the Triton kernel cuts at its 256-token tiles;
+  // the split merge accepts any partition)
   const int per_split = ((seq_len + num_splits - 1) / num_splits + BS - 1) / BS * BS;
   const int start = split * per_split;
   const int end = min(start + per_split, seq_len);
@@ -168,15 +175,17 @@ kvrepro_decode_k4v4(const __half* __restrict__ q16, const uint8_t* __restrict__ 
   const int* bt = block_tables + (int64_t)b * stride_bt;
 
   uint8_t* my_ring = &ring[warp][0][0];
-  const uint32_t ring_s = smem_u32(my_ring) + lane * 16;  // this lane's first 16-byte chunk of stage 0
+  // chunk lane + 32 k (k < 4: code chunks, row (lane >> 2) + 8 k, swizzled; k = 4: metadata, lanes < 6)
+  const uint32_t ring_code = smem_u32(my_ring) + (lane ^ ((lane >> 3) & 3)) * 16;
+  const uint32_t ring_meta = smem_u32(my_ring) + (128 + lane) * 16;
   auto issue = [&](int i) {
     if (i < my_pages) {
       const int blk = bt[p0 + warp + i * WARPS];
       const uint8_t* src = pool + ((int64_t)blk * num_kv_heads + kvh) * PAGE + lane * 16;
-      const uint32_t dst = ring_s + (i & (STAGES - 1)) * PAGE;
+      const uint32_t stage = (i & (STAGES - 1)) * PAGE;
 #pragma unroll
-      for (int k = 0; k < (NCHUNK + 31) / 32; ++k)  // chunks lane + 32 k: 4 or 5 per lane
-        if (lane + 32 * k < NCHUNK) cp_async16(dst + 512 * k, src + 512 * k);
+      for (int k = 0; k < 4; ++k) cp_async16(ring_code + stage + 512 * k, src + 512 * k);
+      if (lane < NCHUNK - 128) cp_async16(ring_meta + stage, src + 512 * 4);
     }
     cp_commit();  // one group per slot, empty or not, so wait_group counts stay uniform
   };
@@ -203,7 +212,7 @@ kvrepro_decode_k4v4(const __half* __restrict__ q16, const uint8_t* __restrict__ 
       uint32_t r0, r1, r2, r3;
       // matrices: tokens 0-7 / 8-15 x bytes [32 half, +16), then the next 16 bytes
       const int mat = lane >> 3, row = lane & 7;
-      const uint8_t* a = pg + ((mat & 1) * 8 + row) * 64 + half * 32 + (mat >> 1) * 16;
+      const uint8_t* a = pg + swz_row_chunk((mat & 1) * 8 + row, half * 2 + (mat >> 1)) * 16;
       ldsm_x4(smem_u32(a), r0, r1, r2, r3);
       const uint32_t x0 = r0 << 4, x1 = r1 << 4, x2 = r2 << 4, x3 = r3 << 4;
       // plane 0 (low nibbles) as int8 16 (code - 8): ((x << 4) & 0xF0) ^ 0x80; plane 1: (x & 0xF0) ^ 0x80
@@ -265,7 +274,7 @@ kvrepro_decode_k4v4(const __half* __restrict__ q16, const uint8_t* __restrict__ 
     for (int half = 0; half < 2; ++half) {
       uint32_t r0, r1, r2, r3;
       const int mat = lane >> 3, row = lane & 7;
-      const uint8_t* a = pg + V_OFF + ((mat & 1) * 8 + row) * 64 + half * 32 + (mat >> 1) * 16;
+      const uint8_t* a = pg + V_OFF + swz_row_chunk((mat & 1) * 8 + row, half * 2 + (mat >> 1)) * 16;
       ldsm_x4_t(smem_u32(a), r0, r1, r2, r3);
       const uint32_t rr[4] = {r0, r1, r2, r3};
 #pragma unroll

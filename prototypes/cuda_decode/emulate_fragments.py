@@ -96,14 +96,48 @@ def hsub2(x, c):
     return np.frombuffer((a - b).astype(np.float16).tobytes(), np.uint32)[0]
 
 
-def key_dot(page: np.ndarray, bh: np.ndarray, bl: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The kernel's S^T = K Q^T for one page: int32 C fragments [32, 4] of the high- and low-digit chains
-    (``bh`` / ``bl``: [4 chunks, 32, 2] B fragments of the query digits)."""
+def to_smem(page: np.ndarray) -> np.ndarray:
+    """The page as the kernel's cp.async copy lays it out in shared memory: 16-byte chunk ``c < 128`` (the K and V
+    code rows, 4 chunks per token) at chunk ``c ^ ((c >> 3) & 3)``, the metadata chunks in place."""
+    out = np.zeros_like(page)
+    for lane in range(32):                      # the kernel's issue(): ring_code / ring_meta per lane
+        for k in range(4):
+            d, c = (lane ^ ((lane >> 3) & 3)) + 32 * k, lane + 32 * k
+            out[16 * d: 16 * d + 16] = page[16 * c: 16 * c + 16]
+        if lane < len(page) // 16 - 128:
+            out[16 * (128 + lane): 16 * (129 + lane)] = page[16 * (128 + lane): 16 * (129 + lane)]
+    return out
+
+
+def bank_ways(addrs: list[int]) -> int:
+    """Worst bank conflict of one ldmatrix.x4: per matrix (8 lanes' 16-byte rows), the most rows hitting a bank."""
+    worst = 1
+    for m in range(4):
+        hits = np.zeros(32, int)
+        for a in addrs[8 * m: 8 * m + 8]:
+            for w in range(4):
+                hits[(a // 4 + w) % 32] += 1
+        worst = max(worst, int(hits.max()))
+    return worst
+
+
+def row_addr(base: int, half: int) -> list[int]:
+    """Per lane, the byte address ldmatrix reads (the kernel's ``swz_row_chunk``): matrix ``lane >> 3`` = tokens
+    0-7 / 8-15 x bytes +0 / +16 of 32-byte half ``half``, row ``lane & 7``."""
+    out = []
+    for t in range(32):
+        tok, j = (t >> 3 & 1) * 8 + (t & 7), half * 2 + (t >> 4)
+        out.append(base + 16 * (tok * 4 + (j ^ ((tok >> 1) & 3))))
+    return out
+
+
+def key_dot(smem: np.ndarray, bh: np.ndarray, bl: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The kernel's S^T = K Q^T for one page in shared memory (``to_smem``): int32 C fragments [32, 4] of the
+    high- and low-digit chains (``bh`` / ``bl``: [4 chunks, 32, 2] B fragments of the query digits)."""
     chi = np.zeros((32, 4), np.int64)
     clo = np.zeros((32, 4), np.int64)
     for half in range(2):
-        addr = [((t >> 3 & 1) * 8 + (t & 7)) * 64 + half * 32 + (t >> 4) * 16 for t in range(32)]
-        r = ldmatrix_x4(page, addr, trans=False)
+        r = ldmatrix_x4(smem, row_addr(0, half), trans=False)
         a_lo = np.array([[lop(np.uint32(r[t, i]) << np.uint32(4), 0xF0F0F0F0, 0x80808080, True) for i in range(4)]
                          for t in range(32)], np.uint32)
         a_hi = np.array([[lop(r[t, i], 0xF0F0F0F0, 0x80808080, True) for i in range(4)] for t in range(32)], np.uint32)
@@ -112,13 +146,12 @@ def key_dot(page: np.ndarray, bh: np.ndarray, bl: np.ndarray) -> tuple[np.ndarra
     return chi, clo
 
 
-def value_dot(page: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """The kernel's O^T contribution of one page: [8 channel tiles, 32, 4] float64 C fragments for the P^T B
-    fragments ``b`` [32, 2] (tile 4 p + 2 half + e: plane p, bytes 32 half + 16 e)."""
+def value_dot(smem: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """The kernel's O^T contribution of one page in shared memory (``to_smem``): [8 channel tiles, 32, 4] float64
+    C fragments for the P^T B fragments ``b`` [32, 2] (tile 4 p + 2 half + e: plane p, bytes 32 half + 16 e)."""
     tc = np.zeros((8, 32, 4))
     for half in range(2):
-        addr = [V_OFF + ((t >> 3 & 1) * 8 + (t & 7)) * 64 + half * 32 + (t >> 4) * 16 for t in range(32)]
-        r = ldmatrix_x4(page, addr, trans=True)
+        r = ldmatrix_x4(smem, row_addr(V_OFF, half), trans=True)
         for e in range(2):
             lo, hi = r[:, 2 * e], r[:, 2 * e + 1]
             for p, (mask, c) in enumerate(((0x000F000F, 0x64086408), (0x00F000F0, 0x64806480))):
@@ -162,7 +195,8 @@ def main() -> int:
                     fr[c, t, j] = np.frombuffer(dig[g, ch + off: ch + off + 4].astype(np.int8).tobytes(), np.uint32)[0]
         return fr
     bh, bl = qfrag(qh), qfrag(ql)
-    chi, clo = key_dot(page, bh, bl)
+    smem = to_smem(page)
+    chi, clo = key_dot(smem, bh, bl)
     acc = chi * 128 + clo                                                  # [lane, (tok g h0, g h1, g+8 h0, g+8 h1)]
     direct = 16 * (kcode - 8) @ qi.T                                       # [16 tokens, 8 heads]
     emu = np.zeros((16, 8), np.int64)
@@ -181,7 +215,7 @@ def main() -> int:
                       for t in range(32)], np.uint32)
         pb.append(movmatrix_t(x))
     b = np.stack(pb, 1)                                                    # [32, 2]
-    tc = value_dot(page, b)
+    tc = value_dot(smem, b)
     emu_o = np.zeros((8, D))                                               # [head, channel] = sum w (code - 8) (x16 plane 1)
     for t8 in range(8):
         ch0 = (t8 >> 2) * 64 + ((t8 >> 1) & 1) * 32 + (t8 & 1) * 16
@@ -202,6 +236,11 @@ def main() -> int:
     same = torch.equal(kr.reshape(-1), torch.from_numpy(page[:V_OFF].copy())) and \
         torch.equal(vr.reshape(-1), torch.from_numpy(page[V_OFF:KM_OFF].copy()))
     print(f"page regions match the layout offsets used: {same}")
+    ways = max(bank_ways(row_addr(base, half)) for base in (0, V_OFF) for half in (0, 1))
+    plain = max(bank_ways([base + ((t >> 3 & 1) * 8 + (t & 7)) * 64 + half * 32 + (t >> 4) * 16 for t in range(32)])
+                for base in (0, V_OFF) for half in (0, 1))
+    print(f"ldmatrix bank conflicts: {ways}-way with the swizzle ({plain}-way without)")
+    same = same and ways == 1
     return 0 if ok_k and ok_v and same else 1
 
 

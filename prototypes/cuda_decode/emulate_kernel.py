@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from emulate_fragments import key_dot, movmatrix_t, pack_f16x2, value_dot  # noqa: E402
+from emulate_fragments import key_dot, movmatrix_t, pack_f16x2, to_smem, value_dot  # noqa: E402
 
 from kvrepro.formats import get_format  # noqa: E402
 from kvrepro.ops import store_kv  # noqa: E402
@@ -73,7 +73,7 @@ def warp_pages(pool, bt_row, kvh, p0, warp, my_pages, end, bh, bl, kmul, qsv):
     acc = np.zeros((8, 32, 4))
     tc = np.zeros((8, 32, 4))
     for i in range(my_pages):
-        pg = pool[bt_row[p0 + warp + i * WARPS], kvh]
+        pg = to_smem(pool[bt_row[p0 + warp + i * WARPS], kvh])   # the stage as the cp.async copy fills it
         tok0 = (p0 + warp + i * WARPS) * BS
         chi, clo = key_dot(pg, bh, bl)
         km = pg[KM_OFF:VM_OFF].view(np.float16).reshape(16, 2).astype(np.float32)
