@@ -58,8 +58,7 @@ MAX_MODEL_LEN = 8192  # SmolLM2's trained window (GGUF llama.context_length); pr
 CONTROL_MODES = {"bf16:triton_attn": {"kv_cache_dtype": "auto", "attention_backend": "TRITON_ATTN", "env": {}}}
 MODES = ("bf16", "fp8", "kvrepro:k4v4", "kvrepro:k8v4", "kvrepro:k4v2", *CONTROL_MODES)
 FORMAT_OF_MODE = {"bf16": "bf16", "fp8": "fp8", "kvrepro:k4v4": "k4v4", "kvrepro:k8v4": "k8v4",
-                  "bf16:triton_attn": "bf16-triton_attn",
-                  "kvrepro:k4v2": "k4v2"}
+                  "kvrepro:k4v2": "k4v2", "bf16:triton_attn": "bf16-triton_attn"}
 WEIGHTS = ("gguf", "dequant", "auto")
 COMPILE = ("decode-graphs", "full", "eager")
 DEFAULT_FACTORY = "kvrepro.accuracy_vllm:vllm_engine"
@@ -241,10 +240,9 @@ class VllmEngine:
 
     def __init__(self, mode: str, model: str, compile: str = "decode-graphs", gpu_memory_utilization: float = 0.35,
                  max_num_seqs: int = 128, seed: int = 0):
-        check_modes([mode])
+        s = mode_settings(mode)          # ValueError for an unknown mode (check_modes)
         if compile not in COMPILE:
             raise ValueError(f"compile must be one of {COMPILE}, got {compile!r}")
-        s = mode_settings(mode)
         for k, v in s["env"].items():
             if os.environ.get(k) != v:
                 raise ValueError(f"mode {mode} needs {k}={v} in the environment before vLLM starts "

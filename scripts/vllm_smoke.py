@@ -100,6 +100,7 @@ def case_piecewise(a):
     prefix = rng.integers(1000, 150000, size=1024).tolist()
     pair = [{"prompt_token_ids": prefix + rng.integers(1000, 150000, size=n).tolist()} for n in (50, 90)]
     gen(llm, pair[:1], temperature=0.0, max_tokens=4)
+    from kvrepro.vllm_backend.measure import counter
     from kvrepro.vllm_backend.runtime import CHECKS
 
     hits0, calls0 = counter(llm, "vllm:prefix_cache_hits"), len(CHECKS)
@@ -112,12 +113,6 @@ def case_piecewise(a):
             "prefix_hit_request_checked_calls": len(hit_calls),
             "prefix_hit_request_max_rel_err": max((c["rel_err"] for c in hit_calls), default=None),
             **check_summary()}
-
-
-def counter(llm, name: str) -> int:
-    """Current value of one of vLLM's counters (``llm.get_metrics()``; a ``_total`` suffix is accepted),
-    summed over label sets."""
-    return int(sum(getattr(m, "value", 0) for m in llm.get_metrics() if m.name in (name, name + "_total")))
 
 
 def case_refuse(a):

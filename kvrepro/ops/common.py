@@ -88,12 +88,16 @@ def page_constexprs(layout: PageLayout, num_kv_heads: int) -> dict:
                 V_META_OFF=layout.v_meta_offset)
 
 
-def check_launch(num_warps, num_stages) -> None:
-    """Triton launch options: ``num_warps`` in 1, 2, 4, 8, 16; ``num_stages`` a positive int."""
+def check_launch(num_warps, num_stages, max_registers=None) -> None:
+    """Triton launch options: ``num_warps`` in 1, 2, 4, 8, 16; ``num_stages`` a positive int;
+    ``max_registers`` (Triton's ``maxnreg``) None or a multiple of 8 in [32, 248]."""
     if num_warps not in (1, 2, 4, 8, 16) or isinstance(num_warps, bool):
         raise ValueError(f"num_warps={num_warps!r}; allowed: 1, 2, 4, 8, 16")
     if not isinstance(num_stages, int) or isinstance(num_stages, bool) or num_stages < 1:
         raise ValueError(f"num_stages={num_stages!r}; allowed: a positive int")
+    if max_registers is not None and (not isinstance(max_registers, int) or isinstance(max_registers, bool)
+                                      or not 32 <= max_registers <= 248 or max_registers % 8):
+        raise ValueError(f"max_registers={max_registers!r}; allowed: None or a multiple of 8 in [32, 248]")
 
 
 @functools.lru_cache(maxsize=None)

@@ -237,10 +237,7 @@ def decode_attention(query: torch.Tensor, pool, block_tables: torch.Tensor, seq_
         num_splits = default_num_splits(b, hkv, block_tables.shape[1] * layout.block_size, dev)
     if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 1:
         raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
-    check_launch(num_warps, num_stages)
-    if max_registers is not None and (not isinstance(max_registers, int) or isinstance(max_registers, bool)
-                                      or not 32 <= max_registers <= 248 or max_registers % 8):
-        raise ValueError(f"max_registers={max_registers!r}; allowed: None or a multiple of 8 in [32, 248]")
+    check_launch(num_warps, num_stages, max_registers)
     launch_opts = {} if max_registers is None else {"maxnreg": max_registers}
     if b == 0:
         return out

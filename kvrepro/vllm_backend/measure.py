@@ -19,13 +19,19 @@ from kvrepro import sweep
 from kvrepro.accuracy_vllm import src_sha256
 
 
-def preemptions(llm) -> int:
-    """Current value of vLLM's ``vllm:num_preemptions`` counter (summed over label sets)."""
+def counter(llm, name: str) -> int:
+    """Current value of vLLM's counter ``name`` (``llm.get_metrics()``; names that start with it, e.g. with a
+    ``_total`` suffix, count too), summed over label sets."""
     total = 0
     for m in llm.get_metrics():
-        if m.name.startswith("vllm:num_preemptions"):
+        if m.name.startswith(name):
             total += int(getattr(m, "value", 0))
     return total
+
+
+def preemptions(llm) -> int:
+    """Current value of vLLM's ``vllm:num_preemptions`` counter (summed over label sets)."""
+    return counter(llm, "vllm:num_preemptions")
 
 
 def make_prompt(seed: int, user: int, length: int, vocab_size: int) -> list[int]:

@@ -7,8 +7,8 @@
     ``decode_attention`` default: k4v4, 32 q / 8 KV heads (group 4) and 24 q / 8 KV (group 3), head_dim 128,
     lens 8193 / 97 / 1 / 0 / 5 (0 = padding row: zeros), float16 and bfloat16 queries, 1, 3 and default splits;
     one 131,072-token sequence with 1 split and with the default split count; a NaN in one query head.
-(c) Time from CUDA graphs (triton do_bench median of replays), 128K context, batch 1 / 3 / 6 / 13, CUDA vs Triton
-    alternating twice, copy bandwidth in the same run and % of it.
+(c) Time from CUDA graphs (``side_by_side_vllm.bench``: triton do_bench median of replays), 128K context,
+    batch 1 / 3 / 6 / 13, CUDA vs Triton alternating twice, copy bandwidth in the same run and % of it.
 Writes ``$OUT/cuda_decode.json`` after each part (provenance included). Budget ~150 s; exits 1 if a check fails.
 """
 from __future__ import annotations
@@ -19,13 +19,13 @@ import sys
 import time
 
 import torch
-import triton.testing
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import benchmarks.run_h200 as rh  # noqa: E402
 import cuda_decode as cd  # noqa: E402
 from benchmarks.common import copy_bandwidth, provenance, write_json  # noqa: E402
+from benchmarks.side_by_side_vllm import bench  # noqa: E402
 from kvrepro.formats import get_format  # noqa: E402
 from kvrepro.ops import decode_attention, decode_workspace_numel, default_num_splits  # noqa: E402
 from kvrepro.reference import paged_attention_ref  # noqa: E402
@@ -93,15 +93,6 @@ def correctness(gen, quick: bool = False) -> tuple[dict, list]:
     return res, bad
 
 
-def graph_ms(fn) -> float:
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return triton.testing.do_bench(g.replay, warmup=10, rep=60, return_mode="median")
-
-
 def timing(gen, copy_bw) -> list:
     rows = []
     for batch in (1, 3, 6, 13):
@@ -114,10 +105,19 @@ def timing(gen, copy_bw) -> list:
                "triton": lambda: decode_attention(q, pool.data, bt, sl, pool.layout, pool.rotation, 128 ** -0.5,
                                                   out=out, num_splits=s, workspace=ws)}
         ms = {k: [] for k in fns}
+        errors = {}
         for _ in range(2):
             for k, fn in fns.items():
-                ms[k].append(graph_ms(fn))
+                _, gms, err = bench(fn)          # graph capture failure: recorded, no figure
+                if gms is None:
+                    errors[k] = err
+                else:
+                    ms[k].append(gms)
         nbytes = batch * CTX * 8 * pool.layout.bytes_per_token
+        if errors or not all(ms.values()):
+            rows.append({"batch": batch, "graph_error": errors})
+            print(rows[-1], flush=True)
+            continue
         for k in fns:
             best = min(ms[k])
             rows.append({"kernel": k, "batch": batch, "splits": s, "ms_graph": best, "ms_all": ms[k],

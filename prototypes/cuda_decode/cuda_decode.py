@@ -19,7 +19,7 @@ import tempfile
 import torch
 
 from kvrepro.ops.decode import LOG2E, decode_workspace_numel, default_num_splits
-from kvrepro.ops.common import next_pow2, pool_tensor
+from kvrepro.ops.common import check_float, check_int, check_pool, next_pow2, pool_tensor
 from kvrepro.ops.kernels.rotate import merge_splits_kernel, rotate_query_kernel
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -87,18 +87,13 @@ def decode_cuda(query, pool, block_tables, seq_lens, layout, rotation, scale, ou
     if _DRIVER is None:
         raise RuntimeError("call cuda_decode.load(build()[0]) first")
     data = pool_tensor(pool)
+    _, hkv = check_pool(data, layout)                     # the checks decode_attention makes
+    if data.device.type != "cuda":
+        raise ValueError(f"pool must be on a CUDA device, got {data.device}")
     b, hq, d = query.shape
-    hkv = data.shape[1]
-    for name, t in (("query", query), ("pool", data), ("block_tables", block_tables), ("seq_lens", seq_lens)):
-        if t.device.type != "cuda":
-            raise ValueError(f"{name} must be on a CUDA device, got {t.device}")
-    for name, t in (("block_tables", block_tables), ("seq_lens", seq_lens)):
-        if t.dtype != torch.int32:
-            raise ValueError(f"{name} must be int32, got {t.dtype}")
-    if block_tables.dim() != 2 or block_tables.stride(1) != 1 or not seq_lens.is_contiguous():
-        raise ValueError("block_tables must be [B, max_blocks] with contiguous rows and seq_lens contiguous")
-    if not data.is_contiguous():
-        raise ValueError("pool must be contiguous [num_blocks, num_kv_heads, page_bytes]")
+    check_float("query", query, (b, hq, d), data.device)
+    check_int("block_tables", block_tables, 2, data.device)
+    check_int("seq_lens", seq_lens, 1, data.device)
     if (layout.key_bits, layout.value_bits, layout.head_dim, layout.block_size) != (4, 4, 128, 16):
         raise ValueError(f"decode_cuda supports k4v4, head_dim 128, block 16; got {layout}")
     if hq % hkv or hq // hkv > 8:

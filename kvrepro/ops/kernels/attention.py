@@ -144,8 +144,9 @@ def _key_planes_i8(kc, KBITS: tl.constexpr, ASM: tl.constexpr):
 @triton.jit
 def _query_digits(qrow, qmask, dk, KP: tl.constexpr, KBITS: tl.constexpr):
     """int8 query digits for ``KEY_I8``: ``S_q = max|q| / 16255`` per row (query head) over all
-    channels (1 for an all-zero or masked row, NaN for a row holding a NaN), so a head with a small norm keeps its 14 bits next to
-    a large one of the same GQA group, ``qi = round(q / S_q)`` in [-16255, 16255] split as
+    channels (1 for an all-zero or masked row, NaN for a row holding a NaN), so a head with a small
+    norm keeps its 14 bits next to a large one of the same GQA group, ``qi = round(q / S_q)`` in
+    [-16255, 16255] split as
     ``qi = 128 qh + ql`` with ``qh = floor((qi + 64) / 128)`` in [-127, 127] and ``ql`` in [-64, 63].
     Returns ``(qh0, qh1, ql0, ql1, qsum, s_q)``: int8 [M, KP] per key plane (plane 1 = plane 0 for
     8-bit keys), ``qsum = S_q sum(qi)`` float32 [M] and ``S_q`` float32 [M]."""
