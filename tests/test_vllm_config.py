@@ -29,6 +29,16 @@ def test_prefill_path(monkeypatch):
         cfg.resolve_prefill("sdpa")
 
 
+def test_decode_impl_choice(monkeypatch):
+    monkeypatch.delenv(cfg.DECODE_IMPL_ENV, raising=False)
+    assert cfg.resolve_decode_impl() is None                 # auto: kvrepro.ops.decode.resolve_impl decides
+    monkeypatch.setenv(cfg.DECODE_IMPL_ENV, " CUDA ")
+    assert cfg.resolve_decode_impl() == "cuda"
+    assert cfg.resolve_decode_impl("triton") == "triton" and cfg.resolve_decode_impl("auto") is None
+    with pytest.raises(ValueError, match="KVREPRO_DECODE_IMPL='fast'; allowed: auto, cuda, triton"):
+        cfg.resolve_decode_impl("fast")
+
+
 def test_warmup_switch(monkeypatch):
     monkeypatch.delenv("KVREPRO_WARMUP", raising=False)
     assert cfg.resolve_warmup() is True

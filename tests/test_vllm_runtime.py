@@ -270,11 +270,13 @@ def test_warmup_launches_one_decode_per_split_count(monkeypatch):
             calls.append(("store", tuple(k.shape), rotate))
 
         @staticmethod
-        def decode_attention(q, pool, bt, lens, layout, rot, scale, out=None, num_splits=None, workspace=None):
+        def decode_attention(q, pool, bt, lens, layout, rot, scale, out=None, num_splits=None, workspace=None,
+                             impl="unset"):
             assert workspace.numel() >= runtime.LayerRuntime.workspace_numel(rt, q.shape[0], num_splits)
             calls.append(("decode", q.shape[0], num_splits, bt.shape[1]))
+            assert impl == "triton"   # the runtime's decode_impl reaches the kernel call
 
-    rt = LayerRuntime("k4v4", 8, 2, 64, 0.125, ops=Ops, graph_sizes=(1, 2, 4, 8), max_batch=8)
+    rt = LayerRuntime("k4v4", 8, 2, 64, 0.125, ops=Ops, graph_sizes=(1, 2, 4, 8), max_batch=8, decode_impl="triton")
     got = rt.warmup(torch.device("cpu"), torch.bfloat16, 16, 4096)
     want = sorted({runtime.decode_splits(b, 2, 4096, torch.device("cpu"), (1, 2, 4, 8)) for b in range(1, 9)})
     assert got == want and calls[0] == ("store", (1, 2, 64), "torch")
@@ -326,3 +328,29 @@ def test_rotated_dequant_prefill_path_matches_reference():
         ref = reference_attend(rt, q, k, v, pool, bt, sl, qsl, t, 2)
         assert ((out[:t].double() - ref).abs().max() / ref.abs().max()) < 2e-2
         assert torch.isnan(out[t:]).all()
+
+
+def test_decode_impl_is_checked_at_engine_start_and_recorded(monkeypatch):
+    """``KVREPRO_DECODE_IMPL=cuda`` is refused at engine start where the CUDA kernel does not apply (head_dim 64,
+    a CPU device); the kernel each geometry resolves to is recorded for the result rows' provenance."""
+    from kvrepro.vllm_backend import runtime
+
+    monkeypatch.setattr(runtime, "DECODE_IMPL_USED", {})
+    with pytest.raises(ValueError, match="decode_impl='fast'; allowed"):
+        LayerRuntime("k4v4", 9, 3, 64, 0.125, decode_impl="fast")
+    smol = LayerRuntime("k4v4", 9, 3, 64, 0.125, decode_impl="cuda")
+    with pytest.raises(ValueError, match="refuses this layer: KVREPRO_DECODE_IMPL=cuda: .*head_dim=64"):
+        smol.check_decode_impl(16, torch.device("cpu"))
+    qwen = LayerRuntime("k4v4", 32, 8, 128, 0.088, decode_impl="cuda")
+    with pytest.raises(ValueError, match="KVREPRO_DECODE_IMPL=cuda: .*needs a CUDA device, got cpu"):
+        qwen.check_decode_impl(16, torch.device("cpu"))
+    for impl in (None, "triton"):
+        LayerRuntime("k4v4", 9, 3, 64, 0.125, decode_impl=impl).check_decode_impl(16, torch.device("cpu"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    qwen.check_decode_impl(16, torch.device("cuda", 0))      # passes where the kernel applies
+    auto = LayerRuntime("k4v4", 32, 8, 128, 0.088)
+    layout = get_format("k4v4").layout(128, 16)
+    assert auto.record_impl(layout, torch.device("cuda", 0)) == "cuda"
+    assert LayerRuntime("k4v4", 9, 3, 64, 0.125).record_impl(get_format("k4v4").layout(64, 16),
+                                                             torch.device("cuda", 0)) == "triton"
+    assert runtime.DECODE_IMPL_USED == {"k4v4 32q/8kv d128 bs16": "cuda", "k4v4 9q/3kv d64 bs16": "triton"}

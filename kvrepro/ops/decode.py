@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from kvrepro.formats.layout import PageLayout
+from kvrepro.ops import cuda_decode
 from kvrepro.ops.common import (check_block_tables, check_float, check_heads, check_int, check_launch,
                                 check_pool, check_rotation, check_scale, next_pow2, page_constexprs,
                                 pool_tensor, sm_count, want_checks)
@@ -108,6 +109,42 @@ def v2_decode_constexprs(layout: PageLayout, num_kv_heads: int, group: int, bloc
                 BLOCK_N=block_n, HAS_FRESH=False, SPLIT_OUT=True, IS_DECODE=True, KEY_I8=key_mma == "int8")
 
 
+DECODE_IMPLS = ("triton", "cuda")
+
+
+def resolve_impl(impl: str | None, layout: PageLayout, group: int, device: torch.device,
+                 triton_options: tuple[str, ...] = ()) -> str:
+    """Which decode kernel runs: ``impl`` if given, else ``"cuda"`` where ``cuda_decode.unsupported_reason``
+    finds nothing to refuse (k4v4, head_dim 128, block 16, GQA group <= 8, a CUDA device of compute capability
+    >= 8.0) and no Triton-only option was passed, else ``"triton"``.
+
+    Why ``"cuda"`` by default there: at 128K context it took 0.57x the Triton kernel's time at batch 13 (0.582 vs
+    1.021 ms, 73% vs 42% of the copy bandwidth) and 0.76-0.80x at batch 1-3, with relerr 2.3e-4 (fp16 q) /
+    1.7e-3 (bf16 q) vs float64 as the Triton kernel (H200 run 18, 2026-11-30, notes/kernels.md).
+
+    Args:
+        triton_options: names of the Triton-only arguments the caller set (``block_n``, ``num_warps``, ...).
+
+    Raises:
+        ValueError: ``impl`` not None or one of ``DECODE_IMPLS``; ``impl="cuda"`` where the CUDA kernel does
+            not apply (the message says why) or together with Triton-only options.
+    """
+    if impl is None:
+        if not triton_options and cuda_decode.unsupported_reason(layout, group, device) is None:
+            return "cuda"
+        return "triton"
+    if impl not in DECODE_IMPLS:
+        raise ValueError(f"impl={impl!r}; allowed: None (auto), {', '.join(repr(x) for x in DECODE_IMPLS)}")
+    if impl == "cuda":
+        reason = cuda_decode.unsupported_reason(layout, group, device)
+        if reason:
+            raise ValueError(f"impl='cuda': {reason}; use impl='triton'")
+        if triton_options:
+            raise ValueError(f"impl='cuda' takes no Triton launch options, got {', '.join(triton_options)}; "
+                             f"use impl='triton' with them")
+    return impl
+
+
 MIN_TOKENS_PER_SPLIT = 256
 
 
@@ -134,14 +171,18 @@ def decode_attention(query: torch.Tensor, pool, block_tables: torch.Tensor, seq_
                      layout: PageLayout, rotation: torch.Tensor, scale: float,
                      out: torch.Tensor | None = None, num_splits: int | None = None,
                      workspace: torch.Tensor | None = None, *, block_n: int | None = None,
-                     num_warps: int | None = None, num_stages: int = DECODE_STAGES,
-                     dequant: str | None = None, variant: str = DEFAULT_VARIANT,
+                     num_warps: int | None = None, num_stages: int | None = None,
+                     dequant: str | None = None, variant: str | None = None,
                      prefetch: bool | None = None, key_mma: str | None = None,
-                     max_registers: int | None = None, validate: bool | None = None) -> torch.Tensor:
+                     max_registers: int | None = None, impl: str | None = None,
+                     validate: bool | None = None) -> torch.Tensor:
     """Decode attention (one new token per sequence) over compressed KV pages.
 
     Each page is read once per KV head for all query heads of its GQA group; the context is cut
     into ``num_splits`` splits per (sequence, KV head) and merged with a log-sum-exp (FlashDecoding).
+    Two kernels compute it: kvrepro's CUDA kernel (``impl="cuda"``, ``kvrepro.ops.cuda_decode``; the default
+    for k4v4 / head_dim 128 / block 16 / GQA group <= 8 on CUDA devices of compute capability >= 8.0, see
+    ``resolve_impl``) and the Triton kernel (``impl="triton"``: every preset and shape, and the CPU interpreter).
 
     Args:
         query: ``[B, Hq, D]`` bfloat16/float16, last dim contiguous.
@@ -155,11 +196,15 @@ def decode_attention(query: torch.Tensor, pool, block_tables: torch.Tensor, seq_
         out: optional ``[B, Hq, D]`` output (query dtype); written in place.
         num_splits: splits per sequence; default ``default_num_splits`` (shape-only).
         workspace: optional float32 tensor of >= ``decode_workspace_numel(B, Hq, D, S)`` elements.
+        impl: ``"cuda"``, ``"triton"`` or None (default: ``resolve_impl``, i.e. ``"cuda"`` where it
+            applies and no Triton-only option below is set, else ``"triton"``). The options from
+            ``block_n`` to ``max_registers`` are the Triton kernel's; setting one selects it.
         block_n, num_warps, num_stages: tiling (tokens per step) and Triton launch options;
-            ``block_n`` / ``num_warps`` default to ``default_launch(layout.key_bits, key_mma)``.
+            ``block_n`` / ``num_warps`` default to ``default_launch(layout.key_bits, key_mma)``,
+            ``num_stages`` to ``DECODE_STAGES``.
         dequant: ``"triton"`` (portable, runs under the interpreter) or ``"asm"`` (inline PTX,
             CUDA only); default ``default_dequant(device)``.
-        variant: ``"v2"`` (default: per-plane dots, fewer integer ops), ``"v1"`` (full-width
+        variant: ``"v2"`` (default ``DEFAULT_VARIANT``: per-plane dots, fewer integer ops), ``"v1"`` (full-width
             dequantization) or ``"v3"`` (v2's arithmetic with page-shaped, prefetched loads;
             decode only; needs ``block_n >= block_size``); see notes/kernels.md.
         prefetch: v3 only: load step ``i + 1`` before computing step ``i`` (default
@@ -198,7 +243,10 @@ def decode_attention(query: torch.Tensor, pool, block_tables: torch.Tensor, seq_
         ValueError: wrong shapes/dtypes/devices, unsupported head_dim or GQA group size, a scale
             that is not finite and positive; with ``validate``, bad seq_lens or block ids;
             ``key_mma`` not in ``KEY_MMAS``, or ``"int8"`` with a variant other than ``"v2"`` or keys
-            other than 4 / 8 bits; ``max_registers`` not None or a multiple of 8 in [32, 248].
+            other than 4 / 8 bits; ``max_registers`` not None or a multiple of 8 in [32, 248];
+            ``impl`` as ``resolve_impl``.
+        RuntimeError: ``impl="cuda"`` and the CUDA driver cannot load the kernel's fatbin (the message says
+            what to do).
     """
     data = pool_tensor(pool)
     _, hkv = check_pool(data, layout)
@@ -221,6 +269,11 @@ def decode_attention(query: torch.Tensor, pool, block_tables: torch.Tensor, seq_
         out = torch.empty_like(query)
     else:
         check_float("out", out, (b, hq, d), dev)
+    options = {"block_n": block_n, "num_warps": num_warps, "num_stages": num_stages, "dequant": dequant,
+               "variant": variant, "prefetch": prefetch, "key_mma": key_mma, "max_registers": max_registers}
+    impl = resolve_impl(impl, layout, group, dev, tuple(k for k, v in options.items() if v is not None))
+    variant = DEFAULT_VARIANT if variant is None else variant
+    num_stages = DECODE_STAGES if num_stages is None else num_stages
     key_mma = resolve_key_mma(key_mma, variant, layout.key_bits)
     check_key_mma(key_mma, variant, layout.key_bits)
     launch = default_launch(layout.key_bits, key_mma)
@@ -254,8 +307,10 @@ def decode_attention(query: torch.Tensor, pool, block_tables: torch.Tensor, seq_
     rotate_query_kernel[(b * hq,)](query, rotation, q16, query.stride(0), query.stride(1),
                                    float(scale) * LOG2E, HQ=hq, D=d)
     gp = next_pow2(group)
-    kernel, extra = attention_kernel(variant, dequant, dev)
-    if variant == "v3":
+    kernel, extra = attention_kernel(variant, dequant, dev) if impl == "triton" else (None, {})
+    if impl == "cuda":
+        cuda_decode.launch(q16, data, block_tables, seq_lens, part_o, part_lse, num_splits, hkv, group)
+    elif variant == "v3":
         kernel[(b, hkv * num_splits)](
             q16, data, block_tables, seq_lens, part_o, part_lse, block_tables.stride(0), num_splits,
             G=group, **page_constexprs(layout, hkv), BLOCK_M=max(16, gp), BLOCK_N=block_n,

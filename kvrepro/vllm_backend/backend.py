@@ -199,7 +199,10 @@ class KVReproAttentionImpl(AttentionImpl[KVReproMetadata]):
         shape = engine_shape()
         self.rt = LayerRuntime(preset, num_heads, num_kv_heads, head_size, self.scale,
                                cfg.resolve_num_splits(), prefill=prefill, graph_sizes=shape["graph_sizes"],
-                               max_batch=shape["max_batch"], store_rotate=cfg.resolve_store_rotate())
+                               max_batch=shape["max_batch"], store_rotate=cfg.resolve_store_rotate(),
+                               decode_impl=cfg.resolve_decode_impl())
+        dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        self.rt.check_decode_impl(shape["block_size"] or 16, dev)
         self._shape = shape
         self._warmup = cfg.resolve_warmup()
         # Debug only (slow, host syncs): compare every eagerly run step with reference_attend.

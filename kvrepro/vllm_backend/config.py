@@ -112,6 +112,24 @@ def resolve_debug_check(value: str | None = None) -> bool:
     return _switch(DEBUG_CHECK_ENV, value, "0")
 
 
+DECODE_IMPL_ENV = "KVREPRO_DECODE_IMPL"
+DECODE_IMPL_CHOICES = ("auto", "cuda", "triton")
+
+
+def resolve_decode_impl(value: str | None = None) -> str | None:
+    """Decode kernel: ``cuda`` (kvrepro's CUDA kernel: k4v4, head_dim 128, block 16, GQA group <= 8, compute
+    capability >= 8.0; anything else is refused at engine start), ``triton`` (every preset and shape) or ``auto``
+    (default: ``kvrepro.ops.decode.resolve_impl``, i.e. ``cuda`` where it applies, else ``triton``). From
+    ``value`` or ``$KVREPRO_DECODE_IMPL`` (case and surrounding spaces ignored). Returns None for ``auto``.
+    Raises ValueError naming KVREPRO_DECODE_IMPL and the allowed values."""
+    if value is None:
+        value = os.environ.get(DECODE_IMPL_ENV, "") or "auto"
+    value = value.strip().lower() if isinstance(value, str) else value
+    if value not in DECODE_IMPL_CHOICES:
+        raise ValueError(f"{DECODE_IMPL_ENV}={value!r}; allowed: {', '.join(DECODE_IMPL_CHOICES)}")
+    return None if value == "auto" else value
+
+
 def resolve_prefill(value: str | None = None) -> str:
     """Prefill path: ``fa`` (dequantize the context, then vLLM's FlashAttention; default, measured),
     ``fa-sliced`` (the same slice by slice with a log-sum-exp merge: bounded temporaries; not yet run on a

@@ -94,6 +94,11 @@ def worker_memory(llm) -> dict:
 def kvrepro_settings(dequant: str | None = None) -> dict:
     """The backend's resolved choices (defaults included), for the provenance of kvrepro rows.
 
+    ``decode_impl``: the decode kernel each layer geometry resolved to in this process
+    (``runtime.DECODE_IMPL_USED``, e.g. ``{"k4v4 32q/8kv d128 bs16": "cuda"}``), ``cuda_fatbin_sha256``: the
+    CUDA kernel's binary (``kvrepro/ops/cuda/decode_k4v4.json``); the Triton fields below apply to
+    ``"triton"`` layers.
+
     ``decode_dequant``: the decode kernel's dequant mode (``kvrepro.ops.decode.default_dequant`` on the
     CUDA device the backend runs on, which passes none; ``dequant`` overrides it); ``decode_block_n`` /
     ``decode_num_warps`` / ``decode_key_mma``: ``decode.default_launch`` / ``decode.resolve_key_mma``
@@ -113,7 +118,13 @@ def kvrepro_settings(dequant: str | None = None) -> dict:
     key_bits = get_format(cfg.resolve_preset()).key_bits
     mma = decode.resolve_key_mma(None, decode.DEFAULT_VARIANT, key_bits)
     block_n, warps = decode.default_launch(key_bits, mma)
-    return {"decode_variant": decode.DEFAULT_VARIANT, "decode_dequant": dq, "decode_key_mma": mma,
+    from kvrepro.ops import cuda_decode
+    from kvrepro.vllm_backend import runtime
+
+    impl = dict(runtime.DECODE_IMPL_USED) or f"{cfg.resolve_decode_impl() or 'auto'} (no layer resolved it yet)"
+    with open(cuda_decode.MANIFEST) as f:
+        fatbin = json.load(f)["fatbin_sha256"]
+    return {"decode_impl": impl, "cuda_fatbin_sha256": fatbin, "decode_variant": decode.DEFAULT_VARIANT, "decode_dequant": dq, "decode_key_mma": mma,
             "decode_block_n": block_n, "decode_num_warps": warps,
             "prefill": cfg.resolve_prefill(), "store_rotate": cfg.resolve_store_rotate(),
             "warmup": cfg.resolve_warmup(), "num_splits": cfg.resolve_num_splits() or "runtime.decode_splits",

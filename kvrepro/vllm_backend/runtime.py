@@ -15,6 +15,9 @@ _ROTATIONS: dict[tuple[int, int, str], torch.Tensor] = {}
 # one stream). Every tensor ever handed out stays referenced here: a captured CUDA graph keeps the
 # address it was captured with, so a workspace must never be freed once a graph may use it.
 _WORKSPACES: dict[str, list[torch.Tensor]] = {}
+# The decode kernel each layer geometry resolved to in this process, e.g. {"k4v4 32q/8kv d128 bs16": "cuda"}
+# (kvrepro.ops.decode.resolve_impl), read by measure.kvrepro_settings for the provenance of result rows.
+DECODE_IMPL_USED: dict[str, str] = {}
 MIN_TOKENS_PER_SPLIT = 256   # as kvrepro.ops.decode
 MAX_SPLITS = 256
 
@@ -112,11 +115,13 @@ class LayerRuntime:
             allocates. None = no reservation (grown on demand outside capture).
         store_rotate: ``store_kv``'s ``rotate`` (``"torch"``: no kernel with a register-spill stack,
             see ``config.resolve_store_rotate``; ``"kernel"``).
+        decode_impl: ``decode_attention``'s ``impl`` (``"cuda"``, ``"triton"``, or None = its default
+            ``kvrepro.ops.decode.resolve_impl``; ``config.resolve_decode_impl``).
     """
 
     def __init__(self, preset: str, num_heads: int, num_kv_heads: int, head_size: int, scale: float,
                  num_splits: int | None = None, ops=None, prefill=None, graph_sizes=(),
-                 max_batch: int | None = None, store_rotate: str = "torch") -> None:
+                 max_batch: int | None = None, store_rotate: str = "torch", decode_impl: str | None = None) -> None:
         self.fmt = get_format(preset)
         self.num_heads, self.num_kv_heads, self.head_size = num_heads, num_kv_heads, head_size
         self.scale = scale
@@ -130,6 +135,10 @@ class LayerRuntime:
         if store_rotate not in ("torch", "kernel"):
             raise ValueError(f"store_rotate={store_rotate!r}; allowed: torch, kernel")
         self.store_rotate = store_rotate
+        if decode_impl not in (None, "cuda", "triton"):
+            raise ValueError(f"decode_impl={decode_impl!r}; allowed: None (auto), 'cuda', 'triton'")
+        self.decode_impl = decode_impl
+        self._impl_recorded = False
         self._layouts: dict[int, object] = {}
         self.rotation: torch.Tensor | None = None
 
@@ -189,14 +198,39 @@ class LayerRuntime:
         kv = torch.zeros(1, hkv * d, dtype=dtype, device=device)
         self.ops.store_kv(kv.view(1, hkv, d), kv.view(1, hkv, d), pool, torch.zeros(1, dtype=torch.int64,
                           device=device), layout, rot, rotate=self.store_rotate)
+        self.record_impl(layout, device)
         for s, b in sorted(by_splits.items()):
             q = torch.zeros(b, hq, d, dtype=dtype, device=device)
             bt = torch.zeros(b, width, dtype=torch.int32, device=device)
             lens = torch.ones(b, dtype=torch.int32, device=device)
             ws = decode_workspace(device, self.workspace_numel(b, s))
             self.ops.decode_attention(q, pool, bt, lens, layout, rot, self.scale, out=torch.empty_like(q),
-                                      num_splits=s, workspace=ws)
+                                      num_splits=s, workspace=ws, impl=self.decode_impl)
         return sorted(by_splits)
+
+    def record_impl(self, layout, device: torch.device) -> str:
+        """Resolve and record in ``DECODE_IMPL_USED`` which decode kernel this layer runs on ``device``."""
+        from kvrepro.ops.decode import resolve_impl
+
+        key = f"{self.fmt.name} {self.num_heads}q/{self.num_kv_heads}kv d{self.head_size} bs{layout.block_size}"
+        DECODE_IMPL_USED[key] = resolve_impl(self.decode_impl, layout, self.num_heads // self.num_kv_heads,
+                                             torch.device(device))
+        self._impl_recorded = True
+        return DECODE_IMPL_USED[key]
+
+    def check_decode_impl(self, block_size: int, device: torch.device) -> None:
+        """At engine start: refuse ``decode_impl="cuda"`` where the CUDA kernel does not apply (ValueError
+        naming KVREPRO_DECODE_IMPL and the reason); None and ``"triton"`` always pass."""
+        if self.decode_impl != "cuda":
+            return
+        from kvrepro.ops.decode import resolve_impl
+
+        try:
+            resolve_impl("cuda", self.fmt.layout(self.head_size, block_size), self.num_heads // self.num_kv_heads,
+                         torch.device(device))
+        except ValueError as e:
+            raise ValueError(f"kvrepro attention backend (CUSTOM) refuses this layer: KVREPRO_DECODE_IMPL=cuda: {e}") \
+                from None
 
     def layout(self, pool: torch.Tensor):
         """Page layout of ``pool`` (uint8 ``[num_blocks, Hkv, page_bytes]``); block_size = page_bytes
@@ -251,10 +285,12 @@ class LayerRuntime:
         q = query[:t].view(t, hq, d)
         layout, rot = self.layout(pool), self.prepare(pool.device)
         if nd:
+            if not self._impl_recorded:
+                self.record_impl(layout, pool.device)
             splits = self.splits(nd, block_table.shape[1] * layout.block_size, pool.device)
             ws = decode_workspace(pool.device, self.workspace_numel(nd, splits))
             self.ops.decode_attention(q[:nd], pool, block_table[:nd], seq_lens[:nd], layout, rot, self.scale,
-                                      out=out[:nd], num_splits=splits, workspace=ws)
+                                      out=out[:nd], num_splits=splits, workspace=ws, impl=self.decode_impl)
         if ndt < t:
             k = key[:t].view(t, hkv, d)[ndt:]
             v = value[:t].view(t, hkv, d)[ndt:]

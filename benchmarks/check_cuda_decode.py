@@ -1,15 +1,20 @@
-"""One H200 call: build, check and time the prototype CUDA decode kernel against the Triton default.
+"""One GPU call: check and time kvrepro's CUDA decode kernel (``decode_attention(impl="cuda")``, the committed
+fatbin) against the Triton kernel (``impl="triton"``).
 
-    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 prototypes/cuda_decode/check_cuda_decode.py --out $OUT
+    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/check_cuda_decode.py --out $OUT [--splits 32 64 128 256]
 
-(a) nvcc build for sm_90 (ptxas register / spill report kept in the JSON).
+(a) The fatbin's manifest (nvcc version, ptxas report) into the JSON.
 (b) Correctness vs float64 attention over the dequantized cache (``paged_attention_ref``) and vs the Triton
     ``decode_attention`` default: k4v4, 32 q / 8 KV heads (group 4) and 24 q / 8 KV (group 3), head_dim 128,
     lens 8193 / 97 / 1 / 0 / 5 (0 = padding row: zeros), float16 and bfloat16 queries, 1, 3 and default splits;
     one 131,072-token sequence with 1 split and with the default split count; a NaN in one query head.
 (c) Time from CUDA graphs (``side_by_side_vllm.bench``: triton do_bench median of replays), 128K context,
-    batch 1 / 3 / 6 / 13, CUDA vs Triton alternating twice, copy bandwidth in the same run and % of it.
+    batch 1 / 3 / 6 / 13, CUDA vs Triton alternating twice at the default split count, copy bandwidth in the same
+    run and % of it; then the CUDA kernel at each ``--splits`` count (the default split rule was tuned for the
+    Triton kernel, H200 run 4).
 Writes ``$OUT/cuda_decode.json`` after each part (provenance included). Budget ~150 s; exits 1 if a check fails.
+First run: H200 run 18 (2026-11-30, then as ``prototypes/cuda_decode/check_cuda_decode.py`` with the kernel built
+on the device); notes/kernels.md.
 """
 from __future__ import annotations
 
@@ -18,16 +23,16 @@ import os
 import sys
 import time
 
+import json
+
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import benchmarks.run_h200 as rh  # noqa: E402
-import cuda_decode as cd  # noqa: E402
 from benchmarks.common import copy_bandwidth, provenance, write_json  # noqa: E402
 from benchmarks.side_by_side_vllm import bench  # noqa: E402
 from kvrepro.formats import get_format  # noqa: E402
-from kvrepro.ops import decode_attention, decode_workspace_numel, default_num_splits  # noqa: E402
+from kvrepro.ops import cuda_decode, decode_attention, decode_workspace_numel, default_num_splits  # noqa: E402
 from kvrepro.reference import paged_attention_ref  # noqa: E402
 
 DEV = "cuda"
@@ -50,10 +55,11 @@ def correctness(gen, quick: bool = False) -> tuple[dict, list]:
         for dtype in (torch.float16, torch.bfloat16):
             q = torch.randn(len(LENS), hq, 128, device=DEV, dtype=dtype)
             ref = ref64(q, pool, bt, sl)
-            tri = decode_attention(q, pool.data, bt, sl, pool.layout, pool.rotation, 128 ** -0.5)
+            tri = decode_attention(q, pool.data, bt, sl, pool.layout, pool.rotation, 128 ** -0.5, impl="triton")
             for splits in (1, 3, None):
                 o = torch.full_like(q, float("nan"))
-                cd.decode_cuda(q, pool.data, bt, sl, pool.layout, pool.rotation, 128 ** -0.5, out=o, num_splits=splits)
+                decode_attention(q, pool.data, bt, sl, pool.layout, pool.rotation, 128 ** -0.5, out=o,
+                                 num_splits=splits, impl="cuda")
                 name = f"{hq}q {str(dtype)[6:]} splits {splits or 'default'}"
                 r = {"relerr_vs_f64": rh.relerr(o[[0, 1, 2, 4]], ref[[0, 1, 2, 4]]),
                      "relerr_vs_triton": rh.relerr(o, tri), "pad_row_zero": bool((o[3] == 0).all()),
@@ -66,7 +72,7 @@ def correctness(gen, quick: bool = False) -> tuple[dict, list]:
             if hq == 32 and dtype == torch.float16:          # NaN in one head
                 qn = q.clone()
                 qn[1, 5, 7] = float("nan")
-                o = cd.decode_cuda(qn, pool.data, bt, sl, pool.layout, pool.rotation, 128 ** -0.5)
+                o = decode_attention(qn, pool.data, bt, sl, pool.layout, pool.rotation, 128 ** -0.5, impl="cuda")
                 keep = torch.ones(q.shape[:2], dtype=torch.bool, device=DEV)
                 keep[1, 5] = False
                 keep[3] = False
@@ -85,7 +91,8 @@ def correctness(gen, quick: bool = False) -> tuple[dict, list]:
     q = torch.randn(1, 32, 128, device=DEV, dtype=torch.float16)
     ref = ref64(q, pool, bt, sl)
     for splits in (1, None):
-        o = cd.decode_cuda(q, pool.data, bt, sl, pool.layout, pool.rotation, 128 ** -0.5, num_splits=splits)
+        o = decode_attention(q, pool.data, bt, sl, pool.layout, pool.rotation, 128 ** -0.5, num_splits=splits,
+                             impl="cuda")
         name = f"128K splits {splits or 'default'}"
         res[name] = {"relerr_vs_f64": rh.relerr(o, ref)}
         if not res[name]["relerr_vs_f64"] < MAX_RELERR["128K"]:
@@ -93,17 +100,16 @@ def correctness(gen, quick: bool = False) -> tuple[dict, list]:
     return res, bad
 
 
-def timing(gen, copy_bw) -> list:
+def timing(gen, copy_bw, split_counts=()) -> list:
     rows = []
     for batch in (1, 3, 6, 13):
         pool, bt, sl, q = rh.decode_setup("k4v4", CTX, batch, gen)
         s = default_num_splits(batch, 8, bt.shape[1] * 16, q.device)
         ws = torch.empty(decode_workspace_numel(batch, 32, 128, s), device=DEV, dtype=torch.float32)
         out = torch.empty_like(q)
-        fns = {"cuda": lambda: cd.decode_cuda(q, pool.data, bt, sl, pool.layout, pool.rotation, 128 ** -0.5, out=out,
-                                              num_splits=s, workspace=ws),
-               "triton": lambda: decode_attention(q, pool.data, bt, sl, pool.layout, pool.rotation, 128 ** -0.5,
-                                                  out=out, num_splits=s, workspace=ws)}
+        fns = {k: (lambda k=k: decode_attention(q, pool.data, bt, sl, pool.layout, pool.rotation, 128 ** -0.5,
+                                                 out=out, num_splits=s, workspace=ws, impl=k))
+               for k in ("cuda", "triton")}
         ms = {k: [] for k in fns}
         errors = {}
         for _ in range(2):
@@ -124,13 +130,23 @@ def timing(gen, copy_bw) -> list:
                          "pct_copy": 100 * nbytes / best / 1e6 / copy_bw})
         rows.append({"batch": batch, "cuda_over_triton": min(ms["cuda"]) / min(ms["triton"])})
         print(rows[-3], rows[-2], rows[-1], flush=True)
+        for n in split_counts:          # the CUDA kernel at other split counts
+            ws_n = torch.empty(decode_workspace_numel(batch, 32, 128, n), device=DEV, dtype=torch.float32)
+            _, gms, err = bench(lambda n=n, ws_n=ws_n: decode_attention(
+                q, pool.data, bt, sl, pool.layout, pool.rotation, 128 ** -0.5, out=out, num_splits=n,
+                workspace=ws_n, impl="cuda"))
+            rows.append({"kernel": "cuda", "batch": batch, "splits": n, "ms_graph": gms, "graph_error": err,
+                         "pct_copy": None if gms is None else 100 * nbytes / gms / 1e6 / copy_bw})
+            print(rows[-1], flush=True)
+        torch.cuda.empty_cache()
     return rows
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
-    ap.add_argument("--nvcc", default=None, help="default: PATH, then /usr/local/cuda*/bin/nvcc")
+    ap.add_argument("--splits", type=int, nargs="*", default=[16, 32, 64, 128, 256],
+                    help="extra split counts to time the CUDA kernel at (after the default)")
     ap.add_argument("--quick", action="store_true",
                     help="the small correctness cases only (for compute-sanitizer: memcheck / racecheck / synccheck)")
     a = ap.parse_args()
@@ -138,12 +154,10 @@ def main() -> int:
         raise SystemExit("check_cuda_decode.py needs a CUDA device (H200)")
     t0 = time.time()
     path = os.path.join(a.out, "cuda_decode.json")
-    res = {"provenance": provenance({"script": "prototypes/cuda_decode/check_cuda_decode.py", "ctx": CTX})}
-    nvcc = cd.find_nvcc(a.nvcc)
-    cubin, report = cd.build(nvcc)
-    res["build"] = {"cubin": cubin, "nvcc": nvcc, "ptxas": report}
-    print(report, flush=True)
-    cd.load(cubin)
+    res = {"provenance": provenance({"script": "benchmarks/check_cuda_decode.py", "ctx": CTX})}
+    with open(cuda_decode.MANIFEST) as f:
+        res["fatbin"] = json.load(f)
+    print(res["fatbin"]["nvcc_version"], res["fatbin"]["ptxas_report"][-1], flush=True)
     res["copy_bandwidth"] = copy_bandwidth()
     res["correctness"], bad = correctness(torch.Generator().manual_seed(5), a.quick)   # CPU generator: rh.fill_seqs
     res["correctness_failed"] = bad
@@ -154,7 +168,8 @@ def main() -> int:
     if a.quick:
         res["timing_skipped"] = "--quick"
     elif time.time() - t0 < 110:
-        res["timing"] = timing(torch.Generator(device=DEV).manual_seed(7), res["copy_bandwidth"]["GBps_read_plus_write"])
+        res["timing"] = timing(torch.Generator(device=DEV).manual_seed(7), res["copy_bandwidth"]["GBps_read_plus_write"],
+                               a.splits)
     else:
         res["timing_skipped"] = f"correctness took {time.time() - t0:.0f} s (> 110 s budget)"
         print(res["timing_skipped"], flush=True)

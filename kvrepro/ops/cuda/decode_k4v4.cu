@@ -1,6 +1,11 @@
-// Prototype (not run on a GPU yet): split-K decode attention over k4v4 pages, hand-written for sm_90.
+// kvrepro's CUDA decode attention over k4v4 pages (split-K, hand-written for sm_80+, tuned on sm_90).
 //
-// Same page format, query preparation and split-K workspace as kvrepro.ops.decode_attention (v2, int8 keys):
+// Built into decode_k4v4.fatbin by `python -m kvrepro.ops.cuda_decode --build` (flags in decode_k4v4.json) and run by
+// kvrepro.ops.decode_attention(impl="cuda"), its default for k4v4 / head_dim 128 / block 16 / GQA group <= 8 on
+// CUDA devices of compute capability >= 8.0. Verified against float64 attention on the H200 (sm_90) only:
+// notes/kernels.md run 18.
+//
+// Same page format, query preparation and split-K workspace as the Triton path (impl="triton": v2, int8 keys):
 //   q16      [B, HQ, D] float16, rotated and pre-multiplied by softmax_scale * log2(e) (rotate_query_kernel)
 //   pool     [num_blocks, HKV, 2144] uint8, k4v4 pages of 16 tokens, head_dim 128 (kvrepro.formats.layout):
 //            K codes [16][64] at 0, V codes [16][64] at 1024, K meta [16][scale, zero] f16 at 2048,

@@ -1,0 +1,201 @@
+"""kvrepro's CUDA decode attention kernel for k4v4 pages: where it applies, how it is built and launched.
+
+``kvrepro.ops.decode_attention(impl="cuda")`` runs it (its default where it applies, see ``unsupported_reason``);
+this module holds the pieces behind that: the committed fatbin ``cuda/decode_k4v4.fatbin``, built from
+``cuda/decode_k4v4.cu`` by ``python -m kvrepro.ops.cuda_decode --build`` (nvcc; flags and SHA-256s in
+``cuda/decode_k4v4.json``), loaded once per device through the CUDA driver API (``ctypes``, ``libcuda.so.1``: no
+PyTorch extension build, no nvcc at run time) and launched with ``cuLaunchKernel`` on PyTorch's current stream, so
+CUDA graphs capture it.
+
+The kernel (design: notes/kernels.md "Design sketch for the next decode kernel", measured as run 18): one CTA of 4
+warps per (sequence, KV head, split), each warp walking its own pages through a 4-deep ``cp.async`` ring; keys through
+int8 tensor cores (``mma.m16n8k32.s8``, the query as two int8 digits as in the Triton int8 key path; method after
+SageAttention, Zhang et al. 2024), values through ``mma.m16n8k16.f16`` with tokens x GQA heads as the MMA shape; it
+writes the same split-K workspace as the Triton kernel, so the query rotation and the log-sum-exp split merge
+(FlashDecoding, Dao et al. 2023) are the same Triton kernels on both paths.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import glob
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import torch
+
+HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda")
+SOURCE = os.path.join(HERE, "decode_k4v4.cu")
+FATBIN = os.path.join(HERE, "decode_k4v4.fatbin")
+MANIFEST = os.path.join(HERE, "decode_k4v4.json")
+KERNEL = "kvrepro_decode_k4v4"
+WARPS = 4                       # threads per CTA = 32 * WARPS (the kernel's __launch_bounds__)
+MIN_CAPABILITY = (8, 0)         # cp.async, mma.m16n8k32.s8, movmatrix (PTX ISA 7.8) need sm_80+
+MAX_GROUP = 8                   # GQA query heads per KV head: the MMA's N = 8
+# SASS for A100 / A10-A40 / L4-L40 / H100-H200, plus compute_80 PTX that the driver compiles for newer GPUs.
+GENCODE = ("arch=compute_80,code=sm_80", "arch=compute_86,code=sm_86", "arch=compute_89,code=sm_89",
+           "arch=compute_90,code=sm_90", "arch=compute_80,code=compute_80")
+NVCC_FLAGS = ("-O3", "-fatbin", "-Xptxas", "-v")
+# What the kernel hard-codes (decode_k4v4.cu): k4v4, head_dim 128, 16-token pages of 2144 bytes per KV head.
+LAYOUT = {"key_bits": 4, "value_bits": 4, "head_dim": 128, "block_size": 16, "page_bytes": 2144,
+          "v_code_offset": 1024, "k_meta_offset": 2048, "v_meta_offset": 2112}
+
+
+def unsupported_reason(layout, group: int, device: torch.device) -> str | None:
+    """Why the CUDA kernel cannot serve this call (None = it can).
+
+    Args:
+        layout: the pool's ``PageLayout``; the kernel hard-codes ``LAYOUT`` (k4v4, head_dim 128, block 16).
+        group: GQA group size (query heads per KV head); the kernel takes 1..``MAX_GROUP``.
+        device: the pool's device; a CUDA device of compute capability >= ``MIN_CAPABILITY``.
+    """
+    got = {k: getattr(layout, k) for k in LAYOUT}
+    if got != LAYOUT:
+        return (f"the CUDA decode kernel supports k4v4 pages with head_dim 128 and block_size 16 only, got "
+                f"key_bits={got['key_bits']}, value_bits={got['value_bits']}, head_dim={got['head_dim']}, "
+                f"block_size={got['block_size']}")
+    if not 1 <= group <= MAX_GROUP:
+        return f"the CUDA decode kernel supports GQA groups of 1..{MAX_GROUP} query heads, got {group}"
+    if device.type != "cuda":
+        return f"the CUDA decode kernel needs a CUDA device, got {device}"
+    cap = torch.cuda.get_device_capability(device)
+    if tuple(cap) < MIN_CAPABILITY:
+        return (f"the CUDA decode kernel needs compute capability >= {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}, "
+                f"got {cap[0]}.{cap[1]} on {device}")
+    return None
+
+
+def _sha256(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def find_nvcc(nvcc: str | None = None) -> str:
+    """``nvcc`` if given, else the one on PATH, else the newest ``/usr/local/cuda*/bin/nvcc``.
+    Raises FileNotFoundError naming the places looked at."""
+    cands = [nvcc] if nvcc else [shutil.which("nvcc"), *sorted(glob.glob("/usr/local/cuda*/bin/nvcc"), reverse=True)]
+    for c in cands:
+        if c and os.path.isfile(c) and os.access(c, os.X_OK):
+            return c
+    raise FileNotFoundError(f"nvcc not found (looked at {nvcc or 'PATH and /usr/local/cuda*/bin/nvcc'})")
+
+
+def nvcc_command(nvcc: str, out: str) -> list[str]:
+    """The build command: ``nvcc NVCC_FLAGS -gencode ... -o out SOURCE``."""
+    return [nvcc, *NVCC_FLAGS, *[a for g in GENCODE for a in ("-gencode", g)], "-o", out, SOURCE]
+
+
+def build(nvcc: str | None = None, out: str = FATBIN, manifest: str = MANIFEST) -> dict:
+    """Compile ``decode_k4v4.cu`` into ``out`` and write ``manifest`` (nvcc version, command, ptxas report,
+    SHA-256 of source and fatbin); each file is written to a temporary name, then renamed. Returns the manifest.
+    Raises FileNotFoundError without an nvcc, RuntimeError with nvcc's output if it fails."""
+    exe = find_nvcc(nvcc)
+    with tempfile.TemporaryDirectory(prefix="kvrepro_cuda_") as tmp:
+        tmp_out = os.path.join(tmp, "decode_k4v4.fatbin")
+        r = subprocess.run(nvcc_command(exe, tmp_out), capture_output=True, text=True)
+        if r.returncode:
+            raise RuntimeError(f"nvcc failed ({r.returncode}):\n{r.stdout}\n{r.stderr}")
+        version = subprocess.run([exe, "--version"], capture_output=True, text=True).stdout.strip().splitlines()
+        info = {"kernel": KERNEL, "source": os.path.basename(SOURCE), "source_sha256": _sha256(SOURCE),
+                "fatbin_sha256": _sha256(tmp_out), "nvcc_version": version[-1] if version else "",
+                "nvcc_flags": list(NVCC_FLAGS), "gencode": list(GENCODE),
+                "ptxas_report": [ln for ln in (r.stdout + r.stderr).splitlines() if "Used" in ln or "spill" in ln]}
+        shutil.copyfile(tmp_out, out + ".tmp")
+        os.replace(out + ".tmp", out)
+    with open(manifest + ".tmp", "w") as f:
+        json.dump(info, f, indent=1)
+        f.write("\n")
+    os.replace(manifest + ".tmp", manifest)
+    return info
+
+
+_ERRORS = {200: "CUDA_ERROR_INVALID_IMAGE", 209: "CUDA_ERROR_NO_BINARY_FOR_GPU", 218: "CUDA_ERROR_INVALID_PTX",
+           222: "CUDA_ERROR_UNSUPPORTED_PTX_VERSION", 500: "CUDA_ERROR_NOT_FOUND"}
+
+
+class _Module:
+    """The fatbin loaded into one device's primary context (PyTorch's), and its kernel."""
+
+    def __init__(self, device: torch.device, path: str):
+        self.lib = ctypes.CDLL("libcuda.so.1")
+        self.lib.cuLaunchKernel.argtypes = [ctypes.c_void_p, *[ctypes.c_uint] * 7, ctypes.c_void_p,
+                                            ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
+        with torch.cuda.device(device):
+            torch.cuda.init()
+            torch.empty(1, device=device)            # makes the device's primary context current
+            with open(path, "rb") as f:
+                self.image = f.read()                 # kept alive while the module is loaded
+            self.module, self.fn = ctypes.c_void_p(), ctypes.c_void_p()
+            rc = self.lib.cuModuleLoadData(ctypes.byref(self.module), ctypes.c_char_p(self.image))
+            if rc:
+                raise RuntimeError(
+                    f"kvrepro CUDA decode kernel: cuModuleLoadData({path}) failed with CUDA error {rc} "
+                    f"({_ERRORS.get(rc, 'see cuda.h')}) on {torch.cuda.get_device_name(device)}. The committed fatbin "
+                    f"is built by CUDA 13.0 (decode_k4v4.json) and needs a driver for CUDA >= 13.0; rebuild it "
+                    f"with your nvcc (python -m kvrepro.ops.cuda_decode --build) or use impl='triton' "
+                    f"(vLLM backend: KVREPRO_DECODE_IMPL=triton)")
+            rc = self.lib.cuModuleGetFunction(ctypes.byref(self.fn), self.module, KERNEL.encode())
+            if rc:
+                raise RuntimeError(f"kvrepro CUDA decode kernel: {KERNEL} not found in {path} (CUDA error {rc})")
+
+    def launch(self, grid: tuple[int, int, int], args: list, stream: int) -> None:
+        vals = [ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor) else ctypes.c_int(int(a)) for a in args]
+        ptrs = (ctypes.c_void_p * len(vals))(*[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in vals])
+        rc = self.lib.cuLaunchKernel(self.fn, *grid, WARPS * 32, 1, 1, 0, ctypes.c_void_p(stream), ptrs, None)
+        if rc:
+            raise RuntimeError(f"kvrepro CUDA decode kernel: cuLaunchKernel failed with CUDA error {rc}")
+
+
+_MODULES: dict[int, _Module] = {}
+
+
+def load(device: torch.device, path: str = FATBIN) -> _Module:
+    """The kernel loaded on ``device`` (loaded on first use, once per device and process; do it before CUDA-graph
+    capture, e.g. by one eager call). Raises RuntimeError if the driver cannot load the fatbin."""
+    idx = torch.device(device).index
+    idx = torch.cuda.current_device() if idx is None else idx
+    if idx not in _MODULES:
+        _MODULES[idx] = _Module(torch.device("cuda", idx), path)
+    return _MODULES[idx]
+
+
+def launch(q16: torch.Tensor, pool: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+           part_o: torch.Tensor, part_lse: torch.Tensor, num_splits: int, num_kv_heads: int, group: int) -> None:
+    """Run the attention kernel on the current stream (no host sync). Shapes as ``decode_attention``'s workspace:
+
+    q16 float16 ``[B, Hq, 128]`` (rotated, times scale * log2 e), pool uint8 ``[num_blocks, Hkv, 2144]``
+    (16-byte aligned), block_tables int32 ``[B, max_blocks]`` (last dim contiguous), seq_lens int32 ``[B]``,
+    part_o float32 ``[B, Hq, S, 128]``, part_lse float32 ``[B, Hq, S]`` (log2). The caller (``decode_attention``)
+    has checked shapes, dtypes and ``unsupported_reason``. Raises ValueError for a pool that is not 16-byte
+    aligned (``cp.async`` copies 16-byte chunks).
+    """
+    if pool.data_ptr() % 16:
+        raise ValueError("pool must start on a 16-byte boundary for the CUDA decode kernel (cp.async)")
+    b = block_tables.shape[0]
+    mod = load(pool.device)
+    stream = torch.cuda.current_stream(pool.device).cuda_stream
+    mod.launch((b, num_kv_heads * num_splits, 1), [q16, pool, block_tables, seq_lens, part_o, part_lse,
+                                                   block_tables.stride(0), num_splits, num_kv_heads, group], stream)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description="Build kvrepro's CUDA decode kernel (decode_k4v4.cu -> .fatbin)")
+    ap.add_argument("--build", action="store_true", help="compile with nvcc and rewrite the fatbin and manifest")
+    ap.add_argument("--nvcc", default=None, help="nvcc to use (default: PATH, then /usr/local/cuda*/bin/nvcc)")
+    a = ap.parse_args(argv)
+    if not a.build:
+        ap.print_help()
+        return 2
+    info = build(a.nvcc)
+    json.dump(info, sys.stdout, indent=1)
+    print()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

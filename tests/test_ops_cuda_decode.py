@@ -1,0 +1,193 @@
+"""kvrepro's CUDA decode kernel (``decode_attention(impl="cuda")``): which calls it serves, the committed fatbin
+against its source, and (on a CUDA device) its output vs float64 attention over the dequantized cache."""
+from test_ops_helpers import DEV, block_tables, fill, make_pool, relerr  # noqa: I001  (TRITON_INTERPRET first)
+
+import filecmp
+import hashlib
+import json
+import shutil
+
+import pytest
+import torch
+
+from kvrepro.formats import get_format
+from kvrepro.ops import cuda_decode, decode_attention
+from kvrepro.ops.decode import resolve_impl
+from kvrepro.reference import paged_attention_ref
+
+K4V4 = get_format("k4v4").layout(128, 16)
+CUDA = torch.device("cuda", 0)
+
+
+def _sha(path):
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+@pytest.fixture
+def capability(monkeypatch):
+    """Pretend a CUDA device of the given compute capability (no GPU needed: only resolve_impl's logic)."""
+    def set_cap(cap):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap)
+    return set_cap
+
+
+def test_auto_picks_cuda_only_where_the_kernel_applies(capability):
+    capability((9, 0))
+    assert resolve_impl(None, K4V4, 4, CUDA) == "cuda"
+    assert resolve_impl(None, K4V4, 8, CUDA) == "cuda"
+    assert resolve_impl(None, K4V4, 3, CUDA) == "cuda"
+    assert resolve_impl(None, K4V4, 9, CUDA) == "triton"                                    # group > 8
+    assert resolve_impl(None, get_format("k8v4").layout(128, 16), 4, CUDA) == "triton"     # other preset
+    assert resolve_impl(None, get_format("k4v4").layout(64, 16), 3, CUDA) == "triton"      # SmolLM2 head_dim
+    assert resolve_impl(None, get_format("k4v4").layout(128, 32), 4, CUDA) == "triton"     # other block size
+    assert resolve_impl(None, K4V4, 4, torch.device("cpu")) == "triton"
+    assert resolve_impl(None, K4V4, 4, CUDA, ("block_n",)) == "triton"                     # a Triton option
+    capability((7, 5))
+    assert resolve_impl(None, K4V4, 4, CUDA) == "triton"
+
+
+def test_explicit_cuda_is_refused_with_the_reason(capability):
+    capability((9, 0))
+    assert resolve_impl("cuda", K4V4, 4, CUDA) == "cuda"
+    assert resolve_impl("triton", K4V4, 4, CUDA) == "triton"
+    for layout, group, dev, match in [
+        (get_format("k4v2").layout(128, 16), 4, CUDA, "k4v4 pages with head_dim 128 and block_size 16.*key_bits=4, value_bits=2"),
+        (get_format("k4v4").layout(64, 16), 3, CUDA, "head_dim=64"),
+        (K4V4, 16, CUDA, "GQA groups of 1..8 query heads, got 16"),
+        (K4V4, 4, torch.device("cpu"), "needs a CUDA device, got cpu"),
+    ]:
+        with pytest.raises(ValueError, match=f"impl='cuda': .*{match}.*use impl='triton'"):
+            resolve_impl("cuda", layout, group, dev)
+    with pytest.raises(ValueError, match="impl='cuda' takes no Triton launch options, got block_n, key_mma"):
+        resolve_impl("cuda", K4V4, 4, CUDA, ("block_n", "key_mma"))
+    with pytest.raises(ValueError, match=r"impl='fast'; allowed: None \(auto\), 'triton', 'cuda'"):
+        resolve_impl("fast", K4V4, 4, CUDA)
+    capability((8, 6))
+    assert resolve_impl("cuda", K4V4, 4, CUDA) == "cuda"
+    capability((7, 5))
+    with pytest.raises(ValueError, match="compute capability >= 8.0, got 7.5"):
+        resolve_impl("cuda", K4V4, 4, CUDA)
+
+
+def test_decode_attention_refuses_cuda_with_the_reason():
+    gen = torch.Generator().manual_seed(0)
+    pool = make_pool("k4v4", 2, 128, 16, 4, gen)
+    q = torch.randn(1, 8, 128, generator=gen).to(DEV, torch.float16)
+    bt = torch.zeros(1, 2, dtype=torch.int32, device=DEV)
+    sl = torch.ones(1, dtype=torch.int32, device=DEV)
+    want = ("impl='cuda': the CUDA decode kernel needs a CUDA device, got cpu" if DEV == "cpu"
+            else "impl='cuda' takes no Triton launch options, got num_warps")
+    with pytest.raises(ValueError, match=want):
+        decode_attention(q, pool.data, bt, sl, pool.layout, pool.rotation, 128 ** -0.5, impl="cuda", num_warps=4)
+
+
+def test_committed_fatbin_is_built_from_the_committed_source(tmp_path):
+    """The manifest's SHA-256s match the files; where an nvcc of the manifest's version exists, rebuilding
+    gives the committed fatbin byte for byte (nvcc is deterministic for a fixed version and flags)."""
+    with open(cuda_decode.MANIFEST) as f:
+        info = json.load(f)
+    assert info["source_sha256"] == _sha(cuda_decode.SOURCE), "decode_k4v4.cu changed: run python -m kvrepro.ops.cuda_decode --build"
+    assert info["fatbin_sha256"] == _sha(cuda_decode.FATBIN)
+    assert info["gencode"] == list(cuda_decode.GENCODE) and info["nvcc_flags"] == list(cuda_decode.NVCC_FLAGS)
+    assert all("0 bytes spill" in ln for ln in info["ptxas_report"] if "spill" in ln)
+    try:
+        nvcc = cuda_decode.find_nvcc()
+    except FileNotFoundError:
+        pytest.skip("no nvcc on this machine: byte-for-byte rebuild not checked")
+    import subprocess
+    version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1]
+    if version != info["nvcc_version"]:
+        pytest.skip(f"nvcc here is {version!r}, the fatbin was built by {info['nvcc_version']!r}")
+    src = tmp_path / "decode_k4v4.cu"
+    shutil.copyfile(cuda_decode.SOURCE, src)
+    got = cuda_decode.build(nvcc, out=str(tmp_path / "k.fatbin"), manifest=str(tmp_path / "k.json"))
+    assert filecmp.cmp(tmp_path / "k.fatbin", cuda_decode.FATBIN, shallow=False)
+    assert got["fatbin_sha256"] == info["fatbin_sha256"] and not (tmp_path / "k.fatbin.tmp").exists()
+
+
+def test_build_reports_nvcc_failure(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nvcc not found"):
+        cuda_decode.find_nvcc(str(tmp_path / "no-nvcc"))
+    fake = tmp_path / "nvcc"
+    fake.write_text("#!/bin/sh\necho 'error: boom' >&2\nexit 3\n")
+    fake.chmod(0o755)
+    with pytest.raises(RuntimeError, match=r"nvcc failed \(3\):[\s\S]*error: boom"):
+        cuda_decode.build(str(fake), out=str(tmp_path / "k.fatbin"), manifest=str(tmp_path / "k.json"))
+    assert not list(tmp_path.glob("k.*")), "a failed build leaves no fatbin or manifest behind"
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA kernel needs a CUDA device")
+
+
+@needs_cuda
+@pytest.mark.parametrize("hq,hkv", [(32, 8), (24, 8), (8, 8), (16, 2)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("num_splits", [1, 3, None])
+def test_cuda_matches_dequantized_reference(hq, hkv, dtype, num_splits):
+    """Ragged lengths incl. 1 and a padding row (0), GQA 4 / 3 / 1 / 8, random block ids, poisoned output."""
+    gen = torch.Generator().manual_seed(hq * 7 + hkv)
+    lens = [1, 5, 54, 97, 0, 8193]
+    maxb = max(-(-max(L, 1) // 16) for L in lens) + 1
+    nb = len(lens) * maxb + 5
+    pool = make_pool("k4v4", hkv, 128, 16, nb, gen)
+    bt = block_tables(len(lens), maxb, nb, gen, high=True)
+    for b, L in enumerate(lens):
+        if L:
+            fill(pool, bt[b], L, gen, torch.bfloat16)
+    q = torch.randn(len(lens), hq, 128, generator=gen).to(DEV, dtype)
+    sl = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    out = torch.full_like(q, float("nan"))
+    decode_attention(q, pool.data, bt, sl, pool.layout, pool.rotation, 128 ** -0.5, out=out, num_splits=num_splits,
+                     impl="cuda")
+    ref = paged_attention_ref(q, pool, bt, sl, torch.arange(len(lens) + 1, device=DEV), 128 ** -0.5, torch.float64)
+    live = sl > 0
+    tol = 5e-4 if dtype == torch.float16 else 4e-3      # the float16 query of both kernels; bf16 q rounds more
+    assert relerr(out[live], ref[live]) < tol
+    assert (out[~live] == 0).all()
+    tri = decode_attention(q, pool.data, bt, sl, pool.layout, pool.rotation, 128 ** -0.5, num_splits=num_splits,
+                           impl="triton")
+    assert relerr(out, tri) < tol
+
+
+@needs_cuda
+def test_cuda_nan_query_head_stays_nan():
+    gen = torch.Generator().manual_seed(3)
+    pool = make_pool("k4v4", 8, 128, 16, 40, gen)
+    bt = block_tables(2, 12, 40, gen)
+    for b in range(2):
+        fill(pool, bt[b], 170, gen, torch.bfloat16)
+    q = torch.randn(2, 32, 128, generator=gen).to(DEV, torch.float16)
+    q[1, 5, 7] = float("nan")
+    sl = torch.tensor([170, 170], dtype=torch.int32, device=DEV)
+    out = decode_attention(q, pool.data, bt, sl, pool.layout, pool.rotation, 128 ** -0.5, impl="cuda")
+    ref = paged_attention_ref(q, pool, bt, sl, torch.arange(3, device=DEV), 128 ** -0.5, torch.float64)
+    keep = torch.ones(2, 32, dtype=torch.bool, device=DEV)
+    keep[1, 5] = False
+    assert torch.isnan(out[1, 5]).all() and torch.isfinite(out[keep]).all()
+    assert relerr(out[keep], ref[keep]) < 5e-4
+
+
+@needs_cuda
+def test_cuda_kernel_is_graph_capturable():
+    """Launched on PyTorch's current stream: a captured CUDA graph replays it with new query values."""
+    gen = torch.Generator().manual_seed(4)
+    pool = make_pool("k4v4", 8, 128, 16, 40, gen)
+    bt = block_tables(3, 12, 40, gen)
+    for b in range(3):
+        fill(pool, bt[b], 150 + b, gen, torch.bfloat16)
+    sl = torch.tensor([150, 151, 152], dtype=torch.int32, device=DEV)
+    q = torch.randn(3, 32, 128, generator=gen).to(DEV, torch.bfloat16)
+    out = torch.empty_like(q)
+    ws = torch.empty(1 << 20, dtype=torch.float32, device=DEV)
+    call = lambda: decode_attention(q, pool.data, bt, sl, pool.layout, pool.rotation, 128 ** -0.5, out=out,  # noqa: E731
+                                    num_splits=2, workspace=ws, impl="cuda")
+    call()                                   # loads the module outside capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        call()
+    q.copy_(torch.randn(3, 32, 128, generator=gen).to(DEV, torch.bfloat16))
+    g.replay()
+    torch.cuda.synchronize()
+    ref = paged_attention_ref(q, pool, bt, sl, torch.arange(4, device=DEV), 128 ** -0.5, torch.float64)
+    assert relerr(out, ref) < 4e-3
