@@ -9,9 +9,9 @@ fatbin) against the Triton kernel (``impl="triton"``).
     lens 8193 / 97 / 1 / 0 / 5 (0 = padding row: zeros), float16 and bfloat16 queries, 1, 3 and default splits;
     one 131,072-token sequence with 1 split and with the default split count; a NaN in one query head.
 (c) Time from CUDA graphs (``side_by_side_vllm.bench``: triton do_bench median of replays), 128K context,
-    batch 1 / 3 / 6 / 13, CUDA vs Triton alternating twice at the default split count, copy bandwidth in the same
-    run and % of it; then the CUDA kernel at each ``--splits`` count (the default split rule was tuned for the
-    Triton kernel, H200 run 4).
+    batch 1 / 3 / 6 / 13, CUDA vs Triton alternating twice, each at its default split count (``default_num_splits``
+    of its ``impl``), copy bandwidth in the same run and % of it; then the CUDA kernel at each ``--splits`` count
+    (run 19 fitted the CUDA split rule this way).
 Writes ``$OUT/cuda_decode.json`` after each part (provenance included). Budget ~150 s; exits 1 if a check fails.
 First run: H200 run 18 (2026-11-30, then as ``prototypes/cuda_decode/check_cuda_decode.py`` with the kernel built
 on the device); notes/kernels.md.
@@ -104,11 +104,12 @@ def timing(gen, copy_bw, split_counts=()) -> list:
     rows = []
     for batch in (1, 3, 6, 13):
         pool, bt, sl, q = rh.decode_setup("k4v4", CTX, batch, gen)
-        s = default_num_splits(batch, 8, bt.shape[1] * 16, q.device)
-        ws = torch.empty(decode_workspace_numel(batch, 32, 128, s), device=DEV, dtype=torch.float32)
+        splits = {k: default_num_splits(batch, 8, bt.shape[1] * 16, q.device, k) for k in ("cuda", "triton")}
+        ws = torch.empty(max(decode_workspace_numel(batch, 32, 128, n) for n in splits.values()), device=DEV,
+                         dtype=torch.float32)
         out = torch.empty_like(q)
         fns = {k: (lambda k=k: decode_attention(q, pool.data, bt, sl, pool.layout, pool.rotation, 128 ** -0.5,
-                                                 out=out, num_splits=s, workspace=ws, impl=k))
+                                                 out=out, num_splits=splits[k], workspace=ws, impl=k))
                for k in ("cuda", "triton")}
         ms = {k: [] for k in fns}
         errors = {}
@@ -126,7 +127,7 @@ def timing(gen, copy_bw, split_counts=()) -> list:
             continue
         for k in fns:
             best = min(ms[k])
-            rows.append({"kernel": k, "batch": batch, "splits": s, "ms_graph": best, "ms_all": ms[k],
+            rows.append({"kernel": k, "batch": batch, "splits": splits[k], "ms_graph": best, "ms_all": ms[k],
                          "pct_copy": 100 * nbytes / best / 1e6 / copy_bw})
         rows.append({"batch": batch, "cuda_over_triton": min(ms["cuda"]) / min(ms["triton"])})
         print(rows[-3], rows[-2], rows[-1], flush=True)

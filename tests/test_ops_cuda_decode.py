@@ -191,3 +191,37 @@ def test_cuda_kernel_is_graph_capturable():
     torch.cuda.synchronize()
     ref = paged_attention_ref(q, pool, bt, sl, torch.arange(4, device=DEV), 128 ** -0.5, torch.float64)
     assert relerr(out, ref) < 4e-3
+
+
+def test_cuda_split_rule():
+    """At most CUDA_PROGRAMS_PER_SM CTAs per SM (power of two, rounded down), at least CUDA_MIN_SPLITS, each
+    split >= 256 tokens, <= 256 splits; the CPU counts as 132 SMs (an H200)."""
+    from kvrepro.ops.decode import default_num_splits
+
+    cpu = torch.device("cpu")
+    got = {b: default_num_splits(b, 8, 131072, cpu, "cuda") for b in (1, 3, 6, 13, 64)}
+    assert got == {1: 128, 3: 64, 6: 32, 13: 32, 64: 32}            # 12 * 132 // (b * 8) = 198, 66, 33, 15, 3
+    assert {b: default_num_splits(b, 8, 131072, cpu) for b in (1, 3, 6, 13)} == {1: 256, 3: 256, 6: 128, 13: 64}
+    assert default_num_splits(1, 8, 4096, cpu, "cuda") == 16                 # 4096 / 256 tokens per split
+    assert default_num_splits(1, 1, 10 ** 7, cpu, "cuda") == 256
+    with pytest.raises(ValueError, match="impl='gpu'; allowed: 'triton', 'cuda'"):
+        default_num_splits(1, 8, 4096, cpu, "gpu")
+
+
+def test_runtime_uses_the_split_rule_of_its_kernel(monkeypatch):
+    """The vLLM runtime counts splits with the rule of the kernel it resolved; its workspace reservation
+    covers both rules."""
+    from kvrepro.ops.decode import decode_workspace_numel, default_num_splits
+    from kvrepro.vllm_backend.runtime import LayerRuntime, decode_splits
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    cpu = torch.device("cpu")
+    rt = LayerRuntime("k4v4", 32, 8, 128, 0.088, graph_sizes=(1, 2, 4, 8, 16), max_batch=16)
+    assert rt.splits(16, 131072, cpu) == decode_splits(16, 8, 131072, cpu, (1, 2, 4, 8, 16)) == 64   # triton rule
+    assert rt.record_impl(get_format("k4v4").layout(128, 16), torch.device("cuda", 0)) == "cuda"
+    assert rt.splits(16, 131072, cpu) == default_num_splits(9, 8, 131072, cpu, "cuda") == 32         # 9..16 -> 9
+    assert rt.splits(1, 131072, cpu) == 128
+    big = LayerRuntime("k4v4", 32, 8, 128, 0.088, graph_sizes=(1, 2, 4, 8, 16), max_batch=64)
+    triton_only = max(decode_workspace_numel(b, 32, 128, big.splits(b, 65536, cpu, "triton")) for b in range(1, 65))
+    need_cuda = decode_workspace_numel(64, 32, 128, default_num_splits(64, 8, 65536, cpu, "cuda"))   # 32 splits
+    assert need_cuda > triton_only and big.reserve_numel(cpu) == need_cuda

@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (CPU: interpreter)
+import torch
 
-import torch  # noqa: E402
+if not torch.cuda.is_available():   # before triton is imported: the interpreter on CPU, compiled kernels on a GPU
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from kvrepro.formats import get_format  # noqa: E402
 from kvrepro.ops import store_kv  # noqa: E402

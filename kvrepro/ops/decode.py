@@ -148,16 +148,33 @@ def resolve_impl(impl: str | None, layout: PageLayout, group: int, device: torch
 MIN_TOKENS_PER_SPLIT = 256
 
 
-def default_num_splits(batch: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
-    """Splits per (sequence, KV head): ~``PROGRAMS_PER_SM`` programs per SM (H200 run 4,
-    notes/kernels.md), each split >= 256 tokens, a power of two <= 256.
+# CUDA kernel (impl="cuda"): up to ~3 waves of its 4 resident CTAs per SM, at least 32 splits. Fitted on H200
+# run 19 (2026-11-30, 128K context, benchmarks/results/h200_run19_cuda_splits): best split count 64 / 16 / 32 / 32
+# at batch 1 / 3 / 6 / 13; this rule picks 128 / 64 / 32 / 32, within 3% of the best at each batch, where the
+# Triton rule's 256 / 256 / 128 / 64 took 1.20x / 1.32x / 1.18x / 1.07x the best time.
+CUDA_PROGRAMS_PER_SM = 12
+CUDA_MIN_SPLITS = 32
+
+
+def default_num_splits(batch: int, num_kv_heads: int, max_context: int, device: torch.device,
+                       impl: str = "triton") -> int:
+    """Splits per (sequence, KV head), a power of two <= 256 with each split >= 256 tokens:
+    ``impl="triton"``: ~``PROGRAMS_PER_SM`` programs per SM (H200 run 4, notes/kernels.md), rounded up;
+    ``impl="cuda"``: at most ``CUDA_PROGRAMS_PER_SM`` CTAs per SM (rounded down), at least ``CUDA_MIN_SPLITS``
+    (H200 run 19).
 
     Depends only on shapes (batch, heads, block-table width), never on ``seq_lens`` values, so
-    the launch grid is fixed per batch size (CUDA-graph capturable).
+    the launch grid is fixed per batch size (CUDA-graph capturable). Raises ValueError for another ``impl``.
     """
-    want = max(1, (PROGRAMS_PER_SM * sm_count(device)) // max(1, batch * num_kv_heads))
+    if impl not in DECODE_IMPLS:
+        raise ValueError(f"impl={impl!r}; allowed: {', '.join(repr(x) for x in DECODE_IMPLS)}")
+    if impl == "cuda":
+        most = max(1, (CUDA_PROGRAMS_PER_SM * sm_count(device)) // max(1, batch * num_kv_heads))
+        want = max(next_pow2(most + 1) // 2, CUDA_MIN_SPLITS)          # largest power of two <= most
+    else:
+        want = next_pow2(max(1, (PROGRAMS_PER_SM * sm_count(device)) // max(1, batch * num_kv_heads)))
     cap = max(1, max_context // MIN_TOKENS_PER_SPLIT)
-    return max(1, min(next_pow2(want), cap, 256))
+    return max(1, min(want, cap, 256))
 
 
 def decode_workspace_numel(batch: int, num_q_heads: int, head_dim: int, num_splits: int) -> int:
@@ -194,7 +211,7 @@ def decode_attention(query: torch.Tensor, pool, block_tables: torch.Tensor, seq_
         layout, rotation: the pool's ``PageLayout`` and float32 ``[D, D]`` rotation.
         scale: softmax scale (usually ``D ** -0.5``).
         out: optional ``[B, Hq, D]`` output (query dtype); written in place.
-        num_splits: splits per sequence; default ``default_num_splits`` (shape-only).
+        num_splits: splits per sequence; default ``default_num_splits`` for the kernel that runs (shape-only).
         workspace: optional float32 tensor of >= ``decode_workspace_numel(B, Hq, D, S)`` elements.
         impl: ``"cuda"``, ``"triton"`` or None (default: ``resolve_impl``, i.e. ``"cuda"`` where it
             applies and no Triton-only option below is set, else ``"triton"``). The options from
@@ -287,7 +304,7 @@ def decode_attention(query: torch.Tensor, pool, block_tables: torch.Tensor, seq_
     if prefetch is not None and variant != "v3":
         raise ValueError(f"prefetch is a variant='v3' option, got variant={variant!r}")
     if num_splits is None:
-        num_splits = default_num_splits(b, hkv, block_tables.shape[1] * layout.block_size, dev)
+        num_splits = default_num_splits(b, hkv, block_tables.shape[1] * layout.block_size, dev, impl)
     if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 1:
         raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
     check_launch(num_warps, num_stages, max_registers)

@@ -138,7 +138,7 @@ class LayerRuntime:
         if decode_impl not in (None, "cuda", "triton"):
             raise ValueError(f"decode_impl={decode_impl!r}; allowed: None (auto), 'cuda', 'triton'")
         self.decode_impl = decode_impl
-        self._impl_recorded = False
+        self.impl_used: str | None = None   # the decode kernel record_impl resolved (None: not yet)
         self._layouts: dict[int, object] = {}
         self.rotation: torch.Tensor | None = None
 
@@ -150,11 +150,16 @@ class LayerRuntime:
             self._ops = ops
         return self._ops
 
-    def splits(self, batch: int, max_context: int, device: torch.device) -> int:
-        """Decode split count for ``batch`` rows: ``num_splits`` if fixed, else :func:`decode_splits`."""
+    def splits(self, batch: int, max_context: int, device: torch.device, impl: str | None = None) -> int:
+        """Decode split count for ``batch`` rows: ``num_splits`` if fixed, else :func:`decode_splits` with the
+        split rule of the decode kernel (``impl``, default the one :meth:`record_impl` resolved, else "triton")."""
         if self.num_splits is not None:
             return self.num_splits
-        return decode_splits(batch, self.num_kv_heads, max_context, device, self.graph_sizes)
+        from kvrepro.ops.decode import default_num_splits
+
+        impl = impl or self.impl_used or "triton"
+        return decode_splits(batch, self.num_kv_heads, max_context, device, self.graph_sizes,
+                             rule=lambda *a: default_num_splits(*a, impl=impl))
 
     def workspace_numel(self, batch: int, num_splits: int) -> int:
         """float32 elements of the decode workspace for ``batch`` rows and ``num_splits`` splits
@@ -165,11 +170,13 @@ class LayerRuntime:
 
     def reserve_numel(self, device: torch.device) -> int:
         """Workspace elements that cover every decode batch ``1..max_batch`` at any context length
-        (split counts taken without the context cap: an upper bound); 0 without ``max_batch``."""
+        (split counts taken without the context cap and under both kernels' split rules: an upper bound);
+        0 without ``max_batch``."""
         if not self.max_batch:
             return 0
         no_cap = MAX_SPLITS * MIN_TOKENS_PER_SPLIT
-        return max(self.workspace_numel(b, self.splits(b, no_cap, device)) for b in range(1, self.max_batch + 1))
+        return max(self.workspace_numel(b, self.splits(b, no_cap, device, impl))
+                   for b in range(1, self.max_batch + 1) for impl in ("triton", "cuda"))
 
     def prepare(self, device: torch.device) -> torch.Tensor:
         """Put the rotation on ``device`` and reserve the shared decode workspace for ``max_batch``
@@ -190,6 +197,7 @@ class LayerRuntime:
         rot = self.prepare(device)
         layout = self.fmt.layout(self.head_size, block_size)
         width = max(1, -(-max_context // block_size))
+        self.record_impl(layout, device)             # the split rule depends on the kernel
         by_splits: dict[int, int] = {}
         for b in range(1, self.max_batch + 1):
             by_splits.setdefault(self.splits(b, width * block_size, device), b)
@@ -198,7 +206,6 @@ class LayerRuntime:
         kv = torch.zeros(1, hkv * d, dtype=dtype, device=device)
         self.ops.store_kv(kv.view(1, hkv, d), kv.view(1, hkv, d), pool, torch.zeros(1, dtype=torch.int64,
                           device=device), layout, rot, rotate=self.store_rotate)
-        self.record_impl(layout, device)
         for s, b in sorted(by_splits.items()):
             q = torch.zeros(b, hq, d, dtype=dtype, device=device)
             bt = torch.zeros(b, width, dtype=torch.int32, device=device)
@@ -213,10 +220,10 @@ class LayerRuntime:
         from kvrepro.ops.decode import resolve_impl
 
         key = f"{self.fmt.name} {self.num_heads}q/{self.num_kv_heads}kv d{self.head_size} bs{layout.block_size}"
-        DECODE_IMPL_USED[key] = resolve_impl(self.decode_impl, layout, self.num_heads // self.num_kv_heads,
-                                             torch.device(device))
-        self._impl_recorded = True
-        return DECODE_IMPL_USED[key]
+        self.impl_used = resolve_impl(self.decode_impl, layout, self.num_heads // self.num_kv_heads,
+                                      torch.device(device))
+        DECODE_IMPL_USED[key] = self.impl_used
+        return self.impl_used
 
     def check_decode_impl(self, block_size: int, device: torch.device) -> None:
         """At engine start: refuse ``decode_impl="cuda"`` where the CUDA kernel does not apply (ValueError
@@ -285,7 +292,7 @@ class LayerRuntime:
         q = query[:t].view(t, hq, d)
         layout, rot = self.layout(pool), self.prepare(pool.device)
         if nd:
-            if not self._impl_recorded:
+            if self.impl_used is None:
                 self.record_impl(layout, pool.device)
             splits = self.splits(nd, block_table.shape[1] * layout.block_size, pool.device)
             ws = decode_workspace(pool.device, self.workspace_numel(nd, splits))
