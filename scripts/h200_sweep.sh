@@ -4,6 +4,7 @@
 # Usage: bash scripts/h200_sweep.sh smoke                 GPU smoke of the decode path (~30-60 s)
 #        bash scripts/h200_sweep.sh sweep RUN_ID MODES [EDGE_MODES] [PARAMS_JSON] [MODE_PARAMS_JSON]
 #        bash scripts/h200_sweep.sh smoke+sweep RUN_ID MODES [EDGE_MODES] ...   (both, one call)
+#        bash scripts/h200_sweep.sh prefix                 prefix caching smoke (scripts/vllm_smoke.py --case piecewise)
 # Wall budget of the whole call: CALL_LIMIT_S (default 585) counted from CALL_T0 (epoch seconds; set
 # it first thing on the command line so that staging counts too), else from this script's start.
 # Modes that no longer fit are not started (a later call resumes them). SIZING_ONLY=modes,... sizes only;
@@ -73,8 +74,12 @@ case "${1:-}" in
   smoke) smoke ;;
   sweep) shift; sweep "$@" ;;
   smoke+sweep) shift; smoke; sweep "$@" ;;
+  prefix)  # prefix caching through the backend (tiny model, piecewise graphs, every eager call checked; ~1-2 min)
+    timeout 240 python3 scripts/vllm_smoke.py --case piecewise --out $OUT/piecewise.json > $OUT/piecewise_log.txt 2>&1
+    echo "piecewise rc=$?"; grep -E "Error|Traceback" $OUT/piecewise_log.txt | tail -5; cat $OUT/piecewise.json 2>/dev/null | cut -c1-1500
+    ;;
   smokeg)  # the tiny-model engine smoke of the previous session (CUDA graphs + torch.compile, ~2 min)
     timeout 200 python3 scripts/vllm_smoke.py --case graphs --out $OUT/smoke_graphs.json 2>&1 | tee $OUT/smoke_log.txt | grep -E "SMOKE|Error|Traceback|KV cache size" | tail -20
     ;;
-  *) echo "usage: $0 smoke | sweep RUN_ID MODES [EDGE] [PARAMS] [MODE_PARAMS] | smoke+sweep ..."; exit 2 ;;
+  *) echo "usage: $0 smoke | sweep RUN_ID MODES [EDGE] [PARAMS] [MODE_PARAMS] | smoke+sweep ... | prefix | smokeg"; exit 2 ;;
 esac

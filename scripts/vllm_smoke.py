@@ -91,7 +91,10 @@ def case_graphs(a):
 
 
 def case_piecewise(a):
-    llm = engine(compilation_config={"cudagraph_mode": "PIECEWISE"}, enable_prefix_caching=True)
+    # disable_log_stats=False: the offline LLM turns stat logging off, and get_metrics() (the prefix-cache hit
+    # counter) then raises "Stat logging disabled" (first GPU run, 2026-11-30 09:47 UTC)
+    llm = engine(compilation_config={"cudagraph_mode": "PIECEWISE"}, enable_prefix_caching=True,
+                 disable_log_stats=False)
     ps = prompts()
     g = gen(llm, ps, temperature=0.0)
     import numpy as np
@@ -104,12 +107,17 @@ def case_piecewise(a):
     from kvrepro.vllm_backend.runtime import CHECKS
 
     hits0, calls0 = counter(llm, "vllm:prefix_cache_hits"), len(CHECKS)
-    p2 = gen(llm, pair[1:], temperature=0.0, max_tokens=16)
+    from vllm import SamplingParams
+
+    out2 = llm.generate(pair[1:], SamplingParams(max_tokens=16, ignore_eos=True, detokenize=False, temperature=0.0),
+                        use_tqdm=False)
+    p2 = [list(o.outputs[0].token_ids) for o in out2]
     hit_calls = [c for c in CHECKS[calls0:] if c["rel_err"] is not None]
     ref = json.load(open(a.compare)) if a.compare and os.path.exists(a.compare) else None
     same = None if ref is None else [x == y for x, y in zip(g, ref["greedy"])]
     return {"greedy": g, "greedy_equal_to_graphs_case": same, "prefix_hit_output_tokens": len(p2[0]),
             "prefix_cache_hit_tokens": counter(llm, "vllm:prefix_cache_hits") - hits0,
+            "prefix_hit_request_num_cached_tokens": getattr(out2[0], "num_cached_tokens", None),
             "prefix_hit_request_checked_calls": len(hit_calls),
             "prefix_hit_request_max_rel_err": max((c["rel_err"] for c in hit_calls), default=None),
             **check_summary()}
