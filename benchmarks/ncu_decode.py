@@ -10,8 +10,11 @@ tensor cores, asm dequantization). Run 14 (notes/kernels.md) on the lent H200::
     ncu --import $OUT/decode_b13.ncu-rep --page source --csv --print-source sass > $OUT/sass_b13.csv
     python benchmarks/ncu_summary.py $OUT/sass_b13.csv       # stall reasons, instruction mix
 
+The CUDA kernel (k4v4's default since 3b9474b) has its own kernel name: ``--impl cuda`` with
+``-k regex:kvrepro_decode``; ``--impl triton`` (default here, as in run 14) profiles the Triton kernel.
+
 Runs the decode 4 times (2 warm-up launches compile and load the kernel; ncu skips those), prints the
-launch (splits, block_n, warps) and exits. Needs CUDA. Nothing is timed here: ncu reports the figures.
+launch (kernel, splits) and exits. Needs CUDA. Nothing is timed here: ncu reports the figures.
 """
 from __future__ import annotations
 
@@ -31,19 +34,21 @@ def main():
     ap.add_argument("--batch", type=int, default=13)
     ap.add_argument("--ctx", type=int, default=131072)
     ap.add_argument("--preset", default="k4v4", choices=("k4v4", "k8v4", "k4v2"))
+    ap.add_argument("--impl", default="triton", choices=("triton", "cuda"),
+                    help="decode kernel to profile (ncu -k regex:paged_attn for triton, regex:kvrepro_decode for cuda)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("ncu_decode.py needs a CUDA device; none found")
     gen = torch.Generator(device="cuda").manual_seed(1234)
     pool, bt, sl, q = rh.decode_setup(args.preset, args.ctx, args.batch, gen)
-    s = default_num_splits(args.batch, rh.HKV, bt.shape[1] * rh.BS, q.device)
+    s = default_num_splits(args.batch, rh.HKV, bt.shape[1] * rh.BS, q.device, args.impl)
     out = torch.empty_like(q)
     ws = torch.empty(decode_workspace_numel(args.batch, rh.HQ, rh.D, s), device="cuda", dtype=torch.float32)
     for _ in range(4):
         decode_attention(q, pool.data, bt, sl, pool.layout, pool.rotation, rh.D ** -0.5, out=out, workspace=ws,
-                         num_splits=s)
+                         num_splits=s, impl=args.impl)
     torch.cuda.synchronize()
-    print(f"ncu_decode: {args.preset} ctx {args.ctx} batch {args.batch} splits {s} "
+    print(f"ncu_decode: {args.impl} {args.preset} ctx {args.ctx} batch {args.batch} splits {s} "
           f"({args.batch * rh.HKV * s} programs), finite {bool(torch.isfinite(out).all())}", flush=True)
 
 
