@@ -112,6 +112,17 @@ def resolve_debug_check(value: str | None = None) -> bool:
     return _switch(DEBUG_CHECK_ENV, value, "0")
 
 
+def _choice(env: str, value: str | None, default: str, allowed: tuple[str, ...]) -> str:
+    """``value``, else ``$env``, else ``default``; case and surrounding spaces ignored. Raises ValueError naming
+    ``env`` and the allowed values."""
+    if value is None:
+        value = os.environ.get(env, "") or default
+    value = value.strip().lower() if isinstance(value, str) else value
+    if value not in allowed:
+        raise ValueError(f"{env}={value!r}; allowed: {', '.join(allowed)}")
+    return value
+
+
 DECODE_IMPL_ENV = "KVREPRO_DECODE_IMPL"
 DECODE_IMPL_CHOICES = ("auto", "cuda", "triton")
 
@@ -122,11 +133,7 @@ def resolve_decode_impl(value: str | None = None) -> str | None:
     (default: ``kvrepro.ops.decode.resolve_impl``, i.e. ``cuda`` where it applies, else ``triton``). From
     ``value`` or ``$KVREPRO_DECODE_IMPL`` (case and surrounding spaces ignored). Returns None for ``auto``.
     Raises ValueError naming KVREPRO_DECODE_IMPL and the allowed values."""
-    if value is None:
-        value = os.environ.get(DECODE_IMPL_ENV, "") or "auto"
-    value = value.strip().lower() if isinstance(value, str) else value
-    if value not in DECODE_IMPL_CHOICES:
-        raise ValueError(f"{DECODE_IMPL_ENV}={value!r}; allowed: {', '.join(DECODE_IMPL_CHOICES)}")
+    value = _choice(DECODE_IMPL_ENV, value, "auto", DECODE_IMPL_CHOICES)
     return None if value == "auto" else value
 
 
@@ -140,12 +147,7 @@ def resolve_prefill(value: str | None = None) -> str:
     fix, but 3.0x bf16 at 128K: notes/kernels.md). From ``value`` or ``$KVREPRO_PREFILL`` (case and surrounding
     spaces ignored, as for the preset).
     Raises ValueError naming KVREPRO_PREFILL and the allowed values."""
-    if value is None:
-        value = os.environ.get(PREFILL_ENV, "") or "fa"
-    value = value.strip().lower() if isinstance(value, str) else value
-    if value not in PREFILL_PATHS:
-        raise ValueError(f"{PREFILL_ENV}={value!r}; allowed: {', '.join(PREFILL_PATHS)}")
-    return value
+    return _choice(PREFILL_ENV, value, "fa", PREFILL_PATHS)
 
 
 def page_layout(preset: str, head_dim: int, block_size: int) -> PageLayout:
