@@ -103,7 +103,7 @@ def main():
         pool, bt, sl, q = rh.decode_setup("k4v4", 131072, batch, gen)
         nbytes = batch * 131072 * rh.HKV * pool.layout.bytes_per_token
         for name, kw in ALTERNATIVES.items():
-            row = {"config": name, "batch": batch, **kw}
+            row = {"config": name, "batch": batch, "impl": rh.decode_impl_of(pool, q, kw), **kw}
             try:
                 eager, gms, s = rh.time_decode(pool, bt, sl, q, **kw)
                 row.update(splits=s, ms_graph=gms, GBps=nbytes / gms / 1e6, pct_copy=100 * nbytes / gms / 1e6 / copy_bw)

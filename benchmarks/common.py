@@ -14,6 +14,7 @@ from kvrepro.formats import get_format
 
 
 def provenance(extra: dict | None = None) -> dict:
+    """Date, host, versions, GPU, the SHA-256 of kvrepro's Python sources and of the CUDA fatbin, plus ``extra``."""
     import triton
     info = {
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -23,6 +24,12 @@ def provenance(extra: dict | None = None) -> dict:
         "triton": triton.__version__,
         "measured": "measured (this run)",
     }
+    # the code that ran, even where the copy's git metadata is stale (the device's was, 2026-11-30)
+    from kvrepro.accuracy_vllm import src_sha256
+    from kvrepro.ops import cuda_decode
+    info["kvrepro_src_sha256"] = src_sha256()
+    with open(cuda_decode.MANIFEST) as f:
+        info["cuda_fatbin_sha256"] = json.load(f)["fatbin_sha256"]
     if torch.cuda.is_available():
         p = torch.cuda.get_device_properties(0)
         info.update(gpu=p.name, gpu_mem_gib=round(p.total_memory / 2**30, 1), sms=p.multi_processor_count,

@@ -225,9 +225,20 @@ def check_prefill(gen):
     return out
 
 
+def decode_impl_of(pool, q, kw) -> str:
+    """The decode kernel ``decode_attention(..., **kw)`` runs (``kvrepro.ops.decode.resolve_impl``)."""
+    from kvrepro.ops.decode import TRITON_OPTIONS, resolve_impl
+
+    return resolve_impl(kw.get("impl"), pool.layout, q.shape[1] // pool.data.shape[1], q.device,
+                        tuple(k for k in TRITON_OPTIONS if kw.get(k) is not None))
+
+
 def time_decode(pool, bt, sl, q, graph=True, **kw):
+    """(eager ms, graph ms, splits) of one decode_attention(**kw); splits default to the rule of the kernel that
+    runs (``default_num_splits(impl=)``)."""
     out = torch.empty_like(q)
-    s = kw.get("num_splits") or default_num_splits(q.shape[0], HKV, bt.shape[1] * BS, q.device)
+    s = kw.get("num_splits") or default_num_splits(q.shape[0], HKV, bt.shape[1] * BS, q.device,
+                                                   decode_impl_of(pool, q, kw))
     kw["num_splits"] = s
     from kvrepro.ops import decode_workspace_numel
     ws = torch.empty(decode_workspace_numel(q.shape[0], HQ, D, s), device="cuda", dtype=torch.float32)

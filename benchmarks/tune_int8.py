@@ -63,7 +63,7 @@ def main():
     for batch in args.batches:
         pool, bt, sl, q = rh.decode_setup(args.preset, CTX, batch, gen)
         s0 = default_num_splits(batch, rh.HKV, bt.shape[1] * rh.BS, q.device)
-        ref = decode_attention(q, pool.data, bt, sl, pool.layout, pool.rotation, rh.D ** -0.5).float()
+        ref = decode_attention(q, pool.data, bt, sl, pool.layout, pool.rotation, rh.D ** -0.5, impl="triton").float()
         base = None
         for bn, w, st, f, mr in configs:
             if time.time() - t0 > BUDGET_S:

@@ -5,7 +5,6 @@ from test_ops_helpers import DEV, block_tables, fill, make_pool, relerr  # noqa:
 import filecmp
 import hashlib
 import json
-import shutil
 
 import pytest
 import torch
@@ -61,13 +60,46 @@ def test_explicit_cuda_is_refused_with_the_reason(capability):
             resolve_impl("cuda", layout, group, dev)
     with pytest.raises(ValueError, match="impl='cuda' takes no Triton launch options, got block_n, key_mma"):
         resolve_impl("cuda", K4V4, 4, CUDA, ("block_n", "key_mma"))
-    with pytest.raises(ValueError, match=r"impl='fast'; allowed: None \(auto\), 'triton', 'cuda'"):
+    with pytest.raises(ValueError, match=r"impl='fast'; allowed: None or 'auto', 'triton', 'cuda'"):
         resolve_impl("fast", K4V4, 4, CUDA)
+    assert resolve_impl("auto", K4V4, 4, CUDA) == "cuda" and resolve_impl("auto", K4V4, 4, CUDA, ("dequant",)) == "triton"
+    with pytest.raises(ValueError, match=r"impl='CUDA'; allowed: None or 'auto', 'triton', 'cuda'"):
+        resolve_impl("CUDA", K4V4, 4, CUDA)
     capability((8, 6))
     assert resolve_impl("cuda", K4V4, 4, CUDA) == "cuda"
     capability((7, 5))
     with pytest.raises(ValueError, match="compute capability >= 8.0, got 7.5"):
         resolve_impl("cuda", K4V4, 4, CUDA)
+
+
+def test_rocm_is_refused(capability, monkeypatch):
+    capability((9, 0))
+    monkeypatch.setattr(torch.version, "hip", "6.2")
+    assert resolve_impl(None, K4V4, 4, CUDA) == "triton"
+    with pytest.raises(ValueError, match="built for NVIDIA GPUs, this PyTorch runs ROCm/HIP 6.2"):
+        resolve_impl("cuda", K4V4, 4, CUDA)
+
+
+def test_loader_errors_name_the_way_out(monkeypatch, tmp_path):
+    """No CUDA driver library: a RuntimeError that names the Triton kernel as the alternative; the manifest
+    names the CUDA release that built the fatbin; nvcc folders are ordered by version, not alphabetically."""
+    import ctypes
+
+    def no_lib(name):
+        raise OSError(f"{name}: cannot open shared object file")
+    monkeypatch.setattr(ctypes, "CDLL", no_lib)
+    with pytest.raises(RuntimeError, match=r"cannot open the CUDA driver library libcuda.so.1 .*"
+                                           r"use impl='triton' \(vLLM backend: KVREPRO_DECODE_IMPL=triton\)"):
+        cuda_decode._Module(CUDA, cuda_decode.FATBIN)
+    assert cuda_decode.built_by() == "CUDA 13.0"
+    assert cuda_decode.built_by(str(tmp_path / "missing.json")).startswith("an unknown nvcc")
+    folders = ["/usr/local/cuda/bin/nvcc", "/usr/local/cuda-9.2/bin/nvcc", "/usr/local/cuda-13.0/bin/nvcc",
+               "/usr/local/cuda-12.8/bin/nvcc"]
+    monkeypatch.setattr(cuda_decode.glob, "glob", lambda pattern: list(folders))
+    monkeypatch.setattr(cuda_decode.shutil, "which", lambda name: None)
+    monkeypatch.setattr(cuda_decode.os.path, "isfile", lambda p: p in folders)
+    monkeypatch.setattr(cuda_decode.os, "access", lambda p, mode: True)
+    assert cuda_decode.find_nvcc() == "/usr/local/cuda-13.0/bin/nvcc"
 
 
 def test_decode_attention_refuses_cuda_with_the_reason():
@@ -99,8 +131,6 @@ def test_committed_fatbin_is_built_from_the_committed_source(tmp_path):
     version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1]
     if version != info["nvcc_version"]:
         pytest.skip(f"nvcc here is {version!r}, the fatbin was built by {info['nvcc_version']!r}")
-    src = tmp_path / "decode_k4v4.cu"
-    shutil.copyfile(cuda_decode.SOURCE, src)
     got = cuda_decode.build(nvcc, out=str(tmp_path / "k.fatbin"), manifest=str(tmp_path / "k.json"))
     assert filecmp.cmp(tmp_path / "k.fatbin", cuda_decode.FATBIN, shallow=False)
     assert got["fatbin_sha256"] == info["fatbin_sha256"] and not (tmp_path / "k.fatbin.tmp").exists()
@@ -121,11 +151,12 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA 
 
 
 @needs_cuda
-@pytest.mark.parametrize("hq,hkv", [(32, 8), (24, 8), (8, 8), (16, 2)])
+@pytest.mark.parametrize("hq,hkv", [(32, 8), (24, 8), (8, 8), (16, 2), (16, 8), (40, 8), (56, 8)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("num_splits", [1, 3, None])
 def test_cuda_matches_dequantized_reference(hq, hkv, dtype, num_splits):
-    """Ragged lengths incl. 1 and a padding row (0), GQA 4 / 3 / 1 / 8, random block ids, poisoned output."""
+    """Ragged lengths incl. 1 and a padding row (0), GQA 4 / 3 / 1 / 8 / 2 / 5 / 7, block ids at the top of the
+    pool, poisoned output."""
     gen = torch.Generator().manual_seed(hq * 7 + hkv)
     lens = [1, 5, 54, 97, 0, 8193]
     maxb = max(-(-max(L, 1) // 16) for L in lens) + 1
@@ -225,3 +256,72 @@ def test_runtime_uses_the_split_rule_of_its_kernel(monkeypatch):
     triton_only = max(decode_workspace_numel(b, 32, 128, big.splits(b, 65536, cpu, "triton")) for b in range(1, 65))
     need_cuda = decode_workspace_numel(64, 32, 128, default_num_splits(64, 8, 65536, cpu, "cuda"))   # 32 splits
     assert need_cuda > triton_only and big.reserve_numel(cpu) == need_cuda
+
+
+@needs_cuda
+def test_cuda_splits_partition_the_sequence():
+    """Each split's log-sum-exp (the workspace's part_lse, log2) is that of its own tokens only: whole 16-token pages,
+    ceil(ceil(L / S) / 16) * 16 tokens per split (decode_k4v4.cu), empty splits -inf. A kernel whose splits each read
+    the whole sequence would still merge to the right output; this catches it."""
+    from kvrepro.ops.decode import LOG2E, decode_workspace_numel
+
+    gen = torch.Generator().manual_seed(6)
+    lens, hq, hkv, splits = [1000, 37, 16], 32, 8, 5
+    maxb = 64
+    pool = make_pool("k4v4", hkv, 128, 16, len(lens) * maxb + 3, gen)
+    bt = block_tables(len(lens), maxb, len(lens) * maxb + 3, gen)
+    for b, n in enumerate(lens):
+        fill(pool, bt[b], n, gen, torch.bfloat16)
+    q = torch.randn(len(lens), hq, 128, generator=gen).to(DEV, torch.float16)
+    sl = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    ws = torch.full((decode_workspace_numel(len(lens), hq, 128, splits),), float("nan"), device=DEV)
+    decode_attention(q, pool.data, bt, sl, pool.layout, pool.rotation, 128 ** -0.5, num_splits=splits, workspace=ws,
+                     impl="cuda")
+    n_o = len(lens) * hq * splits * 128
+    lse = ws[n_o:n_o + len(lens) * hq * splits].view(len(lens), hq, splits).double()
+    for b, n in enumerate(lens):
+        k, _ = pool.gather(bt[b], n)                                     # dequantized keys [n, Hkv, D]
+        k = k.double().repeat_interleave(hq // hkv, dim=1)               # [n, Hq, D]
+        logits = torch.einsum("hd,nhd->hn", q[b].double(), k) * 128 ** -0.5 * LOG2E
+        per = -(-(-(-n // splits)) // 16) * 16
+        for s_ in range(splits):
+            lo, hi = s_ * per, min((s_ + 1) * per, n)
+            want = torch.logsumexp(logits[:, lo:hi] / LOG2E, dim=1) * LOG2E if hi > lo else \
+                torch.full((hq,), float("-inf"), dtype=torch.float64, device=DEV)
+            got = lse[b, :, s_]
+            if hi > lo:
+                assert (got - want).abs().max() < 0.05, (b, s_, lo, hi)   # log2 units; float16 query digits
+            else:
+                assert torch.isneginf(got).all(), (b, s_)
+
+
+@needs_cuda
+def test_cuda_pool_over_2_gib_and_unaligned_pool():
+    """Block ids whose byte offset passes 2**31 give the same output as low block ids (int64 offsets); a pool that
+    does not start on a 16-byte boundary is refused (cp.async copies 16-byte chunks)."""
+    gen = torch.Generator().manual_seed(8)
+    layout = get_format("k4v4").layout(128, 16)
+    nb = (2 ** 31) // (8 * layout.page_bytes) + 64                      # > 2 GiB of pages
+    pool = get_format("k4v4").new_pool(nb, 8, 128, 16, device=DEV)
+    n = 300
+    low = torch.arange(0, 19, dtype=torch.int32, device=DEV)
+    high = torch.arange(nb - 19, nb, dtype=torch.int32, device=DEV)
+    assert int(high[-1]) * 8 * layout.page_bytes > 2 ** 31
+    k = torch.randn(n, 8, 128, generator=gen).to(DEV, torch.bfloat16)
+    v = torch.randn(n, 8, 128, generator=gen).to(DEV, torch.bfloat16)
+    pos = torch.arange(n, device=DEV)
+    from kvrepro.ops import store_kv
+    for row in (low, high):
+        store_kv(k, v, pool.data, (row[pos // 16].long() * 16 + pos % 16).to(torch.int32), pool.layout, pool.rotation)
+    q = torch.randn(1, 32, 128, generator=gen).to(DEV, torch.bfloat16)
+    sl = torch.tensor([n], dtype=torch.int32, device=DEV)
+    o_low = decode_attention(q, pool.data, low[None], sl, pool.layout, pool.rotation, 128 ** -0.5, impl="cuda")
+    o_high = decode_attention(q, pool.data, high[None], sl, pool.layout, pool.rotation, 128 ** -0.5, impl="cuda")
+    assert torch.equal(o_low, o_high) and torch.isfinite(o_low).all()
+    rot = pool.rotation
+    del pool
+    raw = torch.zeros(4 * 8 * layout.page_bytes + 8, dtype=torch.uint8, device=DEV)
+    shifted = raw[8:].view(4, 8, layout.page_bytes)
+    with pytest.raises(ValueError, match="pool must start on a 16-byte boundary"):
+        decode_attention(q, shifted, low[None, :1], torch.ones(1, dtype=torch.int32, device=DEV), layout, rot,
+                         128 ** -0.5, impl="cuda")

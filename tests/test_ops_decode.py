@@ -147,8 +147,10 @@ def test_decode_refuses_unsupported_shapes():
         decode_attention(q, pool.data, bt.long(), sl, pool.layout, pool.rotation, 0.125)
     with pytest.raises(ValueError, match="variant"):
         decode_attention(q, pool.data, bt, sl, pool.layout, pool.rotation, 0.125, variant="v9")
-    with pytest.raises(ValueError, match="num_splits must be a positive int"):
-        decode_attention(q, pool.data, bt, sl, pool.layout, pool.rotation, 0.125, num_splits=True)
+    hkv = pool.data.shape[1]
+    for bad in (True, 0, 65535 // hkv + 1):
+        with pytest.raises(ValueError, match=rf"num_splits must be an int in 1\.\.{65535 // hkv} \(65535 // num_kv_heads\)"):
+            decode_attention(q, pool.data, bt, sl, pool.layout, pool.rotation, 0.125, num_splits=bad)
     with pytest.raises(ValueError, match="num_warps=3"):
         decode_attention(q, pool.data, bt, sl, pool.layout, pool.rotation, 0.125, num_warps=3)
     if DEV == "cpu":

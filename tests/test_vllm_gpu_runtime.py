@@ -37,7 +37,7 @@ def test_warmup_then_graph_capture_allocates_nothing_and_matches_reference():
     warmed = rt.warmup(dev, torch.bfloat16, BS, MAX_MODEL_LEN)
     torch.cuda.synchronize()
     grown = non_torch_bytes(dev) - nt0
-    print(f"\nSMOKE warmup: split counts {warmed} in {time.perf_counter() - t:.1f} s; shared workspace "
+    print(f"\nSMOKE warmup ({rt.impl_used} decode kernel): split counts {warmed} in {time.perf_counter() - t:.1f} s; shared workspace "
           f"{runtime._WORKSPACES[str(dev)][-1].numel() * 4 / 2**20:.2f} MiB; non-torch memory +{grown / 2**20:.0f} MiB "
           f"(store rotate={rt.store_rotate})")
     # Every kernel of the serving path loaded and launched: no large local-memory (stack) reservation.

@@ -339,15 +339,32 @@ def test_decode_impl_is_checked_at_engine_start_and_recorded(monkeypatch):
     with pytest.raises(ValueError, match="decode_impl='fast'; allowed"):
         LayerRuntime("k4v4", 9, 3, 64, 0.125, decode_impl="fast")
     smol = LayerRuntime("k4v4", 9, 3, 64, 0.125, decode_impl="cuda")
-    with pytest.raises(ValueError, match="refuses this layer: KVREPRO_DECODE_IMPL=cuda: .*head_dim=64"):
+    with pytest.raises(ValueError, match="refuses this layer: KVREPRO_DECODE_IMPL=cuda: .*head_dim=64.*"
+                                         "set KVREPRO_DECODE_IMPL=triton or auto"):
         smol.check_decode_impl(16, torch.device("cpu"))
     qwen = LayerRuntime("k4v4", 32, 8, 128, 0.088, decode_impl="cuda")
     with pytest.raises(ValueError, match="KVREPRO_DECODE_IMPL=cuda: .*needs a CUDA device, got cpu"):
         qwen.check_decode_impl(16, torch.device("cpu"))
     for impl in (None, "triton"):
-        LayerRuntime("k4v4", 9, 3, 64, 0.125, decode_impl=impl).check_decode_impl(16, torch.device("cpu"))
+        assert LayerRuntime("k4v4", 9, 3, 64, 0.125, decode_impl=impl).check_decode_impl(16, torch.device("cpu")) \
+            == "triton"
+    # where the kernel applies, the fatbin is loaded at engine start; a load failure names the way out
+    from kvrepro.ops import cuda_decode
+
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    qwen.check_decode_impl(16, torch.device("cuda", 0))      # passes where the kernel applies
+    loaded = []
+    monkeypatch.setattr(cuda_decode, "load", lambda device: loaded.append(device))
+    assert qwen.check_decode_impl(16, torch.device("cuda", 0)) == "cuda" and loaded == [torch.device("cuda", 0)]
+    assert LayerRuntime("k4v4", 32, 8, 128, 0.088).check_decode_impl(16, torch.device("cuda", 0)) == "cuda"
+    assert LayerRuntime("k4v4", 32, 8, 128, 0.088, decode_impl="triton").check_decode_impl(
+        16, torch.device("cuda", 0)) == "triton" and len(loaded) == 2
+
+    def no_driver(device):
+        raise RuntimeError("cuModuleLoadData failed with CUDA error 222")
+    monkeypatch.setattr(cuda_decode, "load", no_driver)
+    with pytest.raises(RuntimeError, match=r"KVREPRO_DECODE_IMPL=auto \(the default\) chose the CUDA decode kernel, "
+                                           r"which cannot load here: .*error 222"):
+        LayerRuntime("k4v4", 32, 8, 128, 0.088).check_decode_impl(16, torch.device("cuda", 0))
     auto = LayerRuntime("k4v4", 32, 8, 128, 0.088)
     layout = get_format("k4v4").layout(128, 16)
     assert auto.record_impl(layout, torch.device("cuda", 0)) == "cuda"

@@ -1,9 +1,10 @@
-"""Triton kernels that read and write kvrepro's compressed KV pages directly.
+"""Kernels that read and write kvrepro's compressed KV pages directly: Triton (store, prefill, decode for every
+preset) and a CUDA decode kernel for k4v4 (``kvrepro.ops.cuda_decode``, chosen by ``decode_attention``'s ``impl``).
 
 | function | what |
 | --- | --- |
 | ``store_kv(key, value, pool, slot_mapping, layout, rotation)`` | rotate + quantize + pack new K/V into slots |
-| ``decode_attention(query, pool, block_tables, seq_lens, layout, rotation, scale, ...)`` | split-K decode |
+| ``decode_attention(query, pool, block_tables, seq_lens, layout, rotation, scale, ...)`` | split-K decode (CUDA or Triton) |
 | ``prefill_attention(query, key, value, pool, block_tables, seq_lens, query_start_loc, layout, rotation, scale, ...)`` | chunked prefill |
 
 Order per layer and step: ``store_kv`` for the step's new tokens, then attention (decode reads

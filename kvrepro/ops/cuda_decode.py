@@ -22,6 +22,7 @@ import glob
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -63,6 +64,8 @@ def unsupported_reason(layout, group: int, device: torch.device) -> str | None:
         return f"the CUDA decode kernel supports GQA groups of 1..{MAX_GROUP} query heads, got {group}"
     if device.type != "cuda":
         return f"the CUDA decode kernel needs a CUDA device, got {device}"
+    if torch.version.hip:
+        return f"the CUDA decode kernel is built for NVIDIA GPUs, this PyTorch runs ROCm/HIP {torch.version.hip}"
     cap = torch.cuda.get_device_capability(device)
     if tuple(cap) < MIN_CAPABILITY:
         return (f"the CUDA decode kernel needs compute capability >= {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}, "
@@ -76,9 +79,14 @@ def _sha256(path: str) -> str:
 
 
 def find_nvcc(nvcc: str | None = None) -> str:
-    """``nvcc`` if given, else the one on PATH, else the newest ``/usr/local/cuda*/bin/nvcc``.
-    Raises FileNotFoundError naming the places looked at."""
-    cands = [nvcc] if nvcc else [shutil.which("nvcc"), *sorted(glob.glob("/usr/local/cuda*/bin/nvcc"), reverse=True)]
+    """``nvcc`` if given, else the one on PATH, else the ``/usr/local/cuda*/bin/nvcc`` of the highest version in its
+    folder name (an unversioned ``/usr/local/cuda`` last). Raises FileNotFoundError naming the places looked at."""
+    def version(path: str) -> tuple:         # /usr/local/cuda-13.0/bin/nvcc -> (13, 0); /usr/local/cuda -> ()
+        digits = re.findall(r"\d+", path.split("/")[3])
+        return tuple(int(d) for d in digits)
+
+    found = sorted(glob.glob("/usr/local/cuda*/bin/nvcc"), key=version, reverse=True)
+    cands = [nvcc] if nvcc else [shutil.which("nvcc"), *found]
     for c in cands:
         if c and os.path.isfile(c) and os.access(c, os.X_OK):
             return c
@@ -122,7 +130,11 @@ class _Module:
     """The fatbin loaded into one device's primary context (PyTorch's), and its kernel."""
 
     def __init__(self, device: torch.device, path: str):
-        self.lib = ctypes.CDLL("libcuda.so.1")
+        try:
+            self.lib = ctypes.CDLL("libcuda.so.1")
+        except OSError as e:
+            raise RuntimeError(f"kvrepro CUDA decode kernel: cannot open the CUDA driver library libcuda.so.1 ({e}); "
+                               f"use impl='triton' (vLLM backend: KVREPRO_DECODE_IMPL=triton)") from None
         self.lib.cuLaunchKernel.argtypes = [ctypes.c_void_p, *[ctypes.c_uint] * 7, ctypes.c_void_p,
                                             ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
         with torch.cuda.device(device):
@@ -134,24 +146,43 @@ class _Module:
             rc = self.lib.cuModuleLoadData(ctypes.byref(self.module), ctypes.c_char_p(self.image))
             if rc:
                 raise RuntimeError(
-                    f"kvrepro CUDA decode kernel: cuModuleLoadData({path}) failed with CUDA error {rc} "
-                    f"({_ERRORS.get(rc, 'see cuda.h')}) on {torch.cuda.get_device_name(device)}. The committed fatbin "
-                    f"is built by CUDA 13.0 (decode_k4v4.json) and needs a driver for CUDA >= 13.0; rebuild it "
-                    f"with your nvcc (python -m kvrepro.ops.cuda_decode --build) or use impl='triton' "
-                    f"(vLLM backend: KVREPRO_DECODE_IMPL=triton)")
+                    f"kvrepro CUDA decode kernel: cuModuleLoadData({path}) failed with {self.error(rc)} on "
+                    f"{torch.cuda.get_device_name(device)}. The fatbin was built by {built_by()} (decode_k4v4.json) "
+                    f"and needs a driver for that CUDA version or newer; rebuild it with your nvcc "
+                    f"(python -m kvrepro.ops.cuda_decode --build) or use impl='triton' (vLLM backend: "
+                    f"KVREPRO_DECODE_IMPL=triton)")
             rc = self.lib.cuModuleGetFunction(ctypes.byref(self.fn), self.module, KERNEL.encode())
             if rc:
-                raise RuntimeError(f"kvrepro CUDA decode kernel: {KERNEL} not found in {path} (CUDA error {rc})")
+                raise RuntimeError(f"kvrepro CUDA decode kernel: {KERNEL} not found in {path} ({self.error(rc)})")
+
+    def error(self, rc: int) -> str:
+        """``CUDA error <rc> (<name>)`` from the driver's cuGetErrorName."""
+        name = ctypes.c_char_p()
+        if self.lib.cuGetErrorName(rc, ctypes.byref(name)) == 0 and name.value:
+            return f"CUDA error {rc} ({name.value.decode()})"
+        return f"CUDA error {rc} ({_ERRORS.get(rc, 'see cuda.h')})"
 
     def launch(self, grid: tuple[int, int, int], args: list, stream: int) -> None:
         vals = [ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor) else ctypes.c_int(int(a)) for a in args]
         ptrs = (ctypes.c_void_p * len(vals))(*[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in vals])
         rc = self.lib.cuLaunchKernel(self.fn, *grid, WARPS * 32, 1, 1, 0, ctypes.c_void_p(stream), ptrs, None)
         if rc:
-            raise RuntimeError(f"kvrepro CUDA decode kernel: cuLaunchKernel failed with CUDA error {rc}")
+            raise RuntimeError(f"kvrepro CUDA decode kernel: cuLaunchKernel failed with {self.error(rc)} "
+                               f"(grid {grid}, block {WARPS * 32})")
 
 
 _MODULES: dict[int, _Module] = {}
+
+
+def built_by(manifest: str = MANIFEST) -> str:
+    """The nvcc release that built the committed fatbin, from its manifest (e.g. ``"CUDA 13.0"``)."""
+    try:
+        with open(manifest) as f:
+            version = json.load(f).get("nvcc_version", "")
+    except (OSError, ValueError):
+        return "an unknown nvcc (manifest unreadable)"
+    m = re.search(r"cuda_(\d+\.\d+)", version)
+    return f"CUDA {m.group(1)}" if m else (version or "an unknown nvcc")
 
 
 def load(device: torch.device, path: str = FATBIN) -> _Module:
@@ -177,10 +208,11 @@ def launch(q16: torch.Tensor, pool: torch.Tensor, block_tables: torch.Tensor, se
     if pool.data_ptr() % 16:
         raise ValueError("pool must start on a 16-byte boundary for the CUDA decode kernel (cp.async)")
     b = block_tables.shape[0]
-    mod = load(pool.device)
-    stream = torch.cuda.current_stream(pool.device).cuda_stream
-    mod.launch((b, num_kv_heads * num_splits, 1), [q16, pool, block_tables, seq_lens, part_o, part_lse,
-                                                   block_tables.stride(0), num_splits, num_kv_heads, group], stream)
+    with torch.cuda.device(pool.device):      # the pool's device is current: its context, module and stream
+        mod = load(pool.device)
+        stream = torch.cuda.current_stream(pool.device).cuda_stream
+        mod.launch((b, num_kv_heads * num_splits, 1), [q16, pool, block_tables, seq_lens, part_o, part_lse,
+                                                       block_tables.stride(0), num_splits, num_kv_heads, group], stream)
 
 
 def main(argv=None) -> int:

@@ -110,11 +110,13 @@ def v2_decode_constexprs(layout: PageLayout, num_kv_heads: int, group: int, bloc
 
 
 DECODE_IMPLS = ("triton", "cuda")
+# decode_attention's arguments that only the Triton kernel takes (setting one selects it, see resolve_impl)
+TRITON_OPTIONS = ("block_n", "num_warps", "num_stages", "dequant", "variant", "prefetch", "key_mma", "max_registers")
 
 
 def resolve_impl(impl: str | None, layout: PageLayout, group: int, device: torch.device,
                  triton_options: tuple[str, ...] = ()) -> str:
-    """Which decode kernel runs: ``impl`` if given, else ``"cuda"`` where ``cuda_decode.unsupported_reason``
+    """Which decode kernel runs: ``impl`` if given (None and ``"auto"`` mean the default), else ``"cuda"`` where ``cuda_decode.unsupported_reason``
     finds nothing to refuse (k4v4, head_dim 128, block 16, GQA group <= 8, a CUDA device of compute capability
     >= 8.0) and no Triton-only option was passed, else ``"triton"``.
 
@@ -129,12 +131,12 @@ def resolve_impl(impl: str | None, layout: PageLayout, group: int, device: torch
         ValueError: ``impl`` not None or one of ``DECODE_IMPLS``; ``impl="cuda"`` where the CUDA kernel does
             not apply (the message says why) or together with Triton-only options.
     """
-    if impl is None:
+    if impl is None or impl == "auto":
         if not triton_options and cuda_decode.unsupported_reason(layout, group, device) is None:
             return "cuda"
         return "triton"
     if impl not in DECODE_IMPLS:
-        raise ValueError(f"impl={impl!r}; allowed: None (auto), {', '.join(repr(x) for x in DECODE_IMPLS)}")
+        raise ValueError(f"impl={impl!r}; allowed: None or 'auto', {', '.join(repr(x) for x in DECODE_IMPLS)}")
     if impl == "cuda":
         reason = cuda_decode.unsupported_reason(layout, group, device)
         if reason:
@@ -150,7 +152,7 @@ MIN_TOKENS_PER_SPLIT = 256
 
 # CUDA kernel (impl="cuda"): up to ~3 waves of its 4 resident CTAs per SM, at least 32 splits. Fitted on H200
 # run 19 (2026-11-30, 128K context, benchmarks/results/h200_run19_cuda_splits): best split count 64 / 16 / 32 / 32
-# at batch 1 / 3 / 6 / 13; this rule picks 128 / 64 / 32 / 32, within 3% of the best at each batch, where the
+# at batch 1 / 3 / 6 / 13; this rule picks 128 / 64 / 32 / 32, within 3.1% of the best at each batch, where the
 # Triton rule's 256 / 256 / 128 / 64 took 1.20x / 1.32x / 1.18x / 1.07x the best time.
 CUDA_PROGRAMS_PER_SM = 12
 CUDA_MIN_SPLITS = 32
@@ -164,10 +166,15 @@ def default_num_splits(batch: int, num_kv_heads: int, max_context: int, device: 
     (H200 run 19).
 
     Depends only on shapes (batch, heads, block-table width), never on ``seq_lens`` values, so
-    the launch grid is fixed per batch size (CUDA-graph capturable). Raises ValueError for another ``impl``.
+    the launch grid is fixed per batch size (CUDA-graph capturable). Raises ValueError for another ``impl`` or a
+    negative / non-int size.
     """
     if impl not in DECODE_IMPLS:
         raise ValueError(f"impl={impl!r}; allowed: {', '.join(repr(x) for x in DECODE_IMPLS)}")
+    for name, v in (("batch", batch), ("num_kv_heads", num_kv_heads), ("max_context", max_context)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < (1 if name == "num_kv_heads" else 0):
+            raise ValueError(f"{name} must be a {'positive' if name == 'num_kv_heads' else 'non-negative'} int, "
+                             f"got {v!r}")
     if impl == "cuda":
         most = max(1, (CUDA_PROGRAMS_PER_SM * sm_count(device)) // max(1, batch * num_kv_heads))
         want = max(next_pow2(most + 1) // 2, CUDA_MIN_SPLITS)          # largest power of two <= most
@@ -211,10 +218,11 @@ def decode_attention(query: torch.Tensor, pool, block_tables: torch.Tensor, seq_
         layout, rotation: the pool's ``PageLayout`` and float32 ``[D, D]`` rotation.
         scale: softmax scale (usually ``D ** -0.5``).
         out: optional ``[B, Hq, D]`` output (query dtype); written in place.
-        num_splits: splits per sequence; default ``default_num_splits`` for the kernel that runs (shape-only).
+        num_splits: splits per sequence, 1..65535 // Hkv; default ``default_num_splits`` for the kernel that
+            runs (shape-only).
         workspace: optional float32 tensor of >= ``decode_workspace_numel(B, Hq, D, S)`` elements.
-        impl: ``"cuda"``, ``"triton"`` or None (default: ``resolve_impl``, i.e. ``"cuda"`` where it
-            applies and no Triton-only option below is set, else ``"triton"``). The options from
+        impl: ``"cuda"``, ``"triton"``, or None / ``"auto"`` (default: ``resolve_impl``, i.e. ``"cuda"`` where
+            it applies and no Triton-only option below is set, else ``"triton"``). The options from
             ``block_n`` to ``max_registers`` are the Triton kernel's; setting one selects it.
         block_n, num_warps, num_stages: tiling (tokens per step) and Triton launch options;
             ``block_n`` / ``num_warps`` default to ``default_launch(layout.key_bits, key_mma)``,
@@ -286,8 +294,8 @@ def decode_attention(query: torch.Tensor, pool, block_tables: torch.Tensor, seq_
         out = torch.empty_like(query)
     else:
         check_float("out", out, (b, hq, d), dev)
-    options = {"block_n": block_n, "num_warps": num_warps, "num_stages": num_stages, "dequant": dequant,
-               "variant": variant, "prefetch": prefetch, "key_mma": key_mma, "max_registers": max_registers}
+    options = dict(zip(TRITON_OPTIONS, (block_n, num_warps, num_stages, dequant, variant, prefetch, key_mma,
+                                        max_registers)))
     impl = resolve_impl(impl, layout, group, dev, tuple(k for k, v in options.items() if v is not None))
     variant = DEFAULT_VARIANT if variant is None else variant
     num_stages = DECODE_STAGES if num_stages is None else num_stages
@@ -305,8 +313,9 @@ def decode_attention(query: torch.Tensor, pool, block_tables: torch.Tensor, seq_
         raise ValueError(f"prefetch is a variant='v3' option, got variant={variant!r}")
     if num_splits is None:
         num_splits = default_num_splits(b, hkv, block_tables.shape[1] * layout.block_size, dev, impl)
-    if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 1:
-        raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
+    max_splits = 65535 // hkv       # the launch grid's second / third dimension holds Hkv x num_splits
+    if not isinstance(num_splits, int) or isinstance(num_splits, bool) or not 1 <= num_splits <= max_splits:
+        raise ValueError(f"num_splits must be an int in 1..{max_splits} (65535 // num_kv_heads), got {num_splits!r}")
     check_launch(num_warps, num_stages, max_registers)
     launch_opts = {} if max_registers is None else {"maxnreg": max_registers}
     if b == 0:
