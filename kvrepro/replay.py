@@ -180,6 +180,19 @@ def _source_column(df) -> str | None:
     return next((c for c in ("source", "source_file") if c in df.columns), None)
 
 
+def decode_kernel(mode: str, settings) -> str:
+    """Which decode kernel a result row's mode ran: vLLM's own for non-kvrepro modes; for kvrepro modes the
+    ``decode_impl`` its ``kvrepro_settings`` recorded (``"cuda"``, ``"triton"``), or ``"triton (not recorded)"``
+    for rows measured before the field existed (before the CUDA kernel, 2026-11-30 ~09:30 UTC, every kvrepro row
+    decoded with the Triton kernel)."""
+    if not str(mode).startswith("kvrepro:"):
+        return "vLLM"
+    impl = settings.get("decode_impl") if isinstance(settings, dict) else None
+    if isinstance(impl, dict) and impl:
+        return ", ".join(sorted(set(impl.values())))
+    return "triton (not recorded)"
+
+
 def max_clean_capacity(df):
     """Per mode: the largest clean ``num_users`` and its aggregate decode tok/s.
 
@@ -194,7 +207,8 @@ def max_clean_capacity(df):
         plus the input's ``source`` (reference data) or ``source_file`` (result files) column: one
         row per mode and source, so several files are never merged into one figure; and, where the
         input has them, the workload columns ``WORKLOAD_KEYS`` (first value per mode and source) that
-        :func:`ratios` matches before it takes a baseline from another file.
+        :func:`ratios` matches before it takes a baseline from another file; and ``decode_kernel``
+        (:func:`decode_kernel`) where the input has ``kvrepro_settings``.
     """
     import pandas as pd
 
@@ -214,6 +228,8 @@ def max_clean_capacity(df):
         good = g[ok.loc[g.index] & g["aggregate_decode_tok_s"].notna()]
         row = dict(zip(keys, key))
         row.update({c: g[c].iloc[0] for c in WORKLOAD_KEYS if c in g.columns})
+        if "kvrepro_settings" in g.columns:
+            row["decode_kernel"] = decode_kernel(row["mode"], g["kvrepro_settings"].iloc[0])
         # <NA>: capacity not measured (only sized, or reference data without a max-clean point)
         sizing_only = ("measured_by" in g.columns and (g["measured_by"] == "sizing").all()) or "max_clean" in g.columns
         if len(good):

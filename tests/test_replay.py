@@ -233,3 +233,16 @@ def test_row_without_ratio_names_no_baseline(tmp_path):
     cap = replay.ratios(replay.max_clean_capacity(replay.load_results(tmp_path)))
     for r in cap[cap["mode"] == "tq8"].itertuples():
         assert math.isnan(r.tok_s_vs_fp8) and math.isnan(r.users_vs_bf16) and r.baseline_from == "none"
+
+
+def test_decode_kernel_column_says_which_kernel_ran(tmp_path):
+    """kvrepro rows name the decode kernel their kvrepro_settings recorded; rows from before the field existed say
+    so; vLLM modes say vLLM."""
+    rows = sweep_rows() + [
+        row("kvrepro:k4v4", 13, 506.2, kvrepro_settings={"decode_impl": {"k4v4 32q/8kv d128 bs16": "cuda"}}),
+        row("kvrepro:k8v4", 8, 246.8, kvrepro_settings={"decode_variant": "v2"})]
+    write(tmp_path / "a.jsonl", rows)
+    cap = replay.max_clean_capacity(replay.load_results(tmp_path)).set_index("mode")
+    assert cap.loc["kvrepro:k4v4", "decode_kernel"] == "cuda"
+    assert cap.loc["kvrepro:k8v4", "decode_kernel"] == "triton (not recorded)"
+    assert cap.loc["bf16", "decode_kernel"] == "vLLM"
