@@ -116,9 +116,9 @@ TRITON_OPTIONS = ("block_n", "num_warps", "num_stages", "dequant", "variant", "p
 
 def resolve_impl(impl: str | None, layout: PageLayout, group: int, device: torch.device,
                  triton_options: tuple[str, ...] = ()) -> str:
-    """Which decode kernel runs: ``impl`` if given (None and ``"auto"`` mean the default), else ``"cuda"`` where ``cuda_decode.unsupported_reason``
-    finds nothing to refuse (k4v4, head_dim 128, block 16, GQA group <= 8, a CUDA device of compute capability
-    >= 8.0) and no Triton-only option was passed, else ``"triton"``.
+    """Which decode kernel runs: ``impl`` if given; for None or ``"auto"``, ``"cuda"`` where
+    ``cuda_decode.unsupported_reason`` finds nothing to refuse (k4v4, head_dim 128, block 16, GQA group <= 8, an
+    NVIDIA GPU of compute capability >= 8.0) and no Triton-only option was passed, else ``"triton"``.
 
     Why ``"cuda"`` by default there: at 128K context it took 0.57x the Triton kernel's time at batch 13 (0.582 vs
     1.021 ms, 73% vs 42% of the copy bandwidth) and 0.76-0.80x at batch 1-3, with relerr 2.3e-4 (fp16 q) /
@@ -128,7 +128,7 @@ def resolve_impl(impl: str | None, layout: PageLayout, group: int, device: torch
         triton_options: names of the Triton-only arguments the caller set (``block_n``, ``num_warps``, ...).
 
     Raises:
-        ValueError: ``impl`` not None or one of ``DECODE_IMPLS``; ``impl="cuda"`` where the CUDA kernel does
+        ValueError: ``impl`` not None, ``"auto"`` or one of ``DECODE_IMPLS``; ``impl="cuda"`` where the CUDA kernel does
             not apply (the message says why) or together with Triton-only options.
     """
     if impl is None or impl == "auto":
