@@ -190,6 +190,8 @@ def decode_kernel(mode: str, settings) -> str:
     impl = settings.get("decode_impl") if isinstance(settings, dict) else None
     if isinstance(impl, dict) and impl:
         return ", ".join(sorted(set(impl.values())))
+    if isinstance(impl, str) and impl:
+        return impl                                   # recorded but not resolved, e.g. "auto (no layer resolved it yet)"
     return "triton (not recorded)"
 
 
@@ -229,7 +231,8 @@ def max_clean_capacity(df):
         row = dict(zip(keys, key))
         row.update({c: g[c].iloc[0] for c in WORKLOAD_KEYS if c in g.columns})
         if "kvrepro_settings" in g.columns:
-            row["decode_kernel"] = decode_kernel(row["mode"], g["kvrepro_settings"].iloc[0])
+            known = [x for x in g["kvrepro_settings"] if isinstance(x, dict)]   # sizing rows of older code may lack it
+            row["decode_kernel"] = decode_kernel(row["mode"], known[0] if known else None)
         # <NA>: capacity not measured (only sized, or reference data without a max-clean point)
         sizing_only = ("measured_by" in g.columns and (g["measured_by"] == "sizing").all()) or "max_clean" in g.columns
         if len(good):

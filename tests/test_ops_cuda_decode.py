@@ -28,6 +28,7 @@ def capability(monkeypatch):
     """Pretend a CUDA device of the given compute capability (no GPU needed: only resolve_impl's logic)."""
     def set_cap(cap):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap)
+        monkeypatch.setattr(cuda_decode, "load_error", lambda device: None)      # the fatbin would load
     return set_cap
 
 
@@ -70,6 +71,37 @@ def test_explicit_cuda_is_refused_with_the_reason(capability):
     capability((7, 5))
     with pytest.raises(ValueError, match="compute capability >= 8.0, got 7.5"):
         resolve_impl("cuda", K4V4, 4, CUDA)
+
+
+def test_auto_takes_triton_with_a_warning_when_the_fatbin_cannot_load(capability, monkeypatch):
+    """The default rule needs the fatbin to load (a driver older than its CUDA release cannot); then it runs Triton
+    and says why once per device. impl="cuda" does not fall back (resolve_impl does not load; the launch raises)."""
+    from kvrepro.ops import decode
+
+    capability((9, 0))
+    monkeypatch.setattr(decode, "_WARNED_LOAD", set())
+    monkeypatch.setattr(cuda_decode, "load_error", lambda device: "cuModuleLoadData failed with CUDA error 222")
+    with pytest.warns(RuntimeWarning, match=r"but cuModuleLoadData failed with CUDA error 222; running the Triton "
+                                            r"kernel instead \(impl='triton' / KVREPRO_DECODE_IMPL=triton"):
+        assert resolve_impl(None, K4V4, 4, CUDA) == "triton"
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                                   # said once per device
+        assert resolve_impl("auto", K4V4, 4, CUDA) == "triton"
+    assert resolve_impl("cuda", K4V4, 4, CUDA) == "cuda"
+
+
+def test_load_error_is_tried_once_per_device(monkeypatch):
+    calls = []
+
+    def failing(device, path=cuda_decode.FATBIN):
+        calls.append(device)
+        raise RuntimeError("kvrepro CUDA decode kernel: cuModuleLoadData failed with CUDA error 222")
+    monkeypatch.setattr(cuda_decode, "load", failing)
+    monkeypatch.setattr(cuda_decode, "_MODULES", {})
+    monkeypatch.setattr(cuda_decode, "_LOAD_ERRORS", {})
+    assert "error 222" in cuda_decode.load_error(CUDA) and "error 222" in cuda_decode.load_error(CUDA)
+    assert calls == [torch.device("cuda", 0)]
 
 
 def test_rocm_is_refused(capability, monkeypatch):
@@ -246,6 +278,7 @@ def test_runtime_uses_the_split_rule_of_its_kernel(monkeypatch):
     from kvrepro.vllm_backend.runtime import LayerRuntime, decode_splits
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(cuda_decode, "load_error", lambda device: None)
     cpu = torch.device("cpu")
     rt = LayerRuntime("k4v4", 32, 8, 128, 0.088, graph_sizes=(1, 2, 4, 8, 16), max_batch=16)
     assert rt.splits(16, 131072, cpu) == decode_splits(16, 8, 131072, cpu, (1, 2, 4, 8, 16)) == 64   # triton rule

@@ -240,9 +240,12 @@ def test_decode_kernel_column_says_which_kernel_ran(tmp_path):
     so; vLLM modes say vLLM."""
     rows = sweep_rows() + [
         row("kvrepro:k4v4", 13, 506.2, kvrepro_settings={"decode_impl": {"k4v4 32q/8kv d128 bs16": "cuda"}}),
-        row("kvrepro:k8v4", 8, 246.8, kvrepro_settings={"decode_variant": "v2"})]
+        row("kvrepro:k8v4", 8, 246.8, kvrepro_settings={"decode_variant": "v2"}),
+        row("kvrepro:k4v2", 0, None, measured_by="sizing"),                          # older sizing row: no settings
+        row("kvrepro:k4v2", 17, 294.4, kvrepro_settings={"decode_impl": "auto (no layer resolved it yet)"})]
     write(tmp_path / "a.jsonl", rows)
     cap = replay.max_clean_capacity(replay.load_results(tmp_path)).set_index("mode")
     assert cap.loc["kvrepro:k4v4", "decode_kernel"] == "cuda"
     assert cap.loc["kvrepro:k8v4", "decode_kernel"] == "triton (not recorded)"
     assert cap.loc["bf16", "decode_kernel"] == "vLLM"
+    assert cap.loc["kvrepro:k4v2", "decode_kernel"] == "auto (no layer resolved it yet)"   # said as recorded

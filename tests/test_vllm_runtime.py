@@ -348,23 +348,33 @@ def test_decode_impl_is_checked_at_engine_start_and_recorded(monkeypatch):
     for impl in (None, "triton"):
         assert LayerRuntime("k4v4", 9, 3, 64, 0.125, decode_impl=impl).check_decode_impl(16, torch.device("cpu")) \
             == "triton"
-    # where the kernel applies, the fatbin is loaded at engine start; a load failure names the way out
-    from kvrepro.ops import cuda_decode
+    # where the kernel applies, the fatbin is loaded at engine start: explicitly for "cuda" (a failure is an error
+    # naming the variable), by the default rule for None (a failure there means Triton, with a warning)
+    from kvrepro.ops import cuda_decode, decode
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(decode, "_WARNED_LOAD", set())
     loaded = []
     monkeypatch.setattr(cuda_decode, "load", lambda device: loaded.append(device))
+    monkeypatch.setattr(cuda_decode, "load_error", lambda device: None)
     assert qwen.check_decode_impl(16, torch.device("cuda", 0)) == "cuda" and loaded == [torch.device("cuda", 0)]
     assert LayerRuntime("k4v4", 32, 8, 128, 0.088).check_decode_impl(16, torch.device("cuda", 0)) == "cuda"
     assert LayerRuntime("k4v4", 32, 8, 128, 0.088, decode_impl="triton").check_decode_impl(
-        16, torch.device("cuda", 0)) == "triton" and len(loaded) == 2
+        16, torch.device("cuda", 0)) == "triton"
 
     def no_driver(device):
         raise RuntimeError("cuModuleLoadData failed with CUDA error 222")
     monkeypatch.setattr(cuda_decode, "load", no_driver)
-    with pytest.raises(RuntimeError, match=r"KVREPRO_DECODE_IMPL=auto \(the default\) chose the CUDA decode kernel, "
-                                           r"which cannot load here: .*error 222"):
-        LayerRuntime("k4v4", 32, 8, 128, 0.088).check_decode_impl(16, torch.device("cuda", 0))
+    with pytest.raises(RuntimeError, match=r"KVREPRO_DECODE_IMPL=cuda, but the CUDA decode kernel cannot load here: "
+                                           r".*error 222"):
+        qwen.check_decode_impl(16, torch.device("cuda", 0))
+    monkeypatch.setattr(cuda_decode, "load_error", lambda device: "cuModuleLoadData failed with CUDA error 222")
+    with pytest.warns(RuntimeWarning, match="the default would run the CUDA kernel here, but .*error 222.*"
+                                            "running the Triton kernel instead"):
+        fallback = LayerRuntime("k4v4", 32, 8, 128, 0.088)
+        assert fallback.check_decode_impl(16, torch.device("cuda", 0)) == "triton"
+    assert runtime.DECODE_IMPL_USED["k4v4 32q/8kv d128 bs16"] == "triton"      # recorded for the result rows
+    monkeypatch.setattr(cuda_decode, "load_error", lambda device: None)
     auto = LayerRuntime("k4v4", 32, 8, 128, 0.088)
     layout = get_format("k4v4").layout(128, 16)
     assert auto.record_impl(layout, torch.device("cuda", 0)) == "cuda"

@@ -172,6 +172,22 @@ class _Module:
 
 
 _MODULES: dict[int, _Module] = {}
+_LOAD_ERRORS: dict[int, str] = {}
+
+
+def load_error(device: torch.device) -> str | None:
+    """None if the fatbin loads on ``device`` (it is then loaded, once per device), else why not (the load's
+    RuntimeError text, remembered per device so that the attempt is made once)."""
+    idx = torch.device(device).index
+    idx = torch.cuda.current_device() if idx is None else idx
+    if idx in _MODULES:
+        return None
+    if idx not in _LOAD_ERRORS:
+        try:
+            load(torch.device("cuda", idx))
+        except RuntimeError as e:
+            _LOAD_ERRORS[idx] = str(e)
+    return _LOAD_ERRORS.get(idx)
 
 
 def built_by(manifest: str = MANIFEST) -> str:

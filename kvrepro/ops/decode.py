@@ -1,6 +1,8 @@
 """``decode_attention``: one query token per sequence over compressed pages, split-K."""
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from kvrepro.formats.layout import PageLayout
@@ -110,6 +112,7 @@ def v2_decode_constexprs(layout: PageLayout, num_kv_heads: int, group: int, bloc
 
 
 DECODE_IMPLS = ("triton", "cuda")
+_WARNED_LOAD: set = set()
 # decode_attention's arguments that only the Triton kernel takes (setting one selects it, see resolve_impl)
 TRITON_OPTIONS = ("block_n", "num_warps", "num_stages", "dequant", "variant", "prefetch", "key_mma", "max_registers")
 
@@ -118,7 +121,10 @@ def resolve_impl(impl: str | None, layout: PageLayout, group: int, device: torch
                  triton_options: tuple[str, ...] = ()) -> str:
     """Which decode kernel runs: ``impl`` if given; for None or ``"auto"``, ``"cuda"`` where
     ``cuda_decode.unsupported_reason`` finds nothing to refuse (k4v4, head_dim 128, block 16, GQA group <= 8, an
-    NVIDIA GPU of compute capability >= 8.0) and no Triton-only option was passed, else ``"triton"``.
+    NVIDIA GPU of compute capability >= 8.0), no Triton-only option was passed and its fatbin loads
+    (``cuda_decode.load_error``), else ``"triton"``; when only the load fails, a RuntimeWarning says why, once per
+    device (e.g. a driver older than the fatbin's CUDA 13.0). ``impl="cuda"`` never falls back: a load failure is a
+    RuntimeError at the launch (or at engine start in the vLLM backend).
 
     Why ``"cuda"`` by default there: at 128K context it took 0.57x the Triton kernel's time at batch 13 (0.582 vs
     1.021 ms, 73% vs 42% of the copy bandwidth) and 0.76-0.80x at batch 1-3, with relerr 2.3e-4 (fp16 q) /
@@ -132,8 +138,16 @@ def resolve_impl(impl: str | None, layout: PageLayout, group: int, device: torch
             not apply (the message says why) or together with Triton-only options.
     """
     if impl is None or impl == "auto":
-        if not triton_options and cuda_decode.unsupported_reason(layout, group, device) is None:
+        if triton_options or cuda_decode.unsupported_reason(layout, group, device) is not None:
+            return "triton"
+        why = cuda_decode.load_error(device)
+        if why is None:
             return "cuda"
+        if device.index not in _WARNED_LOAD:        # said once per device, and recorded by the vLLM backend
+            _WARNED_LOAD.add(device.index)
+            warnings.warn(f"kvrepro decode_attention: the default would run the CUDA kernel here, but {why}; "
+                          f"running the Triton kernel instead (impl='triton' / KVREPRO_DECODE_IMPL=triton says so "
+                          f"explicitly and silences this)", RuntimeWarning, stacklevel=3)
         return "triton"
     if impl not in DECODE_IMPLS:
         raise ValueError(f"impl={impl!r}; allowed: None or 'auto', {', '.join(repr(x) for x in DECODE_IMPLS)}")

@@ -226,31 +226,28 @@ class LayerRuntime:
         return self.impl_used
 
     def check_decode_impl(self, block_size: int, device: torch.device) -> str:
-        """At engine start: the decode kernel this layer will run on ``device`` (``decode_impl``, or the default rule
-        for None), refusing ``"cuda"`` where the CUDA kernel does not apply and loading its fatbin where it does, so
-        a driver that cannot load it fails here, not at the first decode. Returns the kernel.
+        """At engine start: resolve and record (:meth:`record_impl`) the decode kernel this layer will run on
+        ``device``: ``decode_impl``, or the default rule for None (which loads the CUDA kernel's fatbin where the
+        kernel applies and takes Triton, with a RuntimeWarning, if the driver cannot load it). Returns the kernel.
 
         Raises:
             ValueError: ``decode_impl="cuda"`` where the kernel does not apply (names KVREPRO_DECODE_IMPL and why).
-            RuntimeError: the CUDA kernel was chosen (explicitly or by the default rule) and the driver cannot load
-                it (names KVREPRO_DECODE_IMPL=triton as the way out).
+            RuntimeError: ``decode_impl="cuda"`` and the driver cannot load the fatbin.
         """
         from kvrepro.ops import cuda_decode
-        from kvrepro.ops.decode import resolve_impl
 
         layout, device = self.fmt.layout(self.head_size, block_size), torch.device(device)
         try:
-            impl = resolve_impl(self.decode_impl, layout, self.num_heads // self.num_kv_heads, device)
+            impl = self.record_impl(layout, device)
         except ValueError as e:
             raise ValueError(f"kvrepro attention backend (CUSTOM) refuses this layer: KVREPRO_DECODE_IMPL=cuda: {e}; "
                              f"set KVREPRO_DECODE_IMPL=triton or auto") from None
-        if impl == "cuda":
+        if impl == "cuda" and self.decode_impl == "cuda":     # auto has loaded it already, or chose Triton
             try:
                 cuda_decode.load(device)
             except RuntimeError as e:
-                how = "cuda" if self.decode_impl == "cuda" else "auto (the default)"
-                raise RuntimeError(f"kvrepro attention backend (CUSTOM): KVREPRO_DECODE_IMPL={how} chose the CUDA "
-                                   f"decode kernel, which cannot load here: {e}") from None
+                raise RuntimeError(f"kvrepro attention backend (CUSTOM): KVREPRO_DECODE_IMPL=cuda, but the CUDA "
+                                   f"decode kernel cannot load here: {e}") from None
         return impl
 
     def layout(self, pool: torch.Tensor):
