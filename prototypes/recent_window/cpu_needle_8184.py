@@ -6,8 +6,11 @@ residual of recent tokens) rescues it.
 
 The CPU path (SmolLM2-135M-Instruct, KV stored as k4v4 page bytes, ``kvrepro.hf``) with ``load_smollm2(torch.bfloat16)``
 (bf16 casts around the matmuls) reproduces the vLLM miss of this prompt; float32 compute does not (notes/accuracy.md).
-Each variant keeps the k4v4 pages and replaces selected positions of the dequantized K/V by the exact bf16 values.
-Results (2026-11-30 ~10:45-10:55 UTC, the 2-core CPU machine, torch 2.13.0+cpu, transformers 5.24.0; ~34 s a run): see
+As in vLLM (its prefill paths attend to a chunk's own K/V exactly; the accuracy runner prefills each prompt in one
+chunk), a multi-token call (the prompt, the teacher-forced answer) reads its own tokens exact and earlier ones from
+the pages; a decode step reads everything, itself included, from the pages. Each variant then replaces selected
+positions of the dequantized K/V by the exact bf16 values.
+Results (2026-11-30, the 2-core CPU machine, torch 2.13.0+cpu, transformers 5.24.0; ~34 s a run): see
 prototypes/recent_window/README.md. Not a kvrepro feature: the vLLM backend has no bf16 window.
 """
 import argparse
@@ -34,8 +37,10 @@ class Mixed(PagedKVLayer):
         self.rk = key_states if self.rk is None else torch.cat([self.rk, key_states], 2)
         self.rv = value_states if self.rv is None else torch.cat([self.rv, value_states], 2)
         k, v = k.clone(), v.clone()
-        S = k.shape[2]
+        S, t = k.shape[2], key_states.shape[2]
         keep = torch.zeros(S, dtype=torch.bool)
+        if t > 1:   # a prefill chunk attends to its own K/V exactly, as vLLM's prefill paths do (decode: all from pages)
+            keep[S - t:] = True
         keep[:self.sink] = True
         if self.recent: keep[max(0, S - self.recent):] = True
         if self.exact_k: k = self.rk.to(k.dtype)
