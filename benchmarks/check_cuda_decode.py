@@ -23,8 +23,6 @@ import os
 import sys
 import time
 
-import json
-
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -156,8 +154,7 @@ def main() -> int:
     t0 = time.time()
     path = os.path.join(a.out, "cuda_decode.json")
     res = {"provenance": provenance({"script": "benchmarks/check_cuda_decode.py", "ctx": CTX})}
-    with open(cuda_decode.MANIFEST) as f:
-        res["fatbin"] = json.load(f)
+    res["fatbin"] = cuda_decode.read_manifest()
     print(res["fatbin"]["nvcc_version"], res["fatbin"]["ptxas_report"][-1], flush=True)
     res["copy_bandwidth"] = copy_bandwidth()
     res["correctness"], bad = correctness(torch.Generator().manual_seed(5), a.quick)   # CPU generator: rh.fill_seqs

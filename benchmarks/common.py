@@ -28,8 +28,7 @@ def provenance(extra: dict | None = None) -> dict:
     from kvrepro.accuracy_vllm import src_sha256
     from kvrepro.ops import cuda_decode
     info["kvrepro_src_sha256"] = src_sha256()
-    with open(cuda_decode.MANIFEST) as f:
-        info["cuda_fatbin_sha256"] = json.load(f)["fatbin_sha256"]
+    info["cuda_fatbin_sha256"] = cuda_decode.read_manifest()["fatbin_sha256"]
     if torch.cuda.is_available():
         p = torch.cuda.get_device_properties(0)
         info.update(gpu=p.name, gpu_mem_gib=round(p.total_memory / 2**30, 1), sms=p.multi_processor_count,

@@ -4,7 +4,6 @@ from test_ops_helpers import DEV, block_tables, fill, make_pool, relerr  # noqa:
 
 import filecmp
 import hashlib
-import json
 
 import pytest
 import torch
@@ -149,8 +148,7 @@ def test_decode_attention_refuses_cuda_with_the_reason():
 def test_committed_fatbin_is_built_from_the_committed_source(tmp_path):
     """The manifest's SHA-256s match the files; where an nvcc of the manifest's version exists, rebuilding
     gives the committed fatbin byte for byte (nvcc is deterministic for a fixed version and flags)."""
-    with open(cuda_decode.MANIFEST) as f:
-        info = json.load(f)
+    info = cuda_decode.read_manifest()
     assert info["source_sha256"] == _sha(cuda_decode.SOURCE), "decode_k4v4.cu changed: run python -m kvrepro.ops.cuda_decode --build"
     assert info["fatbin_sha256"] == _sha(cuda_decode.FATBIN)
     assert info["gencode"] == list(cuda_decode.GENCODE) and info["nvcc_flags"] == list(cuda_decode.NVCC_FLAGS)
@@ -213,13 +211,19 @@ def test_cuda_matches_dequantized_reference(hq, hkv, dtype, num_splits):
     assert relerr(out, tri) < tol
 
 
+def _filled(gen, lens):
+    """A poisoned 40-block k4v4 pool (8 KV heads, head_dim 128) holding random sequences of ``lens`` tokens."""
+    pool = make_pool("k4v4", 8, 128, 16, 40, gen)
+    bt = block_tables(len(lens), 12, 40, gen)
+    for b, n in enumerate(lens):
+        fill(pool, bt[b], n, gen, torch.bfloat16)
+    return pool, bt
+
+
 @needs_cuda
 def test_cuda_nan_query_head_stays_nan():
     gen = torch.Generator().manual_seed(3)
-    pool = make_pool("k4v4", 8, 128, 16, 40, gen)
-    bt = block_tables(2, 12, 40, gen)
-    for b in range(2):
-        fill(pool, bt[b], 170, gen, torch.bfloat16)
+    pool, bt = _filled(gen, [170, 170])
     q = torch.randn(2, 32, 128, generator=gen).to(DEV, torch.float16)
     q[1, 5, 7] = float("nan")
     sl = torch.tensor([170, 170], dtype=torch.int32, device=DEV)
@@ -235,10 +239,7 @@ def test_cuda_nan_query_head_stays_nan():
 def test_cuda_kernel_is_graph_capturable():
     """Launched on PyTorch's current stream: a captured CUDA graph replays it with new query values."""
     gen = torch.Generator().manual_seed(4)
-    pool = make_pool("k4v4", 8, 128, 16, 40, gen)
-    bt = block_tables(3, 12, 40, gen)
-    for b in range(3):
-        fill(pool, bt[b], 150 + b, gen, torch.bfloat16)
+    pool, bt = _filled(gen, [150, 151, 152])
     sl = torch.tensor([150, 151, 152], dtype=torch.int32, device=DEV)
     q = torch.randn(3, 32, 128, generator=gen).to(DEV, torch.bfloat16)
     out = torch.empty_like(q)

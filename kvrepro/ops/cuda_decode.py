@@ -190,11 +190,17 @@ def load_error(device: torch.device) -> str | None:
     return _LOAD_ERRORS.get(idx)
 
 
+def read_manifest(manifest: str = MANIFEST) -> dict:
+    """The fatbin's manifest (``build``'s output: nvcc version, flags, SHA-256 of source and fatbin).
+    Raises OSError / ValueError if it is missing or not JSON."""
+    with open(manifest) as f:
+        return json.load(f)
+
+
 def built_by(manifest: str = MANIFEST) -> str:
     """The nvcc release that built the committed fatbin, from its manifest (e.g. ``"CUDA 13.0"``)."""
     try:
-        with open(manifest) as f:
-            version = json.load(f).get("nvcc_version", "")
+        version = read_manifest(manifest).get("nvcc_version", "")
     except (OSError, ValueError):
         return "an unknown nvcc (manifest unreadable)"
     m = re.search(r"cuda_(\d+\.\d+)", version)

@@ -122,9 +122,7 @@ def kvrepro_settings(dequant: str | None = None) -> dict:
     from kvrepro.vllm_backend import runtime
 
     impl = dict(runtime.DECODE_IMPL_USED) or f"{cfg.resolve_decode_impl() or 'auto'} (no layer resolved it yet)"
-    with open(cuda_decode.MANIFEST) as f:
-        fatbin = json.load(f)["fatbin_sha256"]
-    return {"decode_impl": impl, "cuda_fatbin_sha256": fatbin, "decode_variant": decode.DEFAULT_VARIANT, "decode_dequant": dq, "decode_key_mma": mma,
+    return {"decode_impl": impl, "cuda_fatbin_sha256": cuda_decode.read_manifest()["fatbin_sha256"], "decode_variant": decode.DEFAULT_VARIANT, "decode_dequant": dq, "decode_key_mma": mma,
             "decode_block_n": block_n, "decode_num_warps": warps,
             "prefill": cfg.resolve_prefill(), "store_rotate": cfg.resolve_store_rotate(),
             "warmup": cfg.resolve_warmup(), "num_splits": cfg.resolve_num_splits() or "runtime.decode_splits",

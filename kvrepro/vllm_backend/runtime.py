@@ -212,7 +212,7 @@ class LayerRuntime:
             lens = torch.ones(b, dtype=torch.int32, device=device)
             ws = decode_workspace(device, self.workspace_numel(b, s))
             self.ops.decode_attention(q, pool, bt, lens, layout, rot, self.scale, out=torch.empty_like(q),
-                                      num_splits=s, workspace=ws, impl=self.decode_impl)
+                                      num_splits=s, workspace=ws, impl=self.impl_used)
         return sorted(by_splits)
 
     def record_impl(self, layout, device: torch.device) -> str:
@@ -308,7 +308,7 @@ class LayerRuntime:
             splits = self.splits(nd, block_table.shape[1] * layout.block_size, pool.device)
             ws = decode_workspace(pool.device, self.workspace_numel(nd, splits))
             self.ops.decode_attention(q[:nd], pool, block_table[:nd], seq_lens[:nd], layout, rot, self.scale,
-                                      out=out[:nd], num_splits=splits, workspace=ws, impl=self.decode_impl)
+                                      out=out[:nd], num_splits=splits, workspace=ws, impl=self.impl_used)
         if ndt < t:
             k = key[:t].view(t, hkv, d)[ndt:]
             v = value[:t].view(t, hkv, d)[ndt:]
