@@ -185,10 +185,10 @@ def default_num_splits(batch: int, num_kv_heads: int, max_context: int, device: 
     """
     if impl not in DECODE_IMPLS:
         raise ValueError(f"impl={impl!r}; allowed: {', '.join(repr(x) for x in DECODE_IMPLS)}")
-    for name, v in (("batch", batch), ("num_kv_heads", num_kv_heads), ("max_context", max_context)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < (1 if name == "num_kv_heads" else 0):
-            raise ValueError(f"{name} must be a {'positive' if name == 'num_kv_heads' else 'non-negative'} int, "
-                             f"got {v!r}")
+    for name, v, least, kind in (("batch", batch, 0, "non-negative"), ("num_kv_heads", num_kv_heads, 1, "positive"),
+                                 ("max_context", max_context, 0, "non-negative")):
+        if not isinstance(v, int) or isinstance(v, bool) or v < least:
+            raise ValueError(f"{name} must be a {kind} int, got {v!r}")
     if impl == "cuda":
         most = max(1, (CUDA_PROGRAMS_PER_SM * sm_count(device)) // max(1, batch * num_kv_heads))
         want = max(next_pow2(most + 1) // 2, CUDA_MIN_SPLITS)          # largest power of two <= most
