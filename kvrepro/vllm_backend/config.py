@@ -137,6 +137,18 @@ def resolve_decode_impl(value: str | None = None) -> str | None:
     return None if value == "auto" else value
 
 
+KEY_CENTER_ENV = "KVREPRO_KEY_CENTER"
+KEY_CENTER_CHOICES = ("first-prefill", "off")
+
+
+def resolve_key_center(value: str | None = None) -> bool:
+    """Key centering (``kvrepro.formats.centering``): ``first-prefill`` (default: the pages hold each key minus the
+    mean key, per layer and KV head, of the engine's first prefill; attention is unchanged by softmax's shift
+    invariance, the 4-bit key error halves) or ``off``. From ``value`` or ``$KVREPRO_KEY_CENTER`` (case and
+    surrounding spaces ignored). Raises ValueError naming KVREPRO_KEY_CENTER and the allowed values."""
+    return _choice(KEY_CENTER_ENV, value, "first-prefill", KEY_CENTER_CHOICES) == "first-prefill"
+
+
 def resolve_prefill(value: str | None = None) -> str:
     """Prefill path: ``fa`` (dequantize the context, then vLLM's FlashAttention; default, measured),
     ``fa-sliced`` (the same slice by slice with a log-sum-exp merge: bounded temporaries; not yet run on a

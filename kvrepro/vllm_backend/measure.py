@@ -91,6 +91,16 @@ def worker_memory(llm) -> dict:
     return {k: int(v) for k, v in got.items() if isinstance(v, (int, float))}
 
 
+def key_center_summary() -> dict:
+    """How many live layer runtimes of this process are in each key-centering state (``runtime.LIVE_RUNTIMES``),
+    e.g. ``{"on (8190 tokens)": 36}``; empty before any layer was built."""
+    from collections import Counter
+
+    from kvrepro.vllm_backend import runtime
+
+    return dict(Counter(rt.center_state for rt in list(runtime.LIVE_RUNTIMES)))
+
+
 def kvrepro_settings(dequant: str | None = None) -> dict:
     """The backend's resolved choices (defaults included), for the provenance of kvrepro rows.
 
@@ -103,6 +113,7 @@ def kvrepro_settings(dequant: str | None = None) -> dict:
     CUDA device the backend runs on, which passes none; ``dequant`` overrides it); ``decode_block_n`` /
     ``decode_num_warps`` / ``decode_key_mma``: ``decode.default_launch`` / ``decode.resolve_key_mma``
     for the preset in use (the backend passes no tiling and no key path);
+    ``key_center`` / ``key_center_state``: the key-centering setting and :func:`key_center_summary`;
     ``kvrepro_src_sha256``: ``kvrepro.accuracy_vllm.src_sha256`` (SHA-256 over the package's .py files,
     the same field accuracy_vllm rows record) so the code that ran is identified even off git HEAD."""
     import torch
@@ -126,6 +137,8 @@ def kvrepro_settings(dequant: str | None = None) -> dict:
             "decode_block_n": block_n, "decode_num_warps": warps,
             "prefill": cfg.resolve_prefill(), "store_rotate": cfg.resolve_store_rotate(),
             "warmup": cfg.resolve_warmup(), "num_splits": cfg.resolve_num_splits() or "runtime.decode_splits",
+            "key_center": "first-prefill" if cfg.resolve_key_center() else "off",
+            "key_center_state": key_center_summary(),
             "kvrepro_src_sha256": src_sha256()}
 
 

@@ -5,6 +5,8 @@ against ``kvrepro.reference.paged_attention_ref`` with vLLM's own batch conventi
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from kvrepro.formats import get_format
@@ -18,6 +20,9 @@ _WORKSPACES: dict[str, list[torch.Tensor]] = {}
 # The decode kernel each layer geometry resolved to in this process, e.g. {"k4v4 32q/8kv d128 bs16": "cuda"}
 # (kvrepro.ops.decode.resolve_impl), read by measure.kvrepro_settings for the provenance of result rows.
 DECODE_IMPL_USED: dict[str, str] = {}
+# The layer runtimes alive in this process (weak: a deleted engine's layers drop out), for the provenance of
+# key centering (measure.key_center_summary reads their center_state).
+LIVE_RUNTIMES: "weakref.WeakSet[LayerRuntime]" = weakref.WeakSet()
 MIN_TOKENS_PER_SPLIT = 256   # as kvrepro.ops.decode
 MAX_SPLITS = 256
 
@@ -117,11 +122,16 @@ class LayerRuntime:
             see ``config.resolve_store_rotate``; ``"kernel"``).
         decode_impl: ``decode_attention``'s ``impl`` (``"cuda"``, ``"triton"``, or None = its default
             ``kvrepro.ops.decode.resolve_impl``; ``config.resolve_decode_impl``).
+        key_center: center the keys (``kvrepro.formats.centering``; ``config.resolve_key_center``): the pages
+            hold ``k - mu`` with ``mu`` (``key_mean``, float32 ``[Hkv, D]``) the mean key of the first real
+            prefill (:meth:`calibrate`), zeros until then; the prefill paths shift the chunk's fresh keys by the
+            same ``mu``. False: ``mu`` stays zero and nothing is shifted.
     """
 
     def __init__(self, preset: str, num_heads: int, num_kv_heads: int, head_size: int, scale: float,
                  num_splits: int | None = None, ops=None, prefill=None, graph_sizes=(),
-                 max_batch: int | None = None, store_rotate: str = "torch", decode_impl: str | None = None) -> None:
+                 max_batch: int | None = None, store_rotate: str = "torch", decode_impl: str | None = None,
+                 key_center: bool = True) -> None:
         self.fmt = get_format(preset)
         self.num_heads, self.num_kv_heads, self.head_size = num_heads, num_kv_heads, head_size
         self.scale = scale
@@ -139,6 +149,12 @@ class LayerRuntime:
             raise ValueError(f"decode_impl={decode_impl!r}; allowed: None (auto), 'cuda', 'triton'")
         self.decode_impl = decode_impl
         self.impl_used: str | None = None   # the decode kernel record_impl resolved (None: not yet)
+        if not isinstance(key_center, bool):
+            raise ValueError(f"key_center must be True or False, got {key_center!r}")
+        self.key_center = key_center
+        self.key_mean: torch.Tensor | None = None   # float32 [Hkv, D], allocated by prepare()
+        self.center_state = "pending" if key_center else "off (disabled)"
+        LIVE_RUNTIMES.add(self)
         self._layouts: dict[int, object] = {}
         self.rotation: torch.Tensor | None = None
 
@@ -179,13 +195,43 @@ class LayerRuntime:
                    for b in range(1, self.max_batch + 1) for impl in ("triton", "cuda"))
 
     def prepare(self, device: torch.device) -> torch.Tensor:
-        """Put the rotation on ``device`` and reserve the shared decode workspace for ``max_batch``
-        (call before CUDA-graph capture and before vLLM's memory profiling); returns the rotation."""
+        """Put the rotation and the key mean (zeros) on ``device`` and reserve the shared decode workspace for
+        ``max_batch`` (call before CUDA-graph capture and before vLLM's memory profiling); returns the rotation."""
         if self.rotation is None or self.rotation.device != torch.device(device):
             self.rotation = shared_rotation(self.head_size, self.fmt.seed, torch.device(device))
+            if self.key_mean is None or self.key_mean.device != torch.device(device):
+                self.key_mean = torch.zeros(self.num_kv_heads, self.head_size, dtype=torch.float32, device=device)
             if self.max_batch:
                 decode_workspace(device, self.reserve_numel(device))
         return self.rotation
+
+    def calibrate(self, key: torch.Tensor, value: torch.Tensor, pool: torch.Tensor, slot_mapping: torch.Tensor,
+                  seq_lens: torch.Tensor, query_start_loc: torch.Tensor, num_actual_tokens: int,
+                  num_decodes: int, max_query_len: int) -> bool:
+        """Key centering's one-time step (``kvrepro.formats.centering``): at the first real prefill, set
+        ``key_mean`` to the mean key of its tokens at positions >= 1 and store this step's tokens again with it
+        (they were stored before the mean was known). Does nothing unless the state is "pending", the batch has
+        a prefill (``max_query_len > 1``) and no CUDA graph is being captured (vLLM's capture batches are
+        single-token decodes). Fewer than ``MIN_CENTER_TOKENS`` tokens: centering stays off for this layer's
+        life. Reads the index tensors on the host once. Returns True if the state changed."""
+        from kvrepro.formats.centering import MIN_CENTER_TOKENS, prefill_key_mean
+
+        if self.center_state != "pending" or max_query_len <= 1 or num_actual_tokens == 0:
+            return False
+        if pool.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return False
+        self.prepare(pool.device)
+        t = num_actual_tokens
+        k = key[:t].view(t, self.num_kv_heads, self.head_size)
+        r = seq_lens.shape[0]
+        mean, n = prefill_key_mean(k, query_start_loc[:r + 1], seq_lens, num_decodes)
+        if n < MIN_CENTER_TOKENS:
+            self.center_state = f"off (first prefill had {n} < {MIN_CENTER_TOKENS} tokens at positions >= 1)"
+        else:
+            self.key_mean.copy_(mean)
+            self.center_state = f"on ({n} tokens)"
+            self.store(key, value, pool, slot_mapping[:t])
+        return True
 
     def warmup(self, device: torch.device, dtype: torch.dtype, block_size: int, max_context: int) -> list[int]:
         """Compile and load every decode-kernel variant this layer can launch (one per split count over
@@ -274,8 +320,9 @@ class LayerRuntime:
             return
         k = key[:n].view(n, self.num_kv_heads, self.head_size)
         v = value[:n].view(n, self.num_kv_heads, self.head_size)
-        self.ops.store_kv(k, v, pool, slot_mapping, self.layout(pool), self.prepare(pool.device),
-                          rotate=self.store_rotate)
+        rot = self.prepare(pool.device)
+        self.ops.store_kv(k, v, pool, slot_mapping, self.layout(pool), rot, rotate=self.store_rotate,
+                          key_center=self.key_mean if self.key_center else None)
 
     def attend(self, query, key, value, pool, block_table, seq_lens, query_start_loc, num_actual_tokens: int,
                num_decodes: int, num_decode_tokens: int, out: torch.Tensor,
@@ -312,6 +359,8 @@ class LayerRuntime:
         if ndt < t:
             k = key[:t].view(t, hkv, d)[ndt:]
             v = value[:t].view(t, hkv, d)[ndt:]
+            if self.key_center:   # the pages hold k - mu: shift the chunk's own keys alike
+                k = (k - self.key_mean).to(k.dtype)
             qsl = query_start_loc[nd:] - ndt if nd else query_start_loc
             (self.prefill or self.ops.prefill_attention)(q[ndt:], k, v, pool, block_table[nd:], seq_lens[nd:], qsl, layout, rot,
                                        self.scale, out=out[ndt:t], max_query_len=max_query_len)
@@ -323,7 +372,8 @@ def reference_attend(rt: LayerRuntime, query, key, value, pool: torch.Tensor, bl
                      dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """What :meth:`LayerRuntime.attend` must compute, in PyTorch (``dtype``, default float64):
     decode rows attend to their dequantized pages (``kvrepro.formats.compressed``); prefill rows to
-    the dequantized context pages plus the chunk's own K/V unquantized. Returns ``[T, Hq, D]``."""
+    the dequantized context pages plus the chunk's own K/V unquantized (its keys shifted by ``rt.key_mean``
+    when ``rt.key_center``, as the pages hold centered keys). Returns ``[T, Hq, D]``."""
     from kvrepro.reference import attention_ref
 
     t, hq, hkv, d = num_actual_tokens, rt.num_heads, rt.num_kv_heads, rt.head_size
@@ -332,6 +382,8 @@ def reference_attend(rt: LayerRuntime, query, key, value, pool: torch.Tensor, bl
     ref_pool.data = pool
     q = query[:t].reshape(t, hq, d)
     k = key[:t].reshape(t, hkv, d)
+    if rt.key_center and rt.key_mean is not None:
+        k = k.to(dtype) - rt.key_mean.to(dtype)
     v = value[:t].reshape(t, hkv, d)
     qsl = query_start_loc.tolist()
     lens = seq_lens.tolist()
