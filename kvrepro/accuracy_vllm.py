@@ -397,9 +397,13 @@ def run_worker(mode: str, bundle_path: str, model: str, out_path: str, factory: 
     check_weights_model(weights, model)
     engine = _load_factory(factory)(mode, model, **(engine_kw or {}))
     state["info"] = dict(getattr(engine, "info", {}))
+    state["phase"] = "needle"
+    t = time.perf_counter()
+    outs = engine.generate([p["input_ids"] for p in b["prompts"]], grid["max_new_tokens"], stop_ids=[eos])
+    gen_s = time.perf_counter() - t
     settings = ""
-    if mode.startswith("kvrepro:"):  # the backend's resolved choices (decode dequant, prefill path, ...)
-        from kvrepro.vllm_backend.measure import kvrepro_settings
+    if mode.startswith("kvrepro:"):  # the backend's resolved choices (decode kernel, key centering, ...), after
+        from kvrepro.vllm_backend.measure import kvrepro_settings   # the run, so that they say what ran
 
         state["info"]["kvrepro_settings"] = kvrepro_settings()
         settings = json.dumps({k: v for k, v in state["info"]["kvrepro_settings"].items() if k != "kvrepro_src_sha256"},
@@ -409,10 +413,6 @@ def run_worker(mode: str, bundle_path: str, model: str, out_path: str, factory: 
                   vllm_version=prov["vllm_version"], torch_version=prov["torch_version"],
                   kvrepro_commit=prov["kvrepro_commit"], kvrepro_src_sha256=prov["kvrepro_src_sha256"][:16],
                   date=prov["date_utc"], measured=True)
-    state["phase"] = "needle"
-    t = time.perf_counter()
-    outs = engine.generate([p["input_ids"] for p in b["prompts"]], grid["max_new_tokens"], stop_ids=[eos])
-    gen_s = time.perf_counter() - t
     for p, out in zip(b["prompts"], outs):
         text = decode_ids(table, out)
         state["rows"].append(dict(

@@ -30,6 +30,11 @@ def test_prefill_key_mean_is_the_mean_over_prefill_positions_from_one():
     want = key[rows].double().mean(0)
     assert n == 10 and mean.dtype == torch.float32
     assert torch.allclose(mean.double(), want, atol=1e-6)
+    slots = torch.arange(sum(ql) + 4)
+    slots[[3, 9, 10]] = -1   # padding slots are not stored: left out
+    m2, n2 = prefill_key_mean(key, qsl, torch.tensor(seq, dtype=torch.int32), 2, slot_mapping=slots)
+    rows2 = [i for i in rows if i not in (3, 9, 10)]
+    assert n2 == 7 and torch.allclose(m2.double(), key[rows2].double().mean(0), atol=1e-6)
     empty, n0 = prefill_key_mean(key, qsl[:3], torch.tensor(seq[:2], dtype=torch.int32), num_decodes=2)
     assert n0 == 0 and torch.equal(empty, torch.zeros(hkv, d))
     with pytest.raises(ValueError, match="seq_len"):
@@ -138,11 +143,15 @@ def test_calibration_waits_for_a_real_prefill_and_needs_enough_tokens():
     assert not rt.calibrate(k, k, pool, torch.tensor([0, 1]), lens, torch.tensor([0, 1, 2], dtype=torch.int32),
                             2, 2, 1)
     assert rt.center_state == "pending"
+    # vLLM's warm-up / profiling batches: a prefill shape, every slot -1 (nothing stored): still pending
+    assert not rt.calibrate(k, k, pool, torch.full((20,), -1), torch.tensor([20], dtype=torch.int32),
+                            torch.tensor([0, 20], dtype=torch.int32), 20, 0, 20)
+    assert rt.center_state == "pending"
     ptr = rt.key_mean.data_ptr()
     # a fresh 16-token prompt has 15 tokens at positions >= 1: too few, centering stays off for good
     lens = torch.tensor([MIN_CENTER_TOKENS], dtype=torch.int32)
     assert rt.calibrate(k, k, pool, torch.arange(16), lens, torch.tensor([0, 16], dtype=torch.int32), 16, 0, 16)
-    assert rt.center_state.startswith("off (first prefill had 15 < 16")
+    assert rt.center_state.startswith("off (first prefill had 15 < 16 stored tokens")
     assert torch.equal(rt.key_mean, torch.zeros(hkv, d)) and rt.key_mean.data_ptr() == ptr
     assert not rt.calibrate(k, k, pool, torch.arange(20), torch.tensor([20], dtype=torch.int32),
                             torch.tensor([0, 20], dtype=torch.int32), 20, 0, 20)

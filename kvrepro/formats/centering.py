@@ -34,14 +34,16 @@ MIN_CENTER_TOKENS = 16
 
 
 def prefill_key_mean(key: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                     num_decodes: int = 0) -> tuple[torch.Tensor, int]:
-    """Mean key of a batch's prefill tokens at positions >= 1.
+                     num_decodes: int = 0, slot_mapping: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
+    """Mean key of a batch's prefill tokens at positions >= 1 (and, with ``slot_mapping``, stored: slot >= 0).
 
     Args:
         key: ``[>= T, Hkv, D]`` this step's keys (bf16/fp16/fp32), T = ``query_start_loc[-1]``.
         query_start_loc: int ``[R + 1]`` cumulative query lengths (vLLM's layout; any device).
         seq_lens: int ``[R]`` tokens in the cache per request after this step.
         num_decodes: the first ``num_decodes`` requests are decodes (excluded).
+        slot_mapping: optional int ``[>= T]``; tokens with slot ``-1`` (padding: vLLM's dummy warm-up and
+            profiling batches have only these) are left out.
 
     A request's chunk of ``n`` tokens holds positions ``seq_len - n .. seq_len - 1``; position 0 is
     left out. Reads the index tensors on the host (a sync: call it once, outside CUDA-graph capture).
@@ -69,4 +71,8 @@ def prefill_key_mean(key: torch.Tensor, query_start_loc: torch.Tensor, seq_lens:
     if not rows:
         return torch.zeros(key.shape[1:], dtype=torch.float32, device=key.device), 0
     idx = torch.cat(rows)
+    if slot_mapping is not None:
+        idx = idx[slot_mapping.to(idx.device)[idx] >= 0]
+        if idx.numel() == 0:
+            return torch.zeros(key.shape[1:], dtype=torch.float32, device=key.device), 0
     return key[idx].double().mean(0).float(), int(idx.numel())

@@ -211,9 +211,10 @@ class LayerRuntime:
         """Key centering's one-time step (``kvrepro.formats.centering``): at the first real prefill, set
         ``key_mean`` to the mean key of its tokens at positions >= 1 and store this step's tokens again with it
         (they were stored before the mean was known). Does nothing unless the state is "pending", the batch has
-        a prefill (``max_query_len > 1``) and no CUDA graph is being captured (vLLM's capture batches are
-        single-token decodes). Fewer than ``MIN_CENTER_TOKENS`` tokens: centering stays off for this layer's
-        life. Reads the index tensors on the host once. Returns True if the state changed."""
+        a prefill (``max_query_len > 1``), no CUDA graph is being captured and the step stores a real token
+        (slot >= 0; vLLM's warm-up and profiling batches are all padding, slot -1). Fewer than
+        ``MIN_CENTER_TOKENS`` stored prefill tokens at positions >= 1: centering stays off for this layer's life
+        (``center_state`` says why). Reads the index tensors on the host. Returns True if the state changed."""
         from kvrepro.formats.centering import MIN_CENTER_TOKENS, prefill_key_mean
 
         if self.center_state != "pending" or max_query_len <= 1 or num_actual_tokens == 0:
@@ -222,11 +223,14 @@ class LayerRuntime:
             return False
         self.prepare(pool.device)
         t = num_actual_tokens
+        if not bool((slot_mapping[:t] >= 0).any()):   # a dummy batch: nothing is stored
+            return False
         k = key[:t].view(t, self.num_kv_heads, self.head_size)
         r = seq_lens.shape[0]
-        mean, n = prefill_key_mean(k, query_start_loc[:r + 1], seq_lens, num_decodes)
+        mean, n = prefill_key_mean(k, query_start_loc[:r + 1], seq_lens, num_decodes, slot_mapping[:t])
         if n < MIN_CENTER_TOKENS:
-            self.center_state = f"off (first prefill had {n} < {MIN_CENTER_TOKENS} tokens at positions >= 1)"
+            self.center_state = (f"off (first prefill had {n} < {MIN_CENTER_TOKENS} stored tokens at positions >= 1, "
+                                 f"{t} tokens in its batch)")
         else:
             self.key_mean.copy_(mean)
             self.center_state = f"on ({n} tokens)"
