@@ -153,6 +153,9 @@ def main():
     ap.add_argument("--compare", default=None)
     a = ap.parse_args()
     res = {"case": a.case, **globals()[f"case_{a.case}"](a)}
+    from kvrepro.vllm_backend.measure import key_center_summary
+
+    res["key_center_state"] = key_center_summary()   # the layers' key-centering states after the case ran
     with open(a.out, "w") as f:
         json.dump(res, f)
     print("SMOKE " + json.dumps({k: v for k, v in res.items() if k not in ("greedy",)}), flush=True)
