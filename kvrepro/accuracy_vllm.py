@@ -12,9 +12,9 @@ backend (FlashAttention), ``fp8`` = ``kv_cache_dtype="fp8"`` (per-layer scale 1.
 ``kvrepro:<preset>`` = ``attention_backend="CUSTOM"`` with ``KVREPRO_PRESET=<preset>``; the control
 ``bf16:triton_attn`` = the bf16 KV cache through vLLM's ``TRITON_ATTN`` kernel instead of FlashAttention (format
 ``bf16-triton_attn``): no quantization, only another attention kernel, so its cells "below bf16" measure how many
-judged prompts a kernel's rounding alone flips on this grid; the control ``kvrepro:k4v4:uncentered`` = k4v4 with
-``KVREPRO_KEY_CENTER=off`` (format ``k4v4-uncentered``: the pages hold the keys themselves, as before key centering,
-``kvrepro.formats.centering``). Each mode runs
+judged prompts a kernel's rounding alone flips on this grid; the experiment ``kvrepro:k4v4:centered`` = k4v4 with
+``KVREPRO_KEY_CENTER=first-prefill`` (format ``k4v4-centered``: the pages hold each key minus the mean key of the
+engine's first prefill, ``kvrepro.formats.centering``; not the default). Each mode runs
 in its own subprocess (``python -m kvrepro.accuracy_vllm worker``): GPU memory is returned between
 modes and the preset's environment variable is set before vLLM (and kvrepro's plugin) starts.
 Per mode, one engine: (1) every grid prompt in ONE batched greedy ``generate()`` (``max_new_tokens``,
@@ -58,12 +58,12 @@ from kvrepro.needle import (VARIANTS, answer_kind, build_prompt, build_sanity_pr
 
 MAX_MODEL_LEN = 8192  # SmolLM2's trained window (GGUF llama.context_length); prompt + answer must fit
 CONTROL_MODES = {"bf16:triton_attn": {"kv_cache_dtype": "auto", "attention_backend": "TRITON_ATTN", "env": {}},
-                 "kvrepro:k4v4:uncentered": {"kv_cache_dtype": "auto", "attention_backend": "CUSTOM",
-                                             "env": {"KVREPRO_PRESET": "k4v4", "KVREPRO_KEY_CENTER": "off"}}}
+                 "kvrepro:k4v4:centered": {"kv_cache_dtype": "auto", "attention_backend": "CUSTOM",
+                                           "env": {"KVREPRO_PRESET": "k4v4", "KVREPRO_KEY_CENTER": "first-prefill"}}}
 MODES = ("bf16", "fp8", "kvrepro:k4v4", "kvrepro:k8v4", "kvrepro:k4v2", *CONTROL_MODES)
 FORMAT_OF_MODE = {"bf16": "bf16", "fp8": "fp8", "kvrepro:k4v4": "k4v4", "kvrepro:k8v4": "k8v4",
                   "kvrepro:k4v2": "k4v2", "bf16:triton_attn": "bf16-triton_attn",
-                  "kvrepro:k4v4:uncentered": "k4v4-uncentered"}
+                  "kvrepro:k4v4:centered": "k4v4-centered"}
 WEIGHTS = ("gguf", "dequant", "auto")
 COMPILE = ("decode-graphs", "full", "eager")
 DEFAULT_FACTORY = "kvrepro.accuracy_vllm:vllm_engine"

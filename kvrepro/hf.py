@@ -4,8 +4,8 @@ The CPU accuracy path of kvrepro (notebook 03). Each attention layer gets a
 ``PagedKVLayer`` (a transformers ``DynamicLayer`` subclass). Its ``update()`` writes the new
 post-RoPE K/V of that layer into a paged pool of the chosen format (``fmt.new_pool``; the pool's
 ``data`` tensor holds the real page bytes: bf16 values, fp8 E4M3 codes, or compressed pages)
-and returns the K/V *dequantized from the pages* for every cached position (keys centered for the
-compressed formats in ``make_cache``'s default, as the vLLM backend stores them: ``kvrepro.formats.centering``). Attention
+and returns the K/V *dequantized from the pages* for every cached position (keys centered with
+``key_center=True``, an opt-in experiment: ``kvrepro.formats.centering``). Attention
 therefore sees only what the format stored, for every token, prefill included: a stricter
 setting than engines that attend over the exact K/V of the chunk being prefilled, and
 stricter than transformers' ``QuantizedCache`` (which returns raw K/V at prefill and keeps a
@@ -194,11 +194,10 @@ class PagedKVLayer(DynamicLayer):
         pass
 
 
-def make_cache(fmt: KVFormat | str, num_layers: int, block_size: int = 16, key_center: bool | None = None) -> Cache:
+def make_cache(fmt: KVFormat | str, num_layers: int, block_size: int = 16, key_center: bool = False) -> Cache:
     """A transformers ``Cache`` of ``num_layers`` ``PagedKVLayer`` in format ``fmt`` (name or object).
 
-    ``key_center``: ``PagedKVLayer``'s; None (default) = as the vLLM backend serves: on for the compressed
-    formats, off for bf16 / fp8.
+    ``key_center``: ``PagedKVLayer``'s (compressed formats only; off by default, as in the vLLM backend).
 
     Pass it as ``model(..., cache=cache, use_cache=True)``.
 
@@ -209,8 +208,6 @@ def make_cache(fmt: KVFormat | str, num_layers: int, block_size: int = 16, key_c
         fmt = get_format(fmt)
     if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
         raise ValueError(f"num_layers must be a positive integer, got {num_layers!r}")
-    if key_center is None:
-        key_center = isinstance(fmt, CompressedFormat)
     return Cache(layers=[PagedKVLayer(fmt, block_size, key_center=key_center) for _ in range(num_layers)])
 
 

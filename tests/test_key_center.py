@@ -133,7 +133,7 @@ def test_centering_shrinks_the_error_against_exact_attention_when_keys_share_an_
 
 def test_calibration_waits_for_a_real_prefill_and_needs_enough_tokens():
     hkv, d = 1, 64
-    rt = LayerRuntime("k4v4", 2, hkv, d, 0.125)
+    rt = LayerRuntime("k4v4", 2, hkv, d, 0.125, key_center=True)
     assert rt in LIVE_RUNTIMES and rt.center_state == "pending"
     pool = torch.zeros(4, hkv, rt.fmt.layout(d, 16).page_bytes, dtype=torch.uint8)
     rt.prepare(pool.device)
@@ -159,7 +159,7 @@ def test_calibration_waits_for_a_real_prefill_and_needs_enough_tokens():
 
 def test_calibration_updates_the_mean_in_place():
     """A CUDA graph captured before calibration reads the mean by address: it must not move."""
-    rt = LayerRuntime("k4v4", 2, 1, 64, 0.125)
+    rt = LayerRuntime("k4v4", 2, 1, 64, 0.125, key_center=True)
     pool = torch.zeros(4, 1, rt.fmt.layout(64, 16).page_bytes, dtype=torch.uint8)
     rt.prepare(pool.device)
     ptr = rt.key_mean.data_ptr()
@@ -215,17 +215,18 @@ def test_cpu_path_layer_centers_like_the_backend():
     assert errs[True] < 0.6 * errs[False], errs
     with pytest.raises(ValueError, match="compressed formats"):
         PagedKVLayer(get_format("bf16"), key_center=True)
-    assert all(layer.key_center for layer in make_cache("k4v4", 2).layers)
+    assert all(layer.key_center for layer in make_cache("k4v4", 2, key_center=True).layers)
+    assert not any(layer.key_center for layer in make_cache("k4v4", 2).layers)      # off by default
     assert not any(layer.key_center for layer in make_cache("bf16", 2).layers)
-    assert not any(layer.key_center for layer in make_cache("k4v4", 2, key_center=False).layers)
 
 
 def test_key_center_setting(monkeypatch):
     monkeypatch.delenv(cfg.KEY_CENTER_ENV, raising=False)
+    assert cfg.resolve_key_center() is False                 # off by default (notes/accuracy.md)
+    assert LayerRuntime("k4v4", 2, 1, 64, 0.125).center_state == "off (disabled)"
+    assert cfg.resolve_key_center(" First-Prefill ") is True
+    monkeypatch.setenv(cfg.KEY_CENTER_ENV, "first-prefill")
     assert cfg.resolve_key_center() is True
-    assert cfg.resolve_key_center(" OFF ") is False
-    monkeypatch.setenv(cfg.KEY_CENTER_ENV, "off")
-    assert cfg.resolve_key_center() is False
     with pytest.raises(ValueError, match="KVREPRO_KEY_CENTER='mean'; allowed: first-prefill, off"):
         cfg.resolve_key_center("mean")
     with pytest.raises(ValueError, match="key_center must be True or False"):

@@ -1,5 +1,13 @@
-"""Key centering: the compressed pages hold ``k - mu`` instead of ``k``, with ``mu`` one fixed mean key per
-layer and KV head.
+"""Key centering (opt-in, an experiment; off by default): the compressed pages hold ``k - mu`` instead of ``k``,
+with ``mu`` one fixed mean key per layer and KV head.
+
+Measured result first. On the CPU path it rescued one k4v4 miss (below). Through vLLM on the H200 (SmolLM2, the
+140-prompt single-needle grid, 2026-11-30) it did not: 133/140 right against 134/140 uncentered, and the
+teacher-forced key log-prob fell at long context (mean change vs bf16 at 8,184 tokens -0.075 centered, -0.013
+uncentered; 20 of 28 prompts worse by > 0.02). A likely cause: the keys are post-RoPE, so the common component
+rotates with position in every RoPE pair that turns noticeably over the window; one constant ``mu`` (the only
+shift softmax ignores) then fits mid positions and adds error at the far ones (notes/accuracy.md). Hence
+``KVREPRO_KEY_CENTER=off`` by default.
 
 Why it is free. Softmax is invariant to adding one constant to every logit of a row: for a query ``q``,
 ``softmax_j(q . (k_j - mu)) = softmax_j(q . k_j - q . mu) = softmax_j(q . k_j)``. Attention over

@@ -142,11 +142,13 @@ KEY_CENTER_CHOICES = ("first-prefill", "off")
 
 
 def resolve_key_center(value: str | None = None) -> bool:
-    """Key centering (``kvrepro.formats.centering``): ``first-prefill`` (default: the pages hold each key minus the
-    mean key, per layer and KV head, of the engine's first prefill; attention is unchanged by softmax's shift
-    invariance, the 4-bit key error halves) or ``off``. From ``value`` or ``$KVREPRO_KEY_CENTER`` (case and
-    surrounding spaces ignored). Raises ValueError naming KVREPRO_KEY_CENTER and the allowed values."""
-    return _choice(KEY_CENTER_ENV, value, "first-prefill", KEY_CENTER_CHOICES) == "first-prefill"
+    """Key centering (``kvrepro.formats.centering``): ``off`` (default) or ``first-prefill`` (opt-in, an experiment:
+    the pages hold each key minus the mean key, per layer and KV head, of the engine's first prefill; attention is
+    unchanged by softmax's shift invariance). Off by default because through vLLM on the H200 it made long-context
+    retrieval worse (SmolLM2, 8,184 tokens: 20 of 28 single-needle prompts lost key log-prob against uncentered k4v4;
+    notes/accuracy.md). From ``value`` or ``$KVREPRO_KEY_CENTER`` (case and surrounding spaces ignored).
+    Raises ValueError naming KVREPRO_KEY_CENTER and the allowed values."""
+    return _choice(KEY_CENTER_ENV, value, "off", KEY_CENTER_CHOICES) == "first-prefill"
 
 
 def resolve_prefill(value: str | None = None) -> str:

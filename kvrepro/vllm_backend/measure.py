@@ -292,6 +292,8 @@ def measure_mode(mode: str, results_path: str, run_id: str, *, model_dir: str | 
         run.submit(rid, make_prompt(seed, i, prompt_tokens, vocab))
     tl = run.timelines
     t_first = run.run_until(lambda: all(tl[r].times for r in ids), deadline - time.perf_counter())
+    if mode.startswith("kvrepro:"):   # key centering calibrates at the first prefill: record its state after it
+        base["kvrepro_settings"]["key_center_state"] = key_center_summary()
     concurrent = not run.finished
     t_full = run.run_until(lambda: all(len(tl[r].times) >= decode_tokens for r in ids),
                            deadline - time.perf_counter())

@@ -122,16 +122,16 @@ class LayerRuntime:
             see ``config.resolve_store_rotate``; ``"kernel"``).
         decode_impl: ``decode_attention``'s ``impl`` (``"cuda"``, ``"triton"``, or None = its default
             ``kvrepro.ops.decode.resolve_impl``; ``config.resolve_decode_impl``).
-        key_center: center the keys (``kvrepro.formats.centering``; ``config.resolve_key_center``): the pages
-            hold ``k - mu`` with ``mu`` (``key_mean``, float32 ``[Hkv, D]``) the mean key of the first real
+        key_center: center the keys (``kvrepro.formats.centering``; ``config.resolve_key_center``; opt-in): the
+            pages hold ``k - mu`` with ``mu`` (``key_mean``, float32 ``[Hkv, D]``) the mean key of the first real
             prefill (:meth:`calibrate`), zeros until then; the prefill paths shift the chunk's fresh keys by the
-            same ``mu``. False: ``mu`` stays zero and nothing is shifted.
+            same ``mu``. False (default): ``mu`` stays zero and nothing is shifted.
     """
 
     def __init__(self, preset: str, num_heads: int, num_kv_heads: int, head_size: int, scale: float,
                  num_splits: int | None = None, ops=None, prefill=None, graph_sizes=(),
                  max_batch: int | None = None, store_rotate: str = "torch", decode_impl: str | None = None,
-                 key_center: bool = True) -> None:
+                 key_center: bool = False) -> None:
         self.fmt = get_format(preset)
         self.num_heads, self.num_kv_heads, self.head_size = num_heads, num_kv_heads, head_size
         self.scale = scale
