@@ -4,7 +4,7 @@ depth 0.33 / key 43936 (SmolLM2-135M-Instruct with bf16 casts, as in prototypes/
     OMP_WAIT_POLICY=PASSIVE PYTHONPATH=. python prototypes/key_center/center_8184.py
 
 Two readings, as in prototypes/recent_window/README.md: (a) the CPU path's own rule (every position from the
-pages; kvrepro.hf.make_cache, centering on by default: the mean key of the prompt itself, its first prefill),
+pages; kvrepro.hf.make_cache, with key_center=True: the mean key of the prompt itself, its first prefill),
 (b) as vLLM serves it (the prompt attends to its own keys exact, decode steps read everything from the pages),
 with the mean taken from *another* prompt (2,048 tokens, depth 0.5, key 27182), as the vLLM backend takes it from
 the engine's first prefill. Prints the greedy answer and the mean teacher-forced log-prob of the key digits.
@@ -69,7 +69,7 @@ def main():
         variants = [
             ("(a) bf16", make_cache("bf16", n)),
             ("(a) k4v4 uncentered", make_cache("k4v4", n, key_center=False)),
-            ("(a) k4v4 centered (make_cache default)", make_cache("k4v4", n)),
+            ("(a) k4v4 centered (make_cache default)", make_cache("k4v4", n, key_center=True)),
             ("(b) k4v4 uncentered", Cache(layers=[VllmLike(fmt, None) for _ in range(n)])),
             ("(b) k4v4 centered, mean of another prompt", Cache(layers=[VllmLike(fmt, mu_other[i]) for i in range(n)])),
         ]

@@ -1,4 +1,8 @@
-import torch, time
+"""4-bit key error / variance of a 4K needle prompt's keys (SmolLM2, float32 CPU), uncentered vs centered (issue 5; notes/accuracy.md).
+
+    OMP_WAIT_POLICY=PASSIVE PYTHONPATH=. python prototypes/key_center/key_error_stats.py
+"""
+import torch
 torch.set_num_threads(2)
 from transformers import Cache, DynamicLayer
 from kvrepro.hf import load_smollm2
