@@ -453,9 +453,11 @@ def run_worker(mode: str, bundle_path: str, model: str, out_path: str, factory: 
 
 def mode_env(mode: str, base: dict | None = None) -> dict:
     """Environment of a mode's subprocess: ``base`` (default ``os.environ``) + the mode's variables
-    (``KVREPRO_PRESET`` for kvrepro presets; removed for the others) + in-process engine, offline hub."""
+    (``KVREPRO_PRESET`` for kvrepro presets; removed for the others; ``KVREPRO_KEY_CENTER`` only where the mode sets
+    it) + in-process engine, offline hub."""
     env = dict(os.environ if base is None else base)
     env.pop("KVREPRO_PRESET", None)
+    env.pop("KVREPRO_KEY_CENTER", None)   # only the mode says it (kvrepro:k4v4:centered), never the shell
     env.update(mode_settings(mode)["env"])
     env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                PYTHONUNBUFFERED="1")

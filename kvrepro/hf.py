@@ -96,18 +96,21 @@ class PagedKVLayer(DynamicLayer):
         block_size: tokens per page (16, 32 or 64 for the compressed formats).
         reserve_tokens: extra slots allocated beyond the first write, to avoid regrowth while decoding.
         key_center: compressed formats only: key centering as the vLLM backend does it
-            (``kvrepro.formats.centering``): the first ``update`` of >= 2 tokens sets ``key_mean`` (float32
-            ``[H, D]``) to the mean of its keys at positions >= 1 (off if fewer than ``MIN_CENTER_TOKENS``), the
+            (``kvrepro.formats.centering``): the first ``update`` sets ``key_mean`` (float32 ``[H, D]``) for good,
+            to the mean of its keys at positions >= 1 (zeros, i.e. off, if fewer than ``MIN_CENTER_TOKENS``), the
             pages hold ``k - key_mean``, and ``update`` returns centered keys (attention is unchanged up to the
             quantization: softmax's shift invariance).
 
     Raises:
-        ValueError: batch size other than 1 (in ``update``); ``key_center`` with a non-compressed format.
+        ValueError: batch size other than 1 (in ``update``); ``key_center`` not a bool, or True with a
+            non-compressed format.
     """
 
     def __init__(self, fmt: KVFormat, block_size: int = 16, reserve_tokens: int = 64,
                  key_center: bool = False) -> None:
         super().__init__()
+        if not isinstance(key_center, bool):
+            raise ValueError(f"key_center must be True or False, got {key_center!r}")
         if key_center and not isinstance(fmt, CompressedFormat):
             raise ValueError(f"key_center applies to the compressed formats ({', '.join(COMPRESSED_PRESETS)}), "
                              f"not to {fmt.name!r}")
@@ -157,7 +160,7 @@ class PagedKVLayer(DynamicLayer):
             self.amax_key = max(self.amax_key, float(k.abs().max()))
             self.amax_value = max(self.amax_value, float(v.abs().max()))
         slots = torch.arange(self.seq_len, self.seq_len + t, device=self.device)
-        if self.key_center and self.key_mean is None and t >= 2:
+        if self.key_center and self.key_mean is None and t:   # fixed at the first update, whatever its length
             first = 1 if self.seq_len == 0 else 0       # position 0 (the attention sink) is left out
             n = t - first
             self.key_mean = (k[first:].double().mean(0).float() if n >= MIN_CENTER_TOKENS

@@ -85,7 +85,7 @@ def _engine(key_center, seed=3, hq=8, hkv=2, d=64, bs=16):
 
 def _exact(e):
     """float64 attention of step 2 over the exact (unquantized) K/V of every position."""
-    hq, hkv, d = e["hq"], e["hkv"], e["d"]
+    hq, d = e["hq"], e["d"]
     q = e["q2"].view(10, hq, d)
     o0 = attention_ref(q[0:1], e["keys"][0].double(), e["vals"][0].double(), d ** -0.5, torch.float64)
     o1 = attention_ref(q[1:10], e["keys"][1].double(), e["vals"][1].double(), d ** -0.5, torch.float64)
@@ -123,7 +123,7 @@ def test_centered_attention_is_attention_over_the_uncentered_keys():
 
 def test_centering_shrinks_the_error_against_exact_attention_when_keys_share_an_offset():
     on, off = _engine(key_center=True), _engine(key_center=False)
-    assert off["rt"].center_state == "off (disabled)" and torch.equal(off["rt"].key_mean, torch.zeros(2, 64))
+    assert off["rt"].center_state == "off (disabled)" and off["rt"].key_mean is None   # nothing allocated when off
     exact = _exact(on)
     assert torch.allclose(exact, _exact(off))            # same inputs
     err_on = float((on["out"].double() - exact).norm() / exact.norm())
@@ -131,46 +131,60 @@ def test_centering_shrinks_the_error_against_exact_attention_when_keys_share_an_
     assert err_on < 0.6 * err_off, (err_on, err_off)
 
 
-def test_calibration_waits_for_a_real_prefill_and_needs_enough_tokens():
-    hkv, d = 1, 64
+def _rt_pool(hkv=1, d=64):
     rt = LayerRuntime("k4v4", 2, hkv, d, 0.125, key_center=True)
-    assert rt in LIVE_RUNTIMES and rt.center_state == "pending"
     pool = torch.zeros(4, hkv, rt.fmt.layout(d, 16).page_bytes, dtype=torch.uint8)
     rt.prepare(pool.device)
-    k = torch.randn(20, hkv * d).bfloat16()
-    lens = torch.tensor([5, 7], dtype=torch.int32)
-    # a decode-only batch (vLLM's CUDA-graph capture batches are these) does not calibrate
-    assert not rt.calibrate(k, k, pool, torch.tensor([0, 1]), lens, torch.tensor([0, 1, 2], dtype=torch.int32),
-                            2, 2, 1)
-    assert rt.center_state == "pending"
-    # vLLM's warm-up / profiling batches: a prefill shape, every slot -1 (nothing stored): still pending
-    assert not rt.calibrate(k, k, pool, torch.full((20,), -1), torch.tensor([20], dtype=torch.int32),
-                            torch.tensor([0, 20], dtype=torch.int32), 20, 0, 20)
-    assert rt.center_state == "pending"
+    return rt, pool
+
+
+def _step(rt, pool, k, slots, lens, qsl, nd, mql):
+    """One vLLM step as the backend runs it: store (do_kv_cache_update), then forward's calibration."""
+    t = int(qsl[-1])
+    rt.store(k[:t], k[:t], pool, slots[:t])
+    return rt.calibrate(k, k, pool, slots, torch.tensor(lens, dtype=torch.int32), torch.tensor(qsl, dtype=torch.int32),
+                        t, nd, mql)
+
+
+def test_calibration_ignores_dummy_batches_and_never_mixes_two_means():
+    k = torch.randn(20, 64).bfloat16()
+    rt, pool = _rt_pool()
+    assert rt in LIVE_RUNTIMES and rt.center_state == "pending"
     ptr = rt.key_mean.data_ptr()
-    # a fresh 16-token prompt has 15 tokens at positions >= 1: too few, centering stays off for good
-    lens = torch.tensor([MIN_CENTER_TOKENS], dtype=torch.int32)
-    assert rt.calibrate(k, k, pool, torch.arange(16), lens, torch.tensor([0, 16], dtype=torch.int32), 16, 0, 16)
+    # vLLM's warm-up / profiling / capture batches store nothing (every slot -1): still pending, prefill or decode
+    assert not _step(rt, pool, k, torch.full((20,), -1), [20], [0, 20], 0, 20)
+    assert not _step(rt, pool, k, torch.full((2,), -1), [5, 7], [0, 1, 2], 2, 1)
+    assert rt.center_state == "pending"
+    # the first step that stores real tokens is a decode (a 1-token prompt): off for good
+    assert _step(rt, pool, k, torch.tensor([3]), [1], [0, 1], 1, 1)
+    assert rt.center_state == "off (the first step that stored tokens was not a fresh prefill: it was a decode step)"
+    assert not _step(rt, pool, k, torch.arange(20), [20], [0, 20], 0, 20)     # a later prefill changes nothing
+    assert torch.equal(rt.key_mean, torch.zeros(1, 64)) and rt.key_mean.data_ptr() == ptr
+    # tokens stored by a step whose forward never ran in Python (a replayed decode graph) are counted too
+    rt, pool = _rt_pool()
+    rt.store(k[:1], k[:1], pool, torch.tensor([5]))
+    assert _step(rt, pool, k, torch.arange(20), [20], [0, 20], 0, 20)
+    assert rt.center_state == "off (the first step that stored tokens was not a fresh prefill: 1 tokens were stored before it)"
+    assert torch.equal(rt.key_mean, torch.zeros(1, 64))
+    # a fresh 16-token prompt has 15 tokens at positions >= 1: too few, off for good
+    rt, pool = _rt_pool()
+    assert _step(rt, pool, k, torch.arange(16), [MIN_CENTER_TOKENS], [0, 16], 0, 16)
     assert rt.center_state.startswith("off (first prefill had 15 < 16 stored tokens")
-    assert torch.equal(rt.key_mean, torch.zeros(hkv, d)) and rt.key_mean.data_ptr() == ptr
-    assert not rt.calibrate(k, k, pool, torch.arange(20), torch.tensor([20], dtype=torch.int32),
-                            torch.tensor([0, 20], dtype=torch.int32), 20, 0, 20)
+    assert torch.equal(rt.key_mean, torch.zeros(1, 64))
 
 
 def test_calibration_updates_the_mean_in_place():
     """A CUDA graph captured before calibration reads the mean by address: it must not move."""
-    rt = LayerRuntime("k4v4", 2, 1, 64, 0.125, key_center=True)
-    pool = torch.zeros(4, 1, rt.fmt.layout(64, 16).page_bytes, dtype=torch.uint8)
-    rt.prepare(pool.device)
+    rt, pool = _rt_pool()
     ptr = rt.key_mean.data_ptr()
     k = (torch.randn(30, 64) + 5).bfloat16()
-    assert rt.calibrate(k, k, pool, torch.arange(30), torch.tensor([30], dtype=torch.int32),
-                        torch.tensor([0, 30], dtype=torch.int32), 30, 0, 30)
+    assert _step(rt, pool, k, torch.arange(30), [30], [0, 30], 0, 30)
     assert rt.key_mean.data_ptr() == ptr and rt.center_state == "on (29 tokens)"
     assert torch.allclose(rt.key_mean.double(), k[1:].double().mean(0, keepdim=True), atol=1e-5)
 
 
-def test_store_kv_key_center_writes_the_reference_bytes_and_checks_its_argument():
+@pytest.mark.parametrize("rotate", ["torch", "kernel"])
+def test_store_kv_key_center_writes_the_reference_bytes_and_checks_its_argument(rotate):
     g = torch.Generator().manual_seed(5)
     hkv, d, bs = 2, 64, 16
     fmt = get_format("k4v4")
@@ -180,9 +194,12 @@ def test_store_kv_key_center_writes_the_reference_bytes_and_checks_its_argument(
     mu = k.float().mean(0)
     slots = torch.randperm(48, generator=g)[:21]
     ref = fmt.new_pool(3, hkv, d, bs)
-    ref.write(k, v, slots, key_center=mu)
+    if rotate == "torch":   # centered in float32, as the reference
+        ref.write(k, v, slots, key_center=mu)
+    else:                   # the in-kernel rotation reads the key dtype: the centered key is rounded to it first
+        ref.write((k.float() - mu).bfloat16(), v, slots)
     pool = torch.zeros(3, hkv, layout.page_bytes, dtype=torch.uint8)
-    store_kv(k, v, pool, slots, layout, ref.rotation, key_center=mu)
+    store_kv(k, v, pool, slots, layout, ref.rotation, key_center=mu, rotate=rotate)
     got = ref.gather(torch.arange(3), 48)
     ref.data = pool
     want = ref.gather(torch.arange(3), 48)
@@ -215,6 +232,13 @@ def test_cpu_path_layer_centers_like_the_backend():
     assert errs[True] < 0.6 * errs[False], errs
     with pytest.raises(ValueError, match="compressed formats"):
         PagedKVLayer(get_format("bf16"), key_center=True)
+    with pytest.raises(ValueError, match="key_center must be True or False"):
+        make_cache("k4v4", 1, key_center="off")
+    # the mean is fixed by the first update whatever its length: a 1-token start means off for good
+    layer = PagedKVLayer(get_format("k4v4"), key_center=True)
+    layer.update(k[:, :, :1], v[:, :, :1])
+    layer.update(k[:, :, 1:], v[:, :, 1:])
+    assert torch.equal(layer.key_mean, torch.zeros(h, d))
     assert all(layer.key_center for layer in make_cache("k4v4", 2, key_center=True).layers)
     assert not any(layer.key_center for layer in make_cache("k4v4", 2).layers)      # off by default
     assert not any(layer.key_center for layer in make_cache("bf16", 2).layers)
@@ -231,3 +255,13 @@ def test_key_center_setting(monkeypatch):
         cfg.resolve_key_center("mean")
     with pytest.raises(ValueError, match="key_center must be True or False"):
         LayerRuntime("k4v4", 2, 1, 64, 0.125, key_center="on")
+
+
+def test_centered_accuracy_mode_and_no_leak_from_the_shell():
+    from kvrepro import accuracy_vllm as av
+
+    shell = {"KVREPRO_KEY_CENTER": "first-prefill", "KVREPRO_PRESET": "k4v2"}
+    assert "KVREPRO_KEY_CENTER" not in av.mode_env("kvrepro:k4v4", shell)   # plain k4v4 rows stay uncentered
+    env = av.mode_env("kvrepro:k4v4:centered", {"KVREPRO_KEY_CENTER": "off"})
+    assert env["KVREPRO_KEY_CENTER"] == "first-prefill" and env["KVREPRO_PRESET"] == "k4v4"
+    assert av.FORMAT_OF_MODE["kvrepro:k4v4:centered"] == "k4v4-centered"

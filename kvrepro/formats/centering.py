@@ -4,10 +4,9 @@ with ``mu`` one fixed mean key per layer and KV head.
 Measured result first. On the CPU path it rescued one k4v4 miss (below). Through vLLM on the H200 (SmolLM2, the
 140-prompt single-needle grid, 2026-11-30) it did not: 133/140 right against 134/140 uncentered, and the
 teacher-forced key log-prob fell at long context (mean change vs bf16 at 8,184 tokens -0.075 centered, -0.013
-uncentered; 20 of 28 prompts worse by > 0.02). A likely cause: the keys are post-RoPE, so the common component
-rotates with position in every RoPE pair that turns noticeably over the window; one constant ``mu`` (the only
-shift softmax ignores) then fits mid positions and adds error at the far ones (notes/accuracy.md). Hence
-``KVREPRO_KEY_CENTER=off`` by default.
+uncentered; 20 of 28 prompts worse by > 0.02). Why is not known: the keys are post-RoPE, so a mean taken from
+early positions only adds error at far ones, but a mean of a whole 8K prompt (as here) lowers the 4-bit key error at
+every position on the CPU (notes/accuracy.md). Hence ``KVREPRO_KEY_CENTER=off`` by default.
 
 Why it is free. Softmax is invariant to adding one constant to every logit of a row: for a query ``q``,
 ``softmax_j(q . (k_j - mu)) = softmax_j(q . k_j - q . mu) = softmax_j(q . k_j)``. Attention over
@@ -22,16 +21,16 @@ The Hadamard rotation (``kvrepro.formats.hadamard``) spreads that component over
 widens each token's min/max range and so the 4-bit step. On SmolLM2-135M (4K-token needle prompt, every
 layer and KV head), subtracting the mean key halves the relative 4-bit key error (mean squared error /
 variance 0.0168 -> 0.0079), and the k4v4 miss at 8,184 tokens / depth 0.33 answers right with a mean taken
-from another prompt (key log-prob -0.083 against bf16's -0.086; k4v4 uncentered -0.708):
+from another prompt (key log-prob -0.076 against bf16's -0.086; k4v4 uncentered -0.708):
 ``prototypes/key_center/``.
 
 Which ``mu``. It must be fixed before the first key of any sequence is stored and never change after
 (pages written under two means would disagree inside one sequence), and it must be the same for every
 sequence (prefix caching shares pages between requests). kvrepro takes the mean key of the first real
-prefill the cache sees (vLLM: the engine's first step with a prefill; the CPU path: the first prompt of a
-cache), over its tokens at positions >= 1 (position 0, the attention-sink token, is excluded), and freezes
-it. If that prefill has fewer than ``MIN_CENTER_TOKENS`` such tokens, centering stays off (``mu = 0``) for
-the cache's life. The mean depends on the text it is taken from; the SmolLM2 figure above used a different
+prefill the cache sees (vLLM: the engine's first step that stores tokens, if it is a fresh prefill; the CPU path:
+the first update of a cache), over its tokens at positions >= 1 (position 0, the attention-sink token, is
+excluded), and freezes it. If that first step is not a fresh prefill, or has fewer than ``MIN_CENTER_TOKENS``
+such tokens, centering stays off (``mu = 0``) for the cache's life. The mean depends on the text it is taken from; the SmolLM2 figure above used a different
 prompt than the one scored.
 """
 from __future__ import annotations

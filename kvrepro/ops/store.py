@@ -45,7 +45,8 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, pool, slot_mapping: torch.T
         key_center: optional float32 ``[num_kv_heads, head_dim]`` mean key ``mu`` (same device): the pages
             then hold ``key - mu`` (``kvrepro.formats.centering``: attention is unchanged if every key a query
             attends to is shifted by the same ``mu``). Read by address, so a CUDA graph captured with it sees
-            later in-place updates. With ``rotate="torch"`` it replaces the float32 cast (no extra kernel).
+            later in-place updates. With ``rotate="torch"`` it replaces the float32 cast (no extra kernel); with
+            ``rotate="kernel"`` the centered key is rounded to the key dtype before the kernel rotates it.
 
     Preconditions (checked only when ``validate``): slots in ``[-1, num_blocks * block_size)``,
     K/V finite with magnitudes within float16 range after rotation. Without ``validate``: no host

@@ -152,7 +152,8 @@ class LayerRuntime:
         if not isinstance(key_center, bool):
             raise ValueError(f"key_center must be True or False, got {key_center!r}")
         self.key_center = key_center
-        self.key_mean: torch.Tensor | None = None   # float32 [Hkv, D], allocated by prepare()
+        self.key_mean: torch.Tensor | None = None   # float32 [Hkv, D], allocated by prepare() if key_center
+        self._stored: torch.Tensor | None = None     # int64 [1]: real tokens stored so far (key_center only)
         self.center_state = "pending" if key_center else "off (disabled)"
         LIVE_RUNTIMES.add(self)
         self._layouts: dict[int, object] = {}
@@ -199,8 +200,9 @@ class LayerRuntime:
         ``max_batch`` (call before CUDA-graph capture and before vLLM's memory profiling); returns the rotation."""
         if self.rotation is None or self.rotation.device != torch.device(device):
             self.rotation = shared_rotation(self.head_size, self.fmt.seed, torch.device(device))
-            if self.key_mean is None or self.key_mean.device != torch.device(device):
+            if self.key_center and (self.key_mean is None or self.key_mean.device != torch.device(device)):
                 self.key_mean = torch.zeros(self.num_kv_heads, self.head_size, dtype=torch.float32, device=device)
+                self._stored = torch.zeros(1, dtype=torch.int64, device=device)
             if self.max_batch:
                 decode_workspace(device, self.reserve_numel(device))
         return self.rotation
@@ -208,23 +210,32 @@ class LayerRuntime:
     def calibrate(self, key: torch.Tensor, value: torch.Tensor, pool: torch.Tensor, slot_mapping: torch.Tensor,
                   seq_lens: torch.Tensor, query_start_loc: torch.Tensor, num_actual_tokens: int,
                   num_decodes: int, max_query_len: int) -> bool:
-        """Key centering's one-time step (``kvrepro.formats.centering``): at the first real prefill, set
-        ``key_mean`` to the mean key of its tokens at positions >= 1 and store this step's tokens again with it
-        (they were stored before the mean was known). Does nothing unless the state is "pending", the batch has
-        a prefill (``max_query_len > 1``), no CUDA graph is being captured and the step stores a real token
-        (slot >= 0; vLLM's warm-up and profiling batches are all padding, slot -1). Fewer than
-        ``MIN_CENTER_TOKENS`` stored prefill tokens at positions >= 1: centering stays off for this layer's life
-        (``center_state`` says why). Reads the index tensors on the host. Returns True if the state changed."""
+        """Key centering's one-time decision (``kvrepro.formats.centering``), called after this step's store while
+        the state is "pending". A step that stores no real token (every slot -1: vLLM's warm-up, profiling and
+        capture batches) changes nothing. The first step that does decides, once: if it is a prefill
+        (``max_query_len > 1``) and no real token was stored before it (``store`` counts them on the device, CUDA
+        graphs included, so a request stored by a replayed decode graph counts too), ``key_mean`` becomes the
+        mean key of its stored tokens at positions >= 1 and the step's tokens are stored again with it (they were
+        stored before the mean was known); otherwise, or with fewer than ``MIN_CENTER_TOKENS`` such tokens,
+        centering is off for this layer's life (``center_state`` says why), so no sequence ever holds keys under
+        two means. Nothing happens while a CUDA graph is being captured. Reads the index tensors on the host
+        (eager steps only, while pending). Returns True if the state changed."""
         from kvrepro.formats.centering import MIN_CENTER_TOKENS, prefill_key_mean
 
-        if self.center_state != "pending" or max_query_len <= 1 or num_actual_tokens == 0:
+        if self.center_state != "pending" or num_actual_tokens == 0:
             return False
         if pool.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return False
         self.prepare(pool.device)
         t = num_actual_tokens
-        if not bool((slot_mapping[:t] >= 0).any()):   # a dummy batch: nothing is stored
+        now = int((slot_mapping[:t] >= 0).sum())
+        if now == 0:                                     # a dummy batch: nothing is stored
             return False
+        earlier = int(self._stored) - now
+        if earlier > 0 or max_query_len <= 1:
+            why = f"{earlier} tokens were stored before it" if earlier > 0 else "it was a decode step"
+            self.center_state = f"off (the first step that stored tokens was not a fresh prefill: {why})"
+            return True
         k = key[:t].view(t, self.num_kv_heads, self.head_size)
         r = seq_lens.shape[0]
         mean, n = prefill_key_mean(k, query_start_loc[:r + 1], seq_lens, num_decodes, slot_mapping[:t])
@@ -327,6 +338,8 @@ class LayerRuntime:
         rot = self.prepare(pool.device)
         self.ops.store_kv(k, v, pool, slot_mapping, self.layout(pool), rot, rotate=self.store_rotate,
                           key_center=self.key_mean if self.key_center else None)
+        if self.key_center:   # real tokens stored so far, counted on the device (graph-capturable, no sync)
+            self._stored.add_((slot_mapping >= 0).sum())
 
     def attend(self, query, key, value, pool, block_table, seq_lens, query_start_loc, num_actual_tokens: int,
                num_decodes: int, num_decode_tokens: int, out: torch.Tensor,
