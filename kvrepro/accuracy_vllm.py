@@ -136,7 +136,9 @@ def mode_settings(mode: str) -> dict:
     from kvrepro.sweep import engine_settings
 
     check_modes([mode])
-    return dict(CONTROL_MODES[mode]) if mode in CONTROL_MODES else engine_settings(mode)
+    if mode in CONTROL_MODES:   # a copy, env included: callers may change it without touching CONTROL_MODES
+        return dict(CONTROL_MODES[mode], env=dict(CONTROL_MODES[mode]["env"]))
+    return engine_settings(mode)
 
 
 def file_sha256(path: str) -> str:

@@ -115,7 +115,7 @@ class PagedKVLayer(DynamicLayer):
             raise ValueError(f"key_center applies to the compressed formats ({', '.join(COMPRESSED_PRESETS)}), "
                              f"not to {fmt.name!r}")
         self.key_center = key_center
-        self.key_mean = None       # set by the first update of >= 2 tokens (key_center only)
+        self.key_mean = None       # fixed by the first update (key_center only)
         self.fmt = fmt
         self.block_size = block_size
         self.reserve_tokens = reserve_tokens
@@ -205,7 +205,8 @@ def make_cache(fmt: KVFormat | str, num_layers: int, block_size: int = 16, key_c
     Pass it as ``model(..., cache=cache, use_cache=True)``.
 
     Raises:
-        ValueError: unknown format name (lists the allowed ones) or ``num_layers`` < 1.
+        ValueError: unknown format name (lists the allowed ones), ``num_layers`` < 1, ``key_center`` not a bool or
+            True with a non-compressed format.
     """
     if isinstance(fmt, str):
         fmt = get_format(fmt)

@@ -212,6 +212,8 @@ def test_store_kv_key_center_writes_the_reference_bytes_and_checks_its_argument(
         store_kv(k, v, pool, slots, layout, ref.rotation, key_center=mu[:1])
     with pytest.raises(ValueError, match="NaN or an infinity"):
         store_kv(k, v, pool, slots, layout, ref.rotation, key_center=torch.full_like(mu, float("nan")))
+    with pytest.raises(ValueError, match="key_center must be None or a float32 tensor"):
+        store_kv(k, v, pool, slots, layout, ref.rotation, key_center=mu.tolist())
 
 
 def test_cpu_path_layer_centers_like_the_backend():
@@ -265,3 +267,5 @@ def test_centered_accuracy_mode_and_no_leak_from_the_shell():
     env = av.mode_env("kvrepro:k4v4:centered", {"KVREPRO_KEY_CENTER": "off"})
     assert env["KVREPRO_KEY_CENTER"] == "first-prefill" and env["KVREPRO_PRESET"] == "k4v4"
     assert av.FORMAT_OF_MODE["kvrepro:k4v4:centered"] == "k4v4-centered"
+    av.mode_settings("kvrepro:k4v4:centered")["env"]["KVREPRO_KEY_CENTER"] = "off"     # a caller's copy only
+    assert av.CONTROL_MODES["kvrepro:k4v4:centered"]["env"]["KVREPRO_KEY_CENTER"] == "first-prefill"

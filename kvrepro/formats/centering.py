@@ -4,9 +4,10 @@ with ``mu`` one fixed mean key per layer and KV head.
 Measured result first. On the CPU path it rescued one k4v4 miss (below). Through vLLM on the H200 (SmolLM2, the
 140-prompt single-needle grid, 2026-11-30) it did not: 133/140 right against 134/140 uncentered, and the
 teacher-forced key log-prob fell at long context (mean change vs bf16 at 8,184 tokens -0.075 centered, -0.013
-uncentered; 20 of 28 prompts worse by > 0.02). Why is not known: the keys are post-RoPE, so a mean taken from
-early positions only adds error at far ones, but a mean of a whole 8K prompt (as here) lowers the 4-bit key error at
-every position on the CPU (notes/accuracy.md). Hence ``KVREPRO_KEY_CENTER=off`` by default.
+uncentered; 20 of 28 prompts worse by > 0.02). Why is not known. The engine took its mean from its first prefill
+step (eight ~1K prompts: positions 1-1,023); on the CPU a mean of early positions raises the key error at the far
+end (6-8K), yet with exactly that mean the two 8K prompts vLLM lost or kept still answer right on the CPU
+(notes/accuracy.md, prototypes/key_center/). Hence ``KVREPRO_KEY_CENTER=off`` by default.
 
 Why it is free. Softmax is invariant to adding one constant to every logit of a row: for a query ``q``,
 ``softmax_j(q . (k_j - mu)) = softmax_j(q . k_j - q . mu) = softmax_j(q . k_j)``. Attention over

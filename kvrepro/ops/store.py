@@ -53,8 +53,8 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, pool, slot_mapping: torch.T
     sync; CUDA-graph capturable. Page offsets are int64.
 
     Raises:
-        ValueError: wrong shapes, dtypes, devices or layout; with ``validate``, bad slots or
-            non-finite K/V.
+        ValueError: wrong shapes, dtypes, devices or layout (``key_center`` included); with ``validate``, bad
+            slots, non-finite K/V or a non-finite ``key_center``.
     """
     data = pool_tensor(pool)
     _, hkv = check_pool(data, layout)
@@ -71,6 +71,9 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, pool, slot_mapping: torch.T
     if rotate not in ROTATE_MODES:
         raise ValueError(f"rotate={rotate!r}; allowed: {ROTATE_MODES}")
     if key_center is not None:
+        if not isinstance(key_center, torch.Tensor):
+            raise ValueError(f"key_center must be None or a float32 tensor [num_kv_heads={hkv}, "
+                             f"head_dim={layout.head_dim}], got {type(key_center).__name__}")
         if (key_center.dtype != torch.float32 or tuple(key_center.shape) != (hkv, layout.head_dim)
                 or key_center.device != dev):
             raise ValueError(f"key_center must be float32 [num_kv_heads={hkv}, head_dim={layout.head_dim}] on {dev}, "

@@ -146,7 +146,9 @@ def resolve_key_center(value: str | None = None) -> bool:
     the pages hold each key minus the mean key, per layer and KV head, of the engine's first prefill; attention is
     unchanged by softmax's shift invariance). Off by default because through vLLM on the H200 it made long-context
     retrieval worse (SmolLM2, 8,184 tokens: 20 of 28 single-needle prompts lost key log-prob against uncentered k4v4;
-    notes/accuracy.md). From ``value`` or ``$KVREPRO_KEY_CENTER`` (case and surrounding spaces ignored).
+    notes/accuracy.md). From ``value`` or ``$KVREPRO_KEY_CENTER`` (case and surrounding spaces ignored; an empty
+    variable counts as unset, as for every KVREPRO_ variable). Whether it came on is in each result row's
+    ``kvrepro_settings.key_center_state`` (``measure.key_center_summary``).
     Raises ValueError naming KVREPRO_KEY_CENTER and the allowed values."""
     return _choice(KEY_CENTER_ENV, value, "off", KEY_CENTER_CHOICES) == "first-prefill"
 
@@ -156,8 +158,9 @@ def resolve_prefill(value: str | None = None) -> str:
     ``fa-sliced`` (the same slice by slice with a log-sum-exp merge: bounded temporaries; not yet run on a
     GPU), ``dequant`` (``fa_prefill.RotatedDequantPrefill``: context dequantized in the rotated space by
     a Triton kernel, one FlashAttention call; in the H200 GPU smoke of 2026-11-30, one layer with vLLM's
-    FA3, 16K chunk after 112K of context: 51.6 ms vs ``fa`` 56.3 ms, relerr 5.7e-3; not yet used in a
-    sweep) or ``triton`` (kvrepro's direct-read prefill kernel: correct at 120K context since the run-7
+    FA3, 16K chunk after 112K of context: 51.6 ms vs ``fa`` 56.3 ms, relerr 5.7e-3; the kvrepro rows of every
+    capacity sweep since 2026-11-30 04:49 UTC used it, set by ``scripts/h200_sweep.sh``'s ``PREFILL_AUTO=1`` after its
+    smoke check) or ``triton`` (kvrepro's direct-read prefill kernel: correct at 120K context since the run-7
     fix, but 3.0x bf16 at 128K: notes/kernels.md). From ``value`` or ``$KVREPRO_PREFILL`` (case and surrounding
     spaces ignored, as for the preset).
     Raises ValueError naming KVREPRO_PREFILL and the allowed values."""
