@@ -61,6 +61,8 @@ CONTROL_MODES = {"bf16:triton_attn": {"kv_cache_dtype": "auto", "attention_backe
                  "kvrepro:k4v4:centered": {"kv_cache_dtype": "auto", "attention_backend": "CUSTOM",
                                            "env": {"KVREPRO_PRESET": "k4v4", "KVREPRO_KEY_CENTER": "first-prefill"}}}
 MODES = ("bf16", "fp8", "kvrepro:k4v4", "kvrepro:k8v4", "kvrepro:k4v2", *CONTROL_MODES)
+# every variable a mode can set (kvrepro presets set KVREPRO_PRESET: kvrepro.sweep.engine_settings)
+MODE_ENV_VARS = frozenset({"KVREPRO_PRESET", *(k for m in CONTROL_MODES.values() for k in m["env"])})
 FORMAT_OF_MODE = {"bf16": "bf16", "fp8": "fp8", "kvrepro:k4v4": "k4v4", "kvrepro:k8v4": "k8v4",
                   "kvrepro:k4v2": "k4v2", "bf16:triton_attn": "bf16-triton_attn",
                   "kvrepro:k4v4:centered": "k4v4-centered"}
@@ -455,11 +457,11 @@ def run_worker(mode: str, bundle_path: str, model: str, out_path: str, factory: 
 
 def mode_env(mode: str, base: dict | None = None) -> dict:
     """Environment of a mode's subprocess: ``base`` (default ``os.environ``) + the mode's variables
-    (``KVREPRO_PRESET`` for kvrepro presets; removed for the others; ``KVREPRO_KEY_CENTER`` only where the mode sets
-    it) + in-process engine, offline hub."""
+    (every variable of ``MODE_ENV_VARS`` comes from the mode only: ``KVREPRO_PRESET`` for kvrepro presets,
+    ``KVREPRO_KEY_CENTER`` for ``kvrepro:k4v4:centered``; removed otherwise) + in-process engine, offline hub."""
     env = dict(os.environ if base is None else base)
-    env.pop("KVREPRO_PRESET", None)
-    env.pop("KVREPRO_KEY_CENTER", None)   # only the mode says it (kvrepro:k4v4:centered), never the shell
+    for name in MODE_ENV_VARS:   # only the mode sets these, never the shell
+        env.pop(name, None)
     env.update(mode_settings(mode)["env"])
     env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                PYTHONUNBUFFERED="1")

