@@ -216,7 +216,8 @@ def _filled(gen, lens):
     pool = make_pool("k4v4", 8, 128, 16, 40, gen)
     bt = block_tables(len(lens), 12, 40, gen)
     for b, n in enumerate(lens):
-        fill(pool, bt[b], n, gen, torch.bfloat16)
+        if n:
+            fill(pool, bt[b], n, gen, torch.bfloat16)
     return pool, bt
 
 
@@ -258,12 +259,15 @@ def test_cuda_kernel_is_graph_capturable():
 
 
 def test_cuda_split_rule():
-    """At most CUDA_PROGRAMS_PER_SM CTAs per SM (power of two, rounded down), at least CUDA_MIN_SPLITS, each
-    split >= 256 tokens, <= 256 splits; the CPU counts as 132 SMs (an H200)."""
+    """Exact batches: one wave of CUDA_CTAS_PER_SM CTAs per SM, any integer count; padded (a graph serving a range of
+    batches): at most CUDA_PROGRAMS_PER_SM CTAs per SM (power of two, rounded down), at least CUDA_MIN_SPLITS. Both:
+    each split >= 256 tokens, <= 256 splits; the CPU counts as 132 SMs (an H200)."""
     from kvrepro.ops.decode import default_num_splits
 
     cpu = torch.device("cpu")
-    got = {b: default_num_splits(b, 8, 131072, cpu, "cuda") for b in (1, 3, 6, 13, 64)}
+    got = {b: default_num_splits(b, 8, 131072, cpu, "cuda") for b in (1, 3, 6, 13, 64, 66, 200)}
+    assert got == {1: 66, 3: 22, 6: 11, 13: 5, 64: 1, 66: 1, 200: 1}   # 4 * 132 // (b * 8)
+    got = {b: default_num_splits(b, 8, 131072, cpu, "cuda", padded=True) for b in (1, 3, 6, 13, 64)}
     assert got == {1: 128, 3: 64, 6: 32, 13: 32, 64: 32}            # 12 * 132 // (b * 8) = 198, 66, 33, 15, 3
     assert {b: default_num_splits(b, 8, 131072, cpu) for b in (1, 3, 6, 13)} == {1: 256, 3: 256, 6: 128, 13: 64}
     assert default_num_splits(1, 8, 4096, cpu, "cuda") == 16                 # 4096 / 256 tokens per split
@@ -284,12 +288,16 @@ def test_runtime_uses_the_split_rule_of_its_kernel(monkeypatch):
     rt = LayerRuntime("k4v4", 32, 8, 128, 0.088, graph_sizes=(1, 2, 4, 8, 16), max_batch=16)
     assert rt.splits(16, 131072, cpu) == decode_splits(16, 8, 131072, cpu, (1, 2, 4, 8, 16)) == 64   # triton rule
     assert rt.record_impl(get_format("k4v4").layout(128, 16), torch.device("cuda", 0)) == "cuda"
-    assert rt.splits(16, 131072, cpu) == default_num_splits(9, 8, 131072, cpu, "cuda") == 32         # 9..16 -> 9
-    assert rt.splits(1, 131072, cpu) == 128
+    # graph size 16 serves 9..16 rows: the padded rule, counted for 9
+    assert rt.splits(16, 131072, cpu) == default_num_splits(9, 8, 131072, cpu, "cuda", padded=True) == 32
+    assert rt.splits(1, 131072, cpu) == 66             # graph size 1 serves exactly 1 row: one wave
+    assert rt.splits(2, 131072, cpu) == 33
+    assert rt.splits(13, 131072, cpu) == 5             # not a capture size: an eager, exact batch
     big = LayerRuntime("k4v4", 32, 8, 128, 0.088, graph_sizes=(1, 2, 4, 8, 16), max_batch=64)
     triton_only = max(decode_workspace_numel(b, 32, 128, big.splits(b, 65536, cpu, "triton")) for b in range(1, 65))
-    need_cuda = decode_workspace_numel(64, 32, 128, default_num_splits(64, 8, 65536, cpu, "cuda"))   # 32 splits
-    assert need_cuda > triton_only and big.reserve_numel(cpu) == need_cuda
+    need_cuda = max(decode_workspace_numel(b, 32, 128, big.splits(b, 65536, cpu, "cuda")) for b in range(1, 65))
+    assert need_cuda == decode_workspace_numel(16, 32, 128, 32)        # graph 16, padded rule
+    assert big.reserve_numel(cpu) == max(need_cuda, triton_only)      # covers whichever kernel resolves
 
 
 @needs_cuda

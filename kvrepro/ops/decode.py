@@ -164,20 +164,26 @@ def resolve_impl(impl: str | None, layout: PageLayout, group: int, device: torch
 MIN_TOKENS_PER_SPLIT = 256
 
 
-# CUDA kernel (impl="cuda"): up to ~3 waves of its 4 resident CTAs per SM, at least 32 splits. Fitted on H200
-# run 19 (2026-11-30, 128K context, benchmarks/results/h200_run19_cuda_splits): best split count 64 / 16 / 32 / 32
-# at batch 1 / 3 / 6 / 13; this rule picks 128 / 64 / 32 / 32, within 3.1% of the best at each batch, where the
-# Triton rule's 256 / 256 / 128 / 64 took 1.20x / 1.32x / 1.18x / 1.07x the best time.
+# CUDA kernel (impl="cuda"). For a launch of exactly ``batch`` live rows: one wave of its CUDA_CTAS_PER_SM resident
+# CTAs per SM (its __launch_bounds__), any integer count. H200 run 25 (2026-11-30, 128K, the three-launch kernel,
+# benchmarks/results/h200_run25_cuda_waves): whole waves beat powers of two at every batch, one wave best at batch 1
+# and 3 (66 / 22 splits: 0.072 / 0.152 ms), within 1.8% of the best (two waves) at 6 and 13 (11 / 5 splits).
+# For a CUDA graph replayed for a range of batches (``padded=True``, vLLM's capture sizes: the batch given is the
+# smallest of the range), rows past the real batch are padding and one wave would leave SMs idle: there the earlier
+# many-wave rule (at most CUDA_PROGRAMS_PER_SM CTAs per SM, a power of two, at least CUDA_MIN_SPLITS; H200 run 19),
+# under which the committed capacity runs were measured.
+CUDA_CTAS_PER_SM = 4
 CUDA_PROGRAMS_PER_SM = 12
 CUDA_MIN_SPLITS = 32
 
 
 def default_num_splits(batch: int, num_kv_heads: int, max_context: int, device: torch.device,
-                       impl: str = "triton") -> int:
-    """Splits per (sequence, KV head), a power of two <= 256 with each split >= 256 tokens:
-    ``impl="triton"``: ~``PROGRAMS_PER_SM`` programs per SM (H200 run 4, notes/kernels.md), rounded up;
-    ``impl="cuda"``: at most ``CUDA_PROGRAMS_PER_SM`` CTAs per SM (rounded down), at least ``CUDA_MIN_SPLITS``
-    (H200 run 19).
+                       impl: str = "triton", padded: bool = False) -> int:
+    """Splits per (sequence, KV head), each split >= 256 tokens, at most 256:
+    ``impl="triton"``: ~``PROGRAMS_PER_SM`` programs per SM (H200 run 4, notes/kernels.md), a power of two rounded
+    up; ``impl="cuda"``: one wave, ``CUDA_CTAS_PER_SM x SMs // (batch x num_kv_heads)`` (H200 run 25), or with
+    ``padded`` (a CUDA graph that serves any batch from ``batch`` up to its capture size) at most
+    ``CUDA_PROGRAMS_PER_SM`` CTAs per SM, a power of two rounded down, at least ``CUDA_MIN_SPLITS`` (H200 run 19).
 
     Depends only on shapes (batch, heads, block-table width), never on ``seq_lens`` values, so
     the launch grid is fixed per batch size (CUDA-graph capturable). Raises ValueError for another ``impl`` or a
@@ -189,7 +195,9 @@ def default_num_splits(batch: int, num_kv_heads: int, max_context: int, device: 
                                  ("max_context", max_context, 0, "non-negative")):
         if not isinstance(v, int) or isinstance(v, bool) or v < least:
             raise ValueError(f"{name} must be a {kind} int, got {v!r}")
-    if impl == "cuda":
+    if impl == "cuda" and not padded:
+        want = max(1, (CUDA_CTAS_PER_SM * sm_count(device)) // max(1, batch * num_kv_heads))
+    elif impl == "cuda":
         most = max(1, (CUDA_PROGRAMS_PER_SM * sm_count(device)) // max(1, batch * num_kv_heads))
         want = max(next_pow2(most + 1) // 2, CUDA_MIN_SPLITS)          # largest power of two <= most
     else:

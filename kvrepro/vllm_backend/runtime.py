@@ -175,8 +175,9 @@ class LayerRuntime:
         from kvrepro.ops.decode import default_num_splits
 
         impl = impl or self.impl_used or "triton"
+        padded = smallest_padded_batch(batch, self.graph_sizes) != batch   # a graph serving a range of batches
         return decode_splits(batch, self.num_kv_heads, max_context, device, self.graph_sizes,
-                             rule=lambda *a: default_num_splits(*a, impl=impl))
+                             rule=lambda *a: default_num_splits(*a, impl=impl, padded=padded))
 
     def workspace_numel(self, batch: int, num_splits: int) -> int:
         """float32 elements of the decode workspace for ``batch`` rows and ``num_splits`` splits

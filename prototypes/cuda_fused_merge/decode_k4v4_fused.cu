@@ -1,0 +1,476 @@
+// kvrepro's CUDA decode attention over k4v4 pages (split-K, hand-written for sm_80+, tuned on sm_90).
+//
+// Built into decode_k4v4.fatbin by `python -m kvrepro.ops.cuda_decode --build` (flags in decode_k4v4.json) and run by
+// kvrepro.ops.decode_attention(impl="cuda"), its default for k4v4 / head_dim 128 / block 16 / GQA group <= 8 on
+// CUDA devices of compute capability >= 8.0. Verified against float64 attention on the H200 (sm_90) only:
+// notes/kernels.md run 18.
+//
+// Same page format, query preparation and split-K workspace as the Triton path (impl="triton": v2, int8 keys),
+// but one launch does all three steps that the Triton path launches separately (rotate_query_kernel, attention,
+// merge_splits_kernel):
+//   query    [B, HQ, D] bfloat16 / float16 (flag bit 0), strides (stride_qb, stride_qh, 1), unrotated; each CTA
+//            rotates its GQA group's rows itself: q @ R = H (s * q) / sqrt(D) (kvrepro.formats.hadamard: R =
+//            diag(s) H / sqrt(D), H Sylvester) by a fast Walsh-Hadamard transform in registers, times
+//            softmax_scale * log2(e) (qmul includes 1 / sqrt(D)), rounded to float16 as rotate_query_kernel does
+//   signs    [D] float32 +-1: s (the caller checks that the rotation has this form, kvrepro.ops.cuda_decode)
+//   pool     [num_blocks, HKV, 2144] uint8, k4v4 pages of 16 tokens, head_dim 128 (kvrepro.formats.layout):
+//            K codes [16][64] at 0, V codes [16][64] at 1024, K meta [16][scale, zero] f16 at 2048,
+//            V meta [16] f16 at 2112; byte j of a token = channel j (low nibble) and j + 64 (high nibble)
+//   part_o   [B, HQ, S, D] float32 normalized partial outputs (rotated space), part_lse [B, HQ, S] (log2)
+//   out      [B, HQ, D] bfloat16 / float16 (flag bit 1), strides (stride_ob, stride_oh, 1)
+//   counters [B, HKV] uint32, zero before the launch and left zero after it: the CTAs of one (sequence, KV head)
+//            count themselves in; the last one merges the S partials (log-sum-exp, as merge_splits_kernel) and
+//            rotates the result back, out = s * (H o) / sqrt(D), then resets the counter.
+//
+// Differences from the Triton kernel (notes/kernels.md "Design sketch for the next decode kernel"):
+//  - one CTA = (sequence, KV head, split) with 4 warps; each warp walks its own pages (page p of the split goes to
+//    warp p % 4) with a private STAGES-deep cp.async ring, so the loop has no __syncthreads; the 4 partial softmax
+//    states are merged in shared memory at the end;
+//  - MMA orientation "tokens x heads": S^T = K Q^T with mma.m16n8k32.s8 (16 tokens of a page as M, up to 8 query
+//    heads of the GQA group as N), O^T += V^T P^T with mma.m16n8k16.f16 (16 channels as M, heads as N), so the
+//    padding is heads 4..7 of N (GQA 4) instead of 12 of 16 M rows;
+//  - key codes: ldmatrix.x4 straight into A fragments, int8 planes 16 (code - 8) by shl + 2 lop3 per 4 bytes;
+//  - value codes: ldmatrix.x4.trans gives each lane two consecutive tokens of two adjacent byte-channels, which the
+//    fp16 magic number (0x6400 | nibble) turns into A fragments with 1 shift, 4 lop3 and 4 sub.f16x2 per 4 bytes;
+//  - P^T fragments from the S^T accumulators with movmatrix.trans (no shared memory);
+//  - P.V summed by the tensor cores over FLUSH pages, then added to float32 registers (tensor-core accumulation
+//    truncates, notes/kernels.md run 5b); rescaling only when a running max grows (warp vote).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+namespace {
+
+constexpr int D = 128;           // head_dim
+constexpr int BS = 16;           // tokens per page (vLLM block)
+constexpr int PAGE = 2144;       // bytes per page per KV head
+constexpr int V_OFF = 1024, KM_OFF = 2048, VM_OFF = 2112;
+constexpr int WARPS = 4;
+#ifndef KVREPRO_STAGES
+#define KVREPRO_STAGES 4
+#endif
+constexpr int STAGES = KVREPRO_STAGES;  // ring slots per warp (STAGES - 1 pages in flight while one is used)
+constexpr int FLUSH = 16;        // pages summed by the tensor cores before the float32 add
+constexpr int NCHUNK = PAGE / 16;  // 134 16-byte chunks per page
+constexpr int MERGE_MAX = 8192;  // num_splits x group the merge holds (in the ring's shared memory)
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// "memory" clobbers: no shared-memory access may move across the copies, the waits or the ldmatrix reads
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+
+// Shared-memory swizzle of the code regions: 16-byte chunk j of token row t (64 B per row) is stored at chunk
+// j ^ ((t >> 1) & 3) of its row, so the 8 rows an ldmatrix phase reads spread over all 32 banks (rows t and t + 2
+// of a 64-byte-row tile share banks otherwise: 4-way conflicts). Chunks 128.. (the metadata) are not moved.
+__device__ __forceinline__ int swz_row_chunk(int t, int j) { return t * 4 + (j ^ ((t >> 1) & 3)); }
+
+__device__ __forceinline__ void ldsm_x4(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr) : "memory");
+}
+__device__ __forceinline__ void ldsm_x4_t(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr) : "memory");
+}
+__device__ __forceinline__ uint32_t movm_t(uint32_t x) {
+  uint32_t y;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+  return y;
+}
+// D (int32) += A (16x32 s8) * B (32x8 s8)
+__device__ __forceinline__ void imma(int (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                     uint32_t b0, uint32_t b1) {
+  asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+               "{%0,%1,%2,%3};\n"
+               : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+// D (f32) += A (16x16 f16) * B (16x8 f16)
+__device__ __forceinline__ void hmma(float* c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                                     uint32_t b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+               "{%0,%1,%2,%3};\n"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ uint32_t lop3_and_or(uint32_t x, uint32_t mask, uint32_t orv) {
+  uint32_t y;  // (x & mask) | orv
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(y) : "r"(x), "r"(mask), "r"(orv));
+  return y;
+}
+__device__ __forceinline__ uint32_t lop3_and_xor(uint32_t x, uint32_t mask, uint32_t xv) {
+  uint32_t y;  // (x & mask) ^ xv
+  asm("lop3.b32 %0, %1, %2, %3, 0x6A;\n" : "=r"(y) : "r"(x), "r"(mask), "r"(xv));
+  return y;
+}
+__device__ __forceinline__ uint32_t hsub2(uint32_t x, uint32_t y) {
+  uint32_t z;
+  asm("sub.f16x2 %0, %1, %2;\n" : "=r"(z) : "r"(x), "r"(y));
+  return z;
+}
+__device__ __forceinline__ uint32_t pack_f16x2(float lo, float hi) {
+  __half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+
+// In-place unnormalized Walsh-Hadamard transform (Sylvester order) of 128 values held 4 per lane, lane l holding
+// elements 4 l .. 4 l + 3: strides 1 and 2 in registers, strides 4 .. 64 with lanes l ^ 1 .. l ^ 16.
+__device__ __forceinline__ void fwht_warp(float (&x)[4], int lane) {
+  const float a0 = x[0] + x[1], a1 = x[0] - x[1], a2 = x[2] + x[3], a3 = x[2] - x[3];
+  x[0] = a0 + a2; x[1] = a1 + a3; x[2] = a0 - a2; x[3] = a1 - a3;
+#pragma unroll
+  for (int m = 1; m < 32; m <<= 1) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float o = __shfl_xor_sync(0xffffffffu, x[i], m);
+      x[i] = (lane & m) ? o - x[i] : x[i] + o;
+    }
+  }
+}
+
+__device__ __forceinline__ float load_act(const void* p, int64_t i, bool bf16) {
+  return bf16 ? __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(p)[i])
+              : __half2float(reinterpret_cast<const __half*>(p)[i]);
+}
+
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32, 4)  // 4 CTAs (16 warps) per SM: <= 128 registers
+kvrepro_decode_k4v4(const void* __restrict__ query, const float* __restrict__ signs,
+                    const uint8_t* __restrict__ pool, const int* __restrict__ block_tables,
+                    const int* __restrict__ seq_lens, float* __restrict__ part_o, float* __restrict__ part_lse,
+                    void* __restrict__ out, unsigned* __restrict__ counters, long long stride_qb,
+                    long long stride_qh, long long stride_ob, long long stride_oh, float qmul, int flags,
+                    int stride_bt, int num_splits, int num_kv_heads, int group) {
+  const int b = blockIdx.x;
+  const int kvh = blockIdx.y / num_splits;
+  const int split = blockIdx.y % num_splits;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, tq = lane & 3;  // MMA fragment row group and thread-in-quad
+  const int hq = num_kv_heads * group;
+
+  __shared__ __align__(128) uint8_t ring[WARPS][STAGES][PAGE];
+  __shared__ __align__(16) int8_t qd_hi[8][D], qd_lo[8][D];  // read back as 32-bit words
+  __shared__ float s_q[8], q_sum[8];
+  __shared__ float xbuf[D];  // the merge's cross-warp Walsh-Hadamard stages
+  __shared__ int s_last;
+  const bool q_bf16 = flags & 1, o_bf16 = flags & 2;
+
+  // ---- the group's query rows, rotated (q @ R = H (s q) / sqrt(D)), scaled and rounded to float16 as
+  // rotate_query_kernel does; then the digits (Triton _query_digits): S_q = max|q| / 16255 per head,
+  // qi = round(q / S_q) = 128 qh + ql
+  const int seq_len = seq_lens[b];
+  for (int h = warp; h < 8; h += WARPS) {
+    float q[4] = {0.f, 0.f, 0.f, 0.f};
+    if (h < group && seq_len > 0) {
+      const int64_t base = (int64_t)b * stride_qb + (int64_t)(kvh * group + h) * stride_qh + lane * 4;
+      for (int i = 0; i < 4; ++i) q[i] = load_act(query, base + i, q_bf16) * signs[lane * 4 + i];
+      fwht_warp(q, lane);
+      for (int i = 0; i < 4; ++i) q[i] = __half2float(__float2half_rn(q[i] * qmul));
+    }
+    float amax = 0.f;
+    int nan = 0;
+    for (int i = 0; i < 4; ++i) { amax = fmaxf(amax, fabsf(q[i])); nan |= (q[i] != q[i]); }
+    for (int o = 16; o; o >>= 1) {
+      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+      nan |= __shfl_xor_sync(0xffffffffu, nan, o);
+    }
+    float sq = amax > 0.f ? amax * (1.0f / 16255.0f) : 1.0f;
+    if (nan) sq = __int_as_float(0x7fc00000);
+    const float inv = 1.0f / sq;
+    int isum = 0;
+    for (int i = 0; i < 4; ++i) {
+      const int qi = nan ? 0 : (int)floorf(q[i] * inv + 0.5f);
+      const int qh = (qi + 64) >> 7;
+      qd_hi[h][lane * 4 + i] = (int8_t)qh;
+      qd_lo[h][lane * 4 + i] = (int8_t)(qi - (qh << 7));
+      isum += qi;
+    }
+    for (int o = 16; o; o >>= 1) isum += __shfl_xor_sync(0xffffffffu, isum, o);
+    if (lane == 0) { s_q[h] = sq; q_sum[h] = (float)isum * sq; }
+  }
+  __syncthreads();
+
+  // B fragments of Q^T (32 channels x 8 heads) per key chunk: chunk 0 / 1 = plane 0 channels 0-31 / 32-63 (low
+  // nibbles of bytes 0-31 / 32-63), chunk 2 / 3 = plane 1 channels 64-95 / 96-127 (high nibbles).
+  uint32_t bh[4][2], bl[4][2];
+  for (int c = 0; c < 4; ++c) {
+    const int ch = (c & 1) * 32 + (c >> 1) * 64 + tq * 4;
+    bh[c][0] = *reinterpret_cast<const uint32_t*>(&qd_hi[g][ch]);
+    bh[c][1] = *reinterpret_cast<const uint32_t*>(&qd_hi[g][ch + 16]);
+    bl[c][0] = *reinterpret_cast<const uint32_t*>(&qd_lo[g][ch]);
+    bl[c][1] = *reinterpret_cast<const uint32_t*>(&qd_lo[g][ch + 16]);
+  }
+  const int h0 = tq * 2;  // the two heads (N columns) of this lane's accumulators
+  const float kmul0 = s_q[h0] * (1.0f / 16.0f), kmul1 = s_q[h0 + 1] * (1.0f / 16.0f);
+  const float qs0 = q_sum[h0], qs1 = q_sum[h0 + 1];
+
+  // ---- this split's pages: whole 16-token pages per split (the Triton kernel cuts at its 256-token tiles;
+  // the split merge accepts any partition)
+  const int per_split = ((seq_len + num_splits - 1) / num_splits + BS - 1) / BS * BS;
+  const int start = split * per_split;
+  const int end = min(start + per_split, seq_len);
+  const int p0 = start / BS;
+  const int n_pages = end > start ? (end - start + BS - 1) / BS : 0;
+  const int my_pages = n_pages > warp ? (n_pages - warp + WARPS - 1) / WARPS : 0;  // pages p0 + warp + 4 i
+  const int* bt = block_tables + (int64_t)b * stride_bt;
+
+  uint8_t* my_ring = &ring[warp][0][0];
+  // chunk lane + 32 k (k < 4: code chunks, row (lane >> 2) + 8 k, swizzled; k = 4: metadata, lanes < 6)
+  const uint32_t ring_code = smem_u32(my_ring) + (lane ^ ((lane >> 3) & 3)) * 16;
+  const uint32_t ring_meta = smem_u32(my_ring) + (128 + lane) * 16;
+  auto issue = [&](int i) {
+    if (i < my_pages) {
+      const int blk = bt[p0 + warp + i * WARPS];
+      const uint8_t* src = pool + ((int64_t)blk * num_kv_heads + kvh) * PAGE + lane * 16;
+      const uint32_t stage = (i % STAGES) * PAGE;
+#pragma unroll
+      for (int k = 0; k < 4; ++k) cp_async16(ring_code + stage + 512 * k, src + 512 * k);
+      if (lane < NCHUNK - 128) cp_async16(ring_meta + stage, src + 512 * 4);
+    }
+    cp_commit();  // one group per slot, empty or not, so wait_group counts stay uniform
+  };
+  static_assert(STAGES >= 2 && WARPS * STAGES * PAGE >= WARPS * 8 * D * 4 + WARPS * 8 * 3 * 4 &&
+                WARPS * STAGES * PAGE >= (MERGE_MAX + 8) * 4, "the ring doubles as the merge buffers");
+  for (int i = 0; i < STAGES - 1; ++i) issue(i);
+
+  float m0 = -INFINITY, m1 = -INFINITY;  // running max (log2) of heads h0, h0 + 1
+  float l0 = 0.f, l1 = 0.f, z0 = 0.f, z1 = 0.f;  // lane-partial softmax sums and 0.5 * sum p * v_scale
+  float acc[8][4], tc[8][4];             // O^T: 8 channel tiles x (rows g, g + 8) x (heads h0, h0 + 1)
+  for (int t = 0; t < 8; ++t)
+    for (int j = 0; j < 4; ++j) acc[t][j] = tc[t][j] = 0.f;
+
+  for (int i = 0; i < my_pages; ++i) {
+    issue(i + STAGES - 1);
+    cp_wait<STAGES - 1>();
+    __syncwarp();
+    const uint8_t* pg = my_ring + (i % STAGES) * PAGE;
+    const int tok0 = (p0 + warp + i * WARPS) * BS;  // absolute position of the page's first token
+
+    // S^T = K Q^T: two chains (high and low digits), exact int32
+    int chi[4] = {0, 0, 0, 0}, clo[4] = {0, 0, 0, 0};
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {  // bytes 0-31, 32-63 of each token
+      uint32_t r0, r1, r2, r3;
+      // matrices: tokens 0-7 / 8-15 x bytes [32 half, +16), then the next 16 bytes
+      const int mat = lane >> 3, row = lane & 7;
+      const uint8_t* a = pg + swz_row_chunk((mat & 1) * 8 + row, half * 2 + (mat >> 1)) * 16;
+      ldsm_x4(smem_u32(a), r0, r1, r2, r3);
+      const uint32_t x0 = r0 << 4, x1 = r1 << 4, x2 = r2 << 4, x3 = r3 << 4;
+      // plane 0 (low nibbles) as int8 16 (code - 8): ((x << 4) & 0xF0) ^ 0x80; plane 1: (x & 0xF0) ^ 0x80
+      const uint32_t a0 = lop3_and_xor(x0, 0xF0F0F0F0u, 0x80808080u), a1 = lop3_and_xor(x1, 0xF0F0F0F0u, 0x80808080u);
+      const uint32_t a2 = lop3_and_xor(x2, 0xF0F0F0F0u, 0x80808080u), a3 = lop3_and_xor(x3, 0xF0F0F0F0u, 0x80808080u);
+      imma(chi, a0, a1, a2, a3, bh[half][0], bh[half][1]);
+      imma(clo, a0, a1, a2, a3, bl[half][0], bl[half][1]);
+      const uint32_t e0 = lop3_and_xor(r0, 0xF0F0F0F0u, 0x80808080u), e1 = lop3_and_xor(r1, 0xF0F0F0F0u, 0x80808080u);
+      const uint32_t e2 = lop3_and_xor(r2, 0xF0F0F0F0u, 0x80808080u), e3 = lop3_and_xor(r3, 0xF0F0F0F0u, 0x80808080u);
+      imma(chi, e0, e1, e2, e3, bh[2 + half][0], bh[2 + half][1]);
+      imma(clo, e0, e1, e2, e3, bl[2 + half][0], bl[2 + half][1]);
+    }
+    // logits (log2 domain): s = (S_q / 16) ks acc + S_q sum(qi) (8 ks + kz); rows g (c0, c1), g + 8 (c2, c3)
+    const __half2 kmA = *reinterpret_cast<const __half2*>(pg + KM_OFF + g * 4);        // (scale, zero) token g
+    const __half2 kmB = *reinterpret_cast<const __half2*>(pg + KM_OFF + (g + 8) * 4);  // token g + 8
+    const float ksA = __low2float(kmA), kzA = __high2float(kmA) + 8.f * ksA;
+    const float ksB = __low2float(kmB), kzB = __high2float(kmB) + 8.f * ksB;
+    float s[4];
+    s[0] = (float)(chi[0] * 128 + clo[0]) * (kmul0 * ksA) + qs0 * kzA;
+    s[1] = (float)(chi[1] * 128 + clo[1]) * (kmul1 * ksA) + qs1 * kzA;
+    s[2] = (float)(chi[2] * 128 + clo[2]) * (kmul0 * ksB) + qs0 * kzB;
+    s[3] = (float)(chi[3] * 128 + clo[3]) * (kmul1 * ksB) + qs1 * kzB;
+    bool okA = true, okB = true;  // tokens past the split's end (its last, partial page) take no weight; their
+    if (tok0 + BS > end) {        // bytes are never used, so stale NaN scales there cannot leak
+      okA = tok0 + g < end;
+      okB = tok0 + g + 8 < end;
+      if (!okA) s[0] = s[1] = -INFINITY;
+      if (!okB) s[2] = s[3] = -INFINITY;
+    }
+    // online softmax per head; a rescale only when some max grows
+    float pm0 = fmaxf(s[0], s[2]), pm1 = fmaxf(s[1], s[3]);
+    for (int o = 4; o < 32; o <<= 1) {
+      pm0 = fmaxf(pm0, __shfl_xor_sync(0xffffffffu, pm0, o));
+      pm1 = fmaxf(pm1, __shfl_xor_sync(0xffffffffu, pm1, o));
+    }
+    const float n0 = fmaxf(m0, pm0), n1 = fmaxf(m1, pm1);
+    if (__any_sync(0xffffffffu, n0 > m0 || n1 > m1)) {
+      const float al0 = n0 == -INFINITY ? 1.f : exp2f(m0 - n0), al1 = n1 == -INFINITY ? 1.f : exp2f(m1 - n1);
+      for (int t = 0; t < 8; ++t) {
+        acc[t][0] *= al0; acc[t][1] *= al1; acc[t][2] *= al0; acc[t][3] *= al1;
+        tc[t][0] *= al0; tc[t][1] *= al1; tc[t][2] *= al0; tc[t][3] *= al1;
+      }
+      l0 *= al0; l1 *= al1; z0 *= al0; z1 *= al1;
+      m0 = n0; m1 = n1;
+    }
+    const float u0 = m0 == -INFINITY ? 0.f : m0, u1 = m1 == -INFINITY ? 0.f : m1;
+    const float p0_ = exp2f(s[0] - u0), p1_ = exp2f(s[1] - u1), p2_ = exp2f(s[2] - u0), p3_ = exp2f(s[3] - u1);
+    l0 += p0_ + p2_; l1 += p1_ + p3_;
+    const float vsA = okA ? __half2float(*reinterpret_cast<const __half*>(pg + VM_OFF + g * 2)) : 0.f;
+    const float vsB = okB ? __half2float(*reinterpret_cast<const __half*>(pg + VM_OFF + (g + 8) * 2)) : 0.f;
+    const float w0 = p0_ * vsA, w1 = p1_ * vsA, w2 = p2_ * vsB, w3 = p3_ * vsB;
+    z0 += 0.5f * (w0 + w2); z1 += 0.5f * (w1 + w3);
+    // P^T fragments: C rows = tokens, cols = heads -> B[k = token][n = head] by an 8x8 transpose
+    const uint32_t pb0 = movm_t(pack_f16x2(w0, w1));  // tokens 0-7
+    const uint32_t pb1 = movm_t(pack_f16x2(w2, w3));  // tokens 8-15
+
+    // O^T += V^T P^T: value codes through ldmatrix.trans, two tokens of two byte-channels per register
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      uint32_t r0, r1, r2, r3;
+      const int mat = lane >> 3, row = lane & 7;
+      const uint8_t* a = pg + V_OFF + swz_row_chunk((mat & 1) * 8 + row, half * 2 + (mat >> 1)) * 16;
+      ldsm_x4_t(smem_u32(a), r0, r1, r2, r3);
+      const uint32_t rr[4] = {r0, r1, r2, r3};
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {  // bytes [32 half + 16 e, +16): channel tiles of plane 0 and plane 1
+        const uint32_t lo = rr[2 * e], hi = rr[2 * e + 1];  // tokens 0-7 and 8-15
+        const uint32_t lo8 = lo >> 8, hi8 = hi >> 8;         // byte-channel 2g + 1 into bytes 0 and 2
+        const uint32_t c0 = 0x64086408u, c1 = 0x64806480u;   // 1032 (plane 0), 1152 (plane 1)
+        // plane 0: rows g <- channel 32 half + 16 e + 2g, g + 8 <- + 1; values code - 8
+        hmma(tc[half * 2 + e],
+             hsub2(lop3_and_or(lo, 0x000F000Fu, 0x64006400u), c0), hsub2(lop3_and_or(lo8, 0x000F000Fu, 0x64006400u), c0),
+             hsub2(lop3_and_or(hi, 0x000F000Fu, 0x64006400u), c0), hsub2(lop3_and_or(hi8, 0x000F000Fu, 0x64006400u), c0),
+             pb0, pb1);
+        // plane 1: channels + 64, values 16 (code - 8)
+        hmma(tc[4 + half * 2 + e],
+             hsub2(lop3_and_or(lo, 0x00F000F0u, 0x64006400u), c1), hsub2(lop3_and_or(lo8, 0x00F000F0u, 0x64006400u), c1),
+             hsub2(lop3_and_or(hi, 0x00F000F0u, 0x64006400u), c1), hsub2(lop3_and_or(hi8, 0x00F000F0u, 0x64006400u), c1),
+             pb0, pb1);
+      }
+    }
+    if ((i + 1) % FLUSH == 0 || i + 1 == my_pages) {
+      for (int t = 0; t < 8; ++t)
+        for (int j = 0; j < 4; ++j) { acc[t][j] += tc[t][j]; tc[t][j] = 0.f; }
+    }
+    __syncwarp();  // every lane is done with this stage before it is refilled
+  }
+  cp_wait<0>();
+
+  // ---- lane partials -> per warp, then merge the 4 warps in shared memory
+  for (int o = 4; o < 32; o <<= 1) {
+    l0 += __shfl_xor_sync(0xffffffffu, l0, o); l1 += __shfl_xor_sync(0xffffffffu, l1, o);
+    z0 += __shfl_xor_sync(0xffffffffu, z0, o); z1 += __shfl_xor_sync(0xffffffffu, z1, o);
+  }
+  __syncthreads();  // the rings become the merge buffer
+  float* w_o = reinterpret_cast<float*>(&ring[0][0][0]);  // [WARPS][8 heads][D]
+  float* w_s = w_o + WARPS * 8 * D;                          // [WARPS][8][m, l, z]
+  for (int t = 0; t < 8; ++t) {
+    // channel of tile t, row r: plane (t >> 2) * 64 + 32 half + 16 e + 2 g (+ 1 for row g + 8), t = 4 p + 2 half + e
+    const int ch = (t >> 2) * 64 + ((t >> 1) & 1) * 32 + (t & 1) * 16 + 2 * g;
+    w_o[(warp * 8 + h0) * D + ch] = acc[t][0];
+    w_o[(warp * 8 + h0 + 1) * D + ch] = acc[t][1];
+    w_o[(warp * 8 + h0) * D + ch + 1] = acc[t][2];
+    w_o[(warp * 8 + h0 + 1) * D + ch + 1] = acc[t][3];
+  }
+  if (g == 0) {
+    w_s[(warp * 8 + h0) * 3 + 0] = m0; w_s[(warp * 8 + h0) * 3 + 1] = l0; w_s[(warp * 8 + h0) * 3 + 2] = z0;
+    w_s[(warp * 8 + h0 + 1) * 3 + 0] = m1; w_s[(warp * 8 + h0 + 1) * 3 + 1] = l1; w_s[(warp * 8 + h0 + 1) * 3 + 2] = z1;
+  }
+  __syncthreads();
+  // thread = channel; loop over the group's heads
+  const int ch = threadIdx.x;
+  for (int h = 0; h < group; ++h) {
+    float M = -INFINITY;
+    for (int w = 0; w < WARPS; ++w) M = fmaxf(M, w_s[(w * 8 + h) * 3]);
+    float L = 0.f, Z = 0.f, O = 0.f;
+    int nan = 0;
+    for (int w = 0; w < WARPS; ++w) {
+      const float mw = w_s[(w * 8 + h) * 3], lw = w_s[(w * 8 + h) * 3 + 1];
+      nan |= (lw != lw);
+      if (mw == -INFINITY) continue;
+      const float f = exp2f(mw - M);
+      L += f * lw; Z += f * w_s[(w * 8 + h) * 3 + 2]; O += f * w_o[(w * 8 + h) * D + ch];
+    }
+    const int64_t row = ((int64_t)b * hq + kvh * group + h) * num_splits + split;
+    float o, lse;
+    if (nan) { o = __int_as_float(0x7fc00000); lse = o; }
+    else if (L == 0.f) { o = 0.f; lse = -INFINITY; }
+    else {
+      o = (ch < 64 ? O : O * (1.0f / 16.0f)) / L + Z / L;
+      lse = M + log2f(L);
+    }
+    part_o[row * D + ch] = o;
+    if (ch == 0) part_lse[row] = lse;
+  }
+
+  // ---- the last CTA of this (sequence, KV head) merges the splits (threadfence reduction: CUDA programming
+  // guide, "Memory fence functions") and rotates back
+  __threadfence();  // this CTA's partials are visible device-wide before it counts itself in
+  __syncthreads();
+  unsigned* counter = counters + (int64_t)b * num_kv_heads + kvh;
+  if (threadIdx.x == 0) s_last = atomicAdd(counter, 1u) == (unsigned)(num_splits - 1);
+  __syncthreads();
+  if (!s_last) return;
+  __threadfence();
+  // weights of the group's S x group partials, all threads at once: w[h][s] = 2^(lse - max_h), then 1 / sum per head
+  float* wl = reinterpret_cast<float*>(&ring[0][0][0]);   // [group][num_splits] (num_splits x group <= MERGE_MAX)
+  float* hinv = wl + MERGE_MAX;                             // [8]: 1 / sum of weights (NaN: a NaN reached the head)
+  const int64_t row_b = ((int64_t)b * hq + kvh * group) * num_splits;   // head h's splits: rows row_b + h S + s
+  const int n_w = group * num_splits;
+  for (int i = threadIdx.x; i < n_w; i += WARPS * 32) wl[i] = __ldcg(part_lse + row_b + i);
+  __syncthreads();
+  for (int h = warp; h < group; h += WARPS) {
+    float M = -INFINITY;
+    int nan = 0;
+    for (int s = lane; s < num_splits; s += 32) {
+      const float l = wl[h * num_splits + s];
+      nan |= (l != l);
+      M = fmaxf(M, l);
+    }
+    for (int o = 16; o; o >>= 1) {
+      M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
+      nan |= __shfl_xor_sync(0xffffffffu, nan, o);
+    }
+    float W = 0.f;
+    for (int s = lane; s < num_splits; s += 32) {
+      const float l = wl[h * num_splits + s];
+      const float w = l > -INFINITY ? exp2f(l - M) : 0.f;   // empty splits (and NaN ones) weigh nothing
+      wl[h * num_splits + s] = w;
+      W += w;
+    }
+    for (int o = 16; o; o >>= 1) W += __shfl_xor_sync(0xffffffffu, W, o);
+    if (lane == 0) hinv[h] = nan ? __int_as_float(0x7fc00000) : (W > 0.f ? 1.f / W : 0.f);
+  }
+  __syncthreads();
+  // thread = channel: the group's weighted sums, every head's loads of a split issued together
+  float macc[8];
+#pragma unroll
+  for (int h = 0; h < 8; ++h) macc[h] = 0.f;
+  const float* po = part_o + row_b * D + ch;
+#pragma unroll 4
+  for (int s = 0; s < num_splits; ++s) {
+#pragma unroll
+    for (int h = 0; h < 8; ++h)
+      if (h < group) macc[h] += wl[h * num_splits + s] * __ldcg(po + ((int64_t)h * num_splits + s) * D);
+  }
+  const float sgn = signs[ch];
+#pragma unroll
+  for (int h = 0; h < 8; ++h) {
+    if (h >= group) break;
+    float x = macc[h] * hinv[h];
+    // out = s * (H x) / sqrt(D): strides 1 .. 16 within the warp, 32 and 64 through shared memory
+#pragma unroll
+    for (int m = 1; m < 32; m <<= 1) {
+      const float o = __shfl_xor_sync(0xffffffffu, x, m);
+      x = (ch & m) ? o - x : x + o;
+    }
+#pragma unroll
+    for (int m = 32; m < D; m <<= 1) {
+      xbuf[ch] = x;
+      __syncthreads();
+      const float o = xbuf[ch ^ m];
+      __syncthreads();
+      x = (ch & m) ? o - x : x + o;
+    }
+    x *= sgn * 0.08838834764831845f;  // 1 / sqrt(128)
+    const int64_t oi = (int64_t)b * stride_ob + (int64_t)(kvh * group + h) * stride_oh + ch;
+    if (o_bf16) reinterpret_cast<__nv_bfloat16*>(out)[oi] = __float2bfloat16_rn(x);
+    else reinterpret_cast<__half*>(out)[oi] = __float2half_rn(x);
+  }
+  if (threadIdx.x == 0) *counter = 0u;  // every CTA of this (sequence, KV head) has counted in: ready for the next launch
+}
