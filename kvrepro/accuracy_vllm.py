@@ -14,7 +14,9 @@ backend (FlashAttention), ``fp8`` = ``kv_cache_dtype="fp8"`` (per-layer scale 1.
 ``bf16-triton_attn``): no quantization, only another attention kernel, so its cells "below bf16" measure how many
 judged prompts a kernel's rounding alone flips on this grid; the experiment ``kvrepro:k4v4:centered`` = k4v4 with
 ``KVREPRO_KEY_CENTER=first-prefill`` (format ``k4v4-centered``: the pages hold each key minus the mean key of the
-engine's first prefill, ``kvrepro.formats.centering``; not the default). Each mode runs
+engine's first prefill, ``kvrepro.formats.centering``; not the default); the experiment ``kvrepro:k4v4:window32`` =
+k4v4 with ``KVREPRO_RECENT_WINDOW=32`` (format ``k4v4-window32``: decode steps read each request's last 32 tokens'
+K/V exact from a side cache, ``kvrepro.vllm_backend.window``; not the default). Each mode runs
 in its own subprocess (``python -m kvrepro.accuracy_vllm worker``): GPU memory is returned between
 modes and the preset's environment variable is set before vLLM (and kvrepro's plugin) starts.
 Per mode, one engine: (1) every grid prompt in ONE batched greedy ``generate()`` (``max_new_tokens``,
@@ -59,13 +61,15 @@ from kvrepro.needle import (VARIANTS, answer_kind, build_prompt, build_sanity_pr
 MAX_MODEL_LEN = 8192  # SmolLM2's trained window (GGUF llama.context_length); prompt + answer must fit
 CONTROL_MODES = {"bf16:triton_attn": {"kv_cache_dtype": "auto", "attention_backend": "TRITON_ATTN", "env": {}},
                  "kvrepro:k4v4:centered": {"kv_cache_dtype": "auto", "attention_backend": "CUSTOM",
-                                           "env": {"KVREPRO_PRESET": "k4v4", "KVREPRO_KEY_CENTER": "first-prefill"}}}
+                                           "env": {"KVREPRO_PRESET": "k4v4", "KVREPRO_KEY_CENTER": "first-prefill"}},
+                 "kvrepro:k4v4:window32": {"kv_cache_dtype": "auto", "attention_backend": "CUSTOM",
+                                           "env": {"KVREPRO_PRESET": "k4v4", "KVREPRO_RECENT_WINDOW": "32"}}}
 MODES = ("bf16", "fp8", "kvrepro:k4v4", "kvrepro:k8v4", "kvrepro:k4v2", *CONTROL_MODES)
 # every variable a mode can set (kvrepro presets set KVREPRO_PRESET: kvrepro.sweep.engine_settings)
 MODE_ENV_VARS = frozenset({"KVREPRO_PRESET", *(k for m in CONTROL_MODES.values() for k in m["env"])})
 FORMAT_OF_MODE = {"bf16": "bf16", "fp8": "fp8", "kvrepro:k4v4": "k4v4", "kvrepro:k8v4": "k8v4",
                   "kvrepro:k4v2": "k4v2", "bf16:triton_attn": "bf16-triton_attn",
-                  "kvrepro:k4v4:centered": "k4v4-centered"}
+                  "kvrepro:k4v4:centered": "k4v4-centered", "kvrepro:k4v4:window32": "k4v4-window32"}
 WEIGHTS = ("gguf", "dequant", "auto")
 COMPILE = ("decode-graphs", "full", "eager")
 DEFAULT_FACTORY = "kvrepro.accuracy_vllm:vllm_engine"
@@ -458,7 +462,8 @@ def run_worker(mode: str, bundle_path: str, model: str, out_path: str, factory: 
 def mode_env(mode: str, base: dict | None = None) -> dict:
     """Environment of a mode's subprocess: ``base`` (default ``os.environ``) + the mode's variables
     (every variable of ``MODE_ENV_VARS`` comes from the mode only: ``KVREPRO_PRESET`` for kvrepro presets,
-    ``KVREPRO_KEY_CENTER`` for ``kvrepro:k4v4:centered``; removed otherwise) + in-process engine, offline hub."""
+    ``KVREPRO_KEY_CENTER`` / ``KVREPRO_RECENT_WINDOW`` for the experiments; removed otherwise) + in-process engine,
+    offline hub."""
     env = dict(os.environ if base is None else base)
     for name in MODE_ENV_VARS:   # only the mode sets these, never the shell
         env.pop(name, None)

@@ -123,6 +123,24 @@ def case_piecewise(a):
             **check_summary()}
 
 
+def case_preempt(a):
+    """vLLM's preemption counter, read as the capacity sweep reads it (``measure.preemptions``), on a workload that
+    must preempt: 8 requests of 64 + 128 tokens (96 blocks of 16) in a KV cache of 48 blocks."""
+    from kvrepro.vllm_backend.measure import counter, preemptions
+
+    llm = engine(num_gpu_blocks_override=48, max_num_seqs=8, disable_log_stats=False)
+    import numpy as np
+
+    rng = np.random.default_rng(2)
+    ps = [{"prompt_token_ids": rng.integers(1000, 150000, size=64).tolist()} for _ in range(8)]
+    p0 = preemptions(llm)
+    out = gen(llm, ps, temperature=0.0, max_tokens=128)
+    return {"num_gpu_blocks": llm.llm_engine.vllm_config.cache_config.num_gpu_blocks,
+            "blocks_needed_if_all_ran_at_once": 8 * (64 + 128) // 16, "preemptions_counter_delta": preemptions(llm) - p0,
+            "output_tokens": [len(o) for o in out], "prompt_tokens_counter": counter(llm, "vllm:prompt_tokens"),
+            "generation_tokens_counter": counter(llm, "vllm:generation_tokens")}
+
+
 def case_refuse(a):
     try:
         engine(model=model_dir(head_dim=96, hidden_size=768))
@@ -148,7 +166,7 @@ def case_sizing(a):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--case", required=True, choices=["graphs", "piecewise", "refuse", "sizing"])
+    ap.add_argument("--case", required=True, choices=["graphs", "piecewise", "refuse", "sizing", "preempt"])
     ap.add_argument("--out", required=True)
     ap.add_argument("--compare", default=None)
     a = ap.parse_args()

@@ -200,7 +200,8 @@ class KVReproAttentionImpl(AttentionImpl[KVReproMetadata]):
         self.rt = LayerRuntime(preset, num_heads, num_kv_heads, head_size, self.scale,
                                cfg.resolve_num_splits(), prefill=prefill, graph_sizes=shape["graph_sizes"],
                                max_batch=shape["max_batch"], store_rotate=cfg.resolve_store_rotate(),
-                               decode_impl=cfg.resolve_decode_impl(), key_center=cfg.resolve_key_center())
+                               decode_impl=cfg.resolve_decode_impl(), key_center=cfg.resolve_key_center(),
+                               recent_window=cfg.resolve_recent_window())
         dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         self.rt.check_decode_impl(shape["block_size"] or 16, dev)
         self._shape = shape
@@ -216,6 +217,7 @@ class KVReproAttentionImpl(AttentionImpl[KVReproMetadata]):
         if torch.cuda.is_available():
             dev = torch.device("cuda", torch.cuda.current_device())
             self.rt.prepare(dev)
+            self.rt.prepare_window(dev, act_dtype)      # recent-token window (opt-in): before memory profiling
             if self._warmup and self._shape["block_size"]:
                 key = (str(dev), act_dtype, self.rt.fmt.name, self.num_heads, self.num_kv_heads, self.head_size)
                 if key not in _WARMED:  # one warm-up per process and geometry, not one per layer
@@ -242,6 +244,7 @@ class KVReproAttentionImpl(AttentionImpl[KVReproMetadata]):
         if self.rt.center_state == "pending":   # key centering: the first real prefill sets the mean key
             self.rt.calibrate(key, value, kv_cache, m.slot_mapping, m.seq_lens, m.query_start_loc,
                               m.num_actual_tokens, m.num_decodes, m.max_query_len)
+        self.rt.update_window(key, value, m.slot_mapping, m.query_start_loc, m.num_actual_tokens)
         self.rt.attend(query, key, value, kv_cache, m.block_table, m.seq_lens, m.query_start_loc,
                        m.num_actual_tokens, m.num_decodes, m.num_decode_tokens, out3,
                        max_query_len=m.max_query_len)

@@ -138,6 +138,7 @@ def kvrepro_settings(dequant: str | None = None) -> dict:
             "prefill": cfg.resolve_prefill(), "store_rotate": cfg.resolve_store_rotate(),
             "warmup": cfg.resolve_warmup(), "num_splits": cfg.resolve_num_splits() or "runtime.decode_splits",
             "key_center": "first-prefill" if cfg.resolve_key_center() else "off",
+            "recent_window": cfg.resolve_recent_window(),
             "key_center_state": key_center_summary(),
             "kvrepro_src_sha256": src_sha256()}
 

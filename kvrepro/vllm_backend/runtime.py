@@ -131,7 +131,7 @@ class LayerRuntime:
     def __init__(self, preset: str, num_heads: int, num_kv_heads: int, head_size: int, scale: float,
                  num_splits: int | None = None, ops=None, prefill=None, graph_sizes=(),
                  max_batch: int | None = None, store_rotate: str = "torch", decode_impl: str | None = None,
-                 key_center: bool = False) -> None:
+                 key_center: bool = False, recent_window: int = 0, window_entries: int | None = None) -> None:
         self.fmt = get_format(preset)
         self.num_heads, self.num_kv_heads, self.head_size = num_heads, num_kv_heads, head_size
         self.scale = scale
@@ -155,6 +155,15 @@ class LayerRuntime:
         self.key_mean: torch.Tensor | None = None   # float32 [Hkv, D], allocated by prepare() if key_center
         self._stored: torch.Tensor | None = None     # int64 [1]: real tokens stored so far (key_center only)
         self.center_state = "pending" if key_center else "off (disabled)"
+        from kvrepro.vllm_backend.window import MAX_WINDOW, default_entries
+
+        if not isinstance(recent_window, int) or isinstance(recent_window, bool) \
+                or not 0 <= recent_window <= MAX_WINDOW:
+            raise ValueError(f"recent_window must be an int in 0..{MAX_WINDOW} (0 = off), got {recent_window!r}")
+        self.recent_window = recent_window
+        self.window_entries = window_entries if window_entries is not None else (
+            default_entries(recent_window, max_batch) if recent_window else 0)
+        self.window = None            # window.RecentWindow, made by prepare_window (recent_window > 0)
         LIVE_RUNTIMES.add(self)
         self._layouts: dict[int, object] = {}
         self.rotation: torch.Tensor | None = None
@@ -207,6 +216,32 @@ class LayerRuntime:
             if self.max_batch:
                 decode_workspace(device, self.reserve_numel(device))
         return self.rotation
+
+    def prepare_window(self, device: torch.device, dtype: torch.dtype):
+        """Allocate the recent-token window (``recent_window > 0``; ``kvrepro.vllm_backend.window``) on ``device`` for
+        K/V of ``dtype``, before vLLM profiles memory (so its bytes count as the model's, not the KV cache's). Returns
+        it (None when off). Raises RuntimeError if it has to be allocated inside CUDA-graph capture."""
+        from kvrepro.vllm_backend.window import RecentWindow
+
+        if not self.recent_window:
+            return None
+        w = self.window
+        if w is None or w.k.device != torch.device(device) or w.k.dtype != dtype:
+            if torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("kvrepro recent-token window: first allocated inside CUDA-graph capture; "
+                                   "LayerRuntime.prepare_window must run before (the backend does it after loading)")
+            self.window = RecentWindow(self.recent_window, self.window_entries, self.num_kv_heads, self.head_size,
+                                       dtype, device)
+        return self.window
+
+    def update_window(self, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
+                      query_start_loc: torch.Tensor, num_actual_tokens: int) -> None:
+        """Record this step's tokens in the recent-token window (no-op when off): call after the step's store, before
+        :meth:`attend`. ``key``/``value`` ``[>= T, Hkv(, D)]``, ``slot_mapping`` ``[>= T]``, ``query_start_loc``
+        ``[R + 1]``, T = ``num_actual_tokens``."""
+        if not self.recent_window or num_actual_tokens == 0:
+            return
+        self.prepare_window(key.device, key.dtype).update(key, value, slot_mapping, query_start_loc, num_actual_tokens)
 
     def calibrate(self, key: torch.Tensor, value: torch.Tensor, pool: torch.Tensor, slot_mapping: torch.Tensor,
                   seq_lens: torch.Tensor, query_start_loc: torch.Tensor, num_actual_tokens: int,
@@ -372,8 +407,19 @@ class LayerRuntime:
                 self.record_impl(layout, pool.device)
             splits = self.splits(nd, block_table.shape[1] * layout.block_size, pool.device)
             ws = decode_workspace(pool.device, self.workspace_numel(nd, splits))
-            self.ops.decode_attention(q[:nd], pool, block_table[:nd], seq_lens[:nd], layout, rot, self.scale,
+            win = self.window if self.recent_window else None
+            if self.recent_window and win is None:
+                raise RuntimeError("kvrepro recent-token window: attend before update_window / prepare_window")
+            lens = seq_lens[:nd] if win is None else (seq_lens[:nd] - win.window).clamp(min=0).to(seq_lens.dtype)
+            self.ops.decode_attention(q[:nd], pool, block_table[:nd], lens, layout, rot, self.scale,
                                       out=out[:nd], num_splits=splits, workspace=ws, impl=self.impl_used)
+            if win is not None:     # positions [L - W, L) from the window, merged by log-sum-exp
+                from kvrepro.vllm_backend.window import lse_from_workspace
+
+                lse = lse_from_workspace(ws, nd, hq, d, splits)
+                o = win.attend_decode(self.fmt, q[:nd], pool, layout, rot, block_table[:nd], seq_lens[:nd],
+                                      self.scale, out[:nd], lse, self.key_mean if self.key_center else None)
+                out[:nd].copy_(o)
         if ndt < t:
             k = key[:t].view(t, hkv, d)[ndt:]
             v = value[:t].view(t, hkv, d)[ndt:]
