@@ -16,7 +16,7 @@ judged prompts a kernel's rounding alone flips on this grid; the experiment ``kv
 ``KVREPRO_KEY_CENTER=first-prefill`` (format ``k4v4-centered``: the pages hold each key minus the mean key of the
 engine's first prefill, ``kvrepro.formats.centering``; not the default); the experiment ``kvrepro:k4v4:window32`` =
 k4v4 with ``KVREPRO_RECENT_WINDOW=32`` (format ``k4v4-window32``: decode steps read each request's last 32 tokens'
-K/V exact from a side cache, ``kvrepro.vllm_backend.window``; not the default). Each mode runs
+K/V exact from a side cache, ``kvrepro.vllm_backend.window``; not the default), ``kvrepro:k4v4:window128`` alike. Each mode runs
 in its own subprocess (``python -m kvrepro.accuracy_vllm worker``): GPU memory is returned between
 modes and the preset's environment variable is set before vLLM (and kvrepro's plugin) starts.
 Per mode, one engine: (1) every grid prompt in ONE batched greedy ``generate()`` (``max_new_tokens``,
@@ -63,13 +63,16 @@ CONTROL_MODES = {"bf16:triton_attn": {"kv_cache_dtype": "auto", "attention_backe
                  "kvrepro:k4v4:centered": {"kv_cache_dtype": "auto", "attention_backend": "CUSTOM",
                                            "env": {"KVREPRO_PRESET": "k4v4", "KVREPRO_KEY_CENTER": "first-prefill"}},
                  "kvrepro:k4v4:window32": {"kv_cache_dtype": "auto", "attention_backend": "CUSTOM",
-                                           "env": {"KVREPRO_PRESET": "k4v4", "KVREPRO_RECENT_WINDOW": "32"}}}
+                                           "env": {"KVREPRO_PRESET": "k4v4", "KVREPRO_RECENT_WINDOW": "32"}},
+                 "kvrepro:k4v4:window128": {"kv_cache_dtype": "auto", "attention_backend": "CUSTOM",
+                                            "env": {"KVREPRO_PRESET": "k4v4", "KVREPRO_RECENT_WINDOW": "128"}}}
 MODES = ("bf16", "fp8", "kvrepro:k4v4", "kvrepro:k8v4", "kvrepro:k4v2", *CONTROL_MODES)
 # every variable a mode can set (kvrepro presets set KVREPRO_PRESET: kvrepro.sweep.engine_settings)
 MODE_ENV_VARS = frozenset({"KVREPRO_PRESET", *(k for m in CONTROL_MODES.values() for k in m["env"])})
 FORMAT_OF_MODE = {"bf16": "bf16", "fp8": "fp8", "kvrepro:k4v4": "k4v4", "kvrepro:k8v4": "k8v4",
                   "kvrepro:k4v2": "k4v2", "bf16:triton_attn": "bf16-triton_attn",
-                  "kvrepro:k4v4:centered": "k4v4-centered", "kvrepro:k4v4:window32": "k4v4-window32"}
+                  "kvrepro:k4v4:centered": "k4v4-centered", "kvrepro:k4v4:window32": "k4v4-window32",
+                  "kvrepro:k4v4:window128": "k4v4-window128"}
 WEIGHTS = ("gguf", "dequant", "auto")
 COMPILE = ("decode-graphs", "full", "eager")
 DEFAULT_FACTORY = "kvrepro.accuracy_vllm:vllm_engine"
