@@ -115,7 +115,7 @@ class RecentWindow:
         self.k.index_copy_(0, dst, k.to(self.k.dtype))
         self.v.index_copy_(0, dst, v.to(self.v.dtype))
         self.tag.index_copy_(0, dst, torch.where(won, slots, -1))
-        self.tag[self.entries] = -1
+        self.tag[self.entries:].fill_(-1)            # the sink row stays empty (fill_: no host copy, graph-safe)
 
     def page_kv(self, fmt, pool: torch.Tensor, layout, rotation: torch.Tensor, slots: torch.Tensor):
         """Dequantized, unrotated K/V (float32 ``[*slots.shape, Hkv, D]``) of the tokens at ``slots`` (int64, valid)
