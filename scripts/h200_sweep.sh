@@ -5,6 +5,7 @@
 #        bash scripts/h200_sweep.sh sweep RUN_ID MODES [EDGE_MODES] [PARAMS_JSON] [MODE_PARAMS_JSON]
 #        bash scripts/h200_sweep.sh smoke+sweep RUN_ID MODES [EDGE_MODES] ...   (both, one call)
 #        bash scripts/h200_sweep.sh prefix                 prefix caching smoke (scripts/vllm_smoke.py --case piecewise)
+#        bash scripts/h200_sweep.sh preempt                vLLM's preemption counter on a workload that must preempt
 # Wall budget of the whole call: CALL_LIMIT_S (default 585) counted from CALL_T0 (epoch seconds; set
 # it first thing on the command line so that staging counts too), else from this script's start.
 # Modes that no longer fit are not started (a later call resumes them). SIZING_ONLY=modes,... sizes only;
@@ -78,8 +79,12 @@ case "${1:-}" in
     timeout 240 python3 scripts/vllm_smoke.py --case piecewise --out $OUT/piecewise.json > $OUT/piecewise_log.txt 2>&1
     echo "piecewise rc=$?"; grep -E "Error|Traceback" $OUT/piecewise_log.txt | tail -5; cat $OUT/piecewise.json 2>/dev/null | cut -c1-1500
     ;;
+  preempt)  # vLLM's preemption counter on a workload that must preempt (tiny model, 48 KV blocks; ~1 min)
+    timeout 240 python3 scripts/vllm_smoke.py --case preempt --out $OUT/preempt.json > $OUT/preempt_log.txt 2>&1
+    echo "preempt rc=$?"; grep -E "Error|Traceback" $OUT/preempt_log.txt | tail -5; cat $OUT/preempt.json 2>/dev/null | cut -c1-1500
+    ;;
   smokeg)  # the tiny-model engine smoke of the previous session (CUDA graphs + torch.compile, ~2 min)
     timeout 200 python3 scripts/vllm_smoke.py --case graphs --out $OUT/smoke_graphs.json 2>&1 | tee $OUT/smoke_log.txt | grep -E "SMOKE|Error|Traceback|KV cache size" | tail -20
     ;;
-  *) echo "usage: $0 smoke | sweep RUN_ID MODES [EDGE] [PARAMS] [MODE_PARAMS] | smoke+sweep ... | prefix | smokeg"; exit 2 ;;
+  *) echo "usage: $0 smoke | sweep RUN_ID MODES [EDGE] [PARAMS] [MODE_PARAMS] | smoke+sweep ... | prefix | preempt | smokeg"; exit 2 ;;
 esac

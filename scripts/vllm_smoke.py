@@ -128,7 +128,7 @@ def case_preempt(a):
     must preempt: 8 requests of 64 + 128 tokens (96 blocks of 16) in a KV cache of 48 blocks."""
     from kvrepro.vllm_backend.measure import counter, preemptions
 
-    llm = engine(num_gpu_blocks_override=48, max_num_seqs=8, disable_log_stats=False)
+    llm = engine(num_gpu_blocks_override=48, max_num_seqs=8, max_model_len=512, disable_log_stats=False)
     import numpy as np
 
     rng = np.random.default_rng(2)
