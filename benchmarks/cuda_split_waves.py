@@ -1,17 +1,20 @@
-"""One GPU call: where the CUDA decode kernel's time goes at 128K, and split counts that fill whole waves.
+"""One GPU call: the CUDA decode kernel at 128K per split count, and variants of it, side by side.
 
-    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/cuda_split_waves.py --out $OUT
+    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/cuda_split_waves.py --out $OUT \
+        [--variant NAME=PATH.fatbin ...] [--three-launch PATH.fatbin]
 
 For batch 1 / 3 / 6 / 13 (Qwen3-4B shapes: 32 q / 8 KV heads, head_dim 128, k4v4 pages, block 16, context 131,072)
-and for each split count S of a list (the current rule's count, powers of two, and the counts that give exactly one,
-two or three waves of the kernel's 4 resident CTAs per SM: ``k x 4 x SMs / (B x 8)``), time from CUDA graphs
-(``side_by_side_vllm.bench``: median of replays):
-  - ``full``: ``decode_attention(impl="cuda", num_splits=S)`` (query rotation + attention kernel + split merge);
-  - ``attn``: the attention kernel alone (``cuda_decode.launch``), ``rotate`` and ``merge``: the two Triton launches.
-Each S is checked against float64 attention over the dequantized pages (``paged_attention_ref``), relative error
-of the output. % of copy bandwidth = the pages' bytes (B x 131,072 x 8 heads x 134 B) / time / the copy bandwidth
-measured in the same run (read + write), as in ``side_by_side_vllm``. Writes ``$OUT/cuda_split_waves.json``
-(provenance included, write-then-rename after each batch). Budget ~120 s on an H200.
+and for each split count S of a list (the rule's count, powers of two, and the counts that give exactly one, two or
+three waves of the kernel's 4 resident CTAs per SM: ``k x 4 x SMs / (B x 8)``), time from CUDA graphs
+(``side_by_side_vllm.bench``: median of replays) one decode step, ``decode_attention(impl="cuda", num_splits=S)``:
+  - ``committed``: the committed fatbin (one launch: query rotation, attention, split merge);
+  - ``--variant NAME=PATH``: another build of the same source (e.g. ``-DKVREPRO_STAGES=5``), same launch;
+  - ``--three-launch PATH``: a fatbin of the earlier kernel (rotated float16 query in, partials out) with the Triton
+    ``rotate_query_kernel`` before it and ``merge_splits_kernel`` after it, as before the fusion.
+Each timed output is checked against float64 attention over the dequantized pages (``paged_attention_ref``).
+% of copy bandwidth = the pages' bytes (B x 131,072 x 8 heads x 134 B) / time / the copy bandwidth measured in the
+same run (read + write), as in ``side_by_side_vllm``. Writes ``$OUT/cuda_split_waves.json`` (provenance, every row;
+write-then-rename after each batch). Budget ~150 s on an H200. First run (three-launch kernel only): H200 run 25.
 """
 from __future__ import annotations
 
@@ -37,22 +40,45 @@ CTAS_PER_SM = 4        # the kernel's __launch_bounds__(128, 4); run 24: 4 resid
 
 def candidates(batch: int, sms: int, rule: int) -> list[int]:
     waves = [k * CTAS_PER_SM * sms // (batch * HKV) for k in (1, 2, 3)]
-    return sorted({s for s in [rule, 16, 32, 64, 128, *waves] if 1 <= s <= 256})
+    return sorted({s for s in [rule, 16, 32, 64, *waves] if 1 <= s <= 256})
+
+
+def three_launch(mod, q, pool, bt, sl, out, ws, s, scale):
+    """The kernel as it was before the fusion: Triton query rotation, the attention kernel, Triton split merge."""
+    b = q.shape[0]
+    n_o = b * HQ * s * D
+    part_o, part_lse = ws[:n_o], ws[n_o:n_o + b * HQ * s]
+    q16 = ws[n_o + b * HQ * s:].view(torch.float16)[: b * HQ * D]
+    rotate_query_kernel[(b * HQ,)](q, pool.rotation, q16, q.stride(0), q.stride(1), scale * LOG2E, HQ=HQ, D=D)
+    mod.launch((b, HKV * s, 1), [q16, pool.data, bt, sl, part_o, part_lse, bt.stride(0), s, HKV, HQ // HKV],
+               torch.cuda.current_stream().cuda_stream)
+    merge_splits_kernel[(b * HQ,)](part_o, part_lse, pool.rotation, out, out.stride(0), out.stride(1), HQ=HQ, D=D,
+                                   NUM_SPLITS=s, SP=1 << (s - 1).bit_length())
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     ap.add_argument("--batches", type=int, nargs="*", default=[1, 3, 6, 13])
+    ap.add_argument("--variant", nargs="*", default=[], help="NAME=PATH of another fatbin of decode_k4v4.cu")
+    ap.add_argument("--three-launch", default=None, help="fatbin of the earlier three-launch kernel")
+    ap.add_argument("--extra-splits", type=int, nargs="*", default=[], help="more split counts to time")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("cuda_split_waves.py needs a CUDA device")
     t0 = time.time()
     path = os.path.join(a.out, "cuda_split_waves.json")
-    dev = torch.device("cuda")
+    dev = torch.device("cuda", torch.cuda.current_device())
     sms = sm_count(dev)
+    committed = cuda_decode.load(dev)
+    mods = {"committed": committed}
+    for v in a.variant:
+        name, p = v.split("=", 1)
+        mods[name] = cuda_decode._Module(dev, p)
+    old = cuda_decode._Module(dev, a.three_launch) if a.three_launch else None
     res = {"provenance": provenance({"script": "benchmarks/cuda_split_waves.py", "ctx": CTX, "sms": sms,
-                                     "ctas_per_sm": CTAS_PER_SM}),
+                                     "ctas_per_sm": CTAS_PER_SM, "variants": a.variant,
+                                     "three_launch": a.three_launch}),
            "fatbin": cuda_decode.read_manifest(), "copy_bandwidth": copy_bandwidth(), "rows": []}
     copy_bw = res["copy_bandwidth"]["GBps_read_plus_write"]
     print(f"SMs {sms}, copy {copy_bw:.0f} GB/s", flush=True)
@@ -64,37 +90,31 @@ def main() -> int:
         ref = paged_attention_ref(q, pool, bt, sl, torch.arange(batch + 1, device=dev), scale, dtype=torch.float64)
         rule = default_num_splits(batch, HKV, bt.shape[1] * 16, dev, "cuda")
         out = torch.empty_like(q)
-        for s in candidates(batch, sms, rule):
+        for s in sorted(set(candidates(batch, sms, rule)) | set(a.extra_splits)):
             ws = torch.empty(decode_workspace_numel(batch, HQ, D, s), device=dev, dtype=torch.float32)
-            n_o = batch * HQ * s * D
-            part_o, part_lse = ws[:n_o], ws[n_o:n_o + batch * HQ * s]
-            q16 = ws[n_o + batch * HQ * s:].view(torch.float16)[: batch * HQ * D]
-            full = lambda: decode_attention(q, pool.data, bt, sl, pool.layout, pool.rotation, scale, out=out,  # noqa: E731
-                                            num_splits=s, workspace=ws, impl="cuda")
-            out.fill_(float("nan"))
-            full()
-            err = float(((out.double() - ref).norm() / ref.norm()).item())
-            attn = lambda: cuda_decode.launch(q16, pool.data, bt, sl, part_o, part_lse, s, HKV, HQ // HKV)  # noqa: E731
-            rot = lambda: rotate_query_kernel[(batch * HQ,)](q, pool.rotation, q16, q.stride(0), q.stride(1),  # noqa: E731
-                                                            scale * LOG2E, HQ=HQ, D=D)
-            merge = lambda: merge_splits_kernel[(batch * HQ,)](  # noqa: E731
-                part_o, part_lse, pool.rotation, out, out.stride(0), out.stride(1), HQ=HQ, D=D, NUM_SPLITS=s,
-                SP=1 << (s - 1).bit_length())
-            row = {"batch": batch, "splits": s, "ctas": batch * HKV * s,
-                   "waves": batch * HKV * s / (CTAS_PER_SM * sms), "rule": s == rule, "relerr_vs_f64": err}
-            for name, fn in (("full", full), ("attn", attn), ("rotate", rot), ("merge", merge)):
+            fns = {}
+            for name, mod in mods.items():
+                def fn(mod=mod, s=s, ws=ws):
+                    cuda_decode._MODULES[dev.index] = mod       # the launch goes through this build
+                    decode_attention(q, pool.data, bt, sl, pool.layout, pool.rotation, scale, out=out,
+                                     num_splits=s, workspace=ws, impl="cuda")
+                fns[name] = fn
+            if old is not None:
+                fns["three_launch"] = lambda s=s, ws=ws: three_launch(old, q, pool, bt, sl, out, ws, s, scale)
+            for name, fn in fns.items():
+                out.fill_(float("nan"))
+                fn()
+                err = float(((out.double() - ref).norm() / ref.norm()).item())
                 _, gms, gerr = bench(fn)
-                row[f"ms_{name}"] = gms
-                if gerr:
-                    row[f"error_{name}"] = gerr
-            if row["ms_full"]:
-                row["pct_copy_full"] = 100 * nbytes / row["ms_full"] / 1e6 / copy_bw
-            if row["ms_attn"]:
-                row["pct_copy_attn"] = 100 * nbytes / row["ms_attn"] / 1e6 / copy_bw
-            res["rows"].append(row)
-            print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+                row = {"kernel": name, "batch": batch, "splits": s, "ctas": batch * HKV * s,
+                       "waves": batch * HKV * s / (CTAS_PER_SM * sms), "rule": s == rule, "relerr_vs_f64": err,
+                       "ms_graph": gms, "graph_error": gerr,
+                       "pct_copy": None if gms is None else 100 * nbytes / gms / 1e6 / copy_bw}
+                res["rows"].append(row)
+                print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items() if k != "graph_error"},
+                      gerr or "", flush=True)
+        cuda_decode._MODULES[dev.index] = committed
         write_json(path, res)
-
         torch.cuda.empty_cache()
     res["total_s"] = time.time() - t0
     write_json(path, res)

@@ -11,8 +11,10 @@ The kernel (design: notes/kernels.md "Design sketch for the next decode kernel",
 warps per (sequence, KV head, split), each warp walking its own pages through a 4-deep ``cp.async`` ring; keys through
 int8 tensor cores (``mma.m16n8k32.s8``, the query as two int8 digits as in the Triton int8 key path; method after
 SageAttention, Zhang et al. 2024), values through ``mma.m16n8k16.f16`` with tokens x GQA heads as the MMA shape; it
-writes the same split-K workspace as the Triton kernel, so the query rotation and the log-sum-exp split merge
-(FlashDecoding, Dao et al. 2023) are the same Triton kernels on both paths.
+writes the same split-K partials as the Triton kernel, but does the query rotation (a fast Walsh-Hadamard transform:
+the rotation is ``diag(s) H / sqrt(D)``) and the log-sum-exp split merge (FlashDecoding, Dao et al. 2023; the last CTA
+of each (sequence, KV head) merges, after the threadfence reduction of the CUDA programming guide) in the same
+launch, where the Triton path launches three kernels.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import weakref
 
 import torch
 
@@ -38,6 +41,7 @@ KERNEL = "kvrepro_decode_k4v4"
 WARPS = 4                       # threads per CTA = 32 * WARPS (the kernel's __launch_bounds__)
 MIN_CAPABILITY = (8, 0)         # cp.async, mma.m16n8k32.s8, movmatrix (PTX ISA 7.8) need sm_80+
 MAX_GROUP = 8                   # GQA query heads per KV head: the MMA's N = 8
+MERGE_MAX = 4096                # num_splits x group that the in-kernel split merge holds (decode_k4v4.cu MERGE_MAX)
 # SASS for A100 / A10-A40 / L4-L40 / H100-H200, plus compute_80 PTX that the driver compiles for newer GPUs.
 GENCODE = ("arch=compute_80,code=sm_80", "arch=compute_86,code=sm_86", "arch=compute_89,code=sm_89",
            "arch=compute_90,code=sm_90", "arch=compute_80,code=compute_80")
@@ -163,7 +167,8 @@ class _Module:
         return f"CUDA error {rc} ({_ERRORS.get(rc, 'see cuda.h')})"
 
     def launch(self, grid: tuple[int, int, int], args: list, stream: int) -> None:
-        vals = [ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor) else ctypes.c_int(int(a)) for a in args]
+        vals = [ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor)
+                else a if isinstance(a, ctypes._SimpleCData) else ctypes.c_int(int(a)) for a in args]
         ptrs = (ctypes.c_void_p * len(vals))(*[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in vals])
         rc = self.lib.cuLaunchKernel(self.fn, *grid, WARPS * 32, 1, 1, 0, ctypes.c_void_p(stream), ptrs, None)
         if rc:
@@ -217,24 +222,89 @@ def load(device: torch.device, path: str = FATBIN) -> _Module:
     return _MODULES[idx]
 
 
-def launch(q16: torch.Tensor, pool: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-           part_o: torch.Tensor, part_lse: torch.Tensor, num_splits: int, num_kv_heads: int, group: int) -> None:
-    """Run the attention kernel on the current stream (no host sync). Shapes as ``decode_attention``'s workspace:
+def rotation_signs(rotation: torch.Tensor) -> torch.Tensor:
+    """The sign vector ``s`` (float32 ``[D]``, +-1, on the rotation's device) of a rotation ``R = diag(s) H / sqrt(D)``
+    (``kvrepro.formats.hadamard.rotation_matrix``), which the CUDA kernel applies as a fast Walsh-Hadamard transform.
 
-    q16 float16 ``[B, Hq, 128]`` (rotated, times scale * log2 e), pool uint8 ``[num_blocks, Hkv, 2144]``
-    (16-byte aligned), block_tables int32 ``[B, max_blocks]`` (last dim contiguous), seq_lens int32 ``[B]``,
-    part_o float32 ``[B, Hq, S, 128]``, part_lse float32 ``[B, Hq, S]`` (log2). The caller (``decode_attention``)
-    has checked shapes, dtypes and ``unsupported_reason``. Raises ValueError for a pool that is not 16-byte
-    aligned (``cp.async`` copies 16-byte chunks).
+    Checked on the host the first time a rotation tensor is seen (one sync; cached per tensor and in-place version),
+    so call it once outside CUDA-graph capture (``decode_attention`` does; the vLLM backend's warm-up runs it before
+    capture). Raises ValueError if ``rotation`` is not of that form (the kernel would compute another function),
+    RuntimeError if an unchecked rotation reaches it during graph capture.
+    """
+    hit = _SIGNS.get(id(rotation))
+    if hit is not None and hit[0]() is rotation and hit[1] == rotation._version:
+        return hit[2]
+    if rotation.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("kvrepro CUDA decode kernel: a rotation tensor not seen before reached it during CUDA-graph "
+                           "capture; run decode_attention once eagerly with it first (its Hadamard form is checked "
+                           "on the host once)")
+    from kvrepro.formats.hadamard import _sylvester
+
+    d = rotation.shape[0]
+    r = rotation.detach().double().cpu()
+    s = torch.sign(r[:, 0])
+    if not (s.abs() == 1).all() or not torch.allclose(r, s[:, None] * _sylvester(d) / d ** 0.5, rtol=0, atol=1e-6):
+        raise ValueError("rotation must be diag(s) H / sqrt(head_dim) with H the Sylvester Hadamard matrix and s signs "
+                         "(kvrepro.formats.hadamard.rotation_matrix) for impl='cuda'; use impl='triton' for another "
+                         "rotation")
+    signs = s.float().to(rotation.device)
+    if len(_SIGNS) > 256:                     # drop entries whose rotation is gone
+        for k in [k for k, v in _SIGNS.items() if v[0]() is None]:
+            del _SIGNS[k]
+    _SIGNS[id(rotation)] = (weakref.ref(rotation), rotation._version, signs)
+    return signs
+
+
+def split_counters(device: torch.device, n: int) -> torch.Tensor:
+    """The kernel's per-(sequence, KV head) arrival counters: int32 ``[>= n]`` on ``device``, zero, left zero by every
+    launch (the last CTA resets its counter). One buffer per device, grown (a new zeroed buffer) when ``n`` exceeds
+    it (never inside CUDA-graph capture: RuntimeError); calls on concurrent streams of one device must not share it
+    (the vLLM backend runs one stream)."""
+    idx = torch.device(device).index
+    idx = torch.cuda.current_device() if idx is None else idx
+    buf = _COUNTERS.get(idx)
+    if buf is None or buf.numel() < n:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"kvrepro CUDA decode kernel: {n} split counters needed inside CUDA-graph capture, "
+                               f"{0 if buf is None else buf.numel()} allocated; run decode_attention once eagerly at the "
+                               f"largest batch first (the vLLM backend's warm-up does)")
+        buf = _COUNTERS[idx] = torch.zeros(max(n, 4096), dtype=torch.int32, device=torch.device("cuda", idx))
+    return buf
+
+
+_SIGNS: dict = {}        # id(rotation) -> (weakref, in-place version, signs)
+_COUNTERS: dict[int, torch.Tensor] = {}
+
+
+def launch(query: torch.Tensor, rotation: torch.Tensor, pool: torch.Tensor, block_tables: torch.Tensor,
+           seq_lens: torch.Tensor, part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, scale: float,
+           num_splits: int, num_kv_heads: int, group: int) -> None:
+    """Run the kernel on the current stream (no host sync after the first call with a rotation): query rotation,
+    split-K attention and the split merge in one launch. Shapes as ``decode_attention``'s:
+
+    query ``[B, Hq, 128]`` bfloat16 / float16 (last dim contiguous, unrotated), rotation float32 ``[128, 128]`` of the
+    form ``rotation_signs`` checks, pool uint8 ``[num_blocks, Hkv, 2144]`` (16-byte aligned), block_tables int32
+    ``[B, max_blocks]`` (last dim contiguous), seq_lens int32 ``[B]``, part_o float32 ``[B, Hq, S, 128]`` and part_lse
+    float32 ``[B, Hq, S]`` (scratch: the split partials, log2), out ``[B, Hq, 128]`` bfloat16 / float16 (last dim
+    contiguous), scale the softmax scale. The caller (``decode_attention``) has checked shapes, dtypes and
+    ``unsupported_reason``. Raises ValueError for a pool that is not 16-byte aligned (``cp.async`` copies 16-byte
+    chunks) or a rotation of another form.
     """
     if pool.data_ptr() % 16:
         raise ValueError("pool must start on a 16-byte boundary for the CUDA decode kernel (cp.async)")
     b = block_tables.shape[0]
+    signs = rotation_signs(rotation)
+    counters = split_counters(pool.device, b * num_kv_heads)
+    flags = (1 if query.dtype == torch.bfloat16 else 0) | (2 if out.dtype == torch.bfloat16 else 0)
+    qmul = float(scale) * 1.4426950408889634 / LAYOUT["head_dim"] ** 0.5
     with torch.cuda.device(pool.device):      # the pool's device is current: its context, module and stream
         mod = load(pool.device)
         stream = torch.cuda.current_stream(pool.device).cuda_stream
-        mod.launch((b, num_kv_heads * num_splits, 1), [q16, pool, block_tables, seq_lens, part_o, part_lse,
-                                                       block_tables.stride(0), num_splits, num_kv_heads, group], stream)
+        mod.launch((b, num_kv_heads * num_splits, 1),
+                   [query, signs, pool, block_tables, seq_lens, part_o, part_lse, out, counters,
+                    ctypes.c_longlong(query.stride(0)), ctypes.c_longlong(query.stride(1)),
+                    ctypes.c_longlong(out.stride(0)), ctypes.c_longlong(out.stride(1)), ctypes.c_float(qmul), flags,
+                    block_tables.stride(0), num_splits, num_kv_heads, group], stream)
 
 
 def main(argv=None) -> int:

@@ -279,6 +279,10 @@ def decode_attention(query: torch.Tensor, pool, block_tables: torch.Tensor, seq_
         number.
 
     No host sync and a launch grid fixed by ``(B, Hkv, num_splits)``: CUDA-graph capturable.
+    With ``impl="cuda"`` one launch does the query rotation (a Walsh-Hadamard transform: ``rotation`` must be
+    ``kvrepro.formats.hadamard.rotation_matrix``'s form), the split-K attention and the split merge (the last CTA of
+    each sequence and KV head); ``num_splits x group`` may not exceed ``cuda_decode.MERGE_MAX``. The Triton path
+    launches three kernels (rotation, attention, merge).
     Precision: q is rotated and scaled in float32, then rounded to float16 (needs
     ``|q @ R| * scale * 1.4427 < 65504``); softmax and accumulation in float32.
 
@@ -291,9 +295,11 @@ def decode_attention(query: torch.Tensor, pool, block_tables: torch.Tensor, seq_
             that is not finite and positive; with ``validate``, bad seq_lens or block ids;
             ``key_mma`` not in ``KEY_MMAS``, or ``"int8"`` with a variant other than ``"v2"`` or keys
             other than 4 / 8 bits; ``max_registers`` not None or a multiple of 8 in [32, 248];
-            ``impl`` as ``resolve_impl``.
+            ``impl`` as ``resolve_impl``; with ``impl="cuda"``: ``num_splits x group > cuda_decode.MERGE_MAX`` or a
+            rotation that is not ``diag(s) H / sqrt(D)``.
         RuntimeError: ``impl="cuda"`` and the CUDA driver cannot load the kernel's fatbin (the message says
-            what to do).
+            what to do); a rotation not seen before, or more split counters than allocated, inside CUDA-graph
+            capture (run one eager call first).
     """
     data = pool_tensor(pool)
     _, hkv = check_pool(data, layout)
@@ -338,6 +344,10 @@ def decode_attention(query: torch.Tensor, pool, block_tables: torch.Tensor, seq_
     max_splits = 65535 // hkv       # the launch grid's second / third dimension holds Hkv x num_splits
     if not isinstance(num_splits, int) or isinstance(num_splits, bool) or not 1 <= num_splits <= max_splits:
         raise ValueError(f"num_splits must be an int in 1..{max_splits} (65535 // num_kv_heads), got {num_splits!r}")
+    if impl == "cuda" and num_splits * group > cuda_decode.MERGE_MAX:
+        raise ValueError(f"num_splits must be <= {cuda_decode.MERGE_MAX // group} ({cuda_decode.MERGE_MAX} // GQA group "
+                         f"{group}) for impl='cuda' (its split merge holds num_splits x group weights in shared "
+                         f"memory), got {num_splits}")
     check_launch(num_warps, num_stages, max_registers)
     launch_opts = {} if max_registers is None else {"maxnreg": max_registers}
     if b == 0:
@@ -352,13 +362,15 @@ def decode_attention(query: torch.Tensor, pool, block_tables: torch.Tensor, seq_
     part_lse = workspace[n_o:n_o + b * hq * num_splits]
     q16 = workspace[n_o + b * hq * num_splits:need].view(torch.float16)[: b * hq * d]
 
+    if impl == "cuda":      # one launch: query rotation, attention and split merge
+        cuda_decode.launch(query, rotation, data, block_tables, seq_lens, part_o, part_lse, out, scale, num_splits,
+                           hkv, group)
+        return out
     rotate_query_kernel[(b * hq,)](query, rotation, q16, query.stride(0), query.stride(1),
                                    float(scale) * LOG2E, HQ=hq, D=d)
     gp = next_pow2(group)
-    kernel, extra = attention_kernel(variant, dequant, dev) if impl == "triton" else (None, {})
-    if impl == "cuda":
-        cuda_decode.launch(q16, data, block_tables, seq_lens, part_o, part_lse, num_splits, hkv, group)
-    elif variant == "v3":
+    kernel, extra = attention_kernel(variant, dequant, dev)
+    if variant == "v3":
         kernel[(b, hkv * num_splits)](
             q16, data, block_tables, seq_lens, part_o, part_lse, block_tables.stride(0), num_splits,
             G=group, **page_constexprs(layout, hkv), BLOCK_M=max(16, gp), BLOCK_N=block_n,

@@ -5,13 +5,22 @@
 // CUDA devices of compute capability >= 8.0. Verified against float64 attention on the H200 (sm_90) only:
 // notes/kernels.md run 18.
 //
-// Same page format, query preparation and split-K workspace as the Triton path (impl="triton": v2, int8 keys):
-//   q16      [B, HQ, D] float16, rotated and pre-multiplied by softmax_scale * log2(e) (rotate_query_kernel)
+// Same page format, query preparation and split-K workspace as the Triton path (impl="triton": v2, int8 keys),
+// but one launch does all three steps that the Triton path launches separately (rotate_query_kernel, attention,
+// merge_splits_kernel):
+//   query    [B, HQ, D] bfloat16 / float16 (flag bit 0), strides (stride_qb, stride_qh, 1), unrotated; each CTA
+//            rotates its GQA group's rows itself: q @ R = H (s * q) / sqrt(D) (kvrepro.formats.hadamard: R =
+//            diag(s) H / sqrt(D), H Sylvester) by a fast Walsh-Hadamard transform in registers, times
+//            softmax_scale * log2(e) (qmul includes 1 / sqrt(D)), rounded to float16 as rotate_query_kernel does
+//   signs    [D] float32 +-1: s (the caller checks that the rotation has this form, kvrepro.ops.cuda_decode)
 //   pool     [num_blocks, HKV, 2144] uint8, k4v4 pages of 16 tokens, head_dim 128 (kvrepro.formats.layout):
 //            K codes [16][64] at 0, V codes [16][64] at 1024, K meta [16][scale, zero] f16 at 2048,
 //            V meta [16] f16 at 2112; byte j of a token = channel j (low nibble) and j + 64 (high nibble)
 //   part_o   [B, HQ, S, D] float32 normalized partial outputs (rotated space), part_lse [B, HQ, S] (log2)
-// The Triton merge_splits_kernel then combines the splits and rotates back.
+//   out      [B, HQ, D] bfloat16 / float16 (flag bit 1), strides (stride_ob, stride_oh, 1)
+//   counters [B, HKV] uint32, zero before the launch and left zero after it: the CTAs of one (sequence, KV head)
+//            count themselves in; the last one merges the S partials (log-sum-exp, as merge_splits_kernel) and
+//            rotates the result back, out = s * (H o) / sqrt(D), then resets the counter.
 //
 // Differences from the Triton kernel (notes/kernels.md "Design sketch for the next decode kernel"):
 //  - one CTA = (sequence, KV head, split) with 4 warps; each warp walks its own pages (page p of the split goes to
@@ -26,6 +35,7 @@
 //  - P^T fragments from the S^T accumulators with movmatrix.trans (no shared memory);
 //  - P.V summed by the tensor cores over FLUSH pages, then added to float32 registers (tensor-core accumulation
 //    truncates, notes/kernels.md run 5b); rescaling only when a running max grows (warp vote).
+#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <stdint.h>
 
@@ -36,9 +46,17 @@ constexpr int BS = 16;           // tokens per page (vLLM block)
 constexpr int PAGE = 2144;       // bytes per page per KV head
 constexpr int V_OFF = 1024, KM_OFF = 2048, VM_OFF = 2112;
 constexpr int WARPS = 4;
-constexpr int STAGES = 4;        // pages in flight per warp
+#ifndef KVREPRO_MERGE_UNROLL
+#define KVREPRO_MERGE_UNROLL 4  // splits per warp whose partial loads are in flight together in the merge
+#endif
+#ifndef KVREPRO_STAGES
+#define KVREPRO_STAGES 4
+#endif
+constexpr int STAGES = KVREPRO_STAGES;  // ring slots per warp (STAGES - 1 pages in flight while one is used)
 constexpr int FLUSH = 16;        // pages summed by the tensor cores before the float32 add
 constexpr int NCHUNK = PAGE / 16;  // 134 16-byte chunks per page
+constexpr int MERGE_UNROLL = KVREPRO_MERGE_UNROLL;
+constexpr int MERGE_MAX = 4096;  // num_splits x group the merge's weights hold (in the ring's shared memory)
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -106,12 +124,124 @@ __device__ __forceinline__ uint32_t pack_f16x2(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&h);
 }
 
+// In-place unnormalized Walsh-Hadamard transform (Sylvester order) of 128 values held 4 per lane, lane l holding
+// elements 4 l .. 4 l + 3: strides 1 and 2 in registers, strides 4 .. 64 with lanes l ^ 1 .. l ^ 16.
+__device__ __forceinline__ void fwht_warp(float (&x)[4], int lane) {
+  const float a0 = x[0] + x[1], a1 = x[0] - x[1], a2 = x[2] + x[3], a3 = x[2] - x[3];
+  x[0] = a0 + a2; x[1] = a1 + a3; x[2] = a0 - a2; x[3] = a1 - a3;
+#pragma unroll
+  for (int m = 1; m < 32; m <<= 1) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float o = __shfl_xor_sync(0xffffffffu, x[i], m);
+      x[i] = (lane & m) ? o - x[i] : x[i] + o;
+    }
+  }
+}
+
+__device__ __forceinline__ float load_act(const void* p, int64_t i, bool bf16) {
+  return bf16 ? __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(p)[i])
+              : __half2float(reinterpret_cast<const __half*>(p)[i]);
+}
+
 }  // namespace
 
+// The split merge of the last CTA of a (sequence, KV head): log-sum-exp weights of the S partials (all threads), their
+// weighted sums (warp w takes splits w, w + 4, ...), the rotation back (Walsh-Hadamard transform) and the output.
+// Not inlined: its registers do not add to the attention loop's (the kernel runs at the 128-register cap).
+__device__ __noinline__ void merge_splits(uint8_t* smem, float* xbuf, const float* __restrict__ part_o,
+                                          const float* __restrict__ part_lse, const float* __restrict__ signs,
+                                          void* __restrict__ out, int b, int kvh, int hq, int group, int num_splits,
+                                          long long stride_ob, long long stride_oh, bool o_bf16) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, ch = threadIdx.x;
+  __threadfence();
+  // weights of the group's S x group partials, all threads at once: w[h][s] = 2^(lse - max_h), then 1 / sum per head
+  float* wl = reinterpret_cast<float*>(smem);   // [group][num_splits] (num_splits x group <= MERGE_MAX)
+  float* hinv = wl + MERGE_MAX;                             // [8]: 1 / sum of weights (NaN: a NaN reached the head)
+  const int64_t row_b = ((int64_t)b * hq + kvh * group) * num_splits;   // head h's splits: rows row_b + h S + s
+  const int n_w = group * num_splits;
+  for (int i = threadIdx.x; i < n_w; i += WARPS * 32) wl[i] = __ldcg(part_lse + row_b + i);
+  __syncthreads();
+  for (int h = warp; h < group; h += WARPS) {
+    float M = -INFINITY;
+    int nan = 0;
+    for (int s = lane; s < num_splits; s += 32) {
+      const float l = wl[h * num_splits + s];
+      nan |= (l != l);
+      M = fmaxf(M, l);
+    }
+    for (int o = 16; o; o >>= 1) {
+      M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
+      nan |= __shfl_xor_sync(0xffffffffu, nan, o);
+    }
+    float W = 0.f;
+    for (int s = lane; s < num_splits; s += 32) {
+      const float l = wl[h * num_splits + s];
+      const float w = l > -INFINITY ? exp2f(l - M) : 0.f;   // empty splits (and NaN ones) weigh nothing
+      wl[h * num_splits + s] = w;
+      W += w;
+    }
+    for (int o = 16; o; o >>= 1) W += __shfl_xor_sync(0xffffffffu, W, o);
+    if (lane == 0) hinv[h] = nan ? __int_as_float(0x7fc00000) : (W > 0.f ? 1.f / W : 0.f);
+  }
+  __syncthreads();
+  // weighted sums: warp w takes splits w, w + 4, ...; lane l holds channels 4 l .. 4 l + 3 of every head (one
+  // float4 per lane = one 512-byte partial row per warp load; a split's loads of all heads are independent)
+  float* red = hinv + 8;                                     // [WARPS][8][D] per-warp sums
+  for (int h0 = 0; h0 < group; h0 += 4) {                   // heads in fours: fewer live registers
+    float4 acc4[4];
+#pragma unroll
+    for (int h = 0; h < 4; ++h) acc4[h] = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll MERGE_UNROLL
+    for (int s = warp; s < num_splits; s += WARPS) {
+#pragma unroll
+      for (int h = 0; h < 4; ++h) {
+        if (h0 + h < group) {
+          const float w = wl[(h0 + h) * num_splits + s];
+          const float4 x = __ldcg(reinterpret_cast<const float4*>(part_o + (row_b + (int64_t)(h0 + h) * num_splits + s) * D) + lane);
+          acc4[h].x += w * x.x; acc4[h].y += w * x.y; acc4[h].z += w * x.z; acc4[h].w += w * x.w;
+        }
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < 4; ++h)
+      if (h0 + h < group) reinterpret_cast<float4*>(red + (warp * 8 + h0 + h) * D)[lane] = acc4[h];
+  }
+  __syncthreads();
+  const float sgn = signs[ch];
+#pragma unroll
+  for (int h = 0; h < 8; ++h) {
+    if (h >= group) break;
+    float x = 0.f;
+    for (int w = 0; w < WARPS; ++w) x += red[(w * 8 + h) * D + ch];
+    x *= hinv[h];
+    // out = s * (H x) / sqrt(D): strides 1 .. 16 within the warp, 32 and 64 through shared memory
+#pragma unroll
+    for (int m = 1; m < 32; m <<= 1) {
+      const float o = __shfl_xor_sync(0xffffffffu, x, m);
+      x = (ch & m) ? o - x : x + o;
+    }
+#pragma unroll
+    for (int m = 32; m < D; m <<= 1) {
+      xbuf[ch] = x;
+      __syncthreads();
+      const float o = xbuf[ch ^ m];
+      __syncthreads();
+      x = (ch & m) ? o - x : x + o;
+    }
+    x *= sgn * 0.08838834764831845f;  // 1 / sqrt(128)
+    const int64_t oi = (int64_t)b * stride_ob + (int64_t)(kvh * group + h) * stride_oh + ch;
+    if (o_bf16) reinterpret_cast<__nv_bfloat16*>(out)[oi] = __float2bfloat16_rn(x);
+    else reinterpret_cast<__half*>(out)[oi] = __float2half_rn(x);
+  }
+}
+
 extern "C" __global__ void __launch_bounds__(WARPS * 32, 4)  // 4 CTAs (16 warps) per SM: <= 128 registers
-kvrepro_decode_k4v4(const __half* __restrict__ q16, const uint8_t* __restrict__ pool,
-                    const int* __restrict__ block_tables, const int* __restrict__ seq_lens,
-                    float* __restrict__ part_o, float* __restrict__ part_lse,
+kvrepro_decode_k4v4(const void* __restrict__ query, const float* __restrict__ signs,
+                    const uint8_t* __restrict__ pool, const int* __restrict__ block_tables,
+                    const int* __restrict__ seq_lens, float* __restrict__ part_o, float* __restrict__ part_lse,
+                    void* __restrict__ out, unsigned* __restrict__ counters, long long stride_qb,
+                    long long stride_qh, long long stride_ob, long long stride_oh, float qmul, int flags,
                     int stride_bt, int num_splits, int num_kv_heads, int group) {
   const int b = blockIdx.x;
   const int kvh = blockIdx.y / num_splits;
@@ -123,14 +253,21 @@ kvrepro_decode_k4v4(const __half* __restrict__ q16, const uint8_t* __restrict__ 
   __shared__ __align__(128) uint8_t ring[WARPS][STAGES][PAGE];
   __shared__ __align__(16) int8_t qd_hi[8][D], qd_lo[8][D];  // read back as 32-bit words
   __shared__ float s_q[8], q_sum[8];
+  __shared__ float xbuf[D];  // the merge's cross-warp Walsh-Hadamard stages
+  __shared__ int s_last;
+  const bool q_bf16 = flags & 1, o_bf16 = flags & 2;
 
-  // ---- query digits (Triton _query_digits): S_q = max|q| / 16255 per head, qi = round(q / S_q) = 128 qh + ql
+  // ---- the group's query rows, rotated (q @ R = H (s q) / sqrt(D)), scaled and rounded to float16 as
+  // rotate_query_kernel does; then the digits (Triton _query_digits): S_q = max|q| / 16255 per head,
+  // qi = round(q / S_q) = 128 qh + ql
   const int seq_len = seq_lens[b];
   for (int h = warp; h < 8; h += WARPS) {
     float q[4] = {0.f, 0.f, 0.f, 0.f};
     if (h < group && seq_len > 0) {
-      const __half* qp = q16 + ((int64_t)b * hq + kvh * group + h) * D + lane * 4;
-      for (int i = 0; i < 4; ++i) q[i] = __half2float(qp[i]);
+      const int64_t base = (int64_t)b * stride_qb + (int64_t)(kvh * group + h) * stride_qh + lane * 4;
+      for (int i = 0; i < 4; ++i) q[i] = load_act(query, base + i, q_bf16) * signs[lane * 4 + i];
+      fwht_warp(q, lane);
+      for (int i = 0; i < 4; ++i) q[i] = __half2float(__float2half_rn(q[i] * qmul));
     }
     float amax = 0.f;
     int nan = 0;
@@ -187,14 +324,15 @@ kvrepro_decode_k4v4(const __half* __restrict__ q16, const uint8_t* __restrict__ 
     if (i < my_pages) {
       const int blk = bt[p0 + warp + i * WARPS];
       const uint8_t* src = pool + ((int64_t)blk * num_kv_heads + kvh) * PAGE + lane * 16;
-      const uint32_t stage = (i & (STAGES - 1)) * PAGE;
+      const uint32_t stage = (i % STAGES) * PAGE;
 #pragma unroll
       for (int k = 0; k < 4; ++k) cp_async16(ring_code + stage + 512 * k, src + 512 * k);
       if (lane < NCHUNK - 128) cp_async16(ring_meta + stage, src + 512 * 4);
     }
     cp_commit();  // one group per slot, empty or not, so wait_group counts stay uniform
   };
-  static_assert((STAGES & (STAGES - 1)) == 0, "STAGES must be a power of two");
+  static_assert(STAGES >= 2 && WARPS * STAGES * PAGE >= WARPS * 8 * D * 4 + WARPS * 8 * 3 * 4 &&
+                WARPS * STAGES * PAGE >= (MERGE_MAX + 8 + WARPS * 8 * D) * 4, "the ring doubles as the merge buffers");
   for (int i = 0; i < STAGES - 1; ++i) issue(i);
 
   float m0 = -INFINITY, m1 = -INFINITY;  // running max (log2) of heads h0, h0 + 1
@@ -207,7 +345,7 @@ kvrepro_decode_k4v4(const __half* __restrict__ q16, const uint8_t* __restrict__ 
     issue(i + STAGES - 1);
     cp_wait<STAGES - 1>();
     __syncwarp();
-    const uint8_t* pg = my_ring + (i & (STAGES - 1)) * PAGE;
+    const uint8_t* pg = my_ring + (i % STAGES) * PAGE;
     const int tok0 = (p0 + warp + i * WARPS) * BS;  // absolute position of the page's first token
 
     // S^T = K Q^T: two chains (high and low digits), exact int32
@@ -353,4 +491,16 @@ kvrepro_decode_k4v4(const __half* __restrict__ q16, const uint8_t* __restrict__ 
     part_o[row * D + ch] = o;
     if (ch == 0) part_lse[row] = lse;
   }
+
+  // ---- the last CTA of this (sequence, KV head) merges the splits (threadfence reduction: CUDA programming
+  // guide, "Memory fence functions") and rotates back
+  __threadfence();  // this CTA's partials are visible device-wide before it counts itself in
+  __syncthreads();
+  unsigned* counter = counters + (int64_t)b * num_kv_heads + kvh;
+  if (threadIdx.x == 0) s_last = atomicAdd(counter, 1u) == (unsigned)(num_splits - 1);
+  __syncthreads();
+  if (!s_last) return;
+  merge_splits(&ring[0][0][0], xbuf, part_o, part_lse, signs, out, b, kvh, hq, group, num_splits, stride_ob, stride_oh,
+               o_bf16);
+  if (threadIdx.x == 0) *counter = 0u;  // every CTA of this (sequence, KV head) has counted in: ready for the next launch
 }
