@@ -167,6 +167,7 @@ class LayerRuntime:
         LIVE_RUNTIMES.add(self)
         self._layouts: dict[int, object] = {}
         self.rotation: torch.Tensor | None = None
+        self._cuda_ready: torch.device | None = None   # device where the CUDA kernel's check and counters are done
 
     @property
     def ops(self):
@@ -207,7 +208,8 @@ class LayerRuntime:
 
     def prepare(self, device: torch.device) -> torch.Tensor:
         """Put the rotation and the key mean (zeros) on ``device`` and reserve the shared decode workspace for
-        ``max_batch`` (call before CUDA-graph capture and before vLLM's memory profiling); returns the rotation."""
+        ``max_batch`` and, for the CUDA decode kernel, its split counters and rotation check (call before CUDA-graph
+        capture and before vLLM's memory profiling); returns the rotation."""
         if self.rotation is None or self.rotation.device != torch.device(device):
             self.rotation = shared_rotation(self.head_size, self.fmt.seed, torch.device(device))
             if self.key_center and (self.key_mean is None or self.key_mean.device != torch.device(device)):
@@ -215,6 +217,11 @@ class LayerRuntime:
                 self._stored = torch.zeros(1, dtype=torch.int64, device=device)
             if self.max_batch:
                 decode_workspace(device, self.reserve_numel(device))
+        if self.impl_used == "cuda" and self.rotation.is_cuda and self._cuda_ready != self.rotation.device:
+            from kvrepro.ops import cuda_decode   # one-launch kernel: its rotation check (a sync) and split counters
+            cuda_decode.rotation_signs(self.rotation)             # now, not inside graph capture
+            cuda_decode.split_counters(self.rotation.device, (self.max_batch or 1) * self.num_kv_heads)
+            self._cuda_ready = self.rotation.device
         return self.rotation
 
     def prepare_window(self, device: torch.device, dtype: torch.dtype):
