@@ -174,8 +174,10 @@ def main():
     from kvrepro.vllm_backend.measure import key_center_summary
 
     res["key_center_state"] = key_center_summary()   # the layers' key-centering states after the case ran
-    with open(a.out, "w") as f:
+    tmp = a.out + ".tmp"
+    with open(tmp, "w") as f:                # write, then rename: no half-written result file
         json.dump(res, f)
+    os.replace(tmp, a.out)
     print("SMOKE " + json.dumps({k: v for k, v in res.items() if k not in ("greedy",)}), flush=True)
 
 

@@ -165,3 +165,30 @@ def test_config_and_accuracy_mode(monkeypatch):
     assert env["KVREPRO_RECENT_WINDOW"] == "32" and env["KVREPRO_PRESET"] == "k4v4"
     assert "KVREPRO_RECENT_WINDOW" not in av.mode_env("kvrepro:k4v4", {"KVREPRO_RECENT_WINDOW": "8"})
     assert av.FORMAT_OF_MODE["kvrepro:k4v4:window32"] == "k4v4-window32"
+
+
+def test_window_refuses_other_dtypes_and_oversized_caches():
+    w = RecentWindow(4, 64, 2, 8, torch.float32, torch.device("cpu"))
+    with pytest.raises(ValueError, match="key/value must be torch.float32"):
+        w.update(torch.zeros(1, 2, 8, dtype=torch.bfloat16), torch.zeros(1, 2, 8, dtype=torch.bfloat16),
+                 torch.tensor([3]), torch.tensor([0, 1], dtype=torch.int32), 1)
+    with pytest.raises(ValueError, match="more than 1048576; lower KVREPRO_RECENT_WINDOW or max_num_seqs"):
+        default_entries(256, 512)
+    from kvrepro.vllm_backend import config as cfg
+    with pytest.raises(ValueError, match="KVREPRO_RECENT_WINDOW must be off"):
+        cfg.resolve_recent_window(32.7)
+
+
+def test_padding_row_with_garbage_pages_stays_zero():
+    """A padded graph row (seq_len 0) whose block-table row points at pages holding NaN bytes: nothing leaks."""
+    hq, hkv, d, bs, win = 8, 2, 64, 16, 8
+    rt = LayerRuntime("k4v4", hq, hkv, d, d ** -0.5, recent_window=win)
+    pool, bt, sl, qsl, q, kd, vd, raw = _steps(4, rt, hq, hkv, d, bs, [40, 30])
+    junk = int(bt[1, -1])                                  # a block no sequence uses (the width has one spare)
+    pool[junk].fill_(0xFF)                                 # float16 0xFFFF = NaN scales
+    bt_pad = torch.cat([bt, torch.full((1, bt.shape[1]), junk, dtype=torch.int32)])
+    sl_pad = torch.cat([sl, torch.zeros(1, dtype=torch.int32)])
+    out = torch.full((3, hq, d), float("nan"), dtype=torch.bfloat16)
+    rt.attend(torch.cat([q, q[:1]]), torch.cat([kd, kd[:1]]), torch.cat([vd, vd[:1]]), pool, bt_pad, sl_pad,
+              torch.arange(4, dtype=torch.int32), 3, 3, 3, out, max_query_len=1)
+    assert (out[2] == 0).all() and torch.isfinite(out[:2]).all()

@@ -252,6 +252,7 @@ def rotation_signs(rotation: torch.Tensor) -> torch.Tensor:
         for k in [k for k, v in _SIGNS.items() if v[0]() is None]:
             del _SIGNS[k]
     _SIGNS[id(rotation)] = (weakref.ref(rotation), rotation._version, signs)
+    _KEEP.append(signs)         # never freed: a graph captured with it keeps its address
     return signs
 
 
@@ -269,11 +270,13 @@ def split_counters(device: torch.device, n: int) -> torch.Tensor:
                                f"{0 if buf is None else buf.numel()} allocated; run decode_attention once eagerly at the "
                                f"largest batch first (the vLLM backend's warm-up does)")
         buf = _COUNTERS[idx] = torch.zeros(max(n, 4096), dtype=torch.int32, device=torch.device("cuda", idx))
+        _KEEP.append(buf)       # never freed: a graph captured with it keeps its address (as runtime._WORKSPACES)
     return buf
 
 
 _SIGNS: dict = {}        # id(rotation) -> (weakref, in-place version, signs)
 _COUNTERS: dict[int, torch.Tensor] = {}
+_KEEP: list[torch.Tensor] = []   # every counter buffer and sign vector handed to a launch (small; see above)
 
 
 def launch(query: torch.Tensor, rotation: torch.Tensor, pool: torch.Tensor, block_tables: torch.Tensor,
@@ -292,6 +295,12 @@ def launch(query: torch.Tensor, rotation: torch.Tensor, pool: torch.Tensor, bloc
     """
     if pool.data_ptr() % 16:
         raise ValueError("pool must start on a 16-byte boundary for the CUDA decode kernel (cp.async)")
+    if part_o.data_ptr() % 16:
+        raise ValueError("workspace must start on a 16-byte boundary for the CUDA decode kernel (its merge reads the "
+                         "partial outputs as float4)")
+    if not 1 <= num_splits * group <= MERGE_MAX:
+        raise ValueError(f"num_splits x group must be in 1..{MERGE_MAX} for the CUDA decode kernel's merge, got "
+                         f"{num_splits} x {group}")
     b = block_tables.shape[0]
     signs = rotation_signs(rotation)
     counters = split_counters(pool.device, b * num_kv_heads)

@@ -191,6 +191,8 @@ def default_num_splits(batch: int, num_kv_heads: int, max_context: int, device: 
     """
     if impl not in DECODE_IMPLS:
         raise ValueError(f"impl={impl!r}; allowed: {', '.join(repr(x) for x in DECODE_IMPLS)}")
+    if not isinstance(padded, bool):
+        raise ValueError(f"padded must be True or False, got {padded!r}")
     for name, v, least, kind in (("batch", batch, 0, "non-negative"), ("num_kv_heads", num_kv_heads, 1, "positive"),
                                  ("max_context", max_context, 0, "non-negative")):
         if not isinstance(v, int) or isinstance(v, bool) or v < least:
@@ -357,6 +359,8 @@ def decode_attention(query: torch.Tensor, pool, block_tables: torch.Tensor, seq_
         workspace = torch.empty(need, dtype=torch.float32, device=dev)
     elif workspace.dtype != torch.float32 or workspace.numel() < need or workspace.device != dev:
         raise ValueError(f"workspace must be float32 on {dev} with >= {need} elements")
+    elif impl == "cuda" and workspace.data_ptr() % 16:
+        raise ValueError("workspace must start on a 16-byte boundary for impl='cuda' (its merge reads float4)")
     n_o = b * hq * num_splits * d
     part_o = workspace[:n_o]
     part_lse = workspace[n_o:n_o + b * hq * num_splits]

@@ -69,19 +69,22 @@ RECENT_WINDOW_ENV = "KVREPRO_RECENT_WINDOW"
 def resolve_recent_window(value: str | int | None = None) -> int:
     """Recent-token window (``kvrepro.vllm_backend.window``; opt-in, an experiment): decode steps read each request's
     last W tokens' K/V exact from a side cache instead of their compressed pages. ``0`` / ``off`` (default) or W in
-    1..256, from ``value`` or ``$KVREPRO_RECENT_WINDOW`` (an empty variable counts as unset). Its side cache costs
-    ``16 x W x max_num_seqs`` (at least 4,096) tokens of unquantized K/V per layer, allocated before vLLM sizes its KV
-    cache (so vLLM's KV-cache size in tokens shrinks by that much). Raises ValueError naming KVREPRO_RECENT_WINDOW and
+    1..256, from ``value`` or ``$KVREPRO_RECENT_WINDOW`` (an empty variable counts as unset). Its side cache holds the
+    next power of two >= ``16 x W x max_num_seqs`` (at least 4,096; at most 2**20) tokens of unquantized K/V per layer
+    plus 24 bytes each, allocated before vLLM sizes its KV cache (so vLLM's KV-cache size in tokens shrinks by that
+    much). Raises ValueError naming KVREPRO_RECENT_WINDOW and
     the allowed values."""
     if value is None:
         value = os.environ.get(RECENT_WINDOW_ENV, "").strip() or "0"
     if isinstance(value, str) and value.strip().lower() == "off":
         return 0
-    try:
+    if isinstance(value, str) and value.strip().isdigit():
         n = int(value)
-    except (TypeError, ValueError):
+    elif isinstance(value, int) and not isinstance(value, bool):
+        n = value
+    else:
         n = -1
-    if isinstance(value, bool) or not 0 <= n <= 256:
+    if not 0 <= n <= 256:
         raise ValueError(f"{RECENT_WINDOW_ENV} must be off, 0 or an integer in 1..256, got {value!r}")
     return n
 

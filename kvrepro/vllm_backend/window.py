@@ -21,8 +21,10 @@ Where it is read (:meth:`RecentWindow.attend_decode`). A decode row of ``L`` tok
 ``[0, L - W)`` through the decode kernel (its ``seq_lens`` lowered by ``W``) and positions ``[L - W, L)`` here, in
 float32: K/V from the window on a tag hit, from the pages otherwise; the two softmax partials are merged by their
 log-sum-exps (FlashDecoding's merge, Dao et al. 2023). Prefill chunks are unchanged (their own K/V are exact; the
-context they read stays in pages). Every position ``>= L - W`` of a decode row was among the last ``W`` tokens of the
-step that stored it, so without collisions every window read hits.
+context they read stays in pages). Every position ``>= L - W`` of a decode row that the request stored itself was
+among the last ``W`` tokens of the step that stored it, so without collisions those reads hit; positions it shares
+through prefix caching may miss (read from the pages). Every page write must go through the backend's store (as it
+does in vLLM 0.20.2 without KV connectors): a write that bypassed it would leave a stale tag behind.
 
 All of it is PyTorch tensor ops with shapes fixed by the batch (no host sync): CUDA-graph capturable.
 """
@@ -36,10 +38,17 @@ MAX_WINDOW = 256
 LN2 = math.log(2.0)
 
 
+MAX_ENTRIES = 1 << 20
+
+
 def default_entries(window: int, max_batch: int | None) -> int:
-    """Side-cache entries for ``window`` tokens x ``max_batch`` requests at a load of at most 1/16 (few collisions),
-    a power of two, at least 4096."""
+    """Side-cache entries for ``window`` tokens x ``max_batch`` requests at a load of at most 1/16 (few collisions):
+    the next power of two >= ``16 x window x max_batch``, at least 4096. Raises ValueError above ``MAX_ENTRIES``
+    (2**20: 4 GiB per layer for 8 KV heads of head_dim 128 in bfloat16), naming both numbers."""
     need = 16 * window * max(1, max_batch or 1)
+    if need > MAX_ENTRIES:
+        raise ValueError(f"recent-token window: 16 x window ({window}) x max_num_seqs ({max_batch}) = {need} side-cache "
+                         f"entries per layer, more than {MAX_ENTRIES}; lower KVREPRO_RECENT_WINDOW or max_num_seqs")
     return max(4096, 1 << (need - 1).bit_length())
 
 
@@ -93,6 +102,8 @@ class RecentWindow:
         t = num_tokens
         if t == 0:
             return
+        if key.dtype != self.k.dtype or value.dtype != self.v.dtype:
+            raise ValueError(f"key/value must be {self.k.dtype} (the window's dtype), got {key.dtype} / {value.dtype}")
         hkv, d = self.k.shape[1], self.k.shape[2]
         k = key[:t].reshape(t, hkv, d)
         v = value[:t].reshape(t, hkv, d)
@@ -112,8 +123,8 @@ class RecentWindow:
         self._claim.scatter_reduce_(0, e, torch.where(win, slots, -1), "amax")
         won = win & (self._claim[e] == slots)
         dst = torch.where(won, e, self.entries)           # everything else lands in the sink row
-        self.k.index_copy_(0, dst, k.to(self.k.dtype))
-        self.v.index_copy_(0, dst, v.to(self.v.dtype))
+        self.k.index_copy_(0, dst, k)
+        self.v.index_copy_(0, dst, v)
         self.tag.index_copy_(0, dst, torch.where(won, slots, -1))
         self.tag[self.entries:].fill_(-1)            # the sink row stays empty (fill_: no host copy, graph-safe)
 
@@ -170,8 +181,9 @@ class RecentWindow:
         kx = self.k[e].float()
         if key_mean is not None:
             kx = kx - key_mean
-        kk = torch.where(hit, kx, kp)
-        vv = torch.where(hit, self.v[e].float(), vp)
+        ok = valid[..., None, None]
+        kk = torch.where(hit, kx, torch.where(ok, kp, 0.0))   # positions < 0 (a padding row's bytes) stay out: 0
+        vv = torch.where(hit, self.v[e].float(), torch.where(ok, vp, 0.0))
         q = query.float().view(b, hkv, g, d)
         logits = torch.einsum("bhgd,bwhd->bhgw", q, kk) * scale
         logits = logits.masked_fill(~valid[:, None, None, :], float("-inf"))
