@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Runs ON the lent H200 (see /work/shared/device/README.md), from the repo root, after
-#   source .device/vllm-c/kvdev.sh env          (vLLM 0.20.2 bundle on PYTHONPATH)
+# Runs ON the lent H200 (see /work/shared/device/README.md), from the repo root, after the vLLM 0.20.2 bundle is
+# staged and installed: .device/ is not in git; the lead's machine keeps the bundle in four parts there
+# (stage .device/vllm-p1..p3 in three calls, then `source .device/vllm-p4/kvdev.sh env` puts it on PYTHONPATH;
+# NOTES.md "Next GPU session"). With vLLM installed some other way, skip that.
 # Usage: bash scripts/h200_sweep.sh smoke                 GPU smoke of the decode path (~30-60 s)
 #        bash scripts/h200_sweep.sh sweep RUN_ID MODES [EDGE_MODES] [PARAMS_JSON] [MODE_PARAMS_JSON]
 #        bash scripts/h200_sweep.sh smoke+sweep RUN_ID MODES [EDGE_MODES] ...   (both, one call)
@@ -15,6 +17,9 @@
 # the warm machine's /tmp/kvres copy, whichever has more rows) + $OUT/sweep_log.txt (full vLLM log)
 # + $OUT/smoke_log.txt (the smoke test's SMOKE lines).
 set -u
+case "${1:-}" in smoke|sweep|smoke+sweep|prefix|preempt|smokeg) ;;
+  *) echo "usage: $0 smoke | sweep RUN_ID MODES [EDGE] [PARAMS] [MODE_PARAMS] | smoke+sweep ... | prefix | preempt | smokeg"; exit 2 ;;
+esac
 T0=${CALL_T0:-$(date +%s)}
 left() { echo $(( ${CALL_LIMIT_S:-585} - ($(date +%s) - T0) )); }
 export PYTHONUNBUFFERED=1 VLLM_ENABLE_V1_MULTIPROCESSING=0

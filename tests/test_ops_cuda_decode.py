@@ -456,3 +456,12 @@ def test_cuda_refuses_more_splits_than_its_merge_holds():
     sl = torch.ones(1, dtype=torch.int32, device=DEV)
     with pytest.raises(ValueError, match=r"num_splits must be <= 1024 \(4096 // GQA group 4\) for impl='cuda'"):
         decode_attention(q, pool.data, bt, sl, pool.layout, pool.rotation, 128 ** -0.5, num_splits=1025, impl="cuda")
+
+
+def test_rotation_signs_refuses_wrong_shapes_and_dtypes():
+    from kvrepro.formats.hadamard import rotation_matrix
+
+    r = rotation_matrix(128, 0)
+    for bad in (r[None], r.double(), r.half(), r[:, :64], "R"):
+        with pytest.raises(ValueError, match=r"rotation must be a float32 \[D, D\] tensor"):
+            cuda_decode.rotation_signs(bad)

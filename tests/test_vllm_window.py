@@ -35,8 +35,17 @@ def test_update_keeps_the_last_w_tokens_of_each_chunk_exactly():
 def test_bad_arguments():
     with pytest.raises(ValueError, match="window must be an int in 1..256"):
         RecentWindow(0, 64, 1, 8, torch.float32, torch.device("cpu"))
-    with pytest.raises(ValueError, match="entries must be an int >= window"):
+    with pytest.raises(ValueError, match=r"entries must be an int in window \(8\)..1048576"):
         RecentWindow(8, 4, 1, 8, torch.float32, torch.device("cpu"))
+    with pytest.raises(ValueError, match="num_kv_heads must be a positive int"):
+        RecentWindow(8, 64, 0, 8, torch.float32, torch.device("cpu"))
+    with pytest.raises(ValueError, match="dtype must be bfloat16, float16 or float32"):
+        RecentWindow(8, 64, 1, 8, torch.int8, torch.device("cpu"))
+    with pytest.raises(ValueError, match="GiB of side cache per layer .* lower KVREPRO_RECENT_WINDOW"):
+        RecentWindow(32, 1 << 20, 8, 128, torch.bfloat16, torch.device("meta"))
+    for bad in (0, -1, "abc", 8.5, True, 2 ** 22):
+        with pytest.raises(ValueError, match="window_entries must be None or an int in 8..1048576"):
+            LayerRuntime("k4v4", 8, 2, 64, 0.125, recent_window=8, window_entries=bad)
     with pytest.raises(ValueError, match="recent_window must be an int in 0..256"):
         LayerRuntime("k4v4", 8, 2, 64, 0.125, recent_window=-1)
     assert default_entries(32, 128) == 65536 and default_entries(8, 1) == 4096
@@ -175,8 +184,16 @@ def test_window_refuses_other_dtypes_and_oversized_caches():
     with pytest.raises(ValueError, match="more than 1048576; lower KVREPRO_RECENT_WINDOW or max_num_seqs"):
         default_entries(256, 512)
     from kvrepro.vllm_backend import config as cfg
-    with pytest.raises(ValueError, match="KVREPRO_RECENT_WINDOW must be off"):
-        cfg.resolve_recent_window(32.7)
+    for bad in (32.7, "\u00b2", "\u0663", "\uff11\uff16"):
+        with pytest.raises(ValueError, match="KVREPRO_RECENT_WINDOW must be off"):
+            cfg.resolve_recent_window(bad)
+    for bad in (True, 3.9, "\u00b2"):
+        with pytest.raises(ValueError, match="KVREPRO_NUM_SPLITS must be an integer in 1..256"):
+            cfg.resolve_num_splits(bad)
+    rt = LayerRuntime("k4v4", 8, 2, 64, 0.125, recent_window=8)
+    rt.prepare_window(torch.device("cpu"), torch.float32)
+    with pytest.raises(ValueError, match="made for torch.float32 on cpu, now asked for torch.bfloat16"):
+        rt.prepare_window(torch.device("cpu"), torch.bfloat16)
 
 
 def test_padding_row_with_garbage_pages_stays_zero():

@@ -231,6 +231,10 @@ def rotation_signs(rotation: torch.Tensor) -> torch.Tensor:
     capture). Raises ValueError if ``rotation`` is not of that form (the kernel would compute another function),
     RuntimeError if an unchecked rotation reaches it during graph capture.
     """
+    if not isinstance(rotation, torch.Tensor) or rotation.dim() != 2 or rotation.shape[0] != rotation.shape[1] \
+            or rotation.dtype != torch.float32:
+        raise ValueError(f"rotation must be a float32 [D, D] tensor, got "
+                         f"{getattr(rotation, 'dtype', type(rotation).__name__)} {tuple(getattr(rotation, 'shape', ()))}")
     hit = _SIGNS.get(id(rotation))
     if hit is not None and hit[0]() is rotation and hit[1] == rotation._version:
         return hit[2]

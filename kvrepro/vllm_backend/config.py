@@ -54,9 +54,11 @@ def resolve_num_splits(value: str | int | None = None) -> int | None:
         value = os.environ.get(NUM_SPLITS_ENV, "")
         if not value:
             return None
-    try:
+    if isinstance(value, str) and value.strip().isascii() and value.strip().isdigit():
         n = int(value)
-    except (TypeError, ValueError):
+    elif isinstance(value, int) and not isinstance(value, bool):
+        n = value
+    else:
         n = -1
     if not 1 <= n <= 256:
         raise ValueError(f"{NUM_SPLITS_ENV} must be an integer in 1..256, got {value!r}")
@@ -78,7 +80,7 @@ def resolve_recent_window(value: str | int | None = None) -> int:
         value = os.environ.get(RECENT_WINDOW_ENV, "").strip() or "0"
     if isinstance(value, str) and value.strip().lower() == "off":
         return 0
-    if isinstance(value, str) and value.strip().isdigit():
+    if isinstance(value, str) and value.strip().isascii() and value.strip().isdigit():
         n = int(value)
     elif isinstance(value, int) and not isinstance(value, bool):
         n = value

@@ -126,6 +126,9 @@ class LayerRuntime:
             pages hold ``k - mu`` with ``mu`` (``key_mean``, float32 ``[Hkv, D]``) the mean key of the first real
             prefill (:meth:`calibrate`), zeros until then; the prefill paths shift the chunk's fresh keys by the
             same ``mu``. False (default): ``mu`` stays zero and nothing is shifted.
+        recent_window: W (0 = off, default; 1..256): decode steps read each request's last W tokens' K/V exact from
+            ``window.RecentWindow`` (``config.resolve_recent_window``; opt-in, an experiment).
+        window_entries: the window's side-cache entries (None: ``window.default_entries(W, max_batch)``).
     """
 
     def __init__(self, preset: str, num_heads: int, num_kv_heads: int, head_size: int, scale: float,
@@ -155,12 +158,16 @@ class LayerRuntime:
         self.key_mean: torch.Tensor | None = None   # float32 [Hkv, D], allocated by prepare() if key_center
         self._stored: torch.Tensor | None = None     # int64 [1]: real tokens stored so far (key_center only)
         self.center_state = "pending" if key_center else "off (disabled)"
-        from kvrepro.vllm_backend.window import MAX_WINDOW, default_entries
+        from kvrepro.vllm_backend.window import MAX_ENTRIES, MAX_WINDOW, default_entries
 
         if not isinstance(recent_window, int) or isinstance(recent_window, bool) \
                 or not 0 <= recent_window <= MAX_WINDOW:
             raise ValueError(f"recent_window must be an int in 0..{MAX_WINDOW} (0 = off), got {recent_window!r}")
         self.recent_window = recent_window
+        if window_entries is not None and (not isinstance(window_entries, int) or isinstance(window_entries, bool)
+                                           or not max(1, recent_window) <= window_entries <= MAX_ENTRIES):
+            raise ValueError(f"window_entries must be None or an int in {max(1, recent_window)}..{MAX_ENTRIES}, "
+                             f"got {window_entries!r}")
         self.window_entries = window_entries if window_entries is not None else (
             default_entries(recent_window, max_batch) if recent_window else 0)
         self.window = None            # window.RecentWindow, made by prepare_window (recent_window > 0)
@@ -233,7 +240,10 @@ class LayerRuntime:
         if not self.recent_window:
             return None
         w = self.window
-        if w is None or w.k.device != torch.device(device) or w.k.dtype != dtype:
+        if w is not None and (w.k.device != torch.device(device) or w.k.dtype != dtype):
+            raise ValueError(f"kvrepro recent-token window: made for {w.k.dtype} on {w.k.device}, now asked for {dtype} "
+                             f"on {device}; one layer serves one dtype and device")
+        if w is None:
             if torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError("kvrepro recent-token window: first allocated inside CUDA-graph capture; "
                                    "LayerRuntime.prepare_window must run before (the backend does it after loading)")

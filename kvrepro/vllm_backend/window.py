@@ -39,6 +39,7 @@ LN2 = math.log(2.0)
 
 
 MAX_ENTRIES = 1 << 20
+MAX_LAYER_BYTES = 1 << 30      # per layer; above it the side cache is refused (it is allocated beside the KV cache)
 
 
 def default_entries(window: int, max_batch: int | None) -> int:
@@ -62,18 +63,29 @@ class RecentWindow:
         dtype: the model's K/V dtype (bfloat16 / float16 / float32).
         device: where the buffers live.
 
-    Memory: ``(E + 1) x Hkv x D x 2 x itemsize + 3 x (E + 1) x 8`` bytes (``nbytes``).
+    Memory: ``(E + 1) x Hkv x D x 2 x itemsize + 3 x (E + 1) x 8`` bytes (``nbytes``); for Qwen3-4B (8 KV heads,
+    head_dim 128, bfloat16) 4 KiB per entry, e.g. 65,536 entries = 256 MiB per layer, 9 GiB over 36 layers.
 
     Raises:
-        ValueError: window or entries out of range.
+        ValueError: window, entries, geometry or dtype out of range, or the K/V part above ``MAX_LAYER_BYTES``.
     """
 
     def __init__(self, window: int, entries: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device) -> None:
         if not isinstance(window, int) or isinstance(window, bool) or not 1 <= window <= MAX_WINDOW:
             raise ValueError(f"window must be an int in 1..{MAX_WINDOW}, got {window!r}")
-        if not isinstance(entries, int) or isinstance(entries, bool) or entries < window:
-            raise ValueError(f"entries must be an int >= window ({window}), got {entries!r}")
+        if not isinstance(entries, int) or isinstance(entries, bool) or not window <= entries <= MAX_ENTRIES:
+            raise ValueError(f"entries must be an int in window ({window})..{MAX_ENTRIES}, got {entries!r}")
+        for name, v in (("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise ValueError(f"dtype must be bfloat16, float16 or float32, got {dtype}")
+        need = (entries + 1) * num_kv_heads * head_dim * 2 * torch.empty(0, dtype=dtype).element_size()
+        if need > MAX_LAYER_BYTES:
+            raise ValueError(f"recent-token window: {need / 2**30:.2f} GiB of side cache per layer ({entries} entries x "
+                             f"{num_kv_heads} KV heads x head_dim {head_dim}), more than "
+                             f"{MAX_LAYER_BYTES / 2**30:.0f} GiB; lower KVREPRO_RECENT_WINDOW or vLLM's max_num_seqs")
         self.window, self.entries = window, entries
         self.k = torch.zeros(entries + 1, num_kv_heads, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
@@ -104,6 +116,9 @@ class RecentWindow:
             return
         if key.dtype != self.k.dtype or value.dtype != self.v.dtype:
             raise ValueError(f"key/value must be {self.k.dtype} (the window's dtype), got {key.dtype} / {value.dtype}")
+        if slot_mapping.dtype.is_floating_point or query_start_loc.dtype.is_floating_point:
+            raise ValueError(f"slot_mapping and query_start_loc must be integer tensors, got {slot_mapping.dtype} / "
+                             f"{query_start_loc.dtype}")
         hkv, d = self.k.shape[1], self.k.shape[2]
         k = key[:t].reshape(t, hkv, d)
         v = value[:t].reshape(t, hkv, d)
