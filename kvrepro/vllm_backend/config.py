@@ -46,6 +46,15 @@ def resolve_preset(value: str | None = None) -> str:
     return value
 
 
+def _as_int(value) -> int | None:
+    """An int from an int (not a bool) or a string of ASCII digits (surrounding spaces ignored); else None."""
+    if isinstance(value, str) and value.strip().isascii() and value.strip().isdigit():
+        return int(value)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    return None
+
+
 def resolve_num_splits(value: str | int | None = None) -> int | None:
     """Split-K count of the decode kernel: ``value``, else ``$KVREPRO_NUM_SPLITS``, else None (the
     kernel's ``default_num_splits``, which depends on shapes only, so CUDA graphs see fixed grids).
@@ -54,13 +63,8 @@ def resolve_num_splits(value: str | int | None = None) -> int | None:
         value = os.environ.get(NUM_SPLITS_ENV, "")
         if not value:
             return None
-    if isinstance(value, str) and value.strip().isascii() and value.strip().isdigit():
-        n = int(value)
-    elif isinstance(value, int) and not isinstance(value, bool):
-        n = value
-    else:
-        n = -1
-    if not 1 <= n <= 256:
+    n = _as_int(value)
+    if n is None or not 1 <= n <= 256:
         raise ValueError(f"{NUM_SPLITS_ENV} must be an integer in 1..256, got {value!r}")
     return n
 
@@ -74,19 +78,13 @@ def resolve_recent_window(value: str | int | None = None) -> int:
     1..256, from ``value`` or ``$KVREPRO_RECENT_WINDOW`` (an empty variable counts as unset). Its side cache holds the
     next power of two >= ``16 x W x max_num_seqs`` (at least 4,096; at most 2**20) tokens of unquantized K/V per layer
     plus 24 bytes each, allocated before vLLM sizes its KV cache (so vLLM's KV-cache size in tokens shrinks by that
-    much). Raises ValueError naming KVREPRO_RECENT_WINDOW and
-    the allowed values."""
+    much). Raises ValueError naming KVREPRO_RECENT_WINDOW and the allowed values."""
     if value is None:
         value = os.environ.get(RECENT_WINDOW_ENV, "").strip() or "0"
     if isinstance(value, str) and value.strip().lower() == "off":
         return 0
-    if isinstance(value, str) and value.strip().isascii() and value.strip().isdigit():
-        n = int(value)
-    elif isinstance(value, int) and not isinstance(value, bool):
-        n = value
-    else:
-        n = -1
-    if not 0 <= n <= 256:
+    n = _as_int(value)
+    if n is None or not 0 <= n <= 256:
         raise ValueError(f"{RECENT_WINDOW_ENV} must be off, 0 or an integer in 1..256, got {value!r}")
     return n
 
