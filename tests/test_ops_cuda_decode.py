@@ -465,3 +465,9 @@ def test_rotation_signs_refuses_wrong_shapes_and_dtypes():
     for bad in (r[None], r.double(), r.half(), r[:, :64], "R"):
         with pytest.raises(ValueError, match=r"rotation must be a float32 \[D, D\] tensor"):
             cuda_decode.rotation_signs(bad)
+
+
+def test_cuda_helpers_refuse_a_cpu_device():
+    assert cuda_decode.load_error(torch.device("cpu")) == "the CUDA decode kernel needs a CUDA device, got cpu"
+    with pytest.raises(ValueError, match="split_counters needs a CUDA device, got cpu"):
+        cuda_decode.split_counters("cpu", 8)

@@ -182,7 +182,10 @@ _LOAD_ERRORS: dict[int, str] = {}
 
 def load_error(device: torch.device) -> str | None:
     """None if the fatbin loads on ``device`` (it is then loaded, once per device), else why not (the load's
-    RuntimeError text, remembered per device so that the attempt is made once)."""
+    RuntimeError text, remembered per device so that the attempt is made once); for a device that is not CUDA, says
+    so."""
+    if torch.device(device).type != "cuda":
+        return f"the CUDA decode kernel needs a CUDA device, got {device}"
     idx = torch.device(device).index
     idx = torch.cuda.current_device() if idx is None else idx
     if idx in _MODULES:
@@ -264,7 +267,9 @@ def split_counters(device: torch.device, n: int) -> torch.Tensor:
     """The kernel's per-(sequence, KV head) arrival counters: int32 ``[>= n]`` on ``device``, zero, left zero by every
     launch (the last CTA resets its counter). One buffer per device, grown (a new zeroed buffer) when ``n`` exceeds
     it (never inside CUDA-graph capture: RuntimeError); calls on concurrent streams of one device must not share it
-    (the vLLM backend runs one stream)."""
+    (the vLLM backend runs one stream). Raises ValueError for a device that is not CUDA."""
+    if torch.device(device).type != "cuda":
+        raise ValueError(f"split_counters needs a CUDA device, got {device}")
     idx = torch.device(device).index
     idx = torch.cuda.current_device() if idx is None else idx
     buf = _COUNTERS.get(idx)
