@@ -171,13 +171,11 @@ def main():
     ap.add_argument("--compare", default=None)
     a = ap.parse_args()
     res = {"case": a.case, **globals()[f"case_{a.case}"](a)}
+    from kvrepro.accuracy_vllm import _atomic_write
     from kvrepro.vllm_backend.measure import key_center_summary
 
     res["key_center_state"] = key_center_summary()   # the layers' key-centering states after the case ran
-    tmp = a.out + ".tmp"
-    with open(tmp, "w") as f:                # write, then rename: no half-written result file
-        json.dump(res, f)
-    os.replace(tmp, a.out)
+    _atomic_write(a.out, lambda f: json.dump(res, f))   # write, then rename: no half-written result file
     print("SMOKE " + json.dumps({k: v for k, v in res.items() if k not in ("greedy",)}), flush=True)
 
 

@@ -288,6 +288,14 @@ _COUNTERS: dict[int, torch.Tensor] = {}
 _KEEP: list[torch.Tensor] = []   # every counter buffer and sign vector handed to a launch (small; see above)
 
 
+def check_splits(num_splits: int, group: int) -> None:
+    """Raise ValueError if ``num_splits x group`` exceeds ``MERGE_MAX`` (the weights the in-kernel merge holds)."""
+    if num_splits * group > MERGE_MAX:
+        raise ValueError(f"num_splits must be <= {MERGE_MAX // group} ({MERGE_MAX} // GQA group {group}) for "
+                         f"impl='cuda' (its split merge holds num_splits x group weights in shared memory), "
+                         f"got {num_splits}")
+
+
 def launch(query: torch.Tensor, rotation: torch.Tensor, pool: torch.Tensor, block_tables: torch.Tensor,
            seq_lens: torch.Tensor, part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, scale: float,
            num_splits: int, num_kv_heads: int, group: int) -> None:
@@ -299,17 +307,16 @@ def launch(query: torch.Tensor, rotation: torch.Tensor, pool: torch.Tensor, bloc
     ``[B, max_blocks]`` (last dim contiguous), seq_lens int32 ``[B]``, part_o float32 ``[B, Hq, S, 128]`` and part_lse
     float32 ``[B, Hq, S]`` (scratch: the split partials, log2), out ``[B, Hq, 128]`` bfloat16 / float16 (last dim
     contiguous), scale the softmax scale. The caller (``decode_attention``) has checked shapes, dtypes and
-    ``unsupported_reason``. Raises ValueError for a pool that is not 16-byte aligned (``cp.async`` copies 16-byte
-    chunks) or a rotation of another form.
+    ``unsupported_reason``. Raises ValueError for ``num_splits x group > MERGE_MAX``, a pool or workspace (``part_o``)
+    that is not 16-byte aligned (``cp.async`` copies, ``float4`` merge reads) or a rotation of another form; these
+    are ``decode_attention``'s checks for ``impl="cuda"`` too (it calls this).
     """
     if pool.data_ptr() % 16:
         raise ValueError("pool must start on a 16-byte boundary for the CUDA decode kernel (cp.async)")
+    check_splits(num_splits, group)
     if part_o.data_ptr() % 16:
         raise ValueError("workspace must start on a 16-byte boundary for the CUDA decode kernel (its merge reads the "
                          "partial outputs as float4)")
-    if not 1 <= num_splits * group <= MERGE_MAX:
-        raise ValueError(f"num_splits x group must be in 1..{MERGE_MAX} for the CUDA decode kernel's merge, got "
-                         f"{num_splits} x {group}")
     b = block_tables.shape[0]
     signs = rotation_signs(rotation)
     counters = split_counters(pool.device, b * num_kv_heads)

@@ -346,10 +346,8 @@ def decode_attention(query: torch.Tensor, pool, block_tables: torch.Tensor, seq_
     max_splits = 65535 // hkv       # the launch grid's second / third dimension holds Hkv x num_splits
     if not isinstance(num_splits, int) or isinstance(num_splits, bool) or not 1 <= num_splits <= max_splits:
         raise ValueError(f"num_splits must be an int in 1..{max_splits} (65535 // num_kv_heads), got {num_splits!r}")
-    if impl == "cuda" and num_splits * group > cuda_decode.MERGE_MAX:
-        raise ValueError(f"num_splits must be <= {cuda_decode.MERGE_MAX // group} ({cuda_decode.MERGE_MAX} // GQA group "
-                         f"{group}) for impl='cuda' (its split merge holds num_splits x group weights in shared "
-                         f"memory), got {num_splits}")
+    if impl == "cuda":
+        cuda_decode.check_splits(num_splits, group)
     check_launch(num_warps, num_stages, max_registers)
     launch_opts = {} if max_registers is None else {"maxnreg": max_registers}
     if b == 0:
@@ -359,8 +357,6 @@ def decode_attention(query: torch.Tensor, pool, block_tables: torch.Tensor, seq_
         workspace = torch.empty(need, dtype=torch.float32, device=dev)
     elif workspace.dtype != torch.float32 or workspace.numel() < need or workspace.device != dev:
         raise ValueError(f"workspace must be float32 on {dev} with >= {need} elements")
-    elif impl == "cuda" and workspace.data_ptr() % 16:
-        raise ValueError("workspace must start on a 16-byte boundary for impl='cuda' (its merge reads float4)")
     n_o = b * hq * num_splits * d
     part_o = workspace[:n_o]
     part_lse = workspace[n_o:n_o + b * hq * num_splits]
