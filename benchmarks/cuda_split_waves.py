@@ -1,7 +1,7 @@
 """One GPU call: the CUDA decode kernel at 128K per split count, and variants of it, side by side.
 
     PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/cuda_split_waves.py --out $OUT \
-        [--variant NAME=PATH.fatbin ...] [--three-launch PATH.fatbin]
+        [--variant NAME=PATH.fatbin ...] [--three-launch PATH.fatbin] [--trace PATH.fatbin] [--rule-only]
 
 For batch 1 / 3 / 6 / 13 (Qwen3-4B shapes: 32 q / 8 KV heads, head_dim 128, k4v4 pages, block 16, context 131,072)
 and for each split count S of a list (the rule's count, powers of two, and the counts that give exactly one, two or
@@ -11,6 +11,10 @@ three waves of the kernel's 4 resident CTAs per SM: ``k x 4 x SMs / (B x 8)``), 
   - ``--variant NAME=PATH``: another build of the same source (e.g. ``-DKVREPRO_STAGES=5``), same launch;
   - ``--three-launch PATH``: a fatbin of the earlier kernel (rotated float16 query in, partials out) with the Triton
     ``rotate_query_kernel`` before it and ``merge_splits_kernel`` after it, as before the fusion.
+``--trace PATH``: a build with ``-DKVREPRO_TRACE=4096`` (``%globaltimer`` stamps per CTA: start, query ready, own
+loop end, all warps' loop end, counted in, merge end; and the SM id), launched once per batch at the rule's split
+count after an L2 flush; the stamps' spread says where a step's time goes (``trace`` in the JSON).
+``--rule-only``: time only the rule's split count (and ``--extra-splits``).
 Each timed output is checked against float64 attention over the dequantized pages (``paged_attention_ref``).
 % of copy bandwidth = the pages' bytes (B x 131,072 x 8 heads x 134 B) / time / the copy bandwidth measured in the
 same run (read + write), as in ``side_by_side_vllm``. Writes ``$OUT/cuda_split_waves.json`` (provenance, every row;
@@ -56,12 +60,54 @@ def three_launch(mod, q, pool, bt, sl, out, ws, s, scale):
                                    NUM_SPLITS=s, SP=1 << (s - 1).bit_length())
 
 
+TRACE_SLOTS = ("start", "query_ready", "loop_end_warp0", "loop_end_all", "counted_in", "merge_end")
+
+
+def trace_step(mod, fn, n_ctas: int) -> dict:
+    """One launch of ``fn`` through the trace build ``mod`` after an L2 flush; the stamps (ns from the first CTA's
+    start): per slot the minimum, median and maximum over the CTAs (the merge end over the merging CTAs), the SM
+    count used and the raw stamps of every CTA."""
+    import ctypes
+    ptr, size = ctypes.c_uint64(), ctypes.c_size_t()
+    rc = mod.lib.cuModuleGetGlobal_v2(ctypes.byref(ptr), ctypes.byref(size), mod.module, b"kvrepro_trace")
+    if rc:
+        raise RuntimeError(f"kvrepro_trace not in the trace build: {mod.error(rc)}")
+    n_slots = size.value // 8 // 8
+    if n_ctas > n_slots:
+        raise ValueError(f"{n_ctas} CTAs, the trace build holds {n_slots}")
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
+    mod.lib.cuMemsetD8_v2(ptr, 0, size.value)
+    flush.zero_()
+    fn()
+    torch.cuda.synchronize()
+    host = (ctypes.c_uint64 * (n_slots * 8))()
+    rc = mod.lib.cuMemcpyDtoH_v2(host, ptr, ctypes.c_size_t(size.value))
+    if rc:
+        raise RuntimeError(f"reading kvrepro_trace: {mod.error(rc)}")
+    t = torch.tensor(list(host), dtype=torch.float64).view(n_slots, 8)[:n_ctas]
+    t0 = t[:, 0].min()
+    out = {"n_ctas": n_ctas, "sms_used": int(t[:, 7].unique().numel()), "slots_us": {}}
+    for k, name in enumerate(TRACE_SLOTS):
+        col = t[:, k]
+        col = col[col > 0]
+        if col.numel():
+            us = (col - t0) / 1e3
+            out["slots_us"][name] = {"min": us.min().item(), "median": us.median().item(), "max": us.max().item(),
+                                     "n": int(col.numel())}
+    out["raw_ns_from_start"] = [[int(x - t0) if x > 0 and k < 7 else int(x) for k, x in enumerate(row.tolist())]
+                                for row in t]
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     ap.add_argument("--batches", type=int, nargs="*", default=[1, 3, 6, 13])
     ap.add_argument("--variant", nargs="*", default=[], help="NAME=PATH of another fatbin of decode_k4v4.cu")
     ap.add_argument("--three-launch", default=None, help="fatbin of the earlier three-launch kernel")
+    ap.add_argument("--trace", default=None, help="fatbin built with -DKVREPRO_TRACE=4096 (stamps per CTA)")
+    ap.add_argument("--rule-only", action="store_true", help="time only the rule's split count and --extra-splits")
     ap.add_argument("--extra-splits", type=int, nargs="*", default=[], help="more split counts to time")
     a = ap.parse_args()
     if not torch.cuda.is_available():
@@ -76,9 +122,10 @@ def main() -> int:
         name, p = v.split("=", 1)
         mods[name] = cuda_decode._Module(dev, p)
     old = cuda_decode._Module(dev, a.three_launch) if a.three_launch else None
+    tracer = cuda_decode._Module(dev, a.trace) if a.trace else None
     res = {"provenance": provenance({"script": "benchmarks/cuda_split_waves.py", "ctx": CTX, "sms": sms,
                                      "ctas_per_sm": CTAS_PER_SM, "variants": a.variant,
-                                     "three_launch": a.three_launch}),
+                                     "three_launch": a.three_launch, "trace": a.trace}),
            "fatbin": cuda_decode.read_manifest(), "copy_bandwidth": copy_bandwidth(), "rows": []}
     copy_bw = res["copy_bandwidth"]["GBps_read_plus_write"]
     print(f"SMs {sms}, copy {copy_bw:.0f} GB/s", flush=True)
@@ -90,7 +137,23 @@ def main() -> int:
         ref = paged_attention_ref(q, pool, bt, sl, torch.arange(batch + 1, device=dev), scale, dtype=torch.float64)
         rule = default_num_splits(batch, HKV, bt.shape[1] * 16, dev, "cuda")
         out = torch.empty_like(q)
-        for s in sorted(set(candidates(batch, sms, rule)) | set(a.extra_splits)):
+        if tracer is not None:
+            ws = torch.empty(decode_workspace_numel(batch, HQ, D, rule), device=dev, dtype=torch.float32)
+
+            def traced():
+                cuda_decode._MODULES[dev.index] = tracer
+                decode_attention(q, pool.data, bt, sl, pool.layout, pool.rotation, scale, out=out,
+                                 num_splits=rule, workspace=ws, impl="cuda")
+            traced()                                            # warm-up (module, counters, signs)
+            tr = trace_step(tracer, traced, batch * HKV * rule)
+            cuda_decode._MODULES[dev.index] = committed
+            tr.update({"batch": batch, "splits": rule,
+                       "relerr_vs_f64": float(((out.double() - ref).norm() / ref.norm()).item())})
+            res.setdefault("trace", []).append(tr)
+            print("trace", batch, rule, {k: {kk: round(vv, 2) for kk, vv in v.items()}
+                                         for k, v in tr["slots_us"].items()}, "SMs", tr["sms_used"], flush=True)
+        split_list = {rule} if a.rule_only else set(candidates(batch, sms, rule))
+        for s in sorted(split_list | set(a.extra_splits)):
             ws = torch.empty(decode_workspace_numel(batch, HQ, D, s), device=dev, dtype=torch.float32)
             fns = {}
             for name, mod in mods.items():

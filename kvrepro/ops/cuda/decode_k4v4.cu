@@ -52,6 +52,15 @@ constexpr int WARPS = 4;
 #ifndef KVREPRO_STAGES
 #define KVREPRO_STAGES 4
 #endif
+#ifndef KVREPRO_BT_REGS
+#define KVREPRO_BT_REGS 1  // block ids held in a register per lane, 32 pages per load (0: one load per page)
+#endif
+#ifdef KVREPRO_TRACE  // diagnostic builds only (benchmarks/cuda_split_waves.py --trace): %globaltimer stamps per CTA
+__device__ unsigned long long kvrepro_trace[KVREPRO_TRACE][8];
+#define TRACE(k, v) if (threadIdx.x == 0) kvrepro_trace[blockIdx.y * gridDim.x + blockIdx.x][k] = (v)
+#else
+#define TRACE(k, v)
+#endif
 constexpr int STAGES = KVREPRO_STAGES;  // ring slots per warp (STAGES - 1 pages in flight while one is used)
 constexpr int FLUSH = 16;        // pages summed by the tensor cores before the float32 add
 constexpr int NCHUNK = PAGE / 16;  // 134 16-byte chunks per page
@@ -137,6 +146,17 @@ __device__ __forceinline__ void fwht_warp(float (&x)[4], int lane) {
       x[i] = (lane & m) ? o - x[i] : x[i] + o;
     }
   }
+}
+
+__device__ __forceinline__ unsigned long long global_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+__device__ __forceinline__ unsigned sm_id() {
+  unsigned r;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(r));
+  return r;
 }
 
 __device__ __forceinline__ float load_act(const void* p, int64_t i, bool bf16) {
@@ -256,16 +276,65 @@ kvrepro_decode_k4v4(const void* __restrict__ query, const float* __restrict__ si
   __shared__ float xbuf[D];  // the merge's cross-warp Walsh-Hadamard stages
   __shared__ int s_last;
   const bool q_bf16 = flags & 1, o_bf16 = flags & 2;
+  TRACE(0, global_ns());
+  TRACE(7, sm_id());
+
+  // ---- the group's query rows h = warp, warp + 4 and the signs, loaded first: their latency overlaps the page setup
+  float q_in[2][4], sg[4];
+  for (int i = 0; i < 4; ++i) sg[i] = signs[lane * 4 + i];
+  for (int j = 0; j < 2; ++j) {
+    const int h = warp + j * WARPS;
+    const int64_t base = (int64_t)b * stride_qb + (int64_t)(kvh * group + h) * stride_qh + lane * 4;
+    for (int i = 0; i < 4; ++i) q_in[j][i] = h < group ? load_act(query, base + i, q_bf16) : 0.f;
+  }
+
+  // ---- this split's pages: whole 16-token pages per split (the Triton kernel cuts at its 256-token tiles; the split
+  // merge accepts any partition); the first STAGES - 1 pages of each warp's ring go in flight before the query work
+  const int seq_len = seq_lens[b];
+  const int per_split = ((seq_len + num_splits - 1) / num_splits + BS - 1) / BS * BS;
+  const int start = split * per_split;
+  const int end = min(start + per_split, seq_len);
+  const int p0 = start / BS;
+  const int n_pages = end > start ? (end - start + BS - 1) / BS : 0;
+  const int my_pages = n_pages > warp ? (n_pages - warp + WARPS - 1) / WARPS : 0;  // pages p0 + warp + 4 i
+  const int* bt = block_tables + (int64_t)b * stride_bt;
+#if KVREPRO_BT_REGS
+  // lane l holds the block of this warp's page w + 32 k + l of the window k being issued (one load per 32 pages)
+  int bt_win = lane < my_pages ? bt[p0 + warp + lane * WARPS] : 0;
+#endif
+
+  uint8_t* my_ring = &ring[warp][0][0];
+  // chunk lane + 32 k (k < 4: code chunks, row (lane >> 2) + 8 k, swizzled; k = 4: metadata, lanes < 6)
+  const uint32_t ring_code = smem_u32(my_ring) + (lane ^ ((lane >> 3) & 3)) * 16;
+  const uint32_t ring_meta = smem_u32(my_ring) + (128 + lane) * 16;
+  auto issue = [&](int i) {
+    if (i < my_pages) {
+#if KVREPRO_BT_REGS
+      if ((i & 31) == 0 && i > 0) bt_win = i + lane < my_pages ? bt[p0 + warp + (i + lane) * WARPS] : 0;
+      const int blk = __shfl_sync(0xffffffffu, bt_win, i & 31);
+#else
+      const int blk = bt[p0 + warp + i * WARPS];
+#endif
+      const uint8_t* src = pool + ((int64_t)blk * num_kv_heads + kvh) * PAGE + lane * 16;
+      const uint32_t stage = (i % STAGES) * PAGE;
+#pragma unroll
+      for (int k = 0; k < 4; ++k) cp_async16(ring_code + stage + 512 * k, src + 512 * k);
+      if (lane < NCHUNK - 128) cp_async16(ring_meta + stage, src + 512 * 4);
+    }
+    cp_commit();  // one group per slot, empty or not, so wait_group counts stay uniform
+  };
+  static_assert(STAGES >= 2 && WARPS * STAGES * PAGE >= WARPS * 8 * D * 4 + WARPS * 8 * 3 * 4 &&
+                WARPS * STAGES * PAGE >= (MERGE_MAX + 8 + WARPS * 8 * D) * 4, "the ring doubles as the merge buffers");
+  for (int i = 0; i < STAGES - 1; ++i) issue(i);
 
   // ---- the group's query rows, rotated (q @ R = H (s q) / sqrt(D)), scaled and rounded to float16 as
   // rotate_query_kernel does; then the digits (Triton _query_digits): S_q = max|q| / 16255 per head,
   // qi = round(q / S_q) = 128 qh + ql
-  const int seq_len = seq_lens[b];
-  for (int h = warp; h < 8; h += WARPS) {
+  for (int j = 0; j < 2; ++j) {
+    const int h = warp + j * WARPS;
     float q[4] = {0.f, 0.f, 0.f, 0.f};
     if (h < group && seq_len > 0) {
-      const int64_t base = (int64_t)b * stride_qb + (int64_t)(kvh * group + h) * stride_qh + lane * 4;
-      for (int i = 0; i < 4; ++i) q[i] = load_act(query, base + i, q_bf16) * signs[lane * 4 + i];
+      for (int i = 0; i < 4; ++i) q[i] = q_in[j][i] * sg[i];
       fwht_warp(q, lane);
       for (int i = 0; i < 4; ++i) q[i] = __half2float(__float2half_rn(q[i] * qmul));
     }
@@ -291,6 +360,7 @@ kvrepro_decode_k4v4(const void* __restrict__ query, const float* __restrict__ si
     if (lane == 0) { s_q[h] = sq; q_sum[h] = (float)isum * sq; }
   }
   __syncthreads();
+  TRACE(1, global_ns());
 
   // B fragments of Q^T (32 channels x 8 heads) per key chunk: chunk 0 / 1 = plane 0 channels 0-31 / 32-63 (low
   // nibbles of bytes 0-31 / 32-63), chunk 2 / 3 = plane 1 channels 64-95 / 96-127 (high nibbles).
@@ -305,35 +375,6 @@ kvrepro_decode_k4v4(const void* __restrict__ query, const float* __restrict__ si
   const int h0 = tq * 2;  // the two heads (N columns) of this lane's accumulators
   const float kmul0 = s_q[h0] * (1.0f / 16.0f), kmul1 = s_q[h0 + 1] * (1.0f / 16.0f);
   const float qs0 = q_sum[h0], qs1 = q_sum[h0 + 1];
-
-  // ---- this split's pages: whole 16-token pages per split (the Triton kernel cuts at its 256-token tiles;
-  // the split merge accepts any partition)
-  const int per_split = ((seq_len + num_splits - 1) / num_splits + BS - 1) / BS * BS;
-  const int start = split * per_split;
-  const int end = min(start + per_split, seq_len);
-  const int p0 = start / BS;
-  const int n_pages = end > start ? (end - start + BS - 1) / BS : 0;
-  const int my_pages = n_pages > warp ? (n_pages - warp + WARPS - 1) / WARPS : 0;  // pages p0 + warp + 4 i
-  const int* bt = block_tables + (int64_t)b * stride_bt;
-
-  uint8_t* my_ring = &ring[warp][0][0];
-  // chunk lane + 32 k (k < 4: code chunks, row (lane >> 2) + 8 k, swizzled; k = 4: metadata, lanes < 6)
-  const uint32_t ring_code = smem_u32(my_ring) + (lane ^ ((lane >> 3) & 3)) * 16;
-  const uint32_t ring_meta = smem_u32(my_ring) + (128 + lane) * 16;
-  auto issue = [&](int i) {
-    if (i < my_pages) {
-      const int blk = bt[p0 + warp + i * WARPS];
-      const uint8_t* src = pool + ((int64_t)blk * num_kv_heads + kvh) * PAGE + lane * 16;
-      const uint32_t stage = (i % STAGES) * PAGE;
-#pragma unroll
-      for (int k = 0; k < 4; ++k) cp_async16(ring_code + stage + 512 * k, src + 512 * k);
-      if (lane < NCHUNK - 128) cp_async16(ring_meta + stage, src + 512 * 4);
-    }
-    cp_commit();  // one group per slot, empty or not, so wait_group counts stay uniform
-  };
-  static_assert(STAGES >= 2 && WARPS * STAGES * PAGE >= WARPS * 8 * D * 4 + WARPS * 8 * 3 * 4 &&
-                WARPS * STAGES * PAGE >= (MERGE_MAX + 8 + WARPS * 8 * D) * 4, "the ring doubles as the merge buffers");
-  for (int i = 0; i < STAGES - 1; ++i) issue(i);
 
   float m0 = -INFINITY, m1 = -INFINITY;  // running max (log2) of heads h0, h0 + 1
   float l0 = 0.f, l1 = 0.f, z0 = 0.f, z1 = 0.f;  // lane-partial softmax sums and 0.5 * sum p * v_scale
@@ -444,6 +485,7 @@ kvrepro_decode_k4v4(const void* __restrict__ query, const float* __restrict__ si
     __syncwarp();  // every lane is done with this stage before it is refilled
   }
   cp_wait<0>();
+  TRACE(2, global_ns());
 
   // ---- lane partials -> per warp, then merge the 4 warps in shared memory
   for (int o = 4; o < 32; o <<= 1) {
@@ -451,6 +493,7 @@ kvrepro_decode_k4v4(const void* __restrict__ query, const float* __restrict__ si
     z0 += __shfl_xor_sync(0xffffffffu, z0, o); z1 += __shfl_xor_sync(0xffffffffu, z1, o);
   }
   __syncthreads();  // the rings become the merge buffer
+  TRACE(3, global_ns());
   float* w_o = reinterpret_cast<float*>(&ring[0][0][0]);  // [WARPS][8 heads][D]
   float* w_s = w_o + WARPS * 8 * D;                          // [WARPS][8][m, l, z]
   for (int t = 0; t < 8; ++t) {
@@ -499,8 +542,10 @@ kvrepro_decode_k4v4(const void* __restrict__ query, const float* __restrict__ si
   unsigned* counter = counters + (int64_t)b * num_kv_heads + kvh;
   if (threadIdx.x == 0) s_last = atomicAdd(counter, 1u) == (unsigned)(num_splits - 1);
   __syncthreads();
+  TRACE(4, global_ns());
   if (!s_last) return;
   merge_splits(&ring[0][0][0], xbuf, part_o, part_lse, signs, out, b, kvh, hq, group, num_splits, stride_ob, stride_oh,
                o_bf16);
+  TRACE(5, global_ns());
   if (threadIdx.x == 0) *counter = 0u;  // every CTA of this (sequence, KV head) has counted in: ready for the next launch
 }
