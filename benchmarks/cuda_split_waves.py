@@ -107,6 +107,8 @@ def main() -> int:
     ap.add_argument("--variant", nargs="*", default=[], help="NAME=PATH of another fatbin of decode_k4v4.cu")
     ap.add_argument("--three-launch", default=None, help="fatbin of the earlier three-launch kernel")
     ap.add_argument("--trace", default=None, help="fatbin built with -DKVREPRO_TRACE=4096 (stamps per CTA)")
+    ap.add_argument("--skews", type=int, nargs="*", default=[],
+                    help="also time the committed build at these cuda_decode.RANK_SKEW values (and trace each)")
     ap.add_argument("--rule-only", action="store_true", help="time only the rule's split count and --extra-splits")
     ap.add_argument("--extra-splits", type=int, nargs="*", default=[], help="more split counts to time")
     a = ap.parse_args()
@@ -137,21 +139,25 @@ def main() -> int:
         ref = paged_attention_ref(q, pool, bt, sl, torch.arange(batch + 1, device=dev), scale, dtype=torch.float64)
         rule = default_num_splits(batch, HKV, bt.shape[1] * 16, dev, "cuda")
         out = torch.empty_like(q)
-        if tracer is not None:
+        default_skew = cuda_decode.RANK_SKEW
+        for skew in ([default_skew] + [k for k in a.skews if k != default_skew]) if tracer is not None else []:
             ws = torch.empty(decode_workspace_numel(batch, HQ, D, rule), device=dev, dtype=torch.float32)
 
-            def traced():
+            def traced(skew=skew):
                 cuda_decode._MODULES[dev.index] = tracer
+                cuda_decode.RANK_SKEW = skew
                 decode_attention(q, pool.data, bt, sl, pool.layout, pool.rotation, scale, out=out,
                                  num_splits=rule, workspace=ws, impl="cuda")
             traced()                                            # warm-up (module, counters, signs)
             tr = trace_step(tracer, traced, batch * HKV * rule)
             cuda_decode._MODULES[dev.index] = committed
-            tr.update({"batch": batch, "splits": rule,
+            cuda_decode.RANK_SKEW = default_skew
+            tr.update({"batch": batch, "splits": rule, "rank_skew": skew,
                        "relerr_vs_f64": float(((out.double() - ref).norm() / ref.norm()).item())})
             res.setdefault("trace", []).append(tr)
-            print("trace", batch, rule, {k: {kk: round(vv, 2) for kk, vv in v.items()}
-                                         for k, v in tr["slots_us"].items()}, "SMs", tr["sms_used"], flush=True)
+            print("trace", batch, rule, "skew", skew, {k: {kk: round(vv, 2) for kk, vv in v.items()}
+                                                        for k, v in tr["slots_us"].items()}, "SMs", tr["sms_used"],
+                  flush=True)
         split_list = {rule} if a.rule_only else set(candidates(batch, sms, rule))
         for s in sorted(split_list | set(a.extra_splits)):
             ws = torch.empty(decode_workspace_numel(batch, HQ, D, s), device=dev, dtype=torch.float32)
@@ -162,6 +168,16 @@ def main() -> int:
                     decode_attention(q, pool.data, bt, sl, pool.layout, pool.rotation, scale, out=out,
                                      num_splits=s, workspace=ws, impl="cuda")
                 fns[name] = fn
+            for skew in a.skews:
+                def fn(s=s, ws=ws, skew=skew):
+                    cuda_decode._MODULES[dev.index] = committed
+                    cuda_decode.RANK_SKEW = skew
+                    try:
+                        decode_attention(q, pool.data, bt, sl, pool.layout, pool.rotation, scale, out=out,
+                                         num_splits=s, workspace=ws, impl="cuda")
+                    finally:
+                        cuda_decode.RANK_SKEW = default_skew
+                fns[f"committed_skew{skew}"] = fn
             if old is not None:
                 fns["three_launch"] = lambda s=s, ws=ws: three_launch(old, q, pool, bt, sl, out, ws, s, scale)
             for name, fn in fns.items():

@@ -301,10 +301,17 @@ def test_runtime_uses_the_split_rule_of_its_kernel(monkeypatch):
 
 
 @needs_cuda
-def test_cuda_splits_partition_the_sequence():
-    """Each split's log-sum-exp (the workspace's part_lse, log2) is that of its own tokens only: whole 16-token pages,
-    ceil(ceil(L / S) / 16) * 16 tokens per split (decode_k4v4.cu), empty splits -inf. A kernel whose splits each read
-    the whole sequence would still merge to the right output; this catches it."""
+@pytest.mark.parametrize("forced", [None, (5, 200)])
+def test_cuda_splits_partition_the_sequence(forced, monkeypatch):
+    """Each split's log-sum-exp (the workspace's part_lse, log2) is that of its own tokens only: whole 16-token pages
+    cut as ``cuda_decode.split_pages`` says (weighted by round of placement; decode_k4v4.cu split_weight_prefix), empty
+    splits -inf. A kernel whose splits each read the whole sequence would still merge to the right output, and one
+    that cut the pages elsewhere would too; this catches both. ``forced``: ``(rank_div, rank_skew)`` handed to the
+    kernel instead of ``rank_args``'s (120 CTAs all sit in round 0 of 132 SMs), so that the weights differ."""
+    from kvrepro.ops import cuda_decode
+
+    if forced is not None:
+        monkeypatch.setattr(cuda_decode, "rank_args", lambda *a: forced)
     from kvrepro.ops.decode import LOG2E, decode_workspace_numel
 
     gen = torch.Generator().manual_seed(6)
@@ -325,16 +332,29 @@ def test_cuda_splits_partition_the_sequence():
         k, _ = pool.gather(bt[b], n)                                     # dequantized keys [n, Hkv, D]
         k = k.double().repeat_interleave(hq // hkv, dim=1)               # [n, Hq, D]
         logits = torch.einsum("hd,nhd->hn", q[b].double(), k) * 128 ** -0.5 * LOG2E
-        per = -(-(-(-n // splits)) // 16) * 16
-        for s_ in range(splits):
-            lo, hi = s_ * per, min((s_ + 1) * per, n)
-            want = torch.logsumexp(logits[:, lo:hi] / LOG2E, dim=1) * LOG2E if hi > lo else \
-                torch.full((hq,), float("-inf"), dtype=torch.float64, device=DEV)
-            got = lse[b, :, s_]
-            if hi > lo:
-                assert (got - want).abs().max() < 0.05, (b, s_, lo, hi)   # log2 units; float16 query digits
-            else:
-                assert torch.isneginf(got).all(), (b, s_)
+        rank_div, skew = cuda_decode.rank_args(DEV, len(lens), hkv, splits)
+        assert skew == (cuda_decode.RANK_SKEW if forced is None else 200)   # 120 CTAs: one wave, skew applies
+        for kvh in range(hkv):
+            pages = cuda_decode.split_pages(n, splits, b, kvh, len(lens), hkv, rank_div, skew)
+            if forced is not None and n == 1000:                            # 63 pages: unequal splits here
+                assert len({p1 - p0 for p0, p1 in pages}) > 1, pages
+            check_split_lse(lse[b, kvh * (hq // hkv):(kvh + 1) * (hq // hkv)], logits[kvh * (hq // hkv):
+                            (kvh + 1) * (hq // hkv)], pages, n, (b, kvh))
+
+
+def check_split_lse(lse, logits, pages, n, where):
+    """``lse [group, S]`` (log2) against the log-sum-exp of ``logits [group, n]`` (log2 units) over each split's
+    ``pages`` (``split_pages``'s ``(first, end)``, 16 tokens each); an empty split must be -inf."""
+    from kvrepro.ops.decode import LOG2E
+
+    for s_, (p0, p1) in enumerate(pages):
+        lo, hi = p0 * 16, min(p1 * 16, n)
+        want = torch.logsumexp(logits[:, lo:hi] / LOG2E, dim=1) * LOG2E if hi > lo else None
+        got = lse[:, s_]
+        if hi > lo:
+            assert (got - want).abs().max() < 0.05, (where, s_, lo, hi)   # log2 units; float16 query digits
+        else:
+            assert torch.isneginf(got).all(), (where, s_)
 
 
 @needs_cuda
@@ -471,3 +491,35 @@ def test_cuda_helpers_refuse_a_cpu_device():
     assert cuda_decode.load_error(torch.device("cpu")) == "the CUDA decode kernel needs a CUDA device, got cpu"
     with pytest.raises(ValueError, match="split_counters needs a CUDA device, got cpu"):
         cuda_decode.split_counters("cpu", 8)
+
+
+def test_split_pages_partition_properties():
+    """``split_pages`` (the kernel's partition, checked against the kernel by the GPU test above): the splits tile the
+    pages in order; with skew 0 their sizes differ by at most one page; with a skew, a split of an earlier round never
+    holds fewer pages than one of a later round minus one (integer cuts); each split holds its weight's share of the
+    pages within one page (weights from the definition: 1024 - skew x min(L // rank_div, 3)). Bad rank arguments are
+    refused."""
+    from fractions import Fraction
+
+    from kvrepro.ops import cuda_decode
+
+    for seq_len, s, batch, hkv, div, skew in [(131072, 22, 3, 8, 132, 48), (131072, 66, 1, 8, 132, 48),
+                                              (1000, 5, 3, 8, 5, 200), (1, 7, 2, 2, 3, 255), (8193, 11, 6, 8, 132, 0),
+                                              (54, 13, 1, 3, 1, 100)]:
+        pages = -(-seq_len // 16)
+        for b in range(batch):
+            for kvh in range(hkv):
+                parts = cuda_decode.split_pages(seq_len, s, b, kvh, batch, hkv, div, skew)
+                assert parts[0][0] == 0 and parts[-1][1] == pages
+                assert all(parts[i][1] == parts[i + 1][0] for i in range(s - 1))
+                sizes = [p1 - p0 for p0, p1 in parts]
+                assert min(sizes) >= 0
+                w = [1024 - skew * min((i * batch * hkv + kvh * batch + b) // div, 3) for i in range(s)]
+                for size, wi in zip(sizes, w):
+                    assert abs(Fraction(pages * wi, sum(w)) - size) < 1, (size, wi, sum(w), pages)
+                if skew == 0:
+                    assert max(sizes) - min(sizes) <= 1
+    with pytest.raises(ValueError, match="rank_skew in 0..255"):
+        cuda_decode.split_pages(100, 4, 0, 0, 1, 8, 132, 256)
+    with pytest.raises(ValueError, match="rank_div must be >= 1"):
+        cuda_decode.split_pages(100, 4, 0, 0, 1, 8, 0, 48)

@@ -33,6 +33,8 @@ import weakref
 
 import torch
 
+from kvrepro.ops.common import sm_count
+
 HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda")
 SOURCE = os.path.join(HERE, "decode_k4v4.cu")
 FATBIN = os.path.join(HERE, "decode_k4v4.fatbin")
@@ -42,6 +44,13 @@ WARPS = 4                       # threads per CTA = 32 * WARPS (the kernel's __l
 MIN_CAPABILITY = (8, 0)         # cp.async, mma.m16n8k32.s8, movmatrix (PTX ISA 7.8) need sm_80+
 MAX_GROUP = 8                   # GQA query heads per KV head: the MMA's N = 8
 MERGE_MAX = 4096                # num_splits x group that the in-kernel split merge holds (decode_k4v4.cu MERGE_MAX)
+CTAS_PER_SM = 4                 # resident CTAs per SM (__launch_bounds__(128, 4), 37 KB of shared memory each)
+# Split weights by round of placement (decode_k4v4.cu split_weight_prefix): split s weighs 1024 - RANK_SKEW x round,
+# round = min(linear block index // SMs, 3), for grids of at most one wave. H200 run 33 (%globaltimer trace, batch 3,
+# 22 equal splits): CTAs placed in round 0 / 1 / 2 / 3 of an SM streamed their pages in 101 / 106 / 112 / 117 us (the
+# warp schedulers favour older CTAs), 1, 0.955, 0.905, 0.862 of round 0's speed; RANK_SKEW 48 gives 1, 0.953, 0.906,
+# 0.859. Tuned in run 34 (notes/kernels.md).
+RANK_SKEW = 48
 # SASS for A100 / A10-A40 / L4-L40 / H100-H200, plus compute_80 PTX that the driver compiles for newer GPUs.
 GENCODE = ("arch=compute_80,code=sm_80", "arch=compute_86,code=sm_86", "arch=compute_89,code=sm_89",
            "arch=compute_90,code=sm_90", "arch=compute_80,code=compute_80")
@@ -296,6 +305,31 @@ def check_splits(num_splits: int, group: int) -> None:
                          f"got {num_splits}")
 
 
+def rank_args(device: torch.device, batch: int, num_kv_heads: int, num_splits: int) -> tuple[int, int]:
+    """The kernel's ``(rank_div, rank_skew)``: the SM count and ``RANK_SKEW`` for a grid of at most one wave
+    (``batch x num_kv_heads x num_splits <= CTAS_PER_SM x SMs``: every CTA is placed at launch, round by round), else
+    skew 0 (equal splits: later waves start as earlier CTAs finish, rounds mean nothing)."""
+    sms = sm_count(torch.device(device))
+    one_wave = batch * num_kv_heads * num_splits <= CTAS_PER_SM * sms
+    return sms, (RANK_SKEW if one_wave else 0)
+
+
+def split_pages(seq_len: int, num_splits: int, b: int, kvh: int, batch: int, num_kv_heads: int, rank_div: int,
+                rank_skew: int) -> list[tuple[int, int]]:
+    """The kernel's partition of sequence ``b``'s pages for KV head ``kvh``: ``[(first_page, end_page)]`` per split
+    (16-token pages, end exclusive; the last page may be partial), as ``split_weight_prefix`` in decode_k4v4.cu computes
+    it: split ``s`` (linear block index ``L = s x batch x num_kv_heads + kvh x batch + b``) weighs ``1024 - rank_skew x
+    min(L // rank_div, 3)``, and the pages are cut at the integer floor of the weights' running share. Raises
+    ValueError for ``rank_div < 1`` or ``rank_skew`` outside 0..255 (weights must stay positive)."""
+    if rank_div < 1 or not 0 <= rank_skew <= 255:
+        raise ValueError(f"rank_div must be >= 1 and rank_skew in 0..255, got {rank_div}, {rank_skew}")
+    pages = -(-seq_len // LAYOUT["block_size"])
+    c, p = kvh * batch + b, batch * num_kv_heads
+    w = [1024 - rank_skew * min((s * p + c) // rank_div, 3) for s in range(num_splits)]
+    cum = [sum(w[:s]) for s in range(num_splits + 1)]
+    return [(pages * cum[s] // cum[-1], pages * cum[s + 1] // cum[-1]) for s in range(num_splits)]
+
+
 def launch(query: torch.Tensor, rotation: torch.Tensor, pool: torch.Tensor, block_tables: torch.Tensor,
            seq_lens: torch.Tensor, part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, scale: float,
            num_splits: int, num_kv_heads: int, group: int) -> None:
@@ -320,6 +354,7 @@ def launch(query: torch.Tensor, rotation: torch.Tensor, pool: torch.Tensor, bloc
     b = block_tables.shape[0]
     signs = rotation_signs(rotation)
     counters = split_counters(pool.device, b * num_kv_heads)
+    rank_div, rank_skew = rank_args(pool.device, b, num_kv_heads, num_splits)
     flags = (1 if query.dtype == torch.bfloat16 else 0) | (2 if out.dtype == torch.bfloat16 else 0)
     qmul = float(scale) * 1.4426950408889634 / LAYOUT["head_dim"] ** 0.5
     with torch.cuda.device(pool.device):      # the pool's device is current: its context, module and stream
@@ -329,7 +364,7 @@ def launch(query: torch.Tensor, rotation: torch.Tensor, pool: torch.Tensor, bloc
                    [query, signs, pool, block_tables, seq_lens, part_o, part_lse, out, counters,
                     ctypes.c_longlong(query.stride(0)), ctypes.c_longlong(query.stride(1)),
                     ctypes.c_longlong(out.stride(0)), ctypes.c_longlong(out.stride(1)), ctypes.c_float(qmul), flags,
-                    block_tables.stride(0), num_splits, num_kv_heads, group], stream)
+                    block_tables.stride(0), num_splits, num_kv_heads, group, rank_div, rank_skew], stream)
 
 
 def main(argv=None) -> int:

@@ -172,7 +172,7 @@ MIN_TOKENS_PER_SPLIT = 256
 # smallest of the range), rows past the real batch are padding and one wave would leave SMs idle: there the earlier
 # many-wave rule (at most CUDA_PROGRAMS_PER_SM CTAs per SM, a power of two, at least CUDA_MIN_SPLITS; H200 run 19),
 # under which the committed capacity runs were measured.
-CUDA_CTAS_PER_SM = 4
+CUDA_CTAS_PER_SM = cuda_decode.CTAS_PER_SM
 CUDA_PROGRAMS_PER_SM = 12
 CUDA_MIN_SPLITS = 32
 

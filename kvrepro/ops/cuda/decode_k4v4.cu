@@ -23,6 +23,8 @@
 //            rotates the result back, out = s * (H o) / sqrt(D), then resets the counter.
 //
 // Differences from the Triton kernel (notes/kernels.md "Design sketch for the next decode kernel"):
+//  - grid (B, S x HKV), blockIdx.y = split x HKV + kvh (split-major); split boundaries weighted by the CTA's round of
+//    placement on the SMs (split_weight_prefix; rank_div = SM count, rank_skew per 1024, 0 = equal splits);
 //  - one CTA = (sequence, KV head, split) with 4 warps; each warp walks its own pages (page p of the split goes to
 //    warp p % 4) with a private STAGES-deep cp.async ring, so the loop has no __syncthreads; the 4 partial softmax
 //    states are merged in shared memory at the end;
@@ -56,7 +58,6 @@ constexpr int WARPS = 4;
 #define KVREPRO_BT_REGS 1  // block ids held in a register per lane, 32 pages per load (0: one load per page)
 #endif
 #ifdef KVREPRO_TRACE  // diagnostic builds only (benchmarks/cuda_split_waves.py --trace): %globaltimer stamps per CTA
-__device__ unsigned long long kvrepro_trace[KVREPRO_TRACE][8];
 #define TRACE(k, v) if (threadIdx.x == 0) kvrepro_trace[blockIdx.y * gridDim.x + blockIdx.x][k] = (v)
 #else
 #define TRACE(k, v)
@@ -148,6 +149,7 @@ __device__ __forceinline__ void fwht_warp(float (&x)[4], int lane) {
   }
 }
 
+#ifdef KVREPRO_TRACE
 __device__ __forceinline__ unsigned long long global_ns() {
   unsigned long long t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -158,13 +160,36 @@ __device__ __forceinline__ unsigned sm_id() {
   asm volatile("mov.u32 %0, %%smid;" : "=r"(r));
   return r;
 }
+#endif
 
 __device__ __forceinline__ float load_act(const void* p, int64_t i, bool bf16) {
   return bf16 ? __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(p)[i])
               : __half2float(reinterpret_cast<const __half*>(p)[i]);
 }
 
+// The split partition (kvrepro.ops.cuda_decode.split_pages is its Python twin): split s of a (sequence, KV head)
+// weighs 1024 - rank_skew * rank(s), where rank(s) = min(L / rank_div, 3) and L = s P + c is the CTA's linear block
+// index (P = batch x KV heads, c = kvh x batch + b): the round in which the block scheduler places it on an SM (CTAs go
+// out in linear order, rank_div = the SM count apart). The warp schedulers favour the older CTAs of an SM, so later
+// rounds stream slower (H200, notes/kernels.md run 34: 4-5% per round); lighter splits there end together with the
+// rest. Returns W(s) = sum over s' < s of the weights (closed form: rank is non-decreasing in s'); split s holds pages
+// [pages W(s) / W(S), pages W(s + 1) / W(S)) (integer division), whole pages, in order. rank_skew 0: equal splits.
+__device__ __forceinline__ long long split_weight_prefix(int s, int c, int P, int rank_div, int rank_skew) {
+  long long w = 1024LL * s;
+  for (int j = 1; j <= 3; ++j) {  // splits s' < s of rank >= j: s' P + c >= j rank_div
+    const long long first = max(0LL, ((long long)j * rank_div - c + P - 1) / P);
+    w -= (long long)rank_skew * max(0LL, (long long)s - first);
+  }
+  return w;
+}
+
 }  // namespace
+
+#ifdef KVREPRO_TRACE
+extern "C" {
+__device__ unsigned long long kvrepro_trace[KVREPRO_TRACE][8];  // read by cuModuleGetGlobal
+}
+#endif
 
 // The split merge of the last CTA of a (sequence, KV head): log-sum-exp weights of the S partials (all threads), their
 // weighted sums (warp w takes splits w, w + 4, ...), the rotation back (Walsh-Hadamard transform) and the output.
@@ -262,10 +287,10 @@ kvrepro_decode_k4v4(const void* __restrict__ query, const float* __restrict__ si
                     const int* __restrict__ seq_lens, float* __restrict__ part_o, float* __restrict__ part_lse,
                     void* __restrict__ out, unsigned* __restrict__ counters, long long stride_qb,
                     long long stride_qh, long long stride_ob, long long stride_oh, float qmul, int flags,
-                    int stride_bt, int num_splits, int num_kv_heads, int group) {
+                    int stride_bt, int num_splits, int num_kv_heads, int group, int rank_div, int rank_skew) {
   const int b = blockIdx.x;
-  const int kvh = blockIdx.y / num_splits;
-  const int split = blockIdx.y % num_splits;
+  const int split = blockIdx.y / num_kv_heads;  // split-major: every (sequence, KV head) has CTAs in every round
+  const int kvh = blockIdx.y % num_kv_heads;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, tq = lane & 3;  // MMA fragment row group and thread-in-quad
   const int hq = num_kv_heads * group;
@@ -288,14 +313,17 @@ kvrepro_decode_k4v4(const void* __restrict__ query, const float* __restrict__ si
     for (int i = 0; i < 4; ++i) q_in[j][i] = h < group ? load_act(query, base + i, q_bf16) : 0.f;
   }
 
-  // ---- this split's pages: whole 16-token pages per split (the Triton kernel cuts at its 256-token tiles; the split
-  // merge accepts any partition); the first STAGES - 1 pages of each warp's ring go in flight before the query work
+  // ---- this split's pages [p0, p1): whole 16-token pages, weighted by the CTA's round (split_weight_prefix; the
+  // split merge accepts any partition); the first STAGES - 1 pages of each warp's ring go in flight before the query
+  // work
   const int seq_len = seq_lens[b];
-  const int per_split = ((seq_len + num_splits - 1) / num_splits + BS - 1) / BS * BS;
-  const int start = split * per_split;
-  const int end = min(start + per_split, seq_len);
-  const int p0 = start / BS;
-  const int n_pages = end > start ? (end - start + BS - 1) / BS : 0;
+  const int pages_all = (seq_len + BS - 1) / BS;
+  const int c = kvh * gridDim.x + b, P = gridDim.x * num_kv_heads;
+  const long long w_all = split_weight_prefix(num_splits, c, P, rank_div, rank_skew);
+  const int p0 = (int)(pages_all * split_weight_prefix(split, c, P, rank_div, rank_skew) / w_all);
+  const int p1 = (int)(pages_all * split_weight_prefix(split + 1, c, P, rank_div, rank_skew) / w_all);
+  const int end = min(p1 * BS, seq_len);
+  const int n_pages = p1 - p0;
   const int my_pages = n_pages > warp ? (n_pages - warp + WARPS - 1) / WARPS : 0;  // pages p0 + warp + 4 i
   const int* bt = block_tables + (int64_t)b * stride_bt;
 #if KVREPRO_BT_REGS
