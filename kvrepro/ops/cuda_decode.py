@@ -49,7 +49,9 @@ CTAS_PER_SM = 4                 # resident CTAs per SM (__launch_bounds__(128, 4
 # round = min(linear block index // SMs, 3), for grids of at most one wave. H200 run 33 (%globaltimer trace, batch 3,
 # 22 equal splits): CTAs placed in round 0 / 1 / 2 / 3 of an SM streamed their pages in 101 / 106 / 112 / 117 us (the
 # warp schedulers favour older CTAs), 1, 0.955, 0.905, 0.862 of round 0's speed; RANK_SKEW 48 gives 1, 0.953, 0.906,
-# 0.859. Tuned in run 34 (notes/kernels.md).
+# 0.859. Run 34 (same process, rule's split counts, batch 1 / 3 / 6 / 13): skews 0 / 32 / 48 / 64 / 96 all within
+# 1% at batch 1 and 3; 48 and 64 lead at 6 and 13 by 1-5% (noisy); the trace's kernel end with 48 is 1.2-1.8% before
+# skew 0's at batch 3, 6 and 13. The per-SM spread it cannot reach (some SMs stream ~15% slower) remains.
 RANK_SKEW = 48
 # SASS for A100 / A10-A40 / L4-L40 / H100-H200, plus compute_80 PTX that the driver compiles for newer GPUs.
 GENCODE = ("arch=compute_80,code=sm_80", "arch=compute_86,code=sm_86", "arch=compute_89,code=sm_89",

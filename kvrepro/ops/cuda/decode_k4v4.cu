@@ -171,7 +171,7 @@ __device__ __forceinline__ float load_act(const void* p, int64_t i, bool bf16) {
 // weighs 1024 - rank_skew * rank(s), where rank(s) = min(L / rank_div, 3) and L = s P + c is the CTA's linear block
 // index (P = batch x KV heads, c = kvh x batch + b): the round in which the block scheduler places it on an SM (CTAs go
 // out in linear order, rank_div = the SM count apart). The warp schedulers favour the older CTAs of an SM, so later
-// rounds stream slower (H200, notes/kernels.md run 34: 4-5% per round); lighter splits there end together with the
+// rounds stream slower (H200, notes/kernels.md run 33: 4-5% per round); lighter splits there end together with the
 // rest. Returns W(s) = sum over s' < s of the weights (closed form: rank is non-decreasing in s'); split s holds pages
 // [pages W(s) / W(S), pages W(s + 1) / W(S)) (integer division), whole pages, in order. rank_skew 0: equal splits.
 __device__ __forceinline__ long long split_weight_prefix(int s, int c, int P, int rank_div, int rank_skew) {
