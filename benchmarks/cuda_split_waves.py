@@ -122,9 +122,10 @@ def main() -> int:
     mods = {"committed": committed}
     for v in a.variant:
         name, p = v.split("=", 1)
-        mods[name] = cuda_decode._Module(dev, p)
-    old = cuda_decode._Module(dev, a.three_launch) if a.three_launch else None
-    tracer = cuda_decode._Module(dev, a.trace) if a.trace else None
+        mods[name] = cuda_decode._Module(dev, p, {4: cuda_decode.KERNELS[4]})   # k4v4 only (older builds have one)
+    k4 = {4: cuda_decode.KERNELS[4]}
+    old = cuda_decode._Module(dev, a.three_launch, k4) if a.three_launch else None
+    tracer = cuda_decode._Module(dev, a.trace, k4) if a.trace else None
     res = {"provenance": provenance({"script": "benchmarks/cuda_split_waves.py", "ctx": CTX, "sms": sms,
                                      "ctas_per_sm": CTAS_PER_SM, "variants": a.variant,
                                      "three_launch": a.three_launch, "trace": a.trace}),

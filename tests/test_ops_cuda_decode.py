@@ -37,7 +37,8 @@ def test_auto_picks_cuda_only_where_the_kernel_applies(capability):
     assert resolve_impl(None, K4V4, 8, CUDA) == "cuda"
     assert resolve_impl(None, K4V4, 3, CUDA) == "cuda"
     assert resolve_impl(None, K4V4, 9, CUDA) == "triton"                                    # group > 8
-    assert resolve_impl(None, get_format("k8v4").layout(128, 16), 4, CUDA) == "triton"     # other preset
+    assert resolve_impl(None, get_format("k8v4").layout(128, 16), 4, CUDA) == "cuda"       # k8v4: its own kernel
+    assert resolve_impl(None, get_format("k4v2").layout(128, 16), 4, CUDA) == "triton"     # other preset
     assert resolve_impl(None, get_format("k4v4").layout(64, 16), 3, CUDA) == "triton"      # SmolLM2 head_dim
     assert resolve_impl(None, get_format("k4v4").layout(128, 32), 4, CUDA) == "triton"     # other block size
     assert resolve_impl(None, K4V4, 4, torch.device("cpu")) == "triton"
@@ -51,7 +52,7 @@ def test_explicit_cuda_is_refused_with_the_reason(capability):
     assert resolve_impl("cuda", K4V4, 4, CUDA) == "cuda"
     assert resolve_impl("triton", K4V4, 4, CUDA) == "triton"
     for layout, group, dev, match in [
-        (get_format("k4v2").layout(128, 16), 4, CUDA, "k4v4 pages with head_dim 128 and block_size 16.*key_bits=4, value_bits=2"),
+        (get_format("k4v2").layout(128, 16), 4, CUDA, "k4v4 and k8v4 pages with head_dim 128 and block_size 16.*key_bits=4, value_bits=2"),
         (get_format("k4v4").layout(64, 16), 3, CUDA, "head_dim=64"),
         (K4V4, 16, CUDA, "GQA groups of 1..8 query heads, got 16"),
         (K4V4, 4, torch.device("cpu"), "needs a CUDA device, got cpu"),
@@ -184,14 +185,15 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA 
 @pytest.mark.parametrize("hq,hkv", [(32, 8), (24, 8), (8, 8), (16, 2), (16, 8), (40, 8), (56, 8)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("num_splits", [1, 3, None])
-def test_cuda_matches_dequantized_reference(hq, hkv, dtype, num_splits):
+@pytest.mark.parametrize("preset", ["k4v4", "k8v4"])
+def test_cuda_matches_dequantized_reference(hq, hkv, dtype, num_splits, preset):
     """Ragged lengths incl. 1 and a padding row (0), GQA 4 / 3 / 1 / 8 / 2 / 5 / 7, block ids at the top of the
-    pool, poisoned output."""
+    pool, poisoned output; both kernels (k4v4, k8v4)."""
     gen = torch.Generator().manual_seed(hq * 7 + hkv)
     lens = [1, 5, 54, 97, 0, 8193]
     maxb = max(-(-max(L, 1) // 16) for L in lens) + 1
     nb = len(lens) * maxb + 5
-    pool = make_pool("k4v4", hkv, 128, 16, nb, gen)
+    pool = make_pool(preset, hkv, 128, 16, nb, gen)
     bt = block_tables(len(lens), maxb, nb, gen, high=True)
     for b, L in enumerate(lens):
         if L:
@@ -211,9 +213,9 @@ def test_cuda_matches_dequantized_reference(hq, hkv, dtype, num_splits):
     assert relerr(out, tri) < tol
 
 
-def _filled(gen, lens):
-    """A poisoned 40-block k4v4 pool (8 KV heads, head_dim 128) holding random sequences of ``lens`` tokens."""
-    pool = make_pool("k4v4", 8, 128, 16, 40, gen)
+def _filled(gen, lens, preset="k4v4"):
+    """A poisoned 40-block ``preset`` pool (8 KV heads, head_dim 128) holding random sequences of ``lens`` tokens."""
+    pool = make_pool(preset, 8, 128, 16, 40, gen)
     bt = block_tables(len(lens), 12, 40, gen)
     for b, n in enumerate(lens):
         if n:
@@ -237,10 +239,11 @@ def test_cuda_nan_query_head_stays_nan():
 
 
 @needs_cuda
-def test_cuda_kernel_is_graph_capturable():
+@pytest.mark.parametrize("preset", ["k4v4", "k8v4"])
+def test_cuda_kernel_is_graph_capturable(preset):
     """Launched on PyTorch's current stream: a captured CUDA graph replays it with new query values."""
     gen = torch.Generator().manual_seed(4)
-    pool, bt = _filled(gen, [150, 151, 152])
+    pool, bt = _filled(gen, [150, 151, 152], preset)
     sl = torch.tensor([150, 151, 152], dtype=torch.int32, device=DEV)
     q = torch.randn(3, 32, 128, generator=gen).to(DEV, torch.bfloat16)
     out = torch.empty_like(q)
@@ -302,7 +305,8 @@ def test_runtime_uses_the_split_rule_of_its_kernel(monkeypatch):
 
 @needs_cuda
 @pytest.mark.parametrize("forced", [None, (5, 200)])
-def test_cuda_splits_partition_the_sequence(forced, monkeypatch):
+@pytest.mark.parametrize("preset", ["k4v4", "k8v4"])
+def test_cuda_splits_partition_the_sequence(forced, preset, monkeypatch):
     """Each split's log-sum-exp (the workspace's part_lse, log2) is that of its own tokens only: whole 16-token pages
     cut as ``cuda_decode.split_pages`` says (weighted by round of placement; decode_k4v4.cu split_weight_prefix), empty
     splits -inf. A kernel whose splits each read the whole sequence would still merge to the right output, and one
@@ -317,7 +321,7 @@ def test_cuda_splits_partition_the_sequence(forced, monkeypatch):
     gen = torch.Generator().manual_seed(6)
     lens, hq, hkv, splits = [1000, 37, 16], 32, 8, 5
     maxb = 64
-    pool = make_pool("k4v4", hkv, 128, 16, len(lens) * maxb + 3, gen)
+    pool = make_pool(preset, hkv, 128, 16, len(lens) * maxb + 3, gen)
     bt = block_tables(len(lens), maxb, len(lens) * maxb + 3, gen)
     for b, n in enumerate(lens):
         fill(pool, bt[b], n, gen, torch.bfloat16)
@@ -358,13 +362,14 @@ def check_split_lse(lse, logits, pages, n, where):
 
 
 @needs_cuda
-def test_cuda_pool_over_2_gib_and_unaligned_pool():
+@pytest.mark.parametrize("preset", ["k4v4", "k8v4"])
+def test_cuda_pool_over_2_gib_and_unaligned_pool(preset):
     """Block ids whose byte offset passes 2**31 give the same output as low block ids (int64 offsets); a pool that
     does not start on a 16-byte boundary is refused (cp.async copies 16-byte chunks)."""
     gen = torch.Generator().manual_seed(8)
-    layout = get_format("k4v4").layout(128, 16)
+    layout = get_format(preset).layout(128, 16)
     nb = (2 ** 31) // (8 * layout.page_bytes) + 64                      # > 2 GiB of pages
-    pool = get_format("k4v4").new_pool(nb, 8, 128, 16, device=DEV)
+    pool = get_format(preset).new_pool(nb, 8, 128, 16, device=DEV)
     n = 300
     low = torch.arange(0, 19, dtype=torch.int32, device=DEV)
     high = torch.arange(nb - 19, nb, dtype=torch.int32, device=DEV)
@@ -523,3 +528,20 @@ def test_split_pages_partition_properties():
         cuda_decode.split_pages(100, 4, 0, 0, 1, 8, 132, 256)
     with pytest.raises(ValueError, match="rank_div must be >= 1"):
         cuda_decode.split_pages(100, 4, 0, 0, 1, 8, 0, 48)
+
+
+def test_launch_refuses_a_page_size_of_neither_kernel():
+    """The page size picks the kernel (2,144 bytes: k4v4, 3,168: k8v4); any other is refused before anything runs
+    (CPU tensors: the check comes first)."""
+    from kvrepro.ops import cuda_decode
+
+    assert {v["page_bytes"] for v in cuda_decode.LAYOUTS.values()} == {
+        get_format("k4v4").layout(128, 16).page_bytes, get_format("k8v4").layout(128, 16).page_bytes}
+    for preset in ("k4v4", "k8v4"):
+        layout = get_format(preset).layout(128, 16)
+        assert {k: getattr(layout, k) for k in cuda_decode.LAYOUT} == cuda_decode.LAYOUTS[layout.key_bits]
+    q = torch.zeros(1, 32, 128, dtype=torch.bfloat16)
+    pool = torch.zeros(4, 8, get_format("k4v2").layout(128, 16).page_bytes, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"pool pages must be 2144 \(k4v4\) or 3168 \(k8v4\) bytes.*got 1632"):
+        cuda_decode.launch(q, torch.eye(128), pool, torch.zeros(1, 4, dtype=torch.int32),
+                           torch.ones(1, dtype=torch.int32), torch.zeros(1 << 16), torch.zeros(64), q, 0.088, 2, 8, 4)

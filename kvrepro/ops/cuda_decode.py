@@ -1,4 +1,4 @@
-"""kvrepro's CUDA decode attention kernel for k4v4 pages: where it applies, how it is built and launched.
+"""kvrepro's CUDA decode attention kernels for k4v4 and k8v4 pages: where they apply, how they are built and launched.
 
 ``kvrepro.ops.decode_attention(impl="cuda")`` runs it (its default where it applies, see ``unsupported_reason``);
 this module holds the pieces behind that: the committed fatbin ``cuda/decode_k4v4.fatbin``, built from
@@ -8,9 +8,9 @@ PyTorch extension build, no nvcc at run time) and launched with ``cuLaunchKernel
 CUDA graphs capture it.
 
 The kernel (design: notes/kernels.md "Design sketch for the next decode kernel", measured as run 18): one CTA of 4
-warps per (sequence, KV head, split), each warp walking its own pages through a 4-deep ``cp.async`` ring; keys through
-int8 tensor cores (``mma.m16n8k32.s8``, the query as two int8 digits as in the Triton int8 key path; method after
-SageAttention, Zhang et al. 2024), values through ``mma.m16n8k16.f16`` with tokens x GQA heads as the MMA shape; it
+warps per (sequence, KV head, split), each warp walking its own pages through a 4-deep (k8v4: 3-deep) ``cp.async``
+ring; keys through int8 tensor cores (``mma.m16n8k32.s8``: k4v4's nibbles as 16 (code - 8), k8v4's bytes as code -
+128; the query as two int8 digits as in the Triton int8 key path; method after SageAttention, Zhang et al. 2024), values through ``mma.m16n8k16.f16`` with tokens x GQA heads as the MMA shape; it
 writes the same split-K partials as the Triton kernel, but does the query rotation (a fast Walsh-Hadamard transform:
 the rotation is ``diag(s) H / sqrt(D)``) and the log-sum-exp split merge (FlashDecoding, Dao et al. 2023; the last CTA
 of each (sequence, KV head) merges, after the threadfence reduction of the CUDA programming guide) in the same
@@ -39,7 +39,9 @@ HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda")
 SOURCE = os.path.join(HERE, "decode_k4v4.cu")
 FATBIN = os.path.join(HERE, "decode_k4v4.fatbin")
 MANIFEST = os.path.join(HERE, "decode_k4v4.json")
-KERNEL = "kvrepro_decode_k4v4"
+# One kernel per supported key width (decode_k4v4.cu instantiates one body twice); values are 4-bit in both.
+KERNELS = {4: "kvrepro_decode_k4v4", 8: "kvrepro_decode_k8v4"}
+KERNEL = KERNELS[4]             # the manifest's first kernel (kept for the manifest's "kernel" field)
 WARPS = 4                       # threads per CTA = 32 * WARPS (the kernel's __launch_bounds__)
 MIN_CAPABILITY = (8, 0)         # cp.async, mma.m16n8k32.s8, movmatrix (PTX ISA 7.8) need sm_80+
 MAX_GROUP = 8                   # GQA query heads per KV head: the MMA's N = 8
@@ -57,22 +59,27 @@ RANK_SKEW = 48
 GENCODE = ("arch=compute_80,code=sm_80", "arch=compute_86,code=sm_86", "arch=compute_89,code=sm_89",
            "arch=compute_90,code=sm_90", "arch=compute_80,code=compute_80")
 NVCC_FLAGS = ("-O3", "-fatbin", "-Xptxas", "-v")
-# What the kernel hard-codes (decode_k4v4.cu): k4v4, head_dim 128, 16-token pages of 2144 bytes per KV head.
-LAYOUT = {"key_bits": 4, "value_bits": 4, "head_dim": 128, "block_size": 16, "page_bytes": 2144,
-          "v_code_offset": 1024, "k_meta_offset": 2048, "v_meta_offset": 2112}
+# What the kernels hard-code (decode_k4v4.cu PageFmt): k4v4 or k8v4, head_dim 128, 16-token pages of 2144 / 3168
+# bytes per KV head.
+LAYOUTS = {4: {"key_bits": 4, "value_bits": 4, "head_dim": 128, "block_size": 16, "page_bytes": 2144,
+               "v_code_offset": 1024, "k_meta_offset": 2048, "v_meta_offset": 2112},
+           8: {"key_bits": 8, "value_bits": 4, "head_dim": 128, "block_size": 16, "page_bytes": 3168,
+               "v_code_offset": 2048, "k_meta_offset": 3072, "v_meta_offset": 3136}}
+LAYOUT = LAYOUTS[4]
+BLOCK_SIZE, HEAD_DIM = 16, 128
 
 
 def unsupported_reason(layout, group: int, device: torch.device) -> str | None:
     """Why the CUDA kernel cannot serve this call (None = it can).
 
     Args:
-        layout: the pool's ``PageLayout``; the kernel hard-codes ``LAYOUT`` (k4v4, head_dim 128, block 16).
+        layout: the pool's ``PageLayout``; the kernels hard-code ``LAYOUTS`` (k4v4 or k8v4, head_dim 128, block 16).
         group: GQA group size (query heads per KV head); the kernel takes 1..``MAX_GROUP``.
         device: the pool's device; a CUDA device of compute capability >= ``MIN_CAPABILITY``.
     """
     got = {k: getattr(layout, k) for k in LAYOUT}
-    if got != LAYOUT:
-        return (f"the CUDA decode kernel supports k4v4 pages with head_dim 128 and block_size 16 only, got "
+    if got not in LAYOUTS.values():
+        return (f"the CUDA decode kernel supports k4v4 and k8v4 pages with head_dim 128 and block_size 16 only, got "
                 f"key_bits={got['key_bits']}, value_bits={got['value_bits']}, head_dim={got['head_dim']}, "
                 f"block_size={got['block_size']}")
     if not 1 <= group <= MAX_GROUP:
@@ -124,7 +131,7 @@ def build(nvcc: str | None = None, out: str = FATBIN, manifest: str = MANIFEST) 
         if r.returncode:
             raise RuntimeError(f"nvcc failed ({r.returncode}):\n{r.stdout}\n{r.stderr}")
         version = subprocess.run([exe, "--version"], capture_output=True, text=True).stdout.strip().splitlines()
-        info = {"kernel": KERNEL, "source": os.path.basename(SOURCE), "source_sha256": _sha256(SOURCE),
+        info = {"kernel": KERNEL, "kernels": list(KERNELS.values()), "source": os.path.basename(SOURCE), "source_sha256": _sha256(SOURCE),
                 "fatbin_sha256": _sha256(tmp_out), "nvcc_version": version[-1] if version else "",
                 "nvcc_flags": list(NVCC_FLAGS), "gencode": list(GENCODE),
                 "ptxas_report": [ln for ln in (r.stdout + r.stderr).splitlines() if "Used" in ln or "spill" in ln]}
@@ -142,9 +149,10 @@ _ERRORS = {200: "CUDA_ERROR_INVALID_IMAGE", 209: "CUDA_ERROR_NO_BINARY_FOR_GPU",
 
 
 class _Module:
-    """The fatbin loaded into one device's primary context (PyTorch's), and its kernel."""
+    """The fatbin loaded into one device's primary context (PyTorch's), and its kernels (``kernels``: key bits ->
+    entry-point name, default ``KERNELS``; benchmarks load older single-kernel builds with ``{4: KERNELS[4]}``)."""
 
-    def __init__(self, device: torch.device, path: str):
+    def __init__(self, device: torch.device, path: str, kernels: dict[int, str] | None = None):
         try:
             self.lib = ctypes.CDLL("libcuda.so.1")
         except OSError as e:
@@ -157,7 +165,7 @@ class _Module:
             torch.empty(1, device=device)            # makes the device's primary context current
             with open(path, "rb") as f:
                 self.image = f.read()                 # kept alive while the module is loaded
-            self.module, self.fn = ctypes.c_void_p(), ctypes.c_void_p()
+            self.module = ctypes.c_void_p()
             rc = self.lib.cuModuleLoadData(ctypes.byref(self.module), ctypes.c_char_p(self.image))
             if rc:
                 raise RuntimeError(
@@ -166,9 +174,13 @@ class _Module:
                     f"and needs a driver for that CUDA version or newer; rebuild it with your nvcc "
                     f"(python -m kvrepro.ops.cuda_decode --build) or use impl='triton' (vLLM backend: "
                     f"KVREPRO_DECODE_IMPL=triton)")
-            rc = self.lib.cuModuleGetFunction(ctypes.byref(self.fn), self.module, KERNEL.encode())
-            if rc:
-                raise RuntimeError(f"kvrepro CUDA decode kernel: {KERNEL} not found in {path} ({self.error(rc)})")
+            self.fns = {}                             # key bits -> CUfunction
+            for bits, name in (KERNELS if kernels is None else kernels).items():
+                fn = ctypes.c_void_p()
+                rc = self.lib.cuModuleGetFunction(ctypes.byref(fn), self.module, name.encode())
+                if rc:
+                    raise RuntimeError(f"kvrepro CUDA decode kernel: {name} not found in {path} ({self.error(rc)})")
+                self.fns[bits] = fn
 
     def error(self, rc: int) -> str:
         """``CUDA error <rc> (<name>)`` from the driver's cuGetErrorName."""
@@ -177,11 +189,12 @@ class _Module:
             return f"CUDA error {rc} ({name.value.decode()})"
         return f"CUDA error {rc} ({_ERRORS.get(rc, 'see cuda.h')})"
 
-    def launch(self, grid: tuple[int, int, int], args: list, stream: int) -> None:
+    def launch(self, grid: tuple[int, int, int], args: list, stream: int, key_bits: int = 4) -> None:
         vals = [ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor)
                 else a if isinstance(a, ctypes._SimpleCData) else ctypes.c_int(int(a)) for a in args]
         ptrs = (ctypes.c_void_p * len(vals))(*[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in vals])
-        rc = self.lib.cuLaunchKernel(self.fn, *grid, WARPS * 32, 1, 1, 0, ctypes.c_void_p(stream), ptrs, None)
+        rc = self.lib.cuLaunchKernel(self.fns[key_bits], *grid, WARPS * 32, 1, 1, 0, ctypes.c_void_p(stream), ptrs,
+                                     None)
         if rc:
             raise RuntimeError(f"kvrepro CUDA decode kernel: cuLaunchKernel failed with {self.error(rc)} "
                                f"(grid {grid}, block {WARPS * 32})")
@@ -325,7 +338,7 @@ def split_pages(seq_len: int, num_splits: int, b: int, kvh: int, batch: int, num
     ValueError for ``rank_div < 1`` or ``rank_skew`` outside 0..255 (weights must stay positive)."""
     if rank_div < 1 or not 0 <= rank_skew <= 255:
         raise ValueError(f"rank_div must be >= 1 and rank_skew in 0..255, got {rank_div}, {rank_skew}")
-    pages = -(-seq_len // LAYOUT["block_size"])
+    pages = -(-seq_len // BLOCK_SIZE)
     c, p = kvh * batch + b, batch * num_kv_heads
     w = [1024 - rank_skew * min((s * p + c) // rank_div, 3) for s in range(num_splits)]
     cum = [sum(w[:s]) for s in range(num_splits + 1)]
@@ -339,14 +352,20 @@ def launch(query: torch.Tensor, rotation: torch.Tensor, pool: torch.Tensor, bloc
     split-K attention and the split merge in one launch. Shapes as ``decode_attention``'s:
 
     query ``[B, Hq, 128]`` bfloat16 / float16 (last dim contiguous, unrotated), rotation float32 ``[128, 128]`` of the
-    form ``rotation_signs`` checks, pool uint8 ``[num_blocks, Hkv, 2144]`` (16-byte aligned), block_tables int32
+    form ``rotation_signs`` checks, pool uint8 ``[num_blocks, Hkv, 2144]`` (k4v4) or ``[num_blocks, Hkv, 3168]``
+    (k8v4; the page size picks the kernel) (16-byte aligned), block_tables int32
     ``[B, max_blocks]`` (last dim contiguous), seq_lens int32 ``[B]``, part_o float32 ``[B, Hq, S, 128]`` and part_lse
     float32 ``[B, Hq, S]`` (scratch: the split partials, log2), out ``[B, Hq, 128]`` bfloat16 / float16 (last dim
     contiguous), scale the softmax scale. The caller (``decode_attention``) has checked shapes, dtypes and
-    ``unsupported_reason``. Raises ValueError for ``num_splits x group > MERGE_MAX``, a pool or workspace (``part_o``)
+    ``unsupported_reason``. Raises ValueError for a page size of neither layout, ``num_splits x group > MERGE_MAX``, a
+    pool or workspace (``part_o``)
     that is not 16-byte aligned (``cp.async`` copies, ``float4`` merge reads) or a rotation of another form; these
     are ``decode_attention``'s checks for ``impl="cuda"`` too (it calls this).
     """
+    key_bits = {v["page_bytes"]: bits for bits, v in LAYOUTS.items()}.get(pool.shape[-1])
+    if key_bits is None:
+        raise ValueError(f"pool pages must be {LAYOUTS[4]['page_bytes']} (k4v4) or {LAYOUTS[8]['page_bytes']} (k8v4) "
+                         f"bytes for the CUDA decode kernel (head_dim 128, block 16), got {pool.shape[-1]}")
     if pool.data_ptr() % 16:
         raise ValueError("pool must start on a 16-byte boundary for the CUDA decode kernel (cp.async)")
     check_splits(num_splits, group)
@@ -358,7 +377,7 @@ def launch(query: torch.Tensor, rotation: torch.Tensor, pool: torch.Tensor, bloc
     counters = split_counters(pool.device, b * num_kv_heads)
     rank_div, rank_skew = rank_args(pool.device, b, num_kv_heads, num_splits)
     flags = (1 if query.dtype == torch.bfloat16 else 0) | (2 if out.dtype == torch.bfloat16 else 0)
-    qmul = float(scale) * 1.4426950408889634 / LAYOUT["head_dim"] ** 0.5
+    qmul = float(scale) * 1.4426950408889634 / HEAD_DIM ** 0.5
     with torch.cuda.device(pool.device):      # the pool's device is current: its context, module and stream
         mod = load(pool.device)
         stream = torch.cuda.current_stream(pool.device).cuda_stream
@@ -366,7 +385,7 @@ def launch(query: torch.Tensor, rotation: torch.Tensor, pool: torch.Tensor, bloc
                    [query, signs, pool, block_tables, seq_lens, part_o, part_lse, out, counters,
                     ctypes.c_longlong(query.stride(0)), ctypes.c_longlong(query.stride(1)),
                     ctypes.c_longlong(out.stride(0)), ctypes.c_longlong(out.stride(1)), ctypes.c_float(qmul), flags,
-                    block_tables.stride(0), num_splits, num_kv_heads, group, rank_div, rank_skew], stream)
+                    block_tables.stride(0), num_splits, num_kv_heads, group, rank_div, rank_skew], stream, key_bits)
 
 
 def main(argv=None) -> int:

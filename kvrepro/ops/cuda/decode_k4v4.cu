@@ -1,9 +1,11 @@
-// kvrepro's CUDA decode attention over k4v4 pages (split-K, hand-written for sm_80+, tuned on sm_90).
+// kvrepro's CUDA decode attention over k4v4 and k8v4 pages (split-K, hand-written for sm_80+, tuned on sm_90): one body,
+// decode_step<KB>, instantiated as kvrepro_decode_k4v4 (4-bit keys) and kvrepro_decode_k8v4 (8-bit keys); the pages
+// below are k4v4's, k8v4 differs in its key region (128 bytes per token, byte j = channel j) and offsets (PageFmt).
 //
 // Built into decode_k4v4.fatbin by `python -m kvrepro.ops.cuda_decode --build` (flags in decode_k4v4.json) and run by
-// kvrepro.ops.decode_attention(impl="cuda"), its default for k4v4 / head_dim 128 / block 16 / GQA group <= 8 on
-// CUDA devices of compute capability >= 8.0. Verified against float64 attention on the H200 (sm_90) only:
-// notes/kernels.md run 18.
+// kvrepro.ops.decode_attention(impl="cuda"), its default for k4v4 and k8v4 / head_dim 128 / block 16 / GQA group <= 8
+// on CUDA devices of compute capability >= 8.0. Verified against float64 attention on the H200 (sm_90) only:
+// notes/kernels.md runs 18 (k4v4) and 37 (k8v4).
 //
 // Same page format, query preparation and split-K workspace as the Triton path (impl="triton": v2, int8 keys),
 // but one launch does all three steps that the Triton path launches separately (rotate_query_kernel, attention,
@@ -45,14 +47,22 @@ namespace {
 
 constexpr int D = 128;           // head_dim
 constexpr int BS = 16;           // tokens per page (vLLM block)
-constexpr int PAGE = 2144;       // bytes per page per KV head
-constexpr int V_OFF = 1024, KM_OFF = 2048, VM_OFF = 2112;
+// Page layout per key width (kvrepro.formats.layout; values are 4-bit in both): K codes [16][D * KB / 8] at 0, V codes
+// [16][64] at V_OFF, K meta [16][scale, zero] f16 at KM_OFF, V meta [16] f16 at VM_OFF. KSTAGES: ring depth (k8v4's
+// 3-deep ring keeps the CTA under 48 KB of static shared memory, 4 CTAs per SM).
+template <int KB> struct PageFmt;
+#ifndef KVREPRO_STAGES
+#define KVREPRO_STAGES 4
+#endif
+template <> struct PageFmt<4> {
+  static constexpr int PAGE = 2144, V_OFF = 1024, KM_OFF = 2048, VM_OFF = 2112, KSTAGES = KVREPRO_STAGES;
+};
+template <> struct PageFmt<8> {
+  static constexpr int PAGE = 3168, V_OFF = 2048, KM_OFF = 3072, VM_OFF = 3136, KSTAGES = 3;
+};
 constexpr int WARPS = 4;
 #ifndef KVREPRO_MERGE_UNROLL
 #define KVREPRO_MERGE_UNROLL 4  // splits per warp whose partial loads are in flight together in the merge
-#endif
-#ifndef KVREPRO_STAGES
-#define KVREPRO_STAGES 4
 #endif
 #ifndef KVREPRO_BT_REGS
 #define KVREPRO_BT_REGS 1  // block ids held in a register per lane, 32 pages per load (0: one load per page)
@@ -62,9 +72,7 @@ constexpr int WARPS = 4;
 #else
 #define TRACE(k, v)
 #endif
-constexpr int STAGES = KVREPRO_STAGES;  // ring slots per warp (STAGES - 1 pages in flight while one is used)
 constexpr int FLUSH = 16;        // pages summed by the tensor cores before the float32 add
-constexpr int NCHUNK = PAGE / 16;  // 134 16-byte chunks per page
 constexpr int MERGE_UNROLL = KVREPRO_MERGE_UNROLL;
 constexpr int MERGE_MAX = 4096;  // num_splits x group the merge's weights hold (in the ring's shared memory)
 
@@ -84,6 +92,8 @@ __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0
 // j ^ ((t >> 1) & 3) of its row, so the 8 rows an ldmatrix phase reads spread over all 32 banks (rows t and t + 2
 // of a 64-byte-row tile share banks otherwise: 4-way conflicts). Chunks 128.. (the metadata) are not moved.
 __device__ __forceinline__ int swz_row_chunk(int t, int j) { return t * 4 + (j ^ ((t >> 1) & 3)); }
+// k8v4's key region has 128-byte rows: chunk j of row t at j ^ (t & 7), so the 8 rows of a phase hit 8 bank groups
+__device__ __forceinline__ int swz_row_chunk8(int t, int j) { return t * 8 + (j ^ (t & 7)); }
 
 __device__ __forceinline__ void ldsm_x4(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
@@ -194,6 +204,8 @@ __device__ unsigned long long kvrepro_trace[KVREPRO_TRACE][8];  // read by cuMod
 // The split merge of the last CTA of a (sequence, KV head): log-sum-exp weights of the S partials (all threads), their
 // weighted sums (warp w takes splits w, w + 4, ...), the rotation back (Walsh-Hadamard transform) and the output.
 // Not inlined: its registers do not add to the attention loop's (the kernel runs at the 128-register cap).
+// (One instantiation per kernel, so that each keeps a single caller and the compiler's view of its shared buffers.)
+template <int KB>
 __device__ __noinline__ void merge_splits(uint8_t* smem, float* xbuf, const float* __restrict__ part_o,
                                           const float* __restrict__ part_lse, const float* __restrict__ signs,
                                           void* __restrict__ out, int b, int kvh, int hq, int group, int num_splits,
@@ -281,13 +293,23 @@ __device__ __noinline__ void merge_splits(uint8_t* smem, float* xbuf, const floa
   }
 }
 
-extern "C" __global__ void __launch_bounds__(WARPS * 32, 4)  // 4 CTAs (16 warps) per SM: <= 128 registers
-kvrepro_decode_k4v4(const void* __restrict__ query, const float* __restrict__ signs,
-                    const uint8_t* __restrict__ pool, const int* __restrict__ block_tables,
-                    const int* __restrict__ seq_lens, float* __restrict__ part_o, float* __restrict__ part_lse,
-                    void* __restrict__ out, unsigned* __restrict__ counters, long long stride_qb,
-                    long long stride_qh, long long stride_ob, long long stride_oh, float qmul, int flags,
-                    int stride_bt, int num_splits, int num_kv_heads, int group, int rank_div, int rank_skew) {
+#define KVREPRO_DECODE_PARAMS                                                                                    \
+  const void* __restrict__ query, const float* __restrict__ signs, const uint8_t* __restrict__ pool,               \
+      const int* __restrict__ block_tables, const int* __restrict__ seq_lens, float* __restrict__ part_o,          \
+      float* __restrict__ part_lse, void* __restrict__ out, unsigned* __restrict__ counters, long long stride_qb,  \
+      long long stride_qh, long long stride_ob, long long stride_oh, float qmul, int flags, int stride_bt,          \
+      int num_splits, int num_kv_heads, int group, int rank_div, int rank_skew
+#define KVREPRO_DECODE_ARGS                                                                                      \
+  query, signs, pool, block_tables, seq_lens, part_o, part_lse, out, counters, stride_qb, stride_qh, stride_ob,    \
+      stride_oh, qmul, flags, stride_bt, num_splits, num_kv_heads, group, rank_div, rank_skew
+
+// The whole decode step for KB-bit keys (4: k4v4, 8: k8v4); the two __global__ entry points below instantiate it.
+template <int KB>
+__device__ __forceinline__ void decode_step(KVREPRO_DECODE_PARAMS) {
+  constexpr int PAGE = PageFmt<KB>::PAGE, V_OFF = PageFmt<KB>::V_OFF, KM_OFF = PageFmt<KB>::KM_OFF;
+  constexpr int VM_OFF = PageFmt<KB>::VM_OFF, STAGES = PageFmt<KB>::KSTAGES;
+  constexpr int K_BYTES = BS * D * KB / 8;        // key code region: 1024 (k4v4) / 2048 (k8v4) bytes
+  constexpr int META_CHUNKS = PAGE / 16 - K_BYTES / 16 - 64;  // 16-byte chunks of K and V metadata: 6
   const int b = blockIdx.x;
   const int split = blockIdx.y / num_kv_heads;  // split-major: every (sequence, KV head) has CTAs in every round
   const int kvh = blockIdx.y % num_kv_heads;
@@ -332,9 +354,14 @@ kvrepro_decode_k4v4(const void* __restrict__ query, const float* __restrict__ si
 #endif
 
   uint8_t* my_ring = &ring[warp][0][0];
-  // chunk lane + 32 k (k < 4: code chunks, row (lane >> 2) + 8 k, swizzled; k = 4: metadata, lanes < 6)
+  // 64-byte code rows (k4v4 keys, all values): chunk lane + 32 k is row (lane >> 2) + 8 k, column lane & 3, stored at
+  // column (lane & 3) ^ ((row >> 1) & 3) = ... ^ ((lane >> 3) & 3) for every k (swz_row_chunk)
   const uint32_t ring_code = smem_u32(my_ring) + (lane ^ ((lane >> 3) & 3)) * 16;
-  const uint32_t ring_meta = smem_u32(my_ring) + (128 + lane) * 16;
+  // 128-byte key rows (k8v4): chunk lane + 32 k is row (lane >> 3) + 4 k, column lane & 7, stored at column
+  // (lane & 7) ^ (row & 7) (swz_row_chunk8): two offsets, even and odd k
+  const uint32_t ring_k8e = smem_u32(my_ring) + ((lane >> 3) * 8 + ((lane & 7) ^ (lane >> 3))) * 16;
+  const uint32_t ring_k8o = smem_u32(my_ring) + ((lane >> 3) * 8 + ((lane & 7) ^ ((lane >> 3) + 4))) * 16;
+  const uint32_t ring_meta = smem_u32(my_ring) + KM_OFF + lane * 16;
   auto issue = [&](int i) {
     if (i < my_pages) {
 #if KVREPRO_BT_REGS
@@ -345,9 +372,16 @@ kvrepro_decode_k4v4(const void* __restrict__ query, const float* __restrict__ si
 #endif
       const uint8_t* src = pool + ((int64_t)blk * num_kv_heads + kvh) * PAGE + lane * 16;
       const uint32_t stage = (i % STAGES) * PAGE;
+      if (KB == 4) {
 #pragma unroll
-      for (int k = 0; k < 4; ++k) cp_async16(ring_code + stage + 512 * k, src + 512 * k);
-      if (lane < NCHUNK - 128) cp_async16(ring_meta + stage, src + 512 * 4);
+        for (int k = 0; k < 4; ++k) cp_async16(ring_code + stage + 512 * k, src + 512 * k);   // K then V codes
+      } else {
+#pragma unroll
+        for (int k = 0; k < 4; ++k) cp_async16((k & 1 ? ring_k8o : ring_k8e) + stage + 512 * k, src + 512 * k);
+#pragma unroll
+        for (int k = 0; k < 2; ++k) cp_async16(ring_code + stage + V_OFF + 512 * k, src + V_OFF + 512 * k);
+      }
+      if (lane < META_CHUNKS) cp_async16(ring_meta + stage, src + KM_OFF);
     }
     cp_commit();  // one group per slot, empty or not, so wait_group counts stay uniform
   };
@@ -401,7 +435,8 @@ kvrepro_decode_k4v4(const void* __restrict__ query, const float* __restrict__ si
     bl[c][1] = *reinterpret_cast<const uint32_t*>(&qd_lo[g][ch + 16]);
   }
   const int h0 = tq * 2;  // the two heads (N columns) of this lane's accumulators
-  const float kmul0 = s_q[h0] * (1.0f / 16.0f), kmul1 = s_q[h0 + 1] * (1.0f / 16.0f);
+  constexpr float KPLANE = KB == 4 ? 1.0f / 16.0f : 1.0f;  // k4v4's int8 planes are 16 x the code
+  const float kmul0 = s_q[h0] * KPLANE, kmul1 = s_q[h0 + 1] * KPLANE;
   const float qs0 = q_sum[h0], qs1 = q_sum[h0 + 1];
 
   float m0 = -INFINITY, m1 = -INFINITY;  // running max (log2) of heads h0, h0 + 1
@@ -419,8 +454,19 @@ kvrepro_decode_k4v4(const void* __restrict__ query, const float* __restrict__ si
 
     // S^T = K Q^T: two chains (high and low digits), exact int32
     int chi[4] = {0, 0, 0, 0}, clo[4] = {0, 0, 0, 0};
+    if (KB == 8) {
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {  // bytes 0-31, 32-63 of each token
+      for (int c = 0; c < 4; ++c) {  // bytes 32 c .. 32 c + 31 of each token = channels 32 c .. (int8: code - 128)
+        uint32_t r0, r1, r2, r3;
+        const int mat = lane >> 3, row = lane & 7;
+        ldsm_x4(smem_u32(pg + swz_row_chunk8((mat & 1) * 8 + row, c * 2 + (mat >> 1)) * 16), r0, r1, r2, r3);
+        r0 ^= 0x80808080u; r1 ^= 0x80808080u; r2 ^= 0x80808080u; r3 ^= 0x80808080u;
+        imma(chi, r0, r1, r2, r3, bh[c][0], bh[c][1]);
+        imma(clo, r0, r1, r2, r3, bl[c][0], bl[c][1]);
+      }
+    }
+#pragma unroll
+    for (int half = 0; half < (KB == 4 ? 2 : 0); ++half) {  // k4v4: bytes 0-31, 32-63 of each token
       uint32_t r0, r1, r2, r3;
       // matrices: tokens 0-7 / 8-15 x bytes [32 half, +16), then the next 16 bytes
       const int mat = lane >> 3, row = lane & 7;
@@ -440,8 +486,9 @@ kvrepro_decode_k4v4(const void* __restrict__ query, const float* __restrict__ si
     // logits (log2 domain): s = (S_q / 16) ks acc + S_q sum(qi) (8 ks + kz); rows g (c0, c1), g + 8 (c2, c3)
     const __half2 kmA = *reinterpret_cast<const __half2*>(pg + KM_OFF + g * 4);        // (scale, zero) token g
     const __half2 kmB = *reinterpret_cast<const __half2*>(pg + KM_OFF + (g + 8) * 4);  // token g + 8
-    const float ksA = __low2float(kmA), kzA = __high2float(kmA) + 8.f * ksA;
-    const float ksB = __low2float(kmB), kzB = __high2float(kmB) + 8.f * ksB;
+    constexpr float KMID = KB == 4 ? 8.f : 128.f;  // the int8 planes hold 16 (code - 8) / code - 128
+    const float ksA = __low2float(kmA), kzA = __high2float(kmA) + KMID * ksA;
+    const float ksB = __low2float(kmB), kzB = __high2float(kmB) + KMID * ksB;
     float s[4];
     s[0] = (float)(chi[0] * 128 + clo[0]) * (kmul0 * ksA) + qs0 * kzA;
     s[1] = (float)(chi[1] * 128 + clo[1]) * (kmul1 * ksA) + qs1 * kzA;
@@ -572,8 +619,19 @@ kvrepro_decode_k4v4(const void* __restrict__ query, const float* __restrict__ si
   __syncthreads();
   TRACE(4, global_ns());
   if (!s_last) return;
-  merge_splits(&ring[0][0][0], xbuf, part_o, part_lse, signs, out, b, kvh, hq, group, num_splits, stride_ob, stride_oh,
+  merge_splits<KB>(&ring[0][0][0], xbuf, part_o, part_lse, signs, out, b, kvh, hq, group, num_splits, stride_ob, stride_oh,
                o_bf16);
   TRACE(5, global_ns());
   if (threadIdx.x == 0) *counter = 0u;  // every CTA of this (sequence, KV head) has counted in: ready for the next launch
 }
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32, 4)  // 4 CTAs (16 warps) per SM: <= 128 registers
+kvrepro_decode_k4v4(KVREPRO_DECODE_PARAMS) {
+  decode_step<4>(KVREPRO_DECODE_ARGS);
+}
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32, 4)
+kvrepro_decode_k8v4(KVREPRO_DECODE_PARAMS) {
+  decode_step<8>(KVREPRO_DECODE_ARGS);
+}
+
