@@ -128,7 +128,10 @@ def main() -> int:
     tracer = cuda_decode._Module(dev, a.trace, k4) if a.trace else None
     res = {"provenance": provenance({"script": "benchmarks/cuda_split_waves.py", "ctx": CTX, "sms": sms,
                                      "ctas_per_sm": CTAS_PER_SM, "variants": a.variant,
-                                     "three_launch": a.three_launch, "trace": a.trace}),
+                                     "three_launch": a.three_launch, "trace": a.trace,
+                                     "fatbin_sha256": {p: cuda_decode._sha256(p) for p in
+                                                       [v.split("=", 1)[1] for v in a.variant] + [a.three_launch, a.trace]
+                                                       if p}}),
            "fatbin": cuda_decode.read_manifest(), "copy_bandwidth": copy_bandwidth(), "rows": []}
     copy_bw = res["copy_bandwidth"]["GBps_read_plus_write"]
     print(f"SMs {sms}, copy {copy_bw:.0f} GB/s", flush=True)

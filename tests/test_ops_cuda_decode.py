@@ -340,8 +340,8 @@ def test_cuda_splits_partition_the_sequence(forced, preset, monkeypatch):
         assert skew == (cuda_decode.RANK_SKEW if forced is None else 200)   # 120 CTAs: one wave, skew applies
         for kvh in range(hkv):
             pages = cuda_decode.split_pages(n, splits, b, kvh, len(lens), hkv, rank_div, skew)
-            if forced is not None and n == 1000:                            # 63 pages: unequal splits here
-                assert len({p1 - p0 for p0, p1 in pages}) > 1, pages
+            if forced is not None and n == 1000:                            # the skew moves the cuts here
+                assert pages != cuda_decode.split_pages(n, splits, b, kvh, len(lens), hkv, rank_div, 0), pages
             check_split_lse(lse[b, kvh * (hq // hkv):(kvh + 1) * (hq // hkv)], logits[kvh * (hq // hkv):
                             (kvh + 1) * (hq // hkv)], pages, n, (b, kvh))
 
@@ -524,10 +524,72 @@ def test_split_pages_partition_properties():
                     assert abs(Fraction(pages * wi, sum(w)) - size) < 1, (size, wi, sum(w), pages)
                 if skew == 0:
                     assert max(sizes) - min(sizes) <= 1
-    with pytest.raises(ValueError, match="rank_skew in 0..255"):
+    with pytest.raises(ValueError, match="rank_skew an int in 0..255, got 132, 256"):
         cuda_decode.split_pages(100, 4, 0, 0, 1, 8, 132, 256)
-    with pytest.raises(ValueError, match="rank_div must be >= 1"):
+    with pytest.raises(ValueError, match="rank_div must be an int >= 1"):
         cuda_decode.split_pages(100, 4, 0, 0, 1, 8, 0, 48)
+    for args, match in [((100, 0, 0, 0, 1, 8), "num_splits must be an int >= 1, got 0"),
+                        ((100, 4, 1, 0, 1, 8), "b must be an int in 0..0, got 1"),
+                        ((100, 4, 0, 8, 1, 8), "kvh must be an int in 0..7, got 8"),
+                        ((-1, 4, 0, 0, 1, 8), "seq_len must be an int >= 0, got -1")]:
+        with pytest.raises(ValueError, match=match):
+            cuda_decode.split_pages(*args, 132, 48)
+
+
+def _weight_prefix_cpp(s, c, p, rank_div, rank_skew):
+    """decode_k4v4.cu ``split_weight_prefix`` transcribed literally (C++ integer division truncates toward zero)."""
+    def cdiv(a, b):                      # C++ a / b for b > 0
+        q = abs(a) // b
+        return q if a >= 0 else -q
+    w = 1024 * s
+    for j in (1, 2, 3):
+        first = max(0, cdiv(j * rank_div - c + p - 1, p))
+        w -= rank_skew * max(0, s - first)
+    return w
+
+
+def test_split_pages_equals_the_kernels_closed_form():
+    """``split_pages`` (sum of weights) and the kernel's closed form (``_weight_prefix_cpp``: cut at ``pages x W(s) /
+    W(S)``) give the same pages for every split: exhaustively on small grids, then on random large cases."""
+    import random
+
+    from kvrepro.ops import cuda_decode
+
+    def kernel_pages(seq_len, s_all, b, kvh, batch, hkv, div, skew):
+        pages = -(-seq_len // 16)
+        c, p = kvh * batch + b, batch * hkv
+        w_all = _weight_prefix_cpp(s_all, c, p, div, skew)
+        return [(pages * _weight_prefix_cpp(s, c, p, div, skew) // w_all,
+                 pages * _weight_prefix_cpp(s + 1, c, p, div, skew) // w_all) for s in range(s_all)]
+
+    cases = [(seq_len, s_all, b, kvh, batch, hkv, div, skew)
+             for seq_len in (0, 1, 16, 17, 100) for s_all in (1, 3, 9) for batch in (1, 2) for hkv in (1, 3)
+             for b in range(batch) for kvh in range(hkv) for div in (1, 2, 5, 132) for skew in (0, 48, 255)]
+    rng = random.Random(11)
+    for _ in range(3000):
+        batch, hkv = rng.randint(1, 16), rng.randint(1, 8)
+        cases.append((rng.randint(0, 1 << 20), rng.randint(1, 300), rng.randrange(batch), rng.randrange(hkv), batch,
+                      hkv, rng.randint(1, 200), rng.randint(0, 255)))
+    for case in cases:
+        assert cuda_decode.split_pages(*case) == kernel_pages(*case), case
+
+
+def test_rank_args_skews_only_one_wave_on_hopper(monkeypatch):
+    """The skew goes to grids of at most one wave (4 CTAs per SM) on compute capability 9.x; multi-wave grids, other
+    GPUs and the CPU get equal splits; a RANK_SKEW outside 0..255 is refused."""
+    from kvrepro.ops import cuda_decode
+
+    monkeypatch.setattr(cuda_decode, "sm_count", lambda device: 132)
+    cap = {"v": (9, 0)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap["v"])
+    assert cuda_decode.rank_args(CUDA, 3, 8, 22) == (132, cuda_decode.RANK_SKEW)       # 528 CTAs = one wave
+    assert cuda_decode.rank_args(CUDA, 3, 8, 23) == (132, 0)                           # 552 CTAs
+    assert cuda_decode.rank_args(torch.device("cpu"), 3, 8, 22) == (132, 0)
+    cap["v"] = (8, 0)
+    assert cuda_decode.rank_args(CUDA, 3, 8, 22) == (132, 0)
+    monkeypatch.setattr(cuda_decode, "RANK_SKEW", 400)
+    with pytest.raises(ValueError, match="rank_skew an int in 0..255, got 132, 400"):
+        cuda_decode.rank_args(CUDA, 3, 8, 22)
 
 
 def test_launch_refuses_a_page_size_of_neither_kernel():

@@ -46,14 +46,17 @@ WARPS = 4                       # threads per CTA = 32 * WARPS (the kernel's __l
 MIN_CAPABILITY = (8, 0)         # cp.async, mma.m16n8k32.s8, movmatrix (PTX ISA 7.8) need sm_80+
 MAX_GROUP = 8                   # GQA query heads per KV head: the MMA's N = 8
 MERGE_MAX = 4096                # num_splits x group that the in-kernel split merge holds (decode_k4v4.cu MERGE_MAX)
-CTAS_PER_SM = 4                 # resident CTAs per SM (__launch_bounds__(128, 4), 37 KB of shared memory each)
+CTAS_PER_SM = 4                 # resident CTAs per SM on the H200 (__launch_bounds__(128, 4); 37 / 41 KB of shared
+                                # memory for k4v4 / k8v4: GPUs with ~100 KB per SM hold fewer)
 # Split weights by round of placement (decode_k4v4.cu split_weight_prefix): split s weighs 1024 - RANK_SKEW x round,
 # round = min(linear block index // SMs, 3), for grids of at most one wave. H200 run 33 (%globaltimer trace, batch 3,
 # 22 equal splits): CTAs placed in round 0 / 1 / 2 / 3 of an SM streamed their pages in 101 / 106 / 112 / 117 us (the
 # warp schedulers favour older CTAs), 1, 0.955, 0.905, 0.862 of round 0's speed; RANK_SKEW 48 gives 1, 0.953, 0.906,
-# 0.859. Run 34 (same process, rule's split counts, batch 1 / 3 / 6 / 13): skews 0 / 32 / 48 / 64 / 96 all within
-# 1% at batch 1 and 3; 48 and 64 lead at 6 and 13 by 1-5% (noisy); the trace's kernel end with 48 is 1.2-1.8% before
-# skew 0's at batch 3, 6 and 13. The per-SM spread it cannot reach (some SMs stream ~15% slower) remains.
+# 0.859. Run 34 (same process, rule's split counts, batch 1 / 3 / 6 / 13; graph ms within ~1% run to run at 1 and 3,
+# up to ~5% at 13): every skew from 0 to 96 within 1.2% of the others at batch 1 and 3; at 6 and 13 skew 48 or 64
+# fastest (skew 48 1.1% / 4.6% faster than 0, skew 64 1.7% / 2.4%); the trace's kernel end with 48 is 1.2-1.8% before
+# skew 0's at batch 3, 6 and 13 (skew 96: earliest at 3, latest at 6 and 13). A mild, H200-only effect: the per-SM
+# spread (some SMs stream ~15% slower) dominates what remains. Applied on compute capability 9.x only (rank_args).
 RANK_SKEW = 48
 # SASS for A100 / A10-A40 / L4-L40 / H100-H200, plus compute_80 PTX that the driver compiles for newer GPUs.
 GENCODE = ("arch=compute_80,code=sm_80", "arch=compute_86,code=sm_86", "arch=compute_89,code=sm_89",
@@ -320,13 +323,28 @@ def check_splits(num_splits: int, group: int) -> None:
                          f"got {num_splits}")
 
 
+def _check_rank(rank_div: int, rank_skew: int) -> None:
+    """Raise ValueError unless ``rank_div >= 1`` and ``0 <= rank_skew <= 255`` (every split's weight stays >= 259 of
+    1024; past 341 a weight would reach zero and the kernel's page cut would divide by zero or go negative)."""
+    if not (isinstance(rank_div, int) and rank_div >= 1 and isinstance(rank_skew, int) and 0 <= rank_skew <= 255):
+        raise ValueError(f"rank_div must be an int >= 1 and rank_skew an int in 0..255, got {rank_div!r}, {rank_skew!r}")
+
+
 def rank_args(device: torch.device, batch: int, num_kv_heads: int, num_splits: int) -> tuple[int, int]:
-    """The kernel's ``(rank_div, rank_skew)``: the SM count and ``RANK_SKEW`` for a grid of at most one wave
-    (``batch x num_kv_heads x num_splits <= CTAS_PER_SM x SMs``: every CTA is placed at launch, round by round), else
-    skew 0 (equal splits: later waves start as earlier CTAs finish, rounds mean nothing)."""
-    sms = sm_count(torch.device(device))
+    """The kernel's ``(rank_div, rank_skew)`` for a launch of ``batch x num_kv_heads x num_splits`` CTAs on ``device``.
+
+    Returns ``rank_div`` = the SM count and ``rank_skew`` = ``RANK_SKEW`` for a grid of at most one wave (``<=
+    CTAS_PER_SM x SMs`` CTAs, all placed at launch, round by round) on a GPU of compute capability 9.x (H100 / H200,
+    where 4 CTAs fit per SM and the skew was measured), else 0: equal splits (later waves start as earlier CTAs finish,
+    so rounds mean nothing; on other GPUs fewer CTAs may fit per SM and the rounds differ). Raises ValueError if
+    ``RANK_SKEW`` is outside 0..255."""
+    device = torch.device(device)
+    sms = sm_count(device)
+    skew = RANK_SKEW
+    _check_rank(sms, skew)
     one_wave = batch * num_kv_heads * num_splits <= CTAS_PER_SM * sms
-    return sms, (RANK_SKEW if one_wave else 0)
+    hopper = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+    return sms, (skew if one_wave and hopper else 0)
 
 
 def split_pages(seq_len: int, num_splits: int, b: int, kvh: int, batch: int, num_kv_heads: int, rank_div: int,
@@ -335,9 +353,17 @@ def split_pages(seq_len: int, num_splits: int, b: int, kvh: int, batch: int, num
     (16-token pages, end exclusive; the last page may be partial), as ``split_weight_prefix`` in decode_k4v4.cu computes
     it: split ``s`` (linear block index ``L = s x batch x num_kv_heads + kvh x batch + b``) weighs ``1024 - rank_skew x
     min(L // rank_div, 3)``, and the pages are cut at the integer floor of the weights' running share. Raises
-    ValueError for ``rank_div < 1`` or ``rank_skew`` outside 0..255 (weights must stay positive)."""
-    if rank_div < 1 or not 0 <= rank_skew <= 255:
-        raise ValueError(f"rank_div must be >= 1 and rank_skew in 0..255, got {rank_div}, {rank_skew}")
+    ValueError for ``rank_div < 1``, ``rank_skew`` outside 0..255 (weights must stay positive), ``seq_len < 0``,
+    ``num_splits`` / ``batch`` / ``num_kv_heads < 1`` or ``b`` / ``kvh`` out of range."""
+    _check_rank(rank_div, rank_skew)
+    for name, v, hi in (("num_splits", num_splits, None), ("batch", batch, None), ("num_kv_heads", num_kv_heads, None),
+                        ("b", b, batch), ("kvh", kvh, num_kv_heads)):
+        lo = 0 if hi is not None else 1
+        if not isinstance(v, int) or v < lo or (hi is not None and v >= hi):
+            allowed = ">= 1" if hi is None else f"in 0..{hi - 1}"
+            raise ValueError(f"{name} must be an int {allowed}, got {v!r}")
+    if not isinstance(seq_len, int) or seq_len < 0:
+        raise ValueError(f"seq_len must be an int >= 0, got {seq_len!r}")
     pages = -(-seq_len // BLOCK_SIZE)
     c, p = kvh * batch + b, batch * num_kv_heads
     w = [1024 - rank_skew * min((s * p + c) // rank_div, 3) for s in range(num_splits)]
@@ -376,6 +402,7 @@ def launch(query: torch.Tensor, rotation: torch.Tensor, pool: torch.Tensor, bloc
     signs = rotation_signs(rotation)
     counters = split_counters(pool.device, b * num_kv_heads)
     rank_div, rank_skew = rank_args(pool.device, b, num_kv_heads, num_splits)
+    _check_rank(rank_div, rank_skew)
     flags = (1 if query.dtype == torch.bfloat16 else 0) | (2 if out.dtype == torch.bfloat16 else 0)
     qmul = float(scale) * 1.4426950408889634 / HEAD_DIM ** 0.5
     with torch.cuda.device(pool.device):      # the pool's device is current: its context, module and stream

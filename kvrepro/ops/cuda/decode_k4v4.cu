@@ -179,11 +179,14 @@ __device__ __forceinline__ float load_act(const void* p, int64_t i, bool bf16) {
 
 // The split partition (kvrepro.ops.cuda_decode.split_pages is its Python twin): split s of a (sequence, KV head)
 // weighs 1024 - rank_skew * rank(s), where rank(s) = min(L / rank_div, 3) and L = s P + c is the CTA's linear block
-// index (P = batch x KV heads, c = kvh x batch + b): the round in which the block scheduler places it on an SM (CTAs go
-// out in linear order, rank_div = the SM count apart). The warp schedulers favour the older CTAs of an SM, so later
-// rounds stream slower (H200, notes/kernels.md run 33: 4-5% per round); lighter splits there end together with the
-// rest. Returns W(s) = sum over s' < s of the weights (closed form: rank is non-decreasing in s'); split s holds pages
-// [pages W(s) / W(S), pages W(s + 1) / W(S)) (integer division), whole pages, in order. rank_skew 0: equal splits.
+// index (P = batch x KV heads, c = kvh x batch + b): the round in which the block scheduler places it on an SM, if CTAs
+// go out in linear order, rank_div = the SM count apart (on the H200 this held for 116 of 132 SMs; the other ~9% of
+// CTAs get another round's weight). The warp schedulers favour the older CTAs of an SM, so later rounds stream slower
+// (H200, notes/kernels.md run 33: about 5% per round); lighter splits there end closer to the rest. The cut depends on
+// the row b and the SM count, never on timing: same inputs, batch layout and GPU give the same bits. Returns W(s) = sum
+// over s' < s of the weights (closed form: rank is non-decreasing in s'); split s holds pages [pages W(s) / W(S),
+// pages W(s + 1) / W(S)) (integer division), whole pages, in order. rank_skew 0: equal splits; the caller keeps
+// rank_skew in 0..255 and rank_div >= 1 (kvrepro.ops.cuda_decode.rank_args), so every weight stays positive.
 __device__ __forceinline__ long long split_weight_prefix(int s, int c, int P, int rank_div, int rank_skew) {
   long long w = 1024LL * s;
   for (int j = 1; j <= 3; ++j) {  // splits s' < s of rank >= j: s' P + c >= j rank_div
