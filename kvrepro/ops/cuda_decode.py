@@ -10,7 +10,8 @@ CUDA graphs capture it.
 The kernel (design: notes/kernels.md "Design sketch for the next decode kernel", measured as run 18): one CTA of 4
 warps per (sequence, KV head, split), each warp walking its own pages through a 4-deep (k8v4: 3-deep) ``cp.async``
 ring; keys through int8 tensor cores (``mma.m16n8k32.s8``: k4v4's nibbles as 16 (code - 8), k8v4's bytes as code -
-128; the query as two int8 digits as in the Triton int8 key path; method after SageAttention, Zhang et al. 2024), values through ``mma.m16n8k16.f16`` with tokens x GQA heads as the MMA shape; it
+128; the query as two int8 digits as in the Triton int8 key path; method after SageAttention, Zhang et al. 2024),
+values through ``mma.m16n8k16.f16`` with tokens x GQA heads as the MMA shape; it
 writes the same split-K partials as the Triton kernel, but does the query rotation (a fast Walsh-Hadamard transform:
 the rotation is ``diag(s) H / sqrt(D)``) and the log-sum-exp split merge (FlashDecoding, Dao et al. 2023; the last CTA
 of each (sequence, KV head) merges, after the threadfence reduction of the CUDA programming guide) in the same
@@ -134,7 +135,8 @@ def build(nvcc: str | None = None, out: str = FATBIN, manifest: str = MANIFEST) 
         if r.returncode:
             raise RuntimeError(f"nvcc failed ({r.returncode}):\n{r.stdout}\n{r.stderr}")
         version = subprocess.run([exe, "--version"], capture_output=True, text=True).stdout.strip().splitlines()
-        info = {"kernel": KERNEL, "kernels": list(KERNELS.values()), "source": os.path.basename(SOURCE), "source_sha256": _sha256(SOURCE),
+        info = {"kernel": KERNEL, "kernels": list(KERNELS.values()), "source": os.path.basename(SOURCE),
+                "source_sha256": _sha256(SOURCE),
                 "fatbin_sha256": _sha256(tmp_out), "nvcc_version": version[-1] if version else "",
                 "nvcc_flags": list(NVCC_FLAGS), "gencode": list(GENCODE),
                 "ptxas_report": [ln for ln in (r.stdout + r.stderr).splitlines() if "Used" in ln or "spill" in ln]}
@@ -327,7 +329,8 @@ def _check_rank(rank_div: int, rank_skew: int) -> None:
     """Raise ValueError unless ``rank_div >= 1`` and ``0 <= rank_skew <= 255`` (every split's weight stays >= 259 of
     1024; past 341 a weight would reach zero and the kernel's page cut would divide by zero or go negative)."""
     if not (isinstance(rank_div, int) and rank_div >= 1 and isinstance(rank_skew, int) and 0 <= rank_skew <= 255):
-        raise ValueError(f"rank_div must be an int >= 1 and rank_skew an int in 0..255, got {rank_div!r}, {rank_skew!r}")
+        raise ValueError(f"rank_div must be an int >= 1 and rank_skew an int in 0..255, got {rank_div!r}, "
+                         f"{rank_skew!r}")
 
 
 def rank_args(device: torch.device, batch: int, num_kv_heads: int, num_splits: int) -> tuple[int, int]:
