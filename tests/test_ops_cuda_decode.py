@@ -580,6 +580,7 @@ def test_rank_args_skews_only_one_wave_on_hopper(monkeypatch):
     from kvrepro.ops import cuda_decode
 
     monkeypatch.setattr(cuda_decode, "sm_count", lambda device: 132)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     cap = {"v": (9, 0)}
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap["v"])
     assert cuda_decode.rank_args(CUDA, 3, 8, 22) == (132, cuda_decode.RANK_SKEW)       # 528 CTAs = one wave
@@ -607,3 +608,33 @@ def test_launch_refuses_a_page_size_of_neither_kernel():
     with pytest.raises(ValueError, match=r"pool pages must be 2144 \(k4v4\) or 3168 \(k8v4\) bytes.*got 1632"):
         cuda_decode.launch(q, torch.eye(128), pool, torch.zeros(1, 4, dtype=torch.int32),
                            torch.ones(1, dtype=torch.int32), torch.zeros(1 << 16), torch.zeros(64), q, 0.088, 2, 8, 4)
+
+
+def test_launch_and_helpers_check_their_arguments_first():
+    """Bad sizes, a rotation of another head_dim, a CPU pool and a GQA group outside 1..8 are refused by name before
+    any CUDA call; the build command without --build says what it does, and a missing nvcc is one line, exit 1."""
+    from kvrepro.ops import cuda_decode
+
+    q = torch.zeros(1, 32, 128, dtype=torch.bfloat16)
+    pool = torch.zeros(4, 8, 2144, dtype=torch.uint8)
+    args = [torch.zeros(1, 4, dtype=torch.int32), torch.ones(1, dtype=torch.int32), torch.zeros(1 << 16),
+            torch.zeros(64), q, 0.088]
+    with pytest.raises(ValueError, match=r"rotation must be \[128, 128\].*got \(64, 64\)"):
+        cuda_decode.launch(q, torch.eye(64), pool, *args, 2, 8, 4)
+    with pytest.raises(ValueError, match="pool must be on a CUDA device.*got cpu"):
+        cuda_decode.launch(q, torch.eye(128), pool, *args, 2, 8, 4)
+    for splits, group, match in [(2, 0, "must be an int in 1..8 for impl='cuda', got 0"),
+                                 (0, 4, "num_splits must be an int >= 1"),
+                                 (-5, 8, "num_splits must be an int >= 1, got -5"),
+                                 (5000, 1, "num_splits must be <= 4096")]:
+        with pytest.raises(ValueError, match=match):
+            cuda_decode.check_splits(splits, group)
+    for bad in [(0, 8, 22), (3, 8, 2.5), (True, 8, 22)]:
+        with pytest.raises(ValueError, match="must be an int >= 1"):
+            cuda_decode.rank_args("cpu", *bad)
+    with pytest.raises(ValueError, match="rank_div must be an int >= 1"):
+        cuda_decode.split_pages(100, 4, 0, 0, 1, 8, True, 48)
+    assert cuda_decode.unsupported_reason(get_format("k8v4").layout(128, 16), 4, "cpu").endswith("got cpu")
+    assert cuda_decode.main([]) == 2
+    assert cuda_decode.main(["--build", "--nvcc", "/nonexistent/nvcc"]) == 1
+

@@ -23,6 +23,7 @@ import argparse
 import ctypes
 import glob
 import hashlib
+import itertools
 import json
 import os
 import re
@@ -81,12 +82,13 @@ def unsupported_reason(layout, group: int, device: torch.device) -> str | None:
         group: GQA group size (query heads per KV head); the kernel takes 1..``MAX_GROUP``.
         device: the pool's device; a CUDA device of compute capability >= ``MIN_CAPABILITY``.
     """
+    device = torch.device(device)
     got = {k: getattr(layout, k) for k in LAYOUT}
     if got not in LAYOUTS.values():
         return (f"the CUDA decode kernel supports k4v4 and k8v4 pages with head_dim 128 and block_size 16 only, got "
                 f"key_bits={got['key_bits']}, value_bits={got['value_bits']}, head_dim={got['head_dim']}, "
                 f"block_size={got['block_size']}")
-    if not 1 <= group <= MAX_GROUP:
+    if not _is_int(group) or not 1 <= group <= MAX_GROUP:
         return f"the CUDA decode kernel supports GQA groups of 1..{MAX_GROUP} query heads, got {group}"
     if device.type != "cuda":
         return f"the CUDA decode kernel needs a CUDA device, got {device}"
@@ -317,8 +319,18 @@ _COUNTERS: dict[int, torch.Tensor] = {}
 _KEEP: list[torch.Tensor] = []   # every counter buffer and sign vector handed to a launch (small; see above)
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 def check_splits(num_splits: int, group: int) -> None:
-    """Raise ValueError if ``num_splits x group`` exceeds ``MERGE_MAX`` (the weights the in-kernel merge holds)."""
+    """Raise ValueError unless ``group`` is an int in 1..``MAX_GROUP``, ``num_splits`` an int >= 1 and ``num_splits x
+    group <= MERGE_MAX`` (the weights the in-kernel merge holds)."""
+    if not _is_int(group) or not 1 <= group <= MAX_GROUP:
+        raise ValueError(f"group (GQA query heads per KV head) must be an int in 1..{MAX_GROUP} for impl='cuda', "
+                         f"got {group!r}")
+    if not _is_int(num_splits) or num_splits < 1:
+        raise ValueError(f"num_splits must be an int >= 1, got {num_splits!r}")
     if num_splits * group > MERGE_MAX:
         raise ValueError(f"num_splits must be <= {MERGE_MAX // group} ({MERGE_MAX} // GQA group {group}) for "
                          f"impl='cuda' (its split merge holds num_splits x group weights in shared memory), "
@@ -328,7 +340,7 @@ def check_splits(num_splits: int, group: int) -> None:
 def _check_rank(rank_div: int, rank_skew: int) -> None:
     """Raise ValueError unless ``rank_div >= 1`` and ``0 <= rank_skew <= 255`` (every split's weight stays >= 259 of
     1024; past 341 a weight would reach zero and the kernel's page cut would divide by zero or go negative)."""
-    if not (isinstance(rank_div, int) and rank_div >= 1 and isinstance(rank_skew, int) and 0 <= rank_skew <= 255):
+    if not (_is_int(rank_div) and rank_div >= 1 and _is_int(rank_skew) and 0 <= rank_skew <= 255):
         raise ValueError(f"rank_div must be an int >= 1 and rank_skew an int in 0..255, got {rank_div!r}, "
                          f"{rank_skew!r}")
 
@@ -340,8 +352,13 @@ def rank_args(device: torch.device, batch: int, num_kv_heads: int, num_splits: i
     CTAS_PER_SM x SMs`` CTAs, all placed at launch, round by round) on a GPU of compute capability 9.x (H100 / H200,
     where 4 CTAs fit per SM and the skew was measured), else 0: equal splits (later waves start as earlier CTAs finish,
     so rounds mean nothing; on other GPUs fewer CTAs may fit per SM and the rounds differ). Raises ValueError if
-    ``RANK_SKEW`` is outside 0..255."""
+    ``RANK_SKEW`` is outside 0..255, a size is not an int >= 1, or ``device`` is CUDA where PyTorch sees none."""
+    for name, v in (("batch", batch), ("num_kv_heads", num_kv_heads), ("num_splits", num_splits)):
+        if not _is_int(v) or v < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
     device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"rank_args: {device} requested but this PyTorch sees no CUDA device")
     sms = sm_count(device)
     skew = RANK_SKEW
     _check_rank(sms, skew)
@@ -362,15 +379,15 @@ def split_pages(seq_len: int, num_splits: int, b: int, kvh: int, batch: int, num
     for name, v, hi in (("num_splits", num_splits, None), ("batch", batch, None), ("num_kv_heads", num_kv_heads, None),
                         ("b", b, batch), ("kvh", kvh, num_kv_heads)):
         lo = 0 if hi is not None else 1
-        if not isinstance(v, int) or v < lo or (hi is not None and v >= hi):
+        if not _is_int(v) or v < lo or (hi is not None and v >= hi):
             allowed = ">= 1" if hi is None else f"in 0..{hi - 1}"
             raise ValueError(f"{name} must be an int {allowed}, got {v!r}")
-    if not isinstance(seq_len, int) or seq_len < 0:
+    if not _is_int(seq_len) or seq_len < 0:
         raise ValueError(f"seq_len must be an int >= 0, got {seq_len!r}")
     pages = -(-seq_len // BLOCK_SIZE)
     c, p = kvh * batch + b, batch * num_kv_heads
     w = [1024 - rank_skew * min((s * p + c) // rank_div, 3) for s in range(num_splits)]
-    cum = [sum(w[:s]) for s in range(num_splits + 1)]
+    cum = [0, *itertools.accumulate(w)]
     return [(pages * cum[s] // cum[-1], pages * cum[s + 1] // cum[-1]) for s in range(num_splits)]
 
 
@@ -386,15 +403,21 @@ def launch(query: torch.Tensor, rotation: torch.Tensor, pool: torch.Tensor, bloc
     ``[B, max_blocks]`` (last dim contiguous), seq_lens int32 ``[B]``, part_o float32 ``[B, Hq, S, 128]`` and part_lse
     float32 ``[B, Hq, S]`` (scratch: the split partials, log2), out ``[B, Hq, 128]`` bfloat16 / float16 (last dim
     contiguous), scale the softmax scale. The caller (``decode_attention``) has checked shapes, dtypes and
-    ``unsupported_reason``. Raises ValueError for a page size of neither layout, ``num_splits x group > MERGE_MAX``, a
-    pool or workspace (``part_o``)
-    that is not 16-byte aligned (``cp.async`` copies, ``float4`` merge reads) or a rotation of another form; these
-    are ``decode_attention``'s checks for ``impl="cuda"`` too (it calls this).
+    ``unsupported_reason``. Raises ValueError for a page size of neither layout, a rotation that is not
+    ``[128, 128]`` or not of the Hadamard form, a pool not on a CUDA device, ``group`` outside 1..8, ``num_splits <
+    1`` or ``num_splits x group > MERGE_MAX``, a pool or workspace (``part_o``) that is not 16-byte aligned
+    (``cp.async`` copies, ``float4`` merge reads); these are ``decode_attention``'s checks for ``impl="cuda"`` too (it
+    calls this).
     """
     key_bits = {v["page_bytes"]: bits for bits, v in LAYOUTS.items()}.get(pool.shape[-1])
     if key_bits is None:
         raise ValueError(f"pool pages must be {LAYOUTS[4]['page_bytes']} (k4v4) or {LAYOUTS[8]['page_bytes']} (k8v4) "
                          f"bytes for the CUDA decode kernel (head_dim 128, block 16), got {pool.shape[-1]}")
+    if tuple(rotation.shape) != (HEAD_DIM, HEAD_DIM):
+        raise ValueError(f"rotation must be [{HEAD_DIM}, {HEAD_DIM}] (head_dim {HEAD_DIM}), "
+                         f"got {tuple(rotation.shape)}")
+    if pool.device.type != "cuda":
+        raise ValueError(f"pool must be on a CUDA device for the CUDA decode kernel, got {pool.device}")
     if pool.data_ptr() % 16:
         raise ValueError("pool must start on a 16-byte boundary for the CUDA decode kernel (cp.async)")
     check_splits(num_splits, group)
@@ -419,14 +442,21 @@ def launch(query: torch.Tensor, rotation: torch.Tensor, pool: torch.Tensor, bloc
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description="Build kvrepro's CUDA decode kernel (decode_k4v4.cu -> .fatbin)")
+    ap = argparse.ArgumentParser(prog="python -m kvrepro.ops.cuda_decode",
+                                 description="Build kvrepro's CUDA decode kernels (decode_k4v4.cu -> .fatbin)")
     ap.add_argument("--build", action="store_true", help="compile with nvcc and rewrite the fatbin and manifest")
     ap.add_argument("--nvcc", default=None, help="nvcc to use (default: PATH, then /usr/local/cuda*/bin/nvcc)")
     a = ap.parse_args(argv)
     if not a.build:
-        ap.print_help()
+        ap.print_usage(sys.stderr)
+        print("nothing to do: --build compiles decode_k4v4.cu (the fatbin in the package is already built)",
+              file=sys.stderr)
         return 2
-    info = build(a.nvcc)
+    try:
+        info = build(a.nvcc)
+    except (FileNotFoundError, RuntimeError) as e:
+        print(f"kvrepro.ops.cuda_decode --build: {e}", file=sys.stderr)
+        return 1
     json.dump(info, sys.stdout, indent=1)
     print()
     return 0
