@@ -129,7 +129,7 @@ def resolve_impl(impl: str | None, layout: PageLayout, group: int, device: torch
     Why ``"cuda"`` by default there: at 128K context it took 0.57x the Triton kernel's time at batch 13 (0.582 vs
     1.021 ms, 73% vs 42% of the copy bandwidth) and 0.76-0.80x at batch 1-3, with relerr 2.3e-4 (fp16 q) /
     1.7e-3 (bf16 q) vs float64 as the Triton kernel (H200 run 18, 2026-11-30, notes/kernels.md); since then 0.49x /
-    0.48x at batch 13 for k4v4 / k8v4 (0.502 vs 1.019 ms, run 38; 0.706 vs 1.241 ms, runs 38 and 35).
+    0.57x at batch 13 for k4v4 / k8v4 (0.502 vs 1.019 ms, run 38; 0.706 vs 1.241 ms, runs 38 and 35).
 
     Args:
         triton_options: names of the Triton-only arguments the caller set (``block_n``, ``num_warps``, ...).
