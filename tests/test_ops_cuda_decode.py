@@ -304,14 +304,15 @@ def test_runtime_uses_the_split_rule_of_its_kernel(monkeypatch):
 
 
 @needs_cuda
-@pytest.mark.parametrize("forced", [None, (5, 200)])
+@pytest.mark.parametrize("forced", [None, (30, 200)])
 @pytest.mark.parametrize("preset", ["k4v4", "k8v4"])
 def test_cuda_splits_partition_the_sequence(forced, preset, monkeypatch):
     """Each split's log-sum-exp (the workspace's part_lse, log2) is that of its own tokens only: whole 16-token pages
     cut as ``cuda_decode.split_pages`` says (weighted by round of placement; decode_k4v4.cu split_weight_prefix), empty
     splits -inf. A kernel whose splits each read the whole sequence would still merge to the right output, and one
     that cut the pages elsewhere would too; this catches both. ``forced``: ``(rank_div, rank_skew)`` handed to the
-    kernel instead of ``rank_args``'s (120 CTAs all sit in round 0 of 132 SMs), so that the weights differ."""
+    kernel instead of ``rank_args``'s (120 CTAs all sit in round 0 of 132 SMs), so that the weights differ (rounds
+    change every 30 block indices: every KV head's 5 splits span several)."""
     from kvrepro.ops import cuda_decode
 
     if forced is not None:
@@ -589,7 +590,7 @@ def test_rank_args_skews_only_one_wave_on_hopper(monkeypatch):
     cap["v"] = (8, 0)
     assert cuda_decode.rank_args(CUDA, 3, 8, 22) == (132, 0)
     monkeypatch.setattr(cuda_decode, "RANK_SKEW", 400)
-    with pytest.raises(ValueError, match="rank_skew an int in 0..255, got 132, 400"):
+    with pytest.raises(ValueError, match="RANK_SKEW must be an int in 0..255, got 400"):
         cuda_decode.rank_args(CUDA, 3, 8, 22)
 
 
@@ -605,9 +606,10 @@ def test_launch_refuses_a_page_size_of_neither_kernel():
         assert {k: getattr(layout, k) for k in cuda_decode.LAYOUT} == cuda_decode.LAYOUTS[layout.key_bits]
     q = torch.zeros(1, 32, 128, dtype=torch.bfloat16)
     pool = torch.zeros(4, 8, get_format("k4v2").layout(128, 16).page_bytes, dtype=torch.uint8)
-    with pytest.raises(ValueError, match=r"pool pages must be 2144 \(k4v4\) or 3168 \(k8v4\) bytes.*got 1632"):
+    with pytest.raises(ValueError, match=r"pool pages must be 2144 bytes for key_bits=4 .*got 1632"):
         cuda_decode.launch(q, torch.eye(128), pool, torch.zeros(1, 4, dtype=torch.int32),
-                           torch.ones(1, dtype=torch.int32), torch.zeros(1 << 16), torch.zeros(64), q, 0.088, 2, 8, 4)
+                           torch.ones(1, dtype=torch.int32), torch.zeros(1 << 16), torch.zeros(64), q, 0.088, 2, 8, 4,
+                           key_bits=4)
 
 
 def test_launch_and_helpers_check_their_arguments_first():
@@ -620,9 +622,13 @@ def test_launch_and_helpers_check_their_arguments_first():
     args = [torch.zeros(1, 4, dtype=torch.int32), torch.ones(1, dtype=torch.int32), torch.zeros(1 << 16),
             torch.zeros(64), q, 0.088]
     with pytest.raises(ValueError, match=r"rotation must be \[128, 128\].*got \(64, 64\)"):
-        cuda_decode.launch(q, torch.eye(64), pool, *args, 2, 8, 4)
+        cuda_decode.launch(q, torch.eye(64), pool, *args, 2, 8, 4, key_bits=4)
+    with pytest.raises(ValueError, match=r"key_bits must be one of \[4, 8\].*got 2"):
+        cuda_decode.launch(q, torch.eye(128), pool, *args, 2, 8, 4, key_bits=2)
+    with pytest.raises(ValueError, match="pool pages must be 3168 bytes for key_bits=8.*got 2144"):
+        cuda_decode.launch(q, torch.eye(128), pool, *args, 2, 8, 4, key_bits=8)
     with pytest.raises(ValueError, match="pool must be on a CUDA device.*got cpu"):
-        cuda_decode.launch(q, torch.eye(128), pool, *args, 2, 8, 4)
+        cuda_decode.launch(q, torch.eye(128), pool, *args, 2, 8, 4, key_bits=4)
     for splits, group, match in [(2, 0, "must be an int in 1..8 for impl='cuda', got 0"),
                                  (0, 4, "num_splits must be an int >= 1"),
                                  (-5, 8, "num_splits must be an int >= 1, got -5"),
@@ -638,3 +644,19 @@ def test_launch_and_helpers_check_their_arguments_first():
     assert cuda_decode.main([]) == 2
     assert cuda_decode.main(["--build", "--nvcc", "/nonexistent/nvcc"]) == 1
 
+
+
+def test_layouts_match_the_kernels_page_constants():
+    """``cuda_decode.LAYOUTS`` (what Python checks and sends) and ``PageFmt<KB>`` in decode_k4v4.cu (what the kernels
+    read) give the same page size and region offsets for both key widths."""
+    import re
+
+    from kvrepro.ops import cuda_decode
+
+    src = open(cuda_decode.SOURCE).read()
+    for bits, lay in cuda_decode.LAYOUTS.items():
+        m = re.search(rf"struct PageFmt<{bits}> {{\s*static constexpr int PAGE = (\d+), V_OFF = (\d+), "
+                      rf"KM_OFF = (\d+), VM_OFF = (\d+)", src)
+        assert m, f"PageFmt<{bits}> not found"
+        assert tuple(int(x) for x in m.groups()) == (lay["page_bytes"], lay["v_code_offset"], lay["k_meta_offset"],
+                                                     lay["v_meta_offset"])

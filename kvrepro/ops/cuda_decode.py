@@ -200,6 +200,8 @@ class _Module:
         vals = [ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor)
                 else a if isinstance(a, ctypes._SimpleCData) else ctypes.c_int(int(a)) for a in args]
         ptrs = (ctypes.c_void_p * len(vals))(*[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in vals])
+        if key_bits not in self.fns:
+            raise ValueError(f"this fatbin holds the kernels for key_bits {sorted(self.fns)}, got key_bits={key_bits}")
         rc = self.lib.cuLaunchKernel(self.fns[key_bits], *grid, WARPS * 32, 1, 1, 0, ctypes.c_void_p(stream), ptrs,
                                      None)
         if rc:
@@ -361,6 +363,8 @@ def rank_args(device: torch.device, batch: int, num_kv_heads: int, num_splits: i
         raise ValueError(f"rank_args: {device} requested but this PyTorch sees no CUDA device")
     sms = sm_count(device)
     skew = RANK_SKEW
+    if not _is_int(skew) or not 0 <= skew <= 255:
+        raise ValueError(f"kvrepro.ops.cuda_decode.RANK_SKEW must be an int in 0..255, got {skew!r}")
     _check_rank(sms, skew)
     one_wave = batch * num_kv_heads * num_splits <= CTAS_PER_SM * sms
     hopper = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
@@ -393,26 +397,29 @@ def split_pages(seq_len: int, num_splits: int, b: int, kvh: int, batch: int, num
 
 def launch(query: torch.Tensor, rotation: torch.Tensor, pool: torch.Tensor, block_tables: torch.Tensor,
            seq_lens: torch.Tensor, part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, scale: float,
-           num_splits: int, num_kv_heads: int, group: int) -> None:
+           num_splits: int, num_kv_heads: int, group: int, *, key_bits: int) -> None:
     """Run the kernel on the current stream (no host sync after the first call with a rotation): query rotation,
     split-K attention and the split merge in one launch. Shapes as ``decode_attention``'s:
 
     query ``[B, Hq, 128]`` bfloat16 / float16 (last dim contiguous, unrotated), rotation float32 ``[128, 128]`` of the
-    form ``rotation_signs`` checks, pool uint8 ``[num_blocks, Hkv, 2144]`` (k4v4) or ``[num_blocks, Hkv, 3168]``
-    (k8v4; the page size picks the kernel) (16-byte aligned), block_tables int32
+    form ``rotation_signs`` checks, pool uint8 ``[num_blocks, Hkv, 2144]`` (``key_bits=4``: k4v4) or ``[num_blocks,
+    Hkv, 3168]`` (``key_bits=8``: k8v4; ``key_bits`` picks the kernel) (16-byte aligned), block_tables int32
     ``[B, max_blocks]`` (last dim contiguous), seq_lens int32 ``[B]``, part_o float32 ``[B, Hq, S, 128]`` and part_lse
     float32 ``[B, Hq, S]`` (scratch: the split partials, log2), out ``[B, Hq, 128]`` bfloat16 / float16 (last dim
     contiguous), scale the softmax scale. The caller (``decode_attention``) has checked shapes, dtypes and
-    ``unsupported_reason``. Raises ValueError for a page size of neither layout, a rotation that is not
+    ``unsupported_reason``. Raises ValueError for ``key_bits`` not in ``LAYOUTS``, a page size of another layout, a
+    rotation that is not
     ``[128, 128]`` or not of the Hadamard form, a pool not on a CUDA device, ``group`` outside 1..8, ``num_splits <
     1`` or ``num_splits x group > MERGE_MAX``, a pool or workspace (``part_o``) that is not 16-byte aligned
     (``cp.async`` copies, ``float4`` merge reads); these are ``decode_attention``'s checks for ``impl="cuda"`` too (it
     calls this).
     """
-    key_bits = {v["page_bytes"]: bits for bits, v in LAYOUTS.items()}.get(pool.shape[-1])
-    if key_bits is None:
-        raise ValueError(f"pool pages must be {LAYOUTS[4]['page_bytes']} (k4v4) or {LAYOUTS[8]['page_bytes']} (k8v4) "
-                         f"bytes for the CUDA decode kernel (head_dim 128, block 16), got {pool.shape[-1]}")
+    if key_bits not in LAYOUTS:
+        raise ValueError(f"key_bits must be one of {sorted(LAYOUTS)} (k4v4, k8v4) for the CUDA decode kernel, "
+                         f"got {key_bits!r}")
+    if pool.shape[-1] != LAYOUTS[key_bits]["page_bytes"]:
+        raise ValueError(f"pool pages must be {LAYOUTS[key_bits]['page_bytes']} bytes for key_bits={key_bits} "
+                         f"(head_dim 128, block 16), got {pool.shape[-1]}")
     if tuple(rotation.shape) != (HEAD_DIM, HEAD_DIM):
         raise ValueError(f"rotation must be [{HEAD_DIM}, {HEAD_DIM}] (head_dim {HEAD_DIM}), "
                          f"got {tuple(rotation.shape)}")
