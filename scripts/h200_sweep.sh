@@ -49,7 +49,7 @@ smoke() {
   # right and faster than fa).
   rm -f /tmp/kvcache/flags/prefill_dequant_ok
   KVREPRO_SMOKE_FLAGS=/tmp/kvcache/flags timeout 120 python3 -m pytest -q -s -x tests/test_vllm_gpu_runtime.py 2>&1 \
-    | grep -E "SMOKE|passed|failed|skipped|[Ee]rror" | tail -12 | tee $OUT/smoke_log.txt
+    | grep -E "SMOKE|passed|failed|skipped|[Ee]rror" | tail -20 | tee $OUT/smoke_log.txt
   echo "smoke done at $(( $(date +%s) - T0 )) s" | tee -a $OUT/smoke_log.txt
 }
 

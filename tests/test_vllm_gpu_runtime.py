@@ -1,6 +1,6 @@
 """GPU smoke of the backend's decode path as vLLM drives it (CUDA only; no vLLM needed; skipped on CPU).
 
-Qwen3-4B geometry (32 q / 8 KV heads, head_dim 128), k4v4, block 16, the sweep's block-table width:
+Qwen3-4B geometry (32 q / 8 KV heads, head_dim 128), k4v4 and k8v4, block 16, the sweep's block-table width:
 kernel warm-up, then a CUDA graph of a padded decode batch (13 users in graph size 16) must allocate
 nothing while capturing (vLLM's CUDA-graph memory profiling would count it once per graph size), and
 its replay must equal the eager call and attention over the dequantized pages.
@@ -28,16 +28,17 @@ def non_torch_bytes(dev) -> int:
     return total - free - torch.cuda.memory_reserved(dev)
 
 
-def test_warmup_then_graph_capture_allocates_nothing_and_matches_reference():
+@pytest.mark.parametrize("preset", ["k4v4", "k8v4"])   # both have the CUDA decode kernel (k8v4: not yet run here)
+def test_warmup_then_graph_capture_allocates_nothing_and_matches_reference(preset):
     dev = torch.device("cuda", torch.cuda.current_device())
     torch.zeros(1, device=dev) @ torch.zeros(1, 1, device=dev)  # context + cuBLAS handle first
     nt0 = non_torch_bytes(dev)
-    rt = LayerRuntime("k4v4", HQ, HKV, D, D ** -0.5, graph_sizes=GRAPH_SIZES, max_batch=32)
+    rt = LayerRuntime(preset, HQ, HKV, D, D ** -0.5, graph_sizes=GRAPH_SIZES, max_batch=32)
     t = time.perf_counter()
     warmed = rt.warmup(dev, torch.bfloat16, BS, MAX_MODEL_LEN)
     torch.cuda.synchronize()
     grown = non_torch_bytes(dev) - nt0
-    print(f"\nSMOKE warmup ({rt.impl_used} decode kernel): split counts {warmed} in {time.perf_counter() - t:.1f} s; shared workspace "
+    print(f"\nSMOKE {preset} warmup ({rt.impl_used} decode kernel): split counts {warmed} in {time.perf_counter() - t:.1f} s; shared workspace "
           f"{runtime._WORKSPACES[str(dev)][-1].numel() * 4 / 2**20:.2f} MiB; non-torch memory +{grown / 2**20:.0f} MiB "
           f"(store rotate={rt.store_rotate})")
     # Every kernel of the serving path loaded and launched: no large local-memory (stack) reservation.
