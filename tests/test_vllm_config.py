@@ -155,3 +155,19 @@ def test_debug_check_switch_is_validated(monkeypatch):
     monkeypatch.setenv("KVREPRO_DEBUG_CHECK", "true")
     with pytest.raises(ValueError, match="KVREPRO_DEBUG_CHECK='true'; allowed: 0, 1"):
         cfg.resolve_debug_check()
+
+
+def test_store_rotate_and_switches_ignore_case_and_spaces_like_the_other_settings(monkeypatch):
+    """KVREPRO_STORE_ROTATE reads like KVREPRO_PRESET (case and surrounding spaces ignored); the 0/1 switches ignore
+    surrounding spaces; anything else is still refused with the variable and the allowed values."""
+    monkeypatch.setenv("KVREPRO_STORE_ROTATE", " Kernel ")
+    assert cfg.resolve_store_rotate() == "kernel"
+    monkeypatch.delenv("KVREPRO_STORE_ROTATE")
+    assert cfg.resolve_store_rotate() == "torch"
+    with pytest.raises(ValueError, match="KVREPRO_STORE_ROTATE='numpy'; allowed: torch, kernel"):
+        cfg.resolve_store_rotate("numpy")
+    monkeypatch.setenv("KVREPRO_WARMUP", " 0 ")
+    assert cfg.resolve_warmup() is False
+    with pytest.raises(ValueError, match="KVREPRO_WARMUP='on'; allowed: 0, 1"):
+        cfg.resolve_warmup(" on ")
+

@@ -103,21 +103,20 @@ def resolve_store_rotate(value: str | None = None) -> str:
     every resident thread of the GPU (6,792 B x 2,048 threads x 132 SMs = 1.7 GiB on the H200) at the
     first launch and keeps it; in vLLM that first launch falls inside its CUDA-graph memory profiling,
     so it was counted twice (as non-torch memory and in the graph estimate): the 2.8 GiB less KV
-    cache than bf16 of the 2026-11-29 sweep (notes/vllm.md). Raises ValueError naming the variable."""
-    if value is None:
-        value = os.environ.get(STORE_ROTATE_ENV, "") or "torch"
-    if value not in STORE_ROTATE_MODES:
-        raise ValueError(f"{STORE_ROTATE_ENV}={value!r}; allowed: {', '.join(STORE_ROTATE_MODES)}")
-    return value
+    cache than bf16 of the 2026-11-29 sweep (notes/vllm.md). Case and surrounding spaces are ignored, as for the
+    other settings. Raises ValueError naming the variable and the allowed values."""
+    return _choice(STORE_ROTATE_ENV, value, "torch", STORE_ROTATE_MODES)
 
 
 WARMUP_ENV = "KVREPRO_WARMUP"
 
 
 def _switch(env: str, value: str | None, default: str) -> bool:
-    """A 0/1 switch: ``value``, else ``$env``, else ``default``. Raises ValueError naming ``env``."""
+    """A 0/1 switch: ``value``, else ``$env``, else ``default``; surrounding spaces ignored. Raises ValueError naming
+    ``env``."""
     if value is None:
         value = os.environ.get(env, "") or default
+    value = value.strip() if isinstance(value, str) else value
     if value not in ("0", "1"):
         raise ValueError(f"{env}={value!r}; allowed: 0, 1")
     return value == "1"
