@@ -55,7 +55,7 @@ def three_launch(mod, q, pool, bt, sl, out, ws, s, scale):
     q16 = ws[n_o + b * HQ * s:].view(torch.float16)[: b * HQ * D]
     rotate_query_kernel[(b * HQ,)](q, pool.rotation, q16, q.stride(0), q.stride(1), scale * LOG2E, HQ=HQ, D=D)
     mod.launch((b, HKV * s, 1), [q16, pool.data, bt, sl, part_o, part_lse, bt.stride(0), s, HKV, HQ // HKV],
-               torch.cuda.current_stream().cuda_stream)
+               torch.cuda.current_stream().cuda_stream, key_bits=4)
     merge_splits_kernel[(b * HQ,)](part_o, part_lse, pool.rotation, out, out.stride(0), out.stride(1), HQ=HQ, D=D,
                                    NUM_SPLITS=s, SP=1 << (s - 1).bit_length())
 
@@ -120,42 +120,47 @@ def main() -> int:
     sms = sm_count(dev)
     committed = cuda_decode.load(dev)
     mods = {"committed": committed}
+    k4 = {4: cuda_decode.KERNELS[4]}                  # k4v4 only: older builds hold one kernel
     for v in a.variant:
         name, p = v.split("=", 1)
-        mods[name] = cuda_decode._Module(dev, p, {4: cuda_decode.KERNELS[4]})   # k4v4 only (older builds have one)
-    k4 = {4: cuda_decode.KERNELS[4]}
+        mods[name] = cuda_decode._Module(dev, p, k4)
     old = cuda_decode._Module(dev, a.three_launch, k4) if a.three_launch else None
     tracer = cuda_decode._Module(dev, a.trace, k4) if a.trace else None
     res = {"provenance": provenance({"script": "benchmarks/cuda_split_waves.py", "ctx": CTX, "sms": sms,
                                      "ctas_per_sm": CTAS_PER_SM, "variants": a.variant,
                                      "three_launch": a.three_launch, "trace": a.trace,
-                                     "fatbin_sha256": {p: cuda_decode._sha256(p) for p in
-                                                       [v.split("=", 1)[1] for v in a.variant] + [a.three_launch, a.trace]
-                                                       if p}}),
+                                     "fatbin_sha256": {f: cuda_decode._sha256(f) for f in
+                                                       [v.split("=", 1)[1] for v in a.variant]
+                                                       + [a.three_launch, a.trace] if f}}),
            "fatbin": cuda_decode.read_manifest(), "copy_bandwidth": copy_bandwidth(), "rows": []}
     copy_bw = res["copy_bandwidth"]["GBps_read_plus_write"]
     print(f"SMs {sms}, copy {copy_bw:.0f} GB/s", flush=True)
     gen = torch.Generator(device="cuda").manual_seed(7)
     scale = D ** -0.5
+    default_skew = cuda_decode.RANK_SKEW
+
+    def step(mod, q, pool, bt, sl, out, s, ws, skew=default_skew):
+        """One decode step through the build ``mod`` with ``cuda_decode.RANK_SKEW = skew`` (restored after)."""
+        cuda_decode._MODULES[dev.index] = mod          # the launch goes through this build
+        cuda_decode.RANK_SKEW = skew
+        try:
+            decode_attention(q, pool.data, bt, sl, pool.layout, pool.rotation, scale, out=out, num_splits=s,
+                             workspace=ws, impl="cuda")
+        finally:
+            cuda_decode.RANK_SKEW = default_skew
+
     for batch in a.batches:
         pool, bt, sl, q = rh.decode_setup("k4v4", CTX, batch, gen)
         nbytes = batch * CTX * HKV * pool.layout.bytes_per_token
         ref = paged_attention_ref(q, pool, bt, sl, torch.arange(batch + 1, device=dev), scale, dtype=torch.float64)
         rule = default_num_splits(batch, HKV, bt.shape[1] * 16, dev, "cuda")
         out = torch.empty_like(q)
-        default_skew = cuda_decode.RANK_SKEW
         for skew in ([default_skew] + [k for k in a.skews if k != default_skew]) if tracer is not None else []:
             ws = torch.empty(decode_workspace_numel(batch, HQ, D, rule), device=dev, dtype=torch.float32)
-
-            def traced(skew=skew):
-                cuda_decode._MODULES[dev.index] = tracer
-                cuda_decode.RANK_SKEW = skew
-                decode_attention(q, pool.data, bt, sl, pool.layout, pool.rotation, scale, out=out,
-                                 num_splits=rule, workspace=ws, impl="cuda")
+            traced = lambda ws=ws, skew=skew: step(tracer, q, pool, bt, sl, out, rule, ws, skew)  # noqa: E731
             traced()                                            # warm-up (module, counters, signs)
             tr = trace_step(tracer, traced, batch * HKV * rule)
             cuda_decode._MODULES[dev.index] = committed
-            cuda_decode.RANK_SKEW = default_skew
             tr.update({"batch": batch, "splits": rule, "rank_skew": skew,
                        "relerr_vs_f64": float(((out.double() - ref).norm() / ref.norm()).item())})
             res.setdefault("trace", []).append(tr)
@@ -165,23 +170,11 @@ def main() -> int:
         split_list = {rule} if a.rule_only else set(candidates(batch, sms, rule))
         for s in sorted(split_list | set(a.extra_splits)):
             ws = torch.empty(decode_workspace_numel(batch, HQ, D, s), device=dev, dtype=torch.float32)
-            fns = {}
-            for name, mod in mods.items():
-                def fn(mod=mod, s=s, ws=ws):
-                    cuda_decode._MODULES[dev.index] = mod       # the launch goes through this build
-                    decode_attention(q, pool.data, bt, sl, pool.layout, pool.rotation, scale, out=out,
-                                     num_splits=s, workspace=ws, impl="cuda")
-                fns[name] = fn
+            fns = {name: (lambda mod=mod, s=s, ws=ws: step(mod, q, pool, bt, sl, out, s, ws))
+                   for name, mod in mods.items()}
             for skew in a.skews:
-                def fn(s=s, ws=ws, skew=skew):
-                    cuda_decode._MODULES[dev.index] = committed
-                    cuda_decode.RANK_SKEW = skew
-                    try:
-                        decode_attention(q, pool.data, bt, sl, pool.layout, pool.rotation, scale, out=out,
-                                         num_splits=s, workspace=ws, impl="cuda")
-                    finally:
-                        cuda_decode.RANK_SKEW = default_skew
-                fns[f"committed_skew{skew}"] = fn
+                fns[f"committed_skew{skew}"] = (lambda s=s, ws=ws, skew=skew:
+                                                step(committed, q, pool, bt, sl, out, s, ws, skew))
             if old is not None:
                 fns["three_launch"] = lambda s=s, ws=ws: three_launch(old, q, pool, bt, sl, out, ws, s, scale)
             for name, fn in fns.items():

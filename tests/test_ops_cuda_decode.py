@@ -595,8 +595,8 @@ def test_rank_args_skews_only_one_wave_on_hopper(monkeypatch):
 
 
 def test_launch_refuses_a_page_size_of_neither_kernel():
-    """The page size picks the kernel (2,144 bytes: k4v4, 3,168: k8v4); any other is refused before anything runs
-    (CPU tensors: the check comes first)."""
+    """``LAYOUTS`` equals kvrepro.formats' page layouts of k4v4 and k8v4 (2,144 / 3,168 bytes); a pool whose page size
+    is not ``key_bits``' layout is refused before anything runs (CPU tensors: the check comes first)."""
     from kvrepro.ops import cuda_decode
 
     assert {v["page_bytes"] for v in cuda_decode.LAYOUTS.values()} == {
@@ -643,7 +643,6 @@ def test_launch_and_helpers_check_their_arguments_first():
     assert cuda_decode.unsupported_reason(get_format("k8v4").layout(128, 16), 4, "cpu").endswith("got cpu")
     assert cuda_decode.main([]) == 2
     assert cuda_decode.main(["--build", "--nvcc", "/nonexistent/nvcc"]) == 1
-
 
 
 def test_layouts_match_the_kernels_page_constants():

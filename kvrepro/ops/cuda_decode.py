@@ -71,7 +71,7 @@ LAYOUTS = {4: {"key_bits": 4, "value_bits": 4, "head_dim": 128, "block_size": 16
            8: {"key_bits": 8, "value_bits": 4, "head_dim": 128, "block_size": 16, "page_bytes": 3168,
                "v_code_offset": 2048, "k_meta_offset": 3072, "v_meta_offset": 3136}}
 LAYOUT = LAYOUTS[4]
-BLOCK_SIZE, HEAD_DIM = 16, 128
+BLOCK_SIZE, HEAD_DIM = LAYOUT["block_size"], LAYOUT["head_dim"]   # the same in both layouts
 
 
 def unsupported_reason(layout, group: int, device: torch.device) -> str | None:
@@ -196,7 +196,7 @@ class _Module:
             return f"CUDA error {rc} ({name.value.decode()})"
         return f"CUDA error {rc} ({_ERRORS.get(rc, 'see cuda.h')})"
 
-    def launch(self, grid: tuple[int, int, int], args: list, stream: int, key_bits: int = 4) -> None:
+    def launch(self, grid: tuple[int, int, int], args: list, stream: int, key_bits: int) -> None:
         vals = [ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor)
                 else a if isinstance(a, ctypes._SimpleCData) else ctypes.c_int(int(a)) for a in args]
         ptrs = (ctypes.c_void_p * len(vals))(*[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in vals])
@@ -365,7 +365,6 @@ def rank_args(device: torch.device, batch: int, num_kv_heads: int, num_splits: i
     skew = RANK_SKEW
     if not _is_int(skew) or not 0 <= skew <= 255:
         raise ValueError(f"kvrepro.ops.cuda_decode.RANK_SKEW must be an int in 0..255, got {skew!r}")
-    _check_rank(sms, skew)
     one_wave = batch * num_kv_heads * num_splits <= CTAS_PER_SM * sms
     hopper = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
     return sms, (skew if one_wave and hopper else 0)
@@ -434,8 +433,7 @@ def launch(query: torch.Tensor, rotation: torch.Tensor, pool: torch.Tensor, bloc
     b = block_tables.shape[0]
     signs = rotation_signs(rotation)
     counters = split_counters(pool.device, b * num_kv_heads)
-    rank_div, rank_skew = rank_args(pool.device, b, num_kv_heads, num_splits)
-    _check_rank(rank_div, rank_skew)
+    rank_div, rank_skew = rank_args(pool.device, b, num_kv_heads, num_splits)   # checked there
     flags = (1 if query.dtype == torch.bfloat16 else 0) | (2 if out.dtype == torch.bfloat16 else 0)
     qmul = float(scale) * 1.4426950408889634 / HEAD_DIM ** 0.5
     with torch.cuda.device(pool.device):      # the pool's device is current: its context, module and stream

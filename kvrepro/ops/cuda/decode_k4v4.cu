@@ -486,7 +486,8 @@ __device__ __forceinline__ void decode_step(KVREPRO_DECODE_PARAMS) {
       imma(chi, e0, e1, e2, e3, bh[2 + half][0], bh[2 + half][1]);
       imma(clo, e0, e1, e2, e3, bl[2 + half][0], bl[2 + half][1]);
     }
-    // logits (log2 domain): s = (S_q / 16) ks acc + S_q sum(qi) (8 ks + kz); rows g (c0, c1), g + 8 (c2, c3)
+    // logits (log2 domain): s = S_q KPLANE ks acc + S_q sum(qi) (KMID ks + kz) (k4v4: KPLANE 1 / 16, KMID 8; k8v4: 1,
+    // 128); rows g (c0, c1), g + 8 (c2, c3)
     const __half2 kmA = *reinterpret_cast<const __half2*>(pg + KM_OFF + g * 4);        // (scale, zero) token g
     const __half2 kmB = *reinterpret_cast<const __half2*>(pg + KM_OFF + (g + 8) * 4);  // token g + 8
     constexpr float KMID = KB == 4 ? 8.f : 128.f;  // the int8 planes hold 16 (code - 8) / code - 128
