@@ -1,14 +1,16 @@
 """One GPU call: the CUDA decode kernel at 128K per split count, and variants of it, side by side.
 
-    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/cuda_split_waves.py --out $OUT \
+    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/cuda_split_waves.py --out $OUT [--preset k4v4|k8v4|k4v2] \
         [--variant NAME=PATH.fatbin ...] [--three-launch PATH.fatbin] [--trace PATH.fatbin] [--rule-only]
 
-For batch 1 / 3 / 6 / 13 (Qwen3-4B shapes: 32 q / 8 KV heads, head_dim 128, k4v4 pages, block 16, context 131,072)
+For batch 1 / 3 / 6 / 13 (Qwen3-4B shapes: 32 q / 8 KV heads, head_dim 128, ``--preset`` pages (default k4v4), block
+16, context 131,072)
 and for each split count S of a list (the rule's count, powers of two, and the counts that give exactly one, two or
 three waves of the kernel's 4 resident CTAs per SM: ``k x 4 x SMs / (B x 8)``), time from CUDA graphs
 (``side_by_side_vllm.bench``: median of replays) one decode step, ``decode_attention(impl="cuda", num_splits=S)``:
   - ``committed``: the committed fatbin (one launch: query rotation, attention, split merge);
-  - ``--variant NAME=PATH``: another build of the same source (e.g. ``-DKVREPRO_STAGES=5``), same launch;
+  - ``--variant NAME=PATH``: another build of the same source (e.g. ``-DKVREPRO_STAGES=5``), same launch (only the
+    preset's kernel is looked up, so builds older than that preset's kernel cannot be variants of it);
   - ``--three-launch PATH``: a fatbin of the earlier kernel (rotated float16 query in, partials out) with the Triton
     ``rotate_query_kernel`` before it and ``merge_splits_kernel`` after it, as before the fusion.
 ``--trace PATH``: a build with ``-DKVREPRO_TRACE=4096`` (``%globaltimer`` stamps per CTA: start, query ready, own
@@ -16,7 +18,8 @@ loop end, all warps' loop end, counted in, merge end; and the SM id), launched o
 count after an L2 flush; the stamps' spread says where a step's time goes (``trace`` in the JSON).
 ``--rule-only``: time only the rule's split count (and ``--extra-splits``).
 Each timed output is checked against float64 attention over the dequantized pages (``paged_attention_ref``).
-% of copy bandwidth = the pages' bytes (B x 131,072 x 8 heads x 134 B) / time / the copy bandwidth measured in the
+``--three-launch`` and ``--trace`` take k4v4 builds (``--preset k4v4``).
+% of copy bandwidth = the pages' bytes (B x 131,072 x 8 heads x bytes per token: 134 B for k4v4) / time / the copy bandwidth measured in the
 same run (read + write), as in ``side_by_side_vllm``. Writes ``$OUT/cuda_split_waves.json`` (provenance, every row;
 write-then-rename after each batch). Budget ~150 s on an H200. First run (three-launch kernel only): H200 run 25.
 """
@@ -55,7 +58,7 @@ def three_launch(mod, q, pool, bt, sl, out, ws, s, scale):
     q16 = ws[n_o + b * HQ * s:].view(torch.float16)[: b * HQ * D]
     rotate_query_kernel[(b * HQ,)](q, pool.rotation, q16, q.stride(0), q.stride(1), scale * LOG2E, HQ=HQ, D=D)
     mod.launch((b, HKV * s, 1), [q16, pool.data, bt, sl, part_o, part_lse, bt.stride(0), s, HKV, HQ // HKV],
-               torch.cuda.current_stream().cuda_stream, key_bits=4)
+               torch.cuda.current_stream().cuda_stream, (4, 4))
     merge_splits_kernel[(b * HQ,)](part_o, part_lse, pool.rotation, out, out.stride(0), out.stride(1), HQ=HQ, D=D,
                                    NUM_SPLITS=s, SP=1 << (s - 1).bit_length())
 
@@ -104,6 +107,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     ap.add_argument("--batches", type=int, nargs="*", default=[1, 3, 6, 13])
+    ap.add_argument("--preset", default="k4v4", choices=sorted(cuda_decode.PRESETS.values()),
+                    help="compressed preset whose CUDA kernel is timed (default k4v4)")
     ap.add_argument("--variant", nargs="*", default=[], help="NAME=PATH of another fatbin of decode_k4v4.cu")
     ap.add_argument("--three-launch", default=None, help="fatbin of the earlier three-launch kernel")
     ap.add_argument("--trace", default=None, help="fatbin built with -DKVREPRO_TRACE=4096 (stamps per CTA)")
@@ -114,19 +119,24 @@ def main() -> int:
     a = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("cuda_split_waves.py needs a CUDA device")
+    if a.preset != "k4v4" and (a.three_launch or a.trace):
+        raise SystemExit(f"--three-launch and --trace take k4v4 builds; got --preset {a.preset}")
     t0 = time.time()
     path = os.path.join(a.out, "cuda_split_waves.json")
     dev = torch.device("cuda", torch.cuda.current_device())
     sms = sm_count(dev)
     committed = cuda_decode.load(dev)
     mods = {"committed": committed}
-    k4 = {4: cuda_decode.KERNELS[4]}                  # k4v4 only: older builds hold one kernel
+    bits = {v: k for k, v in cuda_decode.PRESETS.items()}[a.preset]
+    one = {bits: cuda_decode.KERNELS[bits]}            # the preset's kernel only: older builds hold fewer kernels
+    k4 = {(4, 4): cuda_decode.KERNELS[(4, 4)]}
     for v in a.variant:
         name, p = v.split("=", 1)
-        mods[name] = cuda_decode._Module(dev, p, k4)
+        mods[name] = cuda_decode._Module(dev, p, one)
     old = cuda_decode._Module(dev, a.three_launch, k4) if a.three_launch else None
     tracer = cuda_decode._Module(dev, a.trace, k4) if a.trace else None
-    res = {"provenance": provenance({"script": "benchmarks/cuda_split_waves.py", "ctx": CTX, "sms": sms,
+    res = {"provenance": provenance({"script": "benchmarks/cuda_split_waves.py", "preset": a.preset, "ctx": CTX,
+                                     "sms": sms,
                                      "ctas_per_sm": CTAS_PER_SM, "variants": a.variant,
                                      "three_launch": a.three_launch, "trace": a.trace,
                                      "fatbin_sha256": {f: cuda_decode._sha256(f) for f in
@@ -150,7 +160,7 @@ def main() -> int:
             cuda_decode.RANK_SKEW = default_skew
 
     for batch in a.batches:
-        pool, bt, sl, q = rh.decode_setup("k4v4", CTX, batch, gen)
+        pool, bt, sl, q = rh.decode_setup(a.preset, CTX, batch, gen)
         nbytes = batch * CTX * HKV * pool.layout.bytes_per_token
         ref = paged_attention_ref(q, pool, bt, sl, torch.arange(batch + 1, device=dev), scale, dtype=torch.float64)
         rule = default_num_splits(batch, HKV, bt.shape[1] * 16, dev, "cuda")

@@ -119,7 +119,7 @@ def main():
     ap.add_argument("--ctxs", type=int, nargs="+", default=list(CTXS), help="context lengths (tokens)")
     ap.add_argument("--key-mma", nargs="+", default=[decode.DEFAULT_KEY_MMA], choices=decode.KEY_MMAS,
                     help="key paths of the Triton kernel to time (rows kvrepro_<preset> for each preset's default "
-                         "kernel: the CUDA kernel for k4v4 and k8v4; kvrepro_k4v4_triton, kvrepro_k8v4_triton; "
+                         "kernel: the CUDA kernel for k4v4, k8v4 and k4v2; kvrepro_<preset>_triton; "
                          "kvrepro_<preset>_triton_<key_mma> for other key paths)")
     args = ap.parse_args()
     import vllm
@@ -133,13 +133,11 @@ def main():
              "turboquant_4bit_nc": lambda b, c: turboquant_case("turboquant_4bit_nc", b, c, gen),
              "turboquant_k8v4": lambda b, c: turboquant_case("turboquant_k8v4", b, c, gen),
              }
-    for preset in ("k4v4", "k8v4", "k4v2"):       # the default kernel of each preset (k4v4, k8v4: the CUDA kernel)
+    for preset in ("k4v4", "k8v4", "k4v2"):       # the default kernel of each preset (the CUDA kernel on sm_80+)
         cases[f"kvrepro_{preset}"] = lambda b, c, preset=preset: kvrepro_case(preset, b, c, gen)
     for mma in args.key_mma:                       # the Triton kernel with each key path
         for preset in ("k4v4", "k8v4", "k4v2"):
             name = f"kvrepro_{preset}_triton" + ("" if mma == decode.DEFAULT_KEY_MMA else f"_{mma}")
-            if preset == "k4v2" and mma == decode.DEFAULT_KEY_MMA:
-                continue                           # already the default row of this preset (Triton)
             cases[name] = lambda b, c, preset=preset, mma=mma: kvrepro_case(preset, b, c, gen, key_mma=mma)
     for ctx in args.ctxs:
         for batch in BATCHES:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kvrepro.formats import get_format
+from kvrepro.formats.layout import PageLayout
 from kvrepro.ops import cuda_decode, decode_attention
 from kvrepro.ops.decode import resolve_impl
 from kvrepro.reference import paged_attention_ref
@@ -38,7 +39,8 @@ def test_auto_picks_cuda_only_where_the_kernel_applies(capability):
     assert resolve_impl(None, K4V4, 3, CUDA) == "cuda"
     assert resolve_impl(None, K4V4, 9, CUDA) == "triton"                                    # group > 8
     assert resolve_impl(None, get_format("k8v4").layout(128, 16), 4, CUDA) == "cuda"       # k8v4: its own kernel
-    assert resolve_impl(None, get_format("k4v2").layout(128, 16), 4, CUDA) == "triton"     # other preset
+    assert resolve_impl(None, get_format("k4v2").layout(128, 16), 4, CUDA) == "cuda"       # k4v2: its own kernel
+    assert resolve_impl(None, PageLayout(128, 16, 8, 8), 4, CUDA) == "triton"              # no kernel for k8v8
     assert resolve_impl(None, get_format("k4v4").layout(64, 16), 3, CUDA) == "triton"      # SmolLM2 head_dim
     assert resolve_impl(None, get_format("k4v4").layout(128, 32), 4, CUDA) == "triton"     # other block size
     assert resolve_impl(None, K4V4, 4, torch.device("cpu")) == "triton"
@@ -52,7 +54,8 @@ def test_explicit_cuda_is_refused_with_the_reason(capability):
     assert resolve_impl("cuda", K4V4, 4, CUDA) == "cuda"
     assert resolve_impl("triton", K4V4, 4, CUDA) == "triton"
     for layout, group, dev, match in [
-        (get_format("k4v2").layout(128, 16), 4, CUDA, "k4v4 and k8v4 pages with head_dim 128 and block_size 16.*key_bits=4, value_bits=2"),
+        (PageLayout(128, 16, 2, 4), 4, CUDA,
+         "k4v4, k8v4 and k4v2 pages with head_dim 128 and block_size 16.*key_bits=2, value_bits=4"),
         (get_format("k4v4").layout(64, 16), 3, CUDA, "head_dim=64"),
         (K4V4, 16, CUDA, "GQA groups of 1..8 query heads, got 16"),
         (K4V4, 4, torch.device("cpu"), "needs a CUDA device, got cpu"),
@@ -185,10 +188,10 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA 
 @pytest.mark.parametrize("hq,hkv", [(32, 8), (24, 8), (8, 8), (16, 2), (16, 8), (40, 8), (56, 8)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("num_splits", [1, 3, None])
-@pytest.mark.parametrize("preset", ["k4v4", "k8v4"])
+@pytest.mark.parametrize("preset", ["k4v4", "k8v4", "k4v2"])
 def test_cuda_matches_dequantized_reference(hq, hkv, dtype, num_splits, preset):
     """Ragged lengths incl. 1 and a padding row (0), GQA 4 / 3 / 1 / 8 / 2 / 5 / 7, block ids at the top of the
-    pool, poisoned output; both kernels (k4v4, k8v4)."""
+    pool, poisoned output; every kernel (k4v4, k8v4, k4v2)."""
     gen = torch.Generator().manual_seed(hq * 7 + hkv)
     lens = [1, 5, 54, 97, 0, 8193]
     maxb = max(-(-max(L, 1) // 16) for L in lens) + 1
@@ -239,7 +242,7 @@ def test_cuda_nan_query_head_stays_nan():
 
 
 @needs_cuda
-@pytest.mark.parametrize("preset", ["k4v4", "k8v4"])
+@pytest.mark.parametrize("preset", ["k4v4", "k8v4", "k4v2"])
 def test_cuda_kernel_is_graph_capturable(preset):
     """Launched on PyTorch's current stream: a captured CUDA graph replays it with new query values."""
     gen = torch.Generator().manual_seed(4)
@@ -305,7 +308,7 @@ def test_runtime_uses_the_split_rule_of_its_kernel(monkeypatch):
 
 @needs_cuda
 @pytest.mark.parametrize("forced", [None, (30, 200)])
-@pytest.mark.parametrize("preset", ["k4v4", "k8v4"])
+@pytest.mark.parametrize("preset", ["k4v4", "k8v4", "k4v2"])
 def test_cuda_splits_partition_the_sequence(forced, preset, monkeypatch):
     """Each split's log-sum-exp (the workspace's part_lse, log2) is that of its own tokens only: whole 16-token pages
     cut as ``cuda_decode.split_pages`` says (weighted by round of placement; decode_k4v4.cu split_weight_prefix), empty
@@ -363,7 +366,7 @@ def check_split_lse(lse, logits, pages, n, where):
 
 
 @needs_cuda
-@pytest.mark.parametrize("preset", ["k4v4", "k8v4"])
+@pytest.mark.parametrize("preset", ["k4v4", "k8v4", "k4v2"])
 def test_cuda_pool_over_2_gib_and_unaligned_pool(preset):
     """Block ids whose byte offset passes 2**31 give the same output as low block ids (int64 offsets); a pool that
     does not start on a 16-byte boundary is refused (cp.async copies 16-byte chunks)."""
@@ -594,22 +597,28 @@ def test_rank_args_skews_only_one_wave_on_hopper(monkeypatch):
         cuda_decode.rank_args(CUDA, 3, 8, 22)
 
 
-def test_launch_refuses_a_page_size_of_neither_kernel():
-    """``LAYOUTS`` equals kvrepro.formats' page layouts of k4v4 and k8v4 (2,144 / 3,168 bytes); a pool whose page size
-    is not ``key_bits``' layout is refused before anything runs (CPU tensors: the check comes first)."""
+def test_launch_refuses_a_page_size_of_another_kernel():
+    """``LAYOUTS`` equals kvrepro.formats' page layouts of k4v4, k8v4 and k4v2 (2,144 / 3,168 / 1,632 bytes); a pool
+    whose page size is not the layout of ``(key_bits, value_bits)`` is refused before anything runs (CPU tensors: the
+    check comes first)."""
     from kvrepro.ops import cuda_decode
 
     assert {v["page_bytes"] for v in cuda_decode.LAYOUTS.values()} == {
-        get_format("k4v4").layout(128, 16).page_bytes, get_format("k8v4").layout(128, 16).page_bytes}
-    for preset in ("k4v4", "k8v4"):
+        get_format(p).layout(128, 16).page_bytes for p in ("k4v4", "k8v4", "k4v2")}
+    for preset in ("k4v4", "k8v4", "k4v2"):
         layout = get_format(preset).layout(128, 16)
-        assert {k: getattr(layout, k) for k in cuda_decode.LAYOUT} == cuda_decode.LAYOUTS[layout.key_bits]
+        bits = (layout.key_bits, layout.value_bits)
+        assert {k: getattr(layout, k) for k in cuda_decode.LAYOUT} == cuda_decode.LAYOUTS[bits]
+        assert cuda_decode.PRESETS[bits] == preset and cuda_decode.KERNELS[bits] == f"kvrepro_decode_{preset}"
     q = torch.zeros(1, 32, 128, dtype=torch.bfloat16)
+    args = [torch.zeros(1, 4, dtype=torch.int32), torch.ones(1, dtype=torch.int32), torch.zeros(1 << 16),
+            torch.zeros(64), q, 0.088, 2, 8, 4]
     pool = torch.zeros(4, 8, get_format("k4v2").layout(128, 16).page_bytes, dtype=torch.uint8)
-    with pytest.raises(ValueError, match=r"pool pages must be 2144 bytes for key_bits=4 .*got 1632"):
-        cuda_decode.launch(q, torch.eye(128), pool, torch.zeros(1, 4, dtype=torch.int32),
-                           torch.ones(1, dtype=torch.int32), torch.zeros(1 << 16), torch.zeros(64), q, 0.088, 2, 8, 4,
-                           key_bits=4)
+    with pytest.raises(ValueError, match=r"pool pages must be 2144 bytes for k4v4 \(key_bits=4, value_bits=4.*got 1632"):
+        cuda_decode.launch(q, torch.eye(128), pool, *args, key_bits=4, value_bits=4)
+    pool = torch.zeros(4, 8, get_format("k4v4").layout(128, 16).page_bytes, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"pool pages must be 1632 bytes for k4v2 \(key_bits=4, value_bits=2.*got 2144"):
+        cuda_decode.launch(q, torch.eye(128), pool, *args, key_bits=4, value_bits=2)
 
 
 def test_launch_and_helpers_check_their_arguments_first():
@@ -622,13 +631,14 @@ def test_launch_and_helpers_check_their_arguments_first():
     args = [torch.zeros(1, 4, dtype=torch.int32), torch.ones(1, dtype=torch.int32), torch.zeros(1 << 16),
             torch.zeros(64), q, 0.088]
     with pytest.raises(ValueError, match=r"rotation must be \[128, 128\].*got \(64, 64\)"):
-        cuda_decode.launch(q, torch.eye(64), pool, *args, 2, 8, 4, key_bits=4)
-    with pytest.raises(ValueError, match=r"key_bits must be one of \[4, 8\].*got 2"):
-        cuda_decode.launch(q, torch.eye(128), pool, *args, 2, 8, 4, key_bits=2)
-    with pytest.raises(ValueError, match="pool pages must be 3168 bytes for key_bits=8.*got 2144"):
-        cuda_decode.launch(q, torch.eye(128), pool, *args, 2, 8, 4, key_bits=8)
+        cuda_decode.launch(q, torch.eye(64), pool, *args, 2, 8, 4, key_bits=4, value_bits=4)
+    with pytest.raises(ValueError, match=r"\(key_bits, value_bits\) must be one of \(4, 4\) \(k4v4\), \(8, 4\) "
+                                         r"\(k8v4\), \(4, 2\) \(k4v2\) for the CUDA decode kernel, got \(2, 4\)"):
+        cuda_decode.launch(q, torch.eye(128), pool, *args, 2, 8, 4, key_bits=2, value_bits=4)
+    with pytest.raises(ValueError, match="pool pages must be 3168 bytes for k8v4.*got 2144"):
+        cuda_decode.launch(q, torch.eye(128), pool, *args, 2, 8, 4, key_bits=8, value_bits=4)
     with pytest.raises(ValueError, match="pool must be on a CUDA device.*got cpu"):
-        cuda_decode.launch(q, torch.eye(128), pool, *args, 2, 8, 4, key_bits=4)
+        cuda_decode.launch(q, torch.eye(128), pool, *args, 2, 8, 4, key_bits=4, value_bits=4)
     for splits, group, match in [(2, 0, "must be an int in 1..8 for impl='cuda', got 0"),
                                  (0, 4, "num_splits must be an int >= 1"),
                                  (-5, 8, "num_splits must be an int >= 1, got -5"),
@@ -646,16 +656,18 @@ def test_launch_and_helpers_check_their_arguments_first():
 
 
 def test_layouts_match_the_kernels_page_constants():
-    """``cuda_decode.LAYOUTS`` (what Python checks and sends) and ``PageFmt<KB>`` in decode_k4v4.cu (what the kernels
-    read) give the same page size and region offsets for both key widths."""
+    """``cuda_decode.LAYOUTS`` (what Python checks and sends) and ``PageFmt<KB, VB>`` in decode_k4v4.cu (what the
+    kernels read) give the same page size and region offsets for every kernel, and the source has one entry point per
+    ``KERNELS`` name."""
     import re
 
     from kvrepro.ops import cuda_decode
 
     src = open(cuda_decode.SOURCE).read()
-    for bits, lay in cuda_decode.LAYOUTS.items():
-        m = re.search(rf"struct PageFmt<{bits}> {{\s*static constexpr int PAGE = (\d+), V_OFF = (\d+), "
+    for (kb, vb), lay in cuda_decode.LAYOUTS.items():
+        m = re.search(rf"struct PageFmt<{kb}, {vb}> {{\s*static constexpr int PAGE = (\d+), V_OFF = (\d+), "
                       rf"KM_OFF = (\d+), VM_OFF = (\d+)", src)
-        assert m, f"PageFmt<{bits}> not found"
+        assert m, f"PageFmt<{kb}, {vb}> not found"
+        assert f"KVREPRO_ENTRY({cuda_decode.KERNELS[kb, vb]}, {kb}, {vb})" in src
         assert tuple(int(x) for x in m.groups()) == (lay["page_bytes"], lay["v_code_offset"], lay["k_meta_offset"],
                                                      lay["v_meta_offset"])

@@ -1,17 +1,20 @@
-"""kvrepro's CUDA decode attention kernels for k4v4 and k8v4 pages: where they apply, how they are built and launched.
+"""kvrepro's CUDA decode attention kernels for k4v4, k8v4 and k4v2 pages: where they apply, how they are built and
+launched.
 
 ``kvrepro.ops.decode_attention(impl="cuda")`` runs it (its default where it applies, see ``unsupported_reason``);
 this module holds the pieces behind that: the committed fatbin ``cuda/decode_k4v4.fatbin``, built from
 ``cuda/decode_k4v4.cu`` by ``python -m kvrepro.ops.cuda_decode --build`` (nvcc; flags and SHA-256s in
-``cuda/decode_k4v4.json``), loaded once per device through the CUDA driver API (``ctypes``, ``libcuda.so.1``: no
+``cuda/decode_k4v4.json``; the file names predate the other presets: the one source holds all three kernels), loaded
+once per device through the CUDA driver API (``ctypes``, ``libcuda.so.1``: no
 PyTorch extension build, no nvcc at run time) and launched with ``cuLaunchKernel`` on PyTorch's current stream, so
 CUDA graphs capture it.
 
 The kernel (design: notes/kernels.md "Design sketch for the next decode kernel", measured as run 18): one CTA of 4
-warps per (sequence, KV head, split), each warp walking its own pages through a 4-deep (k8v4: 3-deep) ``cp.async``
-ring; keys through int8 tensor cores (``mma.m16n8k32.s8``: k4v4's nibbles as 16 (code - 8), k8v4's bytes as code -
-128; the query as two int8 digits as in the Triton int8 key path; method after SageAttention, Zhang et al. 2024),
-values through ``mma.m16n8k16.f16`` with tokens x GQA heads as the MMA shape; it
+warps per (sequence, KV head, split), each warp walking its own pages through a ``cp.async`` ring (4-deep for k4v4,
+3-deep for k8v4, 6-deep for k4v2); keys through int8 tensor cores (``mma.m16n8k32.s8``: 4-bit keys as 16 (code - 8),
+8-bit keys as code - 128; the query as two int8 digits as in the Triton int8 key path; method after SageAttention,
+Zhang et al. 2024), values through ``mma.m16n8k16.f16`` (4-bit or 2-bit codes turned into float16 by the magic-number
+trick, code | 0x6400 = 1024 + code) with tokens x GQA heads as the MMA shape; it
 writes the same split-K partials as the Triton kernel, but does the query rotation (a fast Walsh-Hadamard transform:
 the rotation is ``diag(s) H / sqrt(D)``) and the log-sum-exp split merge (FlashDecoding, Dao et al. 2023; the last CTA
 of each (sequence, KV head) merges, after the threadfence reduction of the CUDA programming guide) in the same
@@ -41,15 +44,16 @@ HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda")
 SOURCE = os.path.join(HERE, "decode_k4v4.cu")
 FATBIN = os.path.join(HERE, "decode_k4v4.fatbin")
 MANIFEST = os.path.join(HERE, "decode_k4v4.json")
-# One kernel per supported key width (decode_k4v4.cu instantiates one body twice); values are 4-bit in both.
-KERNELS = {4: "kvrepro_decode_k4v4", 8: "kvrepro_decode_k8v4"}
-KERNEL = KERNELS[4]             # the manifest's first kernel (kept for the manifest's "kernel" field)
+# One kernel per supported (key_bits, value_bits) (decode_k4v4.cu instantiates one body three times).
+KERNELS = {(4, 4): "kvrepro_decode_k4v4", (8, 4): "kvrepro_decode_k8v4", (4, 2): "kvrepro_decode_k4v2"}
+KERNEL = KERNELS[(4, 4)]        # the manifest's first kernel (kept for the manifest's "kernel" field)
+CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8   # cuda.h CUfunction_attribute
 WARPS = 4                       # threads per CTA = 32 * WARPS (the kernel's __launch_bounds__)
 MIN_CAPABILITY = (8, 0)         # cp.async, mma.m16n8k32.s8, movmatrix (PTX ISA 7.8) need sm_80+
 MAX_GROUP = 8                   # GQA query heads per KV head: the MMA's N = 8
 MERGE_MAX = 4096                # num_splits x group that the in-kernel split merge holds (decode_k4v4.cu MERGE_MAX)
-CTAS_PER_SM = 4                 # resident CTAs per SM on the H200 (__launch_bounds__(128, 4); 37 / 41 KB of shared
-                                # memory for k4v4 / k8v4: GPUs with ~100 KB per SM hold fewer)
+CTAS_PER_SM = 4                 # resident CTAs per SM on the H200 (__launch_bounds__(128, 4); 37 / 41 / 42 KB of
+                                # shared memory for k4v4 / k8v4 / k4v2: GPUs with ~100 KB per SM hold fewer)
 # Split weights by round of placement (decode_k4v4.cu split_weight_prefix): split s weighs 1024 - RANK_SKEW x round,
 # round = min(linear block index // SMs, 3), for grids of at most one wave. H200 run 33 (%globaltimer trace, batch 3,
 # 22 equal splits): CTAs placed in round 0 / 1 / 2 / 3 of an SM streamed their pages in 101 / 106 / 112 / 117 us (the
@@ -64,13 +68,16 @@ RANK_SKEW = 48
 GENCODE = ("arch=compute_80,code=sm_80", "arch=compute_86,code=sm_86", "arch=compute_89,code=sm_89",
            "arch=compute_90,code=sm_90", "arch=compute_80,code=compute_80")
 NVCC_FLAGS = ("-O3", "-fatbin", "-Xptxas", "-v")
-# What the kernels hard-code (decode_k4v4.cu PageFmt): k4v4 or k8v4, head_dim 128, 16-token pages of 2144 / 3168
-# bytes per KV head.
-LAYOUTS = {4: {"key_bits": 4, "value_bits": 4, "head_dim": 128, "block_size": 16, "page_bytes": 2144,
-               "v_code_offset": 1024, "k_meta_offset": 2048, "v_meta_offset": 2112},
-           8: {"key_bits": 8, "value_bits": 4, "head_dim": 128, "block_size": 16, "page_bytes": 3168,
-               "v_code_offset": 2048, "k_meta_offset": 3072, "v_meta_offset": 3136}}
-LAYOUT = LAYOUTS[4]
+# What the kernels hard-code (decode_k4v4.cu PageFmt): k4v4, k8v4 or k4v2, head_dim 128, 16-token pages of 2144 /
+# 3168 / 1632 bytes per KV head.
+LAYOUTS = {(4, 4): {"key_bits": 4, "value_bits": 4, "head_dim": 128, "block_size": 16, "page_bytes": 2144,
+                    "v_code_offset": 1024, "k_meta_offset": 2048, "v_meta_offset": 2112},
+           (8, 4): {"key_bits": 8, "value_bits": 4, "head_dim": 128, "block_size": 16, "page_bytes": 3168,
+                    "v_code_offset": 2048, "k_meta_offset": 3072, "v_meta_offset": 3136},
+           (4, 2): {"key_bits": 4, "value_bits": 2, "head_dim": 128, "block_size": 16, "page_bytes": 1632,
+                    "v_code_offset": 1024, "k_meta_offset": 1536, "v_meta_offset": 1600}}
+PRESETS = {(4, 4): "k4v4", (8, 4): "k8v4", (4, 2): "k4v2"}
+LAYOUT = LAYOUTS[(4, 4)]
 BLOCK_SIZE, HEAD_DIM = LAYOUT["block_size"], LAYOUT["head_dim"]   # the same in both layouts
 
 
@@ -78,14 +85,16 @@ def unsupported_reason(layout, group: int, device: torch.device) -> str | None:
     """Why the CUDA kernel cannot serve this call (None = it can).
 
     Args:
-        layout: the pool's ``PageLayout``; the kernels hard-code ``LAYOUTS`` (k4v4 or k8v4, head_dim 128, block 16).
+        layout: the pool's ``PageLayout``; the kernels hard-code ``LAYOUTS`` (k4v4, k8v4 or k4v2, head_dim 128,
+            block 16).
         group: GQA group size (query heads per KV head); the kernel takes 1..``MAX_GROUP``.
         device: the pool's device; a CUDA device of compute capability >= ``MIN_CAPABILITY``.
     """
     device = torch.device(device)
     got = {k: getattr(layout, k) for k in LAYOUT}
     if got not in LAYOUTS.values():
-        return (f"the CUDA decode kernel supports k4v4 and k8v4 pages with head_dim 128 and block_size 16 only, got "
+        return (f"the CUDA decode kernel supports k4v4, k8v4 and k4v2 pages with head_dim 128 and block_size 16 only, "
+                f"got "
                 f"key_bits={got['key_bits']}, value_bits={got['value_bits']}, head_dim={got['head_dim']}, "
                 f"block_size={got['block_size']}")
     if not _is_int(group) or not 1 <= group <= MAX_GROUP:
@@ -156,8 +165,10 @@ _ERRORS = {200: "CUDA_ERROR_INVALID_IMAGE", 209: "CUDA_ERROR_NO_BINARY_FOR_GPU",
 
 
 class _Module:
-    """The fatbin loaded into one device's primary context (PyTorch's), and its kernels (``kernels``: key bits ->
-    entry-point name, default ``KERNELS``; benchmarks load older single-kernel builds with ``{4: KERNELS[4]}``)."""
+    """The fatbin loaded into one device's primary context (PyTorch's), and its kernels (``kernels``: (key bits,
+    value bits) -> entry-point name, default ``KERNELS``; benchmarks load older builds with fewer kernels by passing
+    a subset). A kernel whose ring lives in dynamic shared memory says how much in ``<name>_dyn_smem`` (a ``__device__``
+    int; absent in older builds = 0): the loader raises the kernel's limit to that and every launch asks for it."""
 
     def __init__(self, device: torch.device, path: str, kernels: dict[int, str] | None = None):
         try:
@@ -181,13 +192,35 @@ class _Module:
                     f"and needs a driver for that CUDA version or newer; rebuild it with your nvcc "
                     f"(python -m kvrepro.ops.cuda_decode --build) or use impl='triton' (vLLM backend: "
                     f"KVREPRO_DECODE_IMPL=triton)")
-            self.fns = {}                             # key bits -> CUfunction
+            self.fns = {}                             # (key bits, value bits) -> CUfunction
+            self.smem = {}                            # (key bits, value bits) -> dynamic shared memory bytes
             for bits, name in (KERNELS if kernels is None else kernels).items():
                 fn = ctypes.c_void_p()
                 rc = self.lib.cuModuleGetFunction(ctypes.byref(fn), self.module, name.encode())
                 if rc:
                     raise RuntimeError(f"kvrepro CUDA decode kernel: {name} not found in {path} ({self.error(rc)})")
                 self.fns[bits] = fn
+                self.smem[bits] = smem = self._dyn_smem(name)
+                if smem:
+                    rc = self.lib.cuFuncSetAttribute(fn, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                                     ctypes.c_int(smem))
+                    if rc:
+                        raise RuntimeError(f"kvrepro CUDA decode kernel: {name} needs {smem} bytes of dynamic shared "
+                                           f"memory, which {torch.cuda.get_device_name(device)} refuses "
+                                           f"({self.error(rc)}); use impl='triton' (vLLM backend: "
+                                           f"KVREPRO_DECODE_IMPL=triton)")
+
+    def _dyn_smem(self, name: str) -> int:
+        """The value of the module's ``<name>_dyn_smem`` (0 if the build has none)."""
+        ptr, size = ctypes.c_uint64(), ctypes.c_size_t()
+        rc = self.lib.cuModuleGetGlobal_v2(ctypes.byref(ptr), ctypes.byref(size), self.module,
+                                           f"{name}_dyn_smem".encode())
+        if rc == 500:                                 # CUDA_ERROR_NOT_FOUND: an older build
+            return 0
+        val = ctypes.c_int()
+        if rc or size.value != 4 or self.lib.cuMemcpyDtoH_v2(ctypes.byref(val), ptr, ctypes.c_size_t(4)):
+            raise RuntimeError(f"kvrepro CUDA decode kernel: cannot read {name}_dyn_smem ({self.error(rc)})")
+        return val.value
 
     def error(self, rc: int) -> str:
         """``CUDA error <rc> (<name>)`` from the driver's cuGetErrorName."""
@@ -196,14 +229,16 @@ class _Module:
             return f"CUDA error {rc} ({name.value.decode()})"
         return f"CUDA error {rc} ({_ERRORS.get(rc, 'see cuda.h')})"
 
-    def launch(self, grid: tuple[int, int, int], args: list, stream: int, key_bits: int) -> None:
+    def launch(self, grid: tuple[int, int, int], args: list, stream: int, bits: tuple[int, int]) -> None:
+        """Launch the kernel of ``bits`` = (key bits, value bits) with ``args`` on ``stream``."""
         vals = [ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor)
                 else a if isinstance(a, ctypes._SimpleCData) else ctypes.c_int(int(a)) for a in args]
         ptrs = (ctypes.c_void_p * len(vals))(*[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in vals])
-        if key_bits not in self.fns:
-            raise ValueError(f"this fatbin holds the kernels for key_bits {sorted(self.fns)}, got key_bits={key_bits}")
-        rc = self.lib.cuLaunchKernel(self.fns[key_bits], *grid, WARPS * 32, 1, 1, 0, ctypes.c_void_p(stream), ptrs,
-                                     None)
+        if bits not in self.fns:
+            raise ValueError(f"this fatbin holds the kernels for (key_bits, value_bits) {sorted(self.fns)}, "
+                             f"got {bits}")
+        rc = self.lib.cuLaunchKernel(self.fns[bits], *grid, WARPS * 32, 1, 1, self.smem[bits],
+                                     ctypes.c_void_p(stream), ptrs, None)
         if rc:
             raise RuntimeError(f"kvrepro CUDA decode kernel: cuLaunchKernel failed with {self.error(rc)} "
                                f"(grid {grid}, block {WARPS * 32})")
@@ -396,29 +431,32 @@ def split_pages(seq_len: int, num_splits: int, b: int, kvh: int, batch: int, num
 
 def launch(query: torch.Tensor, rotation: torch.Tensor, pool: torch.Tensor, block_tables: torch.Tensor,
            seq_lens: torch.Tensor, part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, scale: float,
-           num_splits: int, num_kv_heads: int, group: int, *, key_bits: int) -> None:
+           num_splits: int, num_kv_heads: int, group: int, *, key_bits: int, value_bits: int) -> None:
     """Run the kernel on the current stream (no host sync after the first call with a rotation): query rotation,
     split-K attention and the split merge in one launch. Shapes as ``decode_attention``'s:
 
     query ``[B, Hq, 128]`` bfloat16 / float16 (last dim contiguous, unrotated), rotation float32 ``[128, 128]`` of the
-    form ``rotation_signs`` checks, pool uint8 ``[num_blocks, Hkv, 2144]`` (``key_bits=4``: k4v4) or ``[num_blocks,
-    Hkv, 3168]`` (``key_bits=8``: k8v4; ``key_bits`` picks the kernel) (16-byte aligned), block_tables int32
+    form ``rotation_signs`` checks, pool uint8 ``[num_blocks, Hkv, page_bytes]`` with the page size of ``(key_bits,
+    value_bits)``, which pick the kernel: 2144 for (4, 4) = k4v4, 3168 for (8, 4) = k8v4, 1632 for (4, 2) = k4v2
+    (``LAYOUTS``; 16-byte aligned), block_tables int32
     ``[B, max_blocks]`` (last dim contiguous), seq_lens int32 ``[B]``, part_o float32 ``[B, Hq, S, 128]`` and part_lse
     float32 ``[B, Hq, S]`` (scratch: the split partials, log2), out ``[B, Hq, 128]`` bfloat16 / float16 (last dim
     contiguous), scale the softmax scale. The caller (``decode_attention``) has checked shapes, dtypes and
-    ``unsupported_reason``. Raises ValueError for ``key_bits`` not in ``LAYOUTS``, a page size of another layout, a
-    rotation that is not
+    ``unsupported_reason``. Raises ValueError for ``(key_bits, value_bits)`` not in ``LAYOUTS``, a page size of
+    another layout, a rotation that is not
     ``[128, 128]`` or not of the Hadamard form, a pool not on a CUDA device, ``group`` outside 1..8, ``num_splits <
     1`` or ``num_splits x group > MERGE_MAX``, a pool or workspace (``part_o``) that is not 16-byte aligned
     (``cp.async`` copies, ``float4`` merge reads); these are ``decode_attention``'s checks for ``impl="cuda"`` too (it
     calls this).
     """
-    if key_bits not in LAYOUTS:
-        raise ValueError(f"key_bits must be one of {sorted(LAYOUTS)} (k4v4, k8v4) for the CUDA decode kernel, "
-                         f"got {key_bits!r}")
-    if pool.shape[-1] != LAYOUTS[key_bits]["page_bytes"]:
-        raise ValueError(f"pool pages must be {LAYOUTS[key_bits]['page_bytes']} bytes for key_bits={key_bits} "
-                         f"(head_dim 128, block 16), got {pool.shape[-1]}")
+    bits = (key_bits, value_bits)
+    if bits not in LAYOUTS:
+        allowed = ", ".join(f"{kb, vb} ({PRESETS[kb, vb]})" for kb, vb in LAYOUTS)
+        raise ValueError(f"(key_bits, value_bits) must be one of {allowed} for the CUDA decode kernel, got "
+                         f"({key_bits!r}, {value_bits!r})")
+    if pool.shape[-1] != LAYOUTS[bits]["page_bytes"]:
+        raise ValueError(f"pool pages must be {LAYOUTS[bits]['page_bytes']} bytes for {PRESETS[bits]} (key_bits="
+                         f"{key_bits}, value_bits={value_bits}, head_dim 128, block 16), got {pool.shape[-1]}")
     if tuple(rotation.shape) != (HEAD_DIM, HEAD_DIM):
         raise ValueError(f"rotation must be [{HEAD_DIM}, {HEAD_DIM}] (head_dim {HEAD_DIM}), "
                          f"got {tuple(rotation.shape)}")
@@ -443,7 +481,7 @@ def launch(query: torch.Tensor, rotation: torch.Tensor, pool: torch.Tensor, bloc
                    [query, signs, pool, block_tables, seq_lens, part_o, part_lse, out, counters,
                     ctypes.c_longlong(query.stride(0)), ctypes.c_longlong(query.stride(1)),
                     ctypes.c_longlong(out.stride(0)), ctypes.c_longlong(out.stride(1)), ctypes.c_float(qmul), flags,
-                    block_tables.stride(0), num_splits, num_kv_heads, group, rank_div, rank_skew], stream, key_bits)
+                    block_tables.stride(0), num_splits, num_kv_heads, group, rank_div, rank_skew], stream, bits)
 
 
 def main(argv=None) -> int:

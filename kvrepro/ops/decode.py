@@ -365,7 +365,7 @@ def decode_attention(query: torch.Tensor, pool, block_tables: torch.Tensor, seq_
 
     if impl == "cuda":      # one launch: query rotation, attention and split merge
         cuda_decode.launch(query, rotation, data, block_tables, seq_lens, part_o, part_lse, out, scale, num_splits,
-                           hkv, group, key_bits=layout.key_bits)
+                           hkv, group, key_bits=layout.key_bits, value_bits=layout.value_bits)
         return out
     rotate_query_kernel[(b * hq,)](query, rotation, q16, query.stride(0), query.stride(1),
                                    float(scale) * LOG2E, HQ=hq, D=d)

@@ -50,17 +50,33 @@ constexpr int BS = 16;           // tokens per page (vLLM block)
 // Page layout per key width (kvrepro.formats.layout; values are 4-bit in both): K codes [16][D * KB / 8] at 0, V codes
 // [16][64] at V_OFF, K meta [16][scale, zero] f16 at KM_OFF, V meta [16] f16 at VM_OFF. KSTAGES: ring depth (k8v4's
 // 3-deep ring keeps the CTA under 48 KB of static shared memory, 4 CTAs per SM).
-template <int KB> struct PageFmt;
+template <int KB, int VB> struct PageFmt;
 #ifndef KVREPRO_STAGES
 #define KVREPRO_STAGES 4
 #endif
-template <> struct PageFmt<4> {
+#ifndef KVREPRO_STAGES_K8V4
+#define KVREPRO_STAGES_K8V4 3
+#endif
+#ifndef KVREPRO_STAGES_K4V2
+#define KVREPRO_STAGES_K4V2 6
+#endif
+template <> struct PageFmt<4, 4> {
   static constexpr int PAGE = 2144, V_OFF = 1024, KM_OFF = 2048, VM_OFF = 2112, KSTAGES = KVREPRO_STAGES;
 };
-template <> struct PageFmt<8> {
-  static constexpr int PAGE = 3168, V_OFF = 2048, KM_OFF = 3072, VM_OFF = 3136, KSTAGES = 3;
+template <> struct PageFmt<8, 4> {
+  static constexpr int PAGE = 3168, V_OFF = 2048, KM_OFF = 3072, VM_OFF = 3136, KSTAGES = KVREPRO_STAGES_K8V4;
+};
+template <> struct PageFmt<4, 2> {
+  static constexpr int PAGE = 1632, V_OFF = 1024, KM_OFF = 1536, VM_OFF = 1600, KSTAGES = KVREPRO_STAGES_K4V2;
 };
 constexpr int WARPS = 4;
+// The CTA's ring: WARPS x KSTAGES pages. Past 44 KB it goes to dynamic shared memory (the launch asks for BYTES and the
+// loader raises the kernel's limit, cuFuncSetAttribute): static shared memory stops at 48 KB and the rest of the CTA's
+// buffers take ~2.7 KB.
+template <int KB, int VB> struct Ring {
+  static constexpr int BYTES = WARPS * PageFmt<KB, VB>::KSTAGES * PageFmt<KB, VB>::PAGE;
+  static constexpr bool DYNAMIC = BYTES > 44 * 1024;
+};
 #ifndef KVREPRO_MERGE_UNROLL
 #define KVREPRO_MERGE_UNROLL 4  // splits per warp whose partial loads are in flight together in the merge
 #endif
@@ -94,6 +110,9 @@ __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0
 __device__ __forceinline__ int swz_row_chunk(int t, int j) { return t * 4 + (j ^ ((t >> 1) & 3)); }
 // k8v4's key region has 128-byte rows: chunk j of row t at j ^ (t & 7), so the 8 rows of a phase hit 8 bank groups
 __device__ __forceinline__ int swz_row_chunk8(int t, int j) { return t * 8 + (j ^ (t & 7)); }
+// k4v2's value region has 32-byte rows (4 per 128 bytes): chunk j of row t at j ^ ((t >> 2) & 1), so rows t and t + 4
+// of a phase land 16 bytes apart
+__device__ __forceinline__ int swz_row_chunk2(int t, int j) { return t * 2 + (j ^ ((t >> 2) & 1)); }
 
 __device__ __forceinline__ void ldsm_x4(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
@@ -208,7 +227,7 @@ __device__ unsigned long long kvrepro_trace[KVREPRO_TRACE][8];  // read by cuMod
 // weighted sums (warp w takes splits w, w + 4, ...), the rotation back (Walsh-Hadamard transform) and the output.
 // Not inlined: its registers do not add to the attention loop's (the kernel runs at the 128-register cap).
 // (One instantiation per kernel, so that each keeps a single caller and the compiler's view of its shared buffers.)
-template <int KB>
+template <int KB, int VB>
 __device__ __noinline__ void merge_splits(uint8_t* smem, float* xbuf, const float* __restrict__ part_o,
                                           const float* __restrict__ part_lse, const float* __restrict__ signs,
                                           void* __restrict__ out, int b, int kvh, int hq, int group, int num_splits,
@@ -306,13 +325,17 @@ __device__ __noinline__ void merge_splits(uint8_t* smem, float* xbuf, const floa
   query, signs, pool, block_tables, seq_lens, part_o, part_lse, out, counters, stride_qb, stride_qh, stride_ob,    \
       stride_oh, qmul, flags, stride_bt, num_splits, num_kv_heads, group, rank_div, rank_skew
 
-// The whole decode step for KB-bit keys (4: k4v4, 8: k8v4); the two __global__ entry points below instantiate it.
-template <int KB>
+// The whole decode step for KB-bit keys and VB-bit values (k4v4, k8v4, k4v2); the __global__ entry points below
+// instantiate it.
+template <int KB, int VB>
 __device__ __forceinline__ void decode_step(KVREPRO_DECODE_PARAMS) {
-  constexpr int PAGE = PageFmt<KB>::PAGE, V_OFF = PageFmt<KB>::V_OFF, KM_OFF = PageFmt<KB>::KM_OFF;
-  constexpr int VM_OFF = PageFmt<KB>::VM_OFF, STAGES = PageFmt<KB>::KSTAGES;
-  constexpr int K_BYTES = BS * D * KB / 8;        // key code region: 1024 (k4v4) / 2048 (k8v4) bytes
-  constexpr int META_CHUNKS = PAGE / 16 - K_BYTES / 16 - 64;  // 16-byte chunks of K and V metadata: 6
+  using F = PageFmt<KB, VB>;
+  constexpr int PAGE = F::PAGE, V_OFF = F::V_OFF, KM_OFF = F::KM_OFF, VM_OFF = F::VM_OFF, STAGES = F::KSTAGES;
+  constexpr int K_BYTES = BS * D * KB / 8;        // key code region: 1024 (4-bit) / 2048 (8-bit) bytes
+  constexpr int V_BYTES = BS * D * VB / 8;        // value code region: 1024 (4-bit) / 512 (2-bit) bytes
+  constexpr int META_CHUNKS = (PAGE - K_BYTES - V_BYTES) / 16;  // 16-byte chunks of K and V metadata: 6
+  static_assert(V_OFF == K_BYTES && KM_OFF == V_OFF + V_BYTES && VM_OFF == KM_OFF + 4 * BS &&
+                PAGE == VM_OFF + 2 * BS, "PageFmt: regions in order, as kvrepro.formats.layout");
   const int b = blockIdx.x;
   const int split = blockIdx.y / num_kv_heads;  // split-major: every (sequence, KV head) has CTAs in every round
   const int kvh = blockIdx.y % num_kv_heads;
@@ -320,7 +343,14 @@ __device__ __forceinline__ void decode_step(KVREPRO_DECODE_PARAMS) {
   const int g = lane >> 2, tq = lane & 3;  // MMA fragment row group and thread-in-quad
   const int hq = num_kv_heads * group;
 
-  __shared__ __align__(128) uint8_t ring[WARPS][STAGES][PAGE];
+  uint8_t* ring;  // [WARPS][STAGES][PAGE]
+  if constexpr (Ring<KB, VB>::DYNAMIC) {
+    extern __shared__ __align__(128) uint8_t kvrepro_ring_dyn[];
+    ring = kvrepro_ring_dyn;
+  } else {
+    __shared__ __align__(128) uint8_t ring_s[WARPS * STAGES * PAGE];
+    ring = ring_s;
+  }
   __shared__ __align__(16) int8_t qd_hi[8][D], qd_lo[8][D];  // read back as 32-bit words
   __shared__ float s_q[8], q_sum[8];
   __shared__ float xbuf[D];  // the merge's cross-warp Walsh-Hadamard stages
@@ -356,7 +386,7 @@ __device__ __forceinline__ void decode_step(KVREPRO_DECODE_PARAMS) {
   int bt_win = lane < my_pages ? bt[p0 + warp + lane * WARPS] : 0;
 #endif
 
-  uint8_t* my_ring = &ring[warp][0][0];
+  uint8_t* my_ring = ring + warp * STAGES * PAGE;
   // 64-byte code rows (k4v4 keys, all values): chunk lane + 32 k is row (lane >> 2) + 8 k, column lane & 3, stored at
   // column (lane & 3) ^ ((row >> 1) & 3) = ... ^ ((lane >> 3) & 3) for every k (swz_row_chunk)
   const uint32_t ring_code = smem_u32(my_ring) + (lane ^ ((lane >> 3) & 3)) * 16;
@@ -364,6 +394,9 @@ __device__ __forceinline__ void decode_step(KVREPRO_DECODE_PARAMS) {
   // (lane & 7) ^ (row & 7) (swz_row_chunk8): two offsets, even and odd k
   const uint32_t ring_k8e = smem_u32(my_ring) + ((lane >> 3) * 8 + ((lane & 7) ^ (lane >> 3))) * 16;
   const uint32_t ring_k8o = smem_u32(my_ring) + ((lane >> 3) * 8 + ((lane & 7) ^ ((lane >> 3) + 4))) * 16;
+  // 32-byte value rows (2-bit values): chunk lane is row lane >> 1, column lane & 1, stored at column
+  // (lane & 1) ^ ((row >> 2) & 1) (swz_row_chunk2)
+  const uint32_t ring_v2 = smem_u32(my_ring) + V_OFF + ((lane >> 1) * 2 + ((lane & 1) ^ ((lane >> 3) & 1))) * 16;
   const uint32_t ring_meta = smem_u32(my_ring) + KM_OFF + lane * 16;
   auto issue = [&](int i) {
     if (i < my_pages) {
@@ -375,9 +408,13 @@ __device__ __forceinline__ void decode_step(KVREPRO_DECODE_PARAMS) {
 #endif
       const uint8_t* src = pool + ((int64_t)blk * num_kv_heads + kvh) * PAGE + lane * 16;
       const uint32_t stage = (i % STAGES) * PAGE;
-      if (KB == 4) {
+      if (KB == 4 && VB == 4) {
 #pragma unroll
         for (int k = 0; k < 4; ++k) cp_async16(ring_code + stage + 512 * k, src + 512 * k);   // K then V codes
+      } else if (KB == 4) {  // k4v2: 64-byte key rows, then 32-byte value rows
+#pragma unroll
+        for (int k = 0; k < 2; ++k) cp_async16(ring_code + stage + 512 * k, src + 512 * k);
+        cp_async16(ring_v2 + stage, src + V_OFF);
       } else {
 #pragma unroll
         for (int k = 0; k < 4; ++k) cp_async16((k & 1 ? ring_k8o : ring_k8e) + stage + 512 * k, src + 512 * k);
@@ -534,7 +571,7 @@ __device__ __forceinline__ void decode_step(KVREPRO_DECODE_PARAMS) {
 
     // O^T += V^T P^T: value codes through ldmatrix.trans, two tokens of two byte-channels per register
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
+    for (int half = 0; half < (VB == 4 ? 2 : 0); ++half) {
       uint32_t r0, r1, r2, r3;
       const int mat = lane >> 3, row = lane & 7;
       const uint8_t* a = pg + V_OFF + swz_row_chunk((mat & 1) * 8 + row, half * 2 + (mat >> 1)) * 16;
@@ -557,6 +594,26 @@ __device__ __forceinline__ void decode_step(KVREPRO_DECODE_PARAMS) {
              pb0, pb1);
       }
     }
+    if (VB == 2) {  // 32 bytes per token: byte j = channels j, j + 32, j + 64, j + 96 (planes 0-3, 2 bits each)
+      uint32_t r0, r1, r2, r3;
+      const int mat = lane >> 3, row = lane & 7;
+      // matrices: tokens 0-7 / 8-15 x bytes 0-15, then tokens 0-7 / 8-15 x bytes 16-31
+      ldsm_x4_t(smem_u32(pg + V_OFF + swz_row_chunk2((mat & 1) * 8 + row, mat >> 1) * 16), r0, r1, r2, r3);
+      const uint32_t rr[4] = {r0, r1, r2, r3};
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {  // bytes [16 e, +16): channel tiles 32 p + 16 e + (2g, 2g + 1) of plane p
+        const uint32_t lo = rr[2 * e], hi = rr[2 * e + 1];  // tokens 0-7 and 8-15
+        const uint32_t lo8 = lo >> 8, hi8 = hi >> 8;         // byte-channel 2g + 1 into bytes 0 and 2
+#pragma unroll
+        for (int p = 0; p < 4; ++p) {
+          // plane p: 1024 + 4^p code exactly in float16 (0x6400 | bits), minus 1024 + 2 x 4^p: 4^p (code - 2)
+          const uint32_t m = 0x00030003u << (2 * p), cz = 0x64006400u | (0x00020002u << (2 * p));
+          hmma(tc[2 * p + e],
+               hsub2(lop3_and_or(lo, m, 0x64006400u), cz), hsub2(lop3_and_or(lo8, m, 0x64006400u), cz),
+               hsub2(lop3_and_or(hi, m, 0x64006400u), cz), hsub2(lop3_and_or(hi8, m, 0x64006400u), cz), pb0, pb1);
+        }
+      }
+    }
     if ((i + 1) % FLUSH == 0 || i + 1 == my_pages) {
       for (int t = 0; t < 8; ++t)
         for (int j = 0; j < 4; ++j) { acc[t][j] += tc[t][j]; tc[t][j] = 0.f; }
@@ -573,11 +630,12 @@ __device__ __forceinline__ void decode_step(KVREPRO_DECODE_PARAMS) {
   }
   __syncthreads();  // the rings become the merge buffer
   TRACE(3, global_ns());
-  float* w_o = reinterpret_cast<float*>(&ring[0][0][0]);  // [WARPS][8 heads][D]
+  float* w_o = reinterpret_cast<float*>(ring);  // [WARPS][8 heads][D]
   float* w_s = w_o + WARPS * 8 * D;                          // [WARPS][8][m, l, z]
   for (int t = 0; t < 8; ++t) {
-    // channel of tile t, row r: plane (t >> 2) * 64 + 32 half + 16 e + 2 g (+ 1 for row g + 8), t = 4 p + 2 half + e
-    const int ch = (t >> 2) * 64 + ((t >> 1) & 1) * 32 + (t & 1) * 16 + 2 * g;
+    // channel of tile t, row g (row g + 8: + 1). 4-bit values: plane (t >> 2) * 64 + 32 half + 16 e + 2 g, t = 4 p +
+    // 2 half + e; 2-bit values: 32 p + 16 e + 2 g, t = 2 p + e (both: (t >> 1) * 32 + (t & 1) * 16 + 2 g)
+    const int ch = (t >> 1) * 32 + (t & 1) * 16 + 2 * g;
     w_o[(warp * 8 + h0) * D + ch] = acc[t][0];
     w_o[(warp * 8 + h0 + 1) * D + ch] = acc[t][1];
     w_o[(warp * 8 + h0) * D + ch + 1] = acc[t][2];
@@ -607,7 +665,9 @@ __device__ __forceinline__ void decode_step(KVREPRO_DECODE_PARAMS) {
     if (nan) { o = __int_as_float(0x7fc00000); lse = o; }
     else if (L == 0.f) { o = 0.f; lse = -INFINITY; }
     else {
-      o = (ch < 64 ? O : O * (1.0f / 16.0f)) / L + Z / L;
+      // plane p of the values was summed as 16^p (4-bit) / 4^p (2-bit) times the code offset
+      const float plane = VB == 4 ? (ch < 64 ? 1.f : 1.0f / 16.0f) : 1.0f / (float)(1 << (2 * (ch >> 5)));
+      o = O * plane / L + Z / L;
       lse = M + log2f(L);
     }
     part_o[row * D + ch] = o;
@@ -623,19 +683,19 @@ __device__ __forceinline__ void decode_step(KVREPRO_DECODE_PARAMS) {
   __syncthreads();
   TRACE(4, global_ns());
   if (!s_last) return;
-  merge_splits<KB>(&ring[0][0][0], xbuf, part_o, part_lse, signs, out, b, kvh, hq, group, num_splits, stride_ob, stride_oh,
+  merge_splits<KB, VB>(ring, xbuf, part_o, part_lse, signs, out, b, kvh, hq, group, num_splits, stride_ob, stride_oh,
                o_bf16);
   TRACE(5, global_ns());
   if (threadIdx.x == 0) *counter = 0u;  // every CTA of this (sequence, KV head) has counted in: ready for the next launch
 }
 
-extern "C" __global__ void __launch_bounds__(WARPS * 32, 4)  // 4 CTAs (16 warps) per SM: <= 128 registers
-kvrepro_decode_k4v4(KVREPRO_DECODE_PARAMS) {
-  decode_step<4>(KVREPRO_DECODE_ARGS);
-}
+// Entry points: one per preset; <name>_dyn_smem = the dynamic shared memory its launch must ask for (0: none), read by
+// the loader (kvrepro.ops.cuda_decode._Module) through cuModuleGetGlobal.
+#define KVREPRO_ENTRY(NAME, KB, VB)                                                                             \
+  extern "C" __device__ int NAME##_dyn_smem = Ring<KB, VB>::DYNAMIC ? Ring<KB, VB>::BYTES : 0;                  \
+  extern "C" __global__ void __launch_bounds__(WARPS * 32, 4) /* 4 CTAs (16 warps) per SM: <= 128 registers */ \
+  NAME(KVREPRO_DECODE_PARAMS) { decode_step<KB, VB>(KVREPRO_DECODE_ARGS); }
 
-extern "C" __global__ void __launch_bounds__(WARPS * 32, 4)
-kvrepro_decode_k8v4(KVREPRO_DECODE_PARAMS) {
-  decode_step<8>(KVREPRO_DECODE_ARGS);
-}
-
+KVREPRO_ENTRY(kvrepro_decode_k4v4, 4, 4)
+KVREPRO_ENTRY(kvrepro_decode_k8v4, 8, 4)
+KVREPRO_ENTRY(kvrepro_decode_k4v2, 4, 2)
