@@ -1,6 +1,6 @@
 """GPU smoke of the backend's decode path as vLLM drives it (CUDA only; no vLLM needed; skipped on CPU).
 
-Qwen3-4B geometry (32 q / 8 KV heads, head_dim 128), k4v4 and k8v4, block 16, the sweep's block-table width:
+Qwen3-4B geometry (32 q / 8 KV heads, head_dim 128), k4v4, k8v4 and k4v2, block 16, the sweep's block-table width:
 kernel warm-up, then a CUDA graph of a padded decode batch (13 users in graph size 16) must allocate
 nothing while capturing (vLLM's CUDA-graph memory profiling would count it once per graph size), and
 its replay must equal the eager call and attention over the dequantized pages.
@@ -28,7 +28,7 @@ def non_torch_bytes(dev) -> int:
     return total - free - torch.cuda.memory_reserved(dev)
 
 
-@pytest.mark.parametrize("preset", ["k4v4", "k8v4"])   # both have the CUDA decode kernel (k8v4: not yet run here)
+@pytest.mark.parametrize("preset", ["k4v4", "k8v4", "k4v2"])   # each has its CUDA decode kernel
 def test_warmup_then_graph_capture_allocates_nothing_and_matches_reference(preset):
     dev = torch.device("cuda", torch.cuda.current_device())
     torch.zeros(1, device=dev) @ torch.zeros(1, 1, device=dev)  # context + cuBLAS handle first
@@ -105,7 +105,7 @@ def test_warmup_then_graph_capture_allocates_nothing_and_matches_reference(prese
     # Evidence for notes/vllm.md: the in-kernel rotation's register-spill stack makes the driver
     # reserve local memory for every resident thread of the GPU at its first launch.
     nt1 = non_torch_bytes(dev)
-    rt_kernel = LayerRuntime("k4v4", HQ, HKV, D, D ** -0.5, store_rotate="kernel")
+    rt_kernel = LayerRuntime(preset, HQ, HKV, D, D ** -0.5, store_rotate="kernel")   # this preset's pool
     rt_kernel.store(k[:16], v[:16], pool, slots[:16])
     torch.cuda.synchronize()
     print(f"SMOKE store rotate=kernel: non-torch memory +{(non_torch_bytes(dev) - nt1) / 2**30:.2f} GiB "

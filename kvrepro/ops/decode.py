@@ -120,8 +120,8 @@ TRITON_OPTIONS = ("block_n", "num_warps", "num_stages", "dequant", "variant", "p
 def resolve_impl(impl: str | None, layout: PageLayout, group: int, device: torch.device,
                  triton_options: tuple[str, ...] = ()) -> str:
     """Which decode kernel runs: ``impl`` if given; for None or ``"auto"``, ``"cuda"`` where
-    ``cuda_decode.unsupported_reason`` finds nothing to refuse (k4v4 or k8v4, head_dim 128, block 16, GQA group <= 8, an
-    NVIDIA GPU of compute capability >= 8.0), no Triton-only option was passed and its fatbin loads
+    ``cuda_decode.unsupported_reason`` finds nothing to refuse (k4v4, k8v4 or k4v2, head_dim 128, block 16, GQA group
+    <= 8, an NVIDIA GPU of compute capability >= 8.0), no Triton-only option was passed and its fatbin loads
     (``cuda_decode.load_error``), else ``"triton"``; when only the load fails, a RuntimeWarning says why, once per
     device (e.g. a driver older than the fatbin's CUDA 13.0). ``impl="cuda"`` never falls back: a load failure is a
     RuntimeError at the launch (or at engine start in the vLLM backend).
@@ -129,7 +129,8 @@ def resolve_impl(impl: str | None, layout: PageLayout, group: int, device: torch
     Why ``"cuda"`` by default there: at 128K context it took 0.57x the Triton kernel's time at batch 13 (0.582 vs
     1.021 ms, 73% vs 42% of the copy bandwidth) and 0.76-0.80x at batch 1-3, with relerr 2.3e-4 (fp16 q) /
     1.7e-3 (bf16 q) vs float64 as the Triton kernel (H200 run 18, 2026-11-30, notes/kernels.md); since then 0.49x /
-    0.57x at batch 13 for k4v4 / k8v4 (0.502 vs 1.019 ms, run 38; 0.706 vs 1.241 ms, runs 38 and 35).
+    0.57x at batch 13 for k4v4 / k8v4 (0.502 vs 1.019 ms, run 38; 0.706 vs 1.241 ms, runs 38 and 35); k4v2's kernel
+    (run 42): 0.38x-0.48x the Triton kernel's time at batch 1-13 (0.4502 vs 1.1755 ms at batch 13).
 
     Args:
         triton_options: names of the Triton-only arguments the caller set (``block_n``, ``num_warps``, ...).
@@ -230,7 +231,7 @@ def decode_attention(query: torch.Tensor, pool, block_tables: torch.Tensor, seq_
     Each page is read once per KV head for all query heads of its GQA group; the context is cut
     into ``num_splits`` splits per (sequence, KV head) and merged with a log-sum-exp (FlashDecoding).
     Two kernels compute it: kvrepro's CUDA kernel (``impl="cuda"``, ``kvrepro.ops.cuda_decode``; the default
-    for k4v4 and k8v4 / head_dim 128 / block 16 / GQA group <= 8 on CUDA devices of compute capability >= 8.0, see
+    for k4v4, k8v4 and k4v2 / head_dim 128 / block 16 / GQA group <= 8 on CUDA devices of compute capability >= 8.0, see
     ``resolve_impl``) and the Triton kernel (``impl="triton"``: every preset and shape, and the CPU interpreter).
 
     Args:

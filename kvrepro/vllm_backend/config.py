@@ -153,8 +153,8 @@ DECODE_IMPL_CHOICES = ("auto", "cuda", "triton")
 
 
 def resolve_decode_impl(value: str | None = None) -> str | None:
-    """Decode kernel: ``cuda`` (kvrepro's CUDA kernels: k4v4 or k8v4, head_dim 128, block 16, GQA group <= 8, compute
-    capability >= 8.0; anything else is refused at engine start), ``triton`` (every preset and shape) or ``auto``
+    """Decode kernel: ``cuda`` (kvrepro's CUDA kernels: k4v4, k8v4 or k4v2, head_dim 128, block 16, GQA group <= 8,
+    compute capability >= 8.0; anything else is refused at engine start), ``triton`` (every preset and shape) or ``auto``
     (default: ``kvrepro.ops.decode.resolve_impl``, i.e. ``cuda`` where it applies, else ``triton``). From
     ``value`` or ``$KVREPRO_DECODE_IMPL`` (case and surrounding spaces ignored). Returns None for ``auto``.
     Raises ValueError naming KVREPRO_DECODE_IMPL and the allowed values."""

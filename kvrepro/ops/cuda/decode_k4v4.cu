@@ -1,11 +1,13 @@
-// kvrepro's CUDA decode attention over k4v4 and k8v4 pages (split-K, hand-written for sm_80+, tuned on sm_90): one body,
-// decode_step<KB>, instantiated as kvrepro_decode_k4v4 (4-bit keys) and kvrepro_decode_k8v4 (8-bit keys); the pages
-// below are k4v4's, k8v4 differs in its key region (128 bytes per token, byte j = channel j) and offsets (PageFmt).
+// kvrepro's CUDA decode attention over k4v4, k8v4 and k4v2 pages (split-K, hand-written for sm_80+, tuned on sm_90): one
+// body, decode_step<KB, VB>, instantiated as kvrepro_decode_k4v4, kvrepro_decode_k8v4 (8-bit keys) and
+// kvrepro_decode_k4v2 (2-bit values); the pages below are k4v4's, k8v4 differs in its key region (128 bytes per token,
+// byte j = channel j), k4v2 in its value region (32 bytes per token, byte j = channels j, j + 32, j + 64, j + 96 in
+// bits 0-1, 2-3, 4-5, 6-7), both in their offsets (PageFmt). (The file keeps its first kernel's name.)
 //
 // Built into decode_k4v4.fatbin by `python -m kvrepro.ops.cuda_decode --build` (flags in decode_k4v4.json) and run by
-// kvrepro.ops.decode_attention(impl="cuda"), its default for k4v4 and k8v4 / head_dim 128 / block 16 / GQA group <= 8
+// kvrepro.ops.decode_attention(impl="cuda"), its default for these presets / head_dim 128 / block 16 / GQA group <= 8
 // on CUDA devices of compute capability >= 8.0. Verified against float64 attention on the H200 (sm_90) only:
-// notes/kernels.md runs 18 (k4v4) and 37 (k8v4).
+// notes/kernels.md runs 18 (k4v4), 37 (k8v4) and 39 (k4v2).
 //
 // Same page format, query preparation and split-K workspace as the Triton path (impl="triton": v2, int8 keys),
 // but one launch does all three steps that the Triton path launches separately (rotate_query_kernel, attention,
@@ -47,9 +49,11 @@ namespace {
 
 constexpr int D = 128;           // head_dim
 constexpr int BS = 16;           // tokens per page (vLLM block)
-// Page layout per key width (kvrepro.formats.layout; values are 4-bit in both): K codes [16][D * KB / 8] at 0, V codes
-// [16][64] at V_OFF, K meta [16][scale, zero] f16 at KM_OFF, V meta [16] f16 at VM_OFF. KSTAGES: ring depth (k8v4's
-// 3-deep ring keeps the CTA under 48 KB of static shared memory, 4 CTAs per SM).
+// Page layout per preset (kvrepro.formats.layout): K codes [16][D * KB / 8] at 0, V codes [16][D * VB / 8] at V_OFF,
+// K meta [16][scale, zero] f16 at KM_OFF, V meta [16] f16 at VM_OFF. KSTAGES: ring depth (k8v4's 3-deep ring keeps the
+// CTA under 48 KB of static shared memory, 4 CTAs per SM; k4v2 needs 6 pages per warp for the merge buffers that
+// reuse the ring). Deeper rings (KVREPRO_STAGES_K8V4=4, KVREPRO_STAGES_K4V2=7 or 8: dynamic shared memory, Ring) were
+// measured slower or equal on the H200 (notes/kernels.md run 39).
 template <int KB, int VB> struct PageFmt;
 #ifndef KVREPRO_STAGES
 #define KVREPRO_STAGES 4
