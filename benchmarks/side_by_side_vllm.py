@@ -11,7 +11,8 @@ Time per step = median of ``triton.testing.do_bench`` (L2 flushed before every c
 attention layer, kvrepro with its defaults. Every kernel is timed twice in the same process: eager
 launches (``ms``) and one call captured in a CUDA graph and replayed (``ms_graph``; as vLLM serves
 decode; ``graph_error`` if a kernel cannot be captured), so ratios can be taken within one method.
-"KV bytes" = the bytes of KV (codes + scales) the step must read once.
+"KV bytes" = the bytes of KV (codes + scales) the step must read once. Each row records ``impl``: the kernel that ran
+(``cuda`` / ``triton`` for kvrepro, as ``decode.resolve_impl`` picks it for the row's arguments; ``vLLM`` otherwise).
 """
 from __future__ import annotations
 
@@ -76,7 +77,7 @@ def fa3_case(dtype_name, batch, ctx, gen):
     fn = lambda: flash_attn_varlen_func(q=q, k=kc, v=vc, out=out, cu_seqlens_q=cu, max_seqlen_q=1,  # noqa: E731
                                         seqused_k=sl, max_seqlen_k=ctx, softmax_scale=D ** -0.5, causal=True,
                                         block_table=bt, fa_version=3, **kw)
-    return bench(fn), batch * ctx * HKV * D * 2 * kc.element_size()
+    return bench(fn), batch * ctx * HKV * D * 2 * kc.element_size(), "vLLM"
 
 
 def turboquant_case(preset, batch, ctx, gen):
@@ -99,7 +100,7 @@ def turboquant_case(preset, batch, ctx, gen):
         mse_bits=cfg.key_mse_bits, key_packed_size=cfg.key_packed_size,
         value_quant_bits=cfg.effective_value_quant_bits, key_fp8=cfg.key_fp8,
         norm_correction=cfg.norm_correction, PiT=pi.T.contiguous(), max_num_kv_splits=32)
-    return bench(fn), batch * ctx * HKV * cfg.slot_size_aligned
+    return bench(fn), batch * ctx * HKV * cfg.slot_size_aligned, "vLLM"
 
 
 def kvrepro_case(preset, batch, ctx, gen, **kw):
@@ -110,7 +111,10 @@ def kvrepro_case(preset, batch, ctx, gen, **kw):
     q = torch.randn(batch, HQ, D, device="cuda", dtype=torch.bfloat16, generator=gen)
     out = torch.empty_like(q)
     fn = lambda: decode_attention(q, pool.data, bt, sl, pool.layout, pool.rotation, D ** -0.5, out=out, **kw)  # noqa: E731
-    return bench(fn), batch * ctx * HKV * pool.layout.bytes_per_token
+    # the kernel decode_attention picks for these arguments (its own rule), recorded with the row
+    impl = decode.resolve_impl(kw.get("impl"), pool.layout, HQ // HKV, q.device,
+                               tuple(k for k in decode.TRITON_OPTIONS if kw.get(k) is not None))
+    return bench(fn), batch * ctx * HKV * pool.layout.bytes_per_token, impl
 
 
 def main():
@@ -143,8 +147,8 @@ def main():
         for batch in BATCHES:
             for name, fn in cases.items():
                 try:
-                    (ms, gms, gerr), nbytes = fn(batch, ctx)
-                    row = {"kernel": name, "ctx": ctx, "batch": batch, "ms": ms, "kv_bytes": nbytes,
+                    (ms, gms, gerr), nbytes, impl = fn(batch, ctx)
+                    row = {"kernel": name, "impl": impl, "ctx": ctx, "batch": batch, "ms": ms, "kv_bytes": nbytes,
                            "GBps": nbytes / ms / 1e6, "pct_copy": 100 * nbytes / ms / 1e6 / bw, "ms_graph": gms}
                     if gms:
                         row["pct_copy_graph"] = 100 * nbytes / gms / 1e6 / bw

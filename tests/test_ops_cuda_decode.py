@@ -671,3 +671,62 @@ def test_layouts_match_the_kernels_page_constants():
         assert f"KVREPRO_ENTRY({cuda_decode.KERNELS[kb, vb]}, {kb}, {vb})" in src
         assert tuple(int(x) for x in m.groups()) == (lay["page_bytes"], lay["v_code_offset"], lay["k_meta_offset"],
                                                      lay["v_meta_offset"])
+
+
+class _FakeDriver:
+    """Stands in for libcuda in ``_Module._dyn_smem``: ``cuModuleGetGlobal_v2`` answers ``rc`` with a symbol of
+    ``size`` bytes, ``cuMemcpyDtoH_v2`` writes ``value`` or fails with ``copy_rc``."""
+
+    def __init__(self, rc=0, size=4, value=0, copy_rc=0):
+        self.rc, self.size, self.value, self.copy_rc = rc, size, value, copy_rc
+
+    def cuModuleGetGlobal_v2(self, ptr, size, module, name):
+        import ctypes
+        ctypes.cast(size, ctypes.POINTER(ctypes.c_size_t))[0] = self.size
+        return self.rc
+
+    def cuMemcpyDtoH_v2(self, dst, src, n):
+        import ctypes
+        if not self.copy_rc:
+            ctypes.cast(dst, ctypes.POINTER(ctypes.c_int))[0] = self.value
+        return self.copy_rc
+
+    def cuGetErrorName(self, rc, name):
+        return 1                                                   # unknown to the driver: _ERRORS names it
+
+
+def test_dynamic_shared_memory_symbol_is_read_or_refused():
+    """``_Module._dyn_smem`` (no GPU: a fake driver): the value of ``<name>_dyn_smem``; a build without the symbol
+    counts as 0 only for an explicit kernel subset (older benchmark builds), never for the committed kernels, where it
+    would launch a dynamic ring with no shared memory; a symbol of the wrong size or a failed copy is an error that
+    names the symbol and the driver's error."""
+    mod = object.__new__(cuda_decode._Module)
+    mod.module = None
+    mod.lib = _FakeDriver(value=50688)
+    assert mod._dyn_smem("kvrepro_decode_k8v4", missing_ok=False) == 50688
+    mod.lib = _FakeDriver(rc=500)
+    assert mod._dyn_smem("kvrepro_decode_k4v4", missing_ok=True) == 0
+    with pytest.raises(RuntimeError, match=r"kvrepro_decode_k4v4_dyn_smem not found in the fatbin \(CUDA error 500 "
+                                           r"\(CUDA_ERROR_NOT_FOUND\)\); rebuild it"):
+        mod._dyn_smem("kvrepro_decode_k4v4", missing_ok=False)
+    mod.lib = _FakeDriver(size=8)
+    with pytest.raises(RuntimeError, match="kvrepro_decode_k4v2_dyn_smem is 8 bytes, expected a 4-byte int"):
+        mod._dyn_smem("kvrepro_decode_k4v2", missing_ok=True)
+    mod.lib = _FakeDriver(copy_rc=700)
+    with pytest.raises(RuntimeError, match=r"cannot read kvrepro_decode_k4v2_dyn_smem \(CUDA error 700"):
+        mod._dyn_smem("kvrepro_decode_k4v2", missing_ok=True)
+
+
+def test_fragment_emulation_of_every_kernel_path():
+    """``prototypes/cuda_decode/emulate_fragments.py`` (numpy, no GPU): the kernel's register-level data flow for one
+    page (ldmatrix / mma fragment layouts, the int8 and float16 unpacks, the swizzles) against a direct decode of the
+    page bytes: k4v4's key dot product and values, and k4v2's 2-bit values, bit for bit, with conflict-free
+    shared-memory reads."""
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "prototypes", "cuda_decode", "emulate_fragments.py")
+    spec = importlib.util.spec_from_file_location("emulate_fragments", path)
+    emu = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(emu)
+    assert emu.main() == 0

@@ -43,6 +43,8 @@ def test_warmup_then_graph_capture_allocates_nothing_and_matches_reference(prese
           f"(store rotate={rt.store_rotate})")
     # Every kernel of the serving path loaded and launched: no large local-memory (stack) reservation.
     assert grown < 256 * 2**20
+    if torch.cuda.get_device_capability(dev) >= (8, 0):     # this preset's CUDA kernel, not the Triton one
+        assert rt.impl_used == "cuda", rt.impl_used
     width = -(-MAX_MODEL_LEN // BS)
     print("SMOKE splits per graph size: " + ", ".join(
         f"{b}:{rt.splits(b, width * BS, dev)}" for b in GRAPH_SIZES))

@@ -78,7 +78,7 @@ LAYOUTS = {(4, 4): {"key_bits": 4, "value_bits": 4, "head_dim": 128, "block_size
                     "v_code_offset": 1024, "k_meta_offset": 1536, "v_meta_offset": 1600}}
 PRESETS = {(4, 4): "k4v4", (8, 4): "k8v4", (4, 2): "k4v2"}
 LAYOUT = LAYOUTS[(4, 4)]
-BLOCK_SIZE, HEAD_DIM = LAYOUT["block_size"], LAYOUT["head_dim"]   # the same in both layouts
+BLOCK_SIZE, HEAD_DIM = LAYOUT["block_size"], LAYOUT["head_dim"]   # the same in every layout
 
 
 def unsupported_reason(layout, group: int, device: torch.device) -> str | None:
@@ -168,9 +168,11 @@ class _Module:
     """The fatbin loaded into one device's primary context (PyTorch's), and its kernels (``kernels``: (key bits,
     value bits) -> entry-point name, default ``KERNELS``; benchmarks load older builds with fewer kernels by passing
     a subset). A kernel whose ring lives in dynamic shared memory says how much in ``<name>_dyn_smem`` (a ``__device__``
-    int; absent in older builds = 0): the loader raises the kernel's limit to that and every launch asks for it."""
+    int, read once here with a synchronous copy: load before CUDA-graph capture): the loader raises the kernel's limit
+    to that and every launch asks for it. Builds older than that symbol (none has a dynamic ring) count as 0 only when
+    ``kernels`` is given; the default ``KERNELS`` must come from this source, so a missing symbol is an error."""
 
-    def __init__(self, device: torch.device, path: str, kernels: dict[int, str] | None = None):
+    def __init__(self, device: torch.device, path: str, kernels: dict[tuple[int, int], str] | None = None):
         try:
             self.lib = ctypes.CDLL("libcuda.so.1")
         except OSError as e:
@@ -200,7 +202,7 @@ class _Module:
                 if rc:
                     raise RuntimeError(f"kvrepro CUDA decode kernel: {name} not found in {path} ({self.error(rc)})")
                 self.fns[bits] = fn
-                self.smem[bits] = smem = self._dyn_smem(name)
+                self.smem[bits] = smem = self._dyn_smem(name, missing_ok=kernels is not None)
                 if smem:
                     rc = self.lib.cuFuncSetAttribute(fn, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                                                      ctypes.c_int(smem))
@@ -210,16 +212,23 @@ class _Module:
                                            f"({self.error(rc)}); use impl='triton' (vLLM backend: "
                                            f"KVREPRO_DECODE_IMPL=triton)")
 
-    def _dyn_smem(self, name: str) -> int:
-        """The value of the module's ``<name>_dyn_smem`` (0 if the build has none)."""
+    def _dyn_smem(self, name: str, missing_ok: bool) -> int:
+        """The value of the module's ``<name>_dyn_smem``; 0 if the build has none and ``missing_ok`` (an older build
+        loaded by a benchmark), else RuntimeError, as for a symbol that is not a 4-byte int or cannot be read."""
         ptr, size = ctypes.c_uint64(), ctypes.c_size_t()
-        rc = self.lib.cuModuleGetGlobal_v2(ctypes.byref(ptr), ctypes.byref(size), self.module,
-                                           f"{name}_dyn_smem".encode())
-        if rc == 500:                                 # CUDA_ERROR_NOT_FOUND: an older build
+        sym = f"{name}_dyn_smem"
+        rc = self.lib.cuModuleGetGlobal_v2(ctypes.byref(ptr), ctypes.byref(size), self.module, sym.encode())
+        if rc == 500 and missing_ok:                  # CUDA_ERROR_NOT_FOUND: a build older than the symbol
             return 0
+        if rc:
+            raise RuntimeError(f"kvrepro CUDA decode kernel: {sym} not found in the fatbin ({self.error(rc)}); "
+                               f"rebuild it (python -m kvrepro.ops.cuda_decode --build)")
+        if size.value != 4:
+            raise RuntimeError(f"kvrepro CUDA decode kernel: {sym} is {size.value} bytes, expected a 4-byte int")
         val = ctypes.c_int()
-        if rc or size.value != 4 or self.lib.cuMemcpyDtoH_v2(ctypes.byref(val), ptr, ctypes.c_size_t(4)):
-            raise RuntimeError(f"kvrepro CUDA decode kernel: cannot read {name}_dyn_smem ({self.error(rc)})")
+        rc = self.lib.cuMemcpyDtoH_v2(ctypes.byref(val), ptr, ctypes.c_size_t(4))
+        if rc:
+            raise RuntimeError(f"kvrepro CUDA decode kernel: cannot read {sym} ({self.error(rc)})")
         return val.value
 
     def error(self, rc: int) -> str:

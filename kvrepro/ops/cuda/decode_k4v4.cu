@@ -37,7 +37,9 @@
 //    padding is heads 4..7 of N (GQA 4) instead of 12 of 16 M rows;
 //  - key codes: ldmatrix.x4 straight into A fragments, int8 planes 16 (code - 8) by shl + 2 lop3 per 4 bytes;
 //  - value codes: ldmatrix.x4.trans gives each lane two consecutive tokens of two adjacent byte-channels, which the
-//    fp16 magic number (0x6400 | nibble) turns into A fragments with 1 shift, 4 lop3 and 4 sub.f16x2 per 4 bytes;
+//    fp16 magic number (0x6400 | nibble) turns into A fragments with 1 shift, 4 lop3 and 4 sub.f16x2 per 4 bytes
+//    (2-bit values, k4v2: one ldmatrix.x4.trans per page, then per 2-bit plane p a lop3 with mask 3 << 2p and a
+//    sub.f16x2 of 1024 + 2 x 4^p give 4^p (code - 2), exact);
 //  - P^T fragments from the S^T accumulators with movmatrix.trans (no shared memory);
 //  - P.V summed by the tensor cores over FLUSH pages, then added to float32 registers (tensor-core accumulation
 //    truncates, notes/kernels.md run 5b); rescaling only when a running max grows (warp vote).
@@ -53,7 +55,7 @@ constexpr int BS = 16;           // tokens per page (vLLM block)
 // K meta [16][scale, zero] f16 at KM_OFF, V meta [16] f16 at VM_OFF. KSTAGES: ring depth (k8v4's 3-deep ring keeps the
 // CTA under 48 KB of static shared memory, 4 CTAs per SM; k4v2 needs 6 pages per warp for the merge buffers that
 // reuse the ring). Deeper rings (KVREPRO_STAGES_K8V4=4, KVREPRO_STAGES_K4V2=7 or 8: dynamic shared memory, Ring) were
-// measured slower or equal on the H200 (notes/kernels.md run 39).
+// no faster on the H200 beyond run-to-run noise (notes/kernels.md run 39).
 template <int KB, int VB> struct PageFmt;
 #ifndef KVREPRO_STAGES
 #define KVREPRO_STAGES 4
@@ -391,7 +393,7 @@ __device__ __forceinline__ void decode_step(KVREPRO_DECODE_PARAMS) {
 #endif
 
   uint8_t* my_ring = ring + warp * STAGES * PAGE;
-  // 64-byte code rows (k4v4 keys, all values): chunk lane + 32 k is row (lane >> 2) + 8 k, column lane & 3, stored at
+  // 64-byte code rows (4-bit keys and values): chunk lane + 32 k is row (lane >> 2) + 8 k, column lane & 3, stored at
   // column (lane & 3) ^ ((row >> 1) & 3) = ... ^ ((lane >> 3) & 3) for every k (swz_row_chunk)
   const uint32_t ring_code = smem_u32(my_ring) + (lane ^ ((lane >> 3) & 3)) * 16;
   // 128-byte key rows (k8v4): chunk lane + 32 k is row (lane >> 3) + 4 k, column lane & 7, stored at column
