@@ -107,7 +107,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     ap.add_argument("--batches", type=int, nargs="*", default=[1, 3, 6, 13])
-    ap.add_argument("--preset", default="k4v4", choices=sorted(cuda_decode.PRESETS.values()),
+    ap.add_argument("--preset", default="k4v4", type=str.lower, choices=sorted(cuda_decode.PRESETS.values()),
                     help="compressed preset whose CUDA kernel is timed (default k4v4)")
     ap.add_argument("--variant", nargs="*", default=[], help="NAME=PATH of another fatbin of decode_k4v4.cu")
     ap.add_argument("--three-launch", default=None, help="fatbin of the earlier three-launch kernel")
@@ -117,10 +117,21 @@ def main() -> int:
     ap.add_argument("--rule-only", action="store_true", help="time only the rule's split count and --extra-splits")
     ap.add_argument("--extra-splits", type=int, nargs="*", default=[], help="more split counts to time")
     a = ap.parse_args()
+    # arguments first (they do not need a GPU), then the device
+    if a.preset != "k4v4" and (a.three_launch or a.trace):
+        ap.error(f"--three-launch and --trace take k4v4 builds; got --preset {a.preset}")
+    for v in a.variant:
+        name, sep, p = v.partition("=")
+        if not sep or not name or not p:
+            ap.error(f"--variant takes NAME=PATH.fatbin, got {v!r}")
+    for p in [v.partition("=")[2] for v in a.variant] + [a.three_launch, a.trace]:
+        if p and not os.path.isfile(p):
+            ap.error(f"no such fatbin: {p}")
+    bad = [k for k in a.skews if not 0 <= k <= 255]
+    if bad:
+        ap.error(f"--skews must be in 0..255 (cuda_decode.RANK_SKEW's range), got {bad}")
     if not torch.cuda.is_available():
         raise SystemExit("cuda_split_waves.py needs a CUDA device")
-    if a.preset != "k4v4" and (a.three_launch or a.trace):
-        raise SystemExit(f"--three-launch and --trace take k4v4 builds; got --preset {a.preset}")
     t0 = time.time()
     path = os.path.join(a.out, "cuda_split_waves.json")
     dev = torch.device("cuda", torch.cuda.current_device())

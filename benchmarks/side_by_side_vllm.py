@@ -2,9 +2,10 @@
 fp8 paged KV) and vLLM's in-tree TurboQuant decode kernel, at Qwen3-4B shapes (32 q / 8 KV heads,
 head_dim 128, block_size 16, shuffled block tables), plus the copy bandwidth of the same run.
 
-Needs vLLM on the device (``/work/shared/device/README.md``: stage vllm-a, vllm-b, vllm-c, then):
+Needs a CUDA GPU and vLLM (on the lent H200: stage the bundle's parts in back-to-back calls, NOTES.md "Next GPU
+session", then, in the same shell as the benchmark, not through a pipe):
 
-    source .device/vllm-c/kvdev.sh env && PYTHONPATH=.:$PYTHONPATH \\
+    source .device/vllm-p4/kvdev.sh env && PYTHONPATH=.:$PYTHONPATH \\
         python benchmarks/side_by_side_vllm.py --out $OUT
 
 Time per step = median of ``triton.testing.do_bench`` (L2 flushed before every call), one
@@ -126,7 +127,12 @@ def main():
                          "kernel: the CUDA kernel for k4v4, k8v4 and k4v2; kvrepro_<preset>_triton; "
                          "kvrepro_<preset>_triton_<key_mma> for other key paths)")
     args = ap.parse_args()
-    import vllm
+    if not torch.cuda.is_available():
+        raise SystemExit("side_by_side_vllm.py needs a CUDA device (it times GPU kernels); none found")
+    try:
+        import vllm
+    except ImportError as e:
+        raise SystemExit(f"side_by_side_vllm.py needs vLLM (0.20.2) for FA3 and TurboQuant: {e}") from None
     gen = torch.Generator(device="cuda").manual_seed(7)
     res = {"provenance": provenance({"script": "benchmarks/side_by_side_vllm.py", "vllm": vllm.__version__,
                                      "kvrepro_default_key_mma": decode.DEFAULT_KEY_MMA, "key_mma": args.key_mma}),

@@ -28,6 +28,7 @@ def capability(monkeypatch):
     """Pretend a CUDA device of the given compute capability (no GPU needed: only resolve_impl's logic)."""
     def set_cap(cap):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap)
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
         monkeypatch.setattr(cuda_decode, "load_error", lambda device: None)      # the fatbin would load
     return set_cap
 
@@ -101,6 +102,7 @@ def test_load_error_is_tried_once_per_device(monkeypatch):
         calls.append(device)
         raise RuntimeError("kvrepro CUDA decode kernel: cuModuleLoadData failed with CUDA error 222")
     monkeypatch.setattr(cuda_decode, "load", failing)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(cuda_decode, "_MODULES", {})
     monkeypatch.setattr(cuda_decode, "_LOAD_ERRORS", {})
     assert "error 222" in cuda_decode.load_error(CUDA) and "error 222" in cuda_decode.load_error(CUDA)
@@ -289,6 +291,7 @@ def test_runtime_uses_the_split_rule_of_its_kernel(monkeypatch):
     from kvrepro.vllm_backend.runtime import LayerRuntime, decode_splits
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(cuda_decode, "load_error", lambda device: None)
     cpu = torch.device("cpu")
     rt = LayerRuntime("k4v4", 32, 8, 128, 0.088, graph_sizes=(1, 2, 4, 8, 16), max_batch=16)
@@ -496,8 +499,18 @@ def test_rotation_signs_refuses_wrong_shapes_and_dtypes():
             cuda_decode.rotation_signs(bad)
 
 
-def test_cuda_helpers_refuse_a_cpu_device():
+def test_cuda_helpers_refuse_a_cpu_device(monkeypatch):
+    """A CPU device, or a CUDA device that this PyTorch cannot see, gets a message, not an assertion from torch."""
     assert cuda_decode.load_error(torch.device("cpu")) == "the CUDA decode kernel needs a CUDA device, got cpu"
+    with pytest.raises(ValueError, match="needs a CUDA device, got cpu"):
+        cuda_decode.load("cpu")
+    with pytest.raises(ValueError, match="layout must be a kvrepro PageLayout .*got NoneType"):
+        cuda_decode.unsupported_reason(None, 4, "cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cuda_decode.load_error("cuda") == cuda_decode.unsupported_reason(K4V4, 4, "cuda") == \
+        "the CUDA decode kernel needs a CUDA device, this PyTorch sees none (cuda requested)"
+    with pytest.raises(RuntimeError, match="this PyTorch sees none"):
+        cuda_decode.load("cuda")
     with pytest.raises(ValueError, match="split_counters needs a CUDA device, got cpu"):
         cuda_decode.split_counters("cpu", 8)
 
@@ -630,7 +643,7 @@ def test_launch_and_helpers_check_their_arguments_first():
     pool = torch.zeros(4, 8, 2144, dtype=torch.uint8)
     args = [torch.zeros(1, 4, dtype=torch.int32), torch.ones(1, dtype=torch.int32), torch.zeros(1 << 16),
             torch.zeros(64), q, 0.088]
-    with pytest.raises(ValueError, match=r"rotation must be \[128, 128\].*got \(64, 64\)"):
+    with pytest.raises(ValueError, match=r"rotation must be a \[128, 128\] tensor.*got \(64, 64\)"):
         cuda_decode.launch(q, torch.eye(64), pool, *args, 2, 8, 4, key_bits=4, value_bits=4)
     with pytest.raises(ValueError, match=r"\(key_bits, value_bits\) must be one of \(4, 4\) \(k4v4\), \(8, 4\) "
                                          r"\(k8v4\), \(4, 2\) \(k4v2\) for the CUDA decode kernel, got \(2, 4\)"):
@@ -730,3 +743,30 @@ def test_fragment_emulation_of_every_kernel_path():
     emu = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(emu)
     assert emu.main() == 0
+
+
+def test_build_refuses_what_is_not_a_fatbin_of_these_kernels(tmp_path, monkeypatch):
+    """``build`` writes nothing unless nvcc produced a fatbin naming every kernel and its ``_dyn_smem`` symbol: an
+    "nvcc" that exits 0 without output, or with other bytes, is an error; an empty ``--nvcc`` is refused (not replaced
+    by a search); ``--nvcc`` alone (without ``--build``) is a usage error."""
+    out, man = tmp_path / "k.fatbin", tmp_path / "k.json"
+    silent = tmp_path / "silent"
+    silent.write_text("#!/bin/sh\nexit 0\n")
+    junk = tmp_path / "junk"
+    junk.write_text('#!/bin/sh\nwhile [ "$1" != "-o" ]; do shift; done\necho junk > "$2"\n')
+    fake_fatbin = tmp_path / "fakefatbin"
+    fake_fatbin.write_text('#!/bin/sh\nwhile [ "$1" != "-o" ]; do shift; done\n'
+                           'printf "\\120\\355\\125\\272 kvrepro_decode_k4v4 kvrepro_decode_k4v4_dyn_smem" > "$2"\n')
+    for exe in (silent, junk, fake_fatbin):
+        exe.chmod(0o755)
+    for exe, match in [(silent, "exited 0 but wrote no fatbin"), (junk, "5 bytes that are not a fatbin"),
+                       (fake_fatbin, "lacks kvrepro_decode_k8v4, kvrepro_decode_k8v4_dyn_smem, kvrepro_decode_k4v2")]:
+        with pytest.raises(RuntimeError, match=match):
+            cuda_decode.build(str(exe), out=str(out), manifest=str(man))
+        assert not out.exists() and not man.exists()
+    cuda_decode.check_fatbin(cuda_decode.FATBIN)                      # the committed one passes
+    with pytest.raises(FileNotFoundError, match="--nvcc / nvcc is empty"):
+        cuda_decode.find_nvcc("  ")
+    monkeypatch.setattr(cuda_decode.shutil, "which", lambda name: str(junk) if name == "mynvcc" else None)
+    assert cuda_decode.find_nvcc("mynvcc") == str(junk)                # a command name: looked up on PATH
+    assert cuda_decode.main(["--nvcc", str(junk)]) == 2

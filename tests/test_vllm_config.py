@@ -18,6 +18,8 @@ def test_preset_default_env_and_refusal(monkeypatch):
     with pytest.raises(ValueError, match="KVREPRO_PRESET.*k4v4"):
         cfg.resolve_preset()
     assert cfg.resolve_preset("k4v2") == "k4v2"
+    with pytest.raises(ValueError, match=r"KVREPRO_PRESET must be a preset name \(str\), got 4; allowed: k4v4"):
+        cfg.resolve_preset(4)
 
 
 def test_prefill_path(monkeypatch):

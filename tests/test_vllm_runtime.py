@@ -353,6 +353,7 @@ def test_decode_impl_is_checked_at_engine_start_and_recorded(monkeypatch):
     from kvrepro.ops import cuda_decode, decode
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(decode, "_WARNED_LOAD", set())
     loaded = []
     monkeypatch.setattr(cuda_decode, "load", lambda device: loaded.append(device))

@@ -91,6 +91,8 @@ def unsupported_reason(layout, group: int, device: torch.device) -> str | None:
         device: the pool's device; a CUDA device of compute capability >= ``MIN_CAPABILITY``.
     """
     device = torch.device(device)
+    if not all(hasattr(layout, k) for k in LAYOUT):
+        raise ValueError(f"layout must be a kvrepro PageLayout (kvrepro.formats.layout), got {type(layout).__name__}")
     got = {k: getattr(layout, k) for k in LAYOUT}
     if got not in LAYOUTS.values():
         return (f"the CUDA decode kernel supports k4v4, k8v4 and k4v2 pages with head_dim 128 and block_size 16 only, "
@@ -103,6 +105,8 @@ def unsupported_reason(layout, group: int, device: torch.device) -> str | None:
         return f"the CUDA decode kernel needs a CUDA device, got {device}"
     if torch.version.hip:
         return f"the CUDA decode kernel is built for NVIDIA GPUs, this PyTorch runs ROCm/HIP {torch.version.hip}"
+    if not torch.cuda.is_available():
+        return f"the CUDA decode kernel needs a CUDA device, this PyTorch sees none ({device} requested)"
     cap = torch.cuda.get_device_capability(device)
     if tuple(cap) < MIN_CAPABILITY:
         return (f"the CUDA decode kernel needs compute capability >= {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}, "
@@ -116,12 +120,17 @@ def _sha256(path: str) -> str:
 
 
 def find_nvcc(nvcc: str | None = None) -> str:
-    """``nvcc`` if given, else the one on PATH, else the ``/usr/local/cuda*/bin/nvcc`` of the highest version in its
-    folder name (an unversioned ``/usr/local/cuda`` last). Raises FileNotFoundError naming the places looked at."""
+    """``nvcc`` if given (a path, or a command name looked up on PATH), else the one on PATH, else the
+    ``/usr/local/cuda*/bin/nvcc`` of the highest version in its folder name (an unversioned ``/usr/local/cuda`` last).
+    Raises FileNotFoundError naming the places looked at (an empty ``nvcc`` is refused, not replaced by a search)."""
     def version(path: str) -> tuple:         # /usr/local/cuda-13.0/bin/nvcc -> (13, 0); /usr/local/cuda -> ()
         digits = re.findall(r"\d+", path.split("/")[3])
         return tuple(int(d) for d in digits)
 
+    if nvcc is not None and not str(nvcc).strip():
+        raise FileNotFoundError("nvcc not found: --nvcc / nvcc is empty; give the path of an nvcc executable")
+    if nvcc is not None and os.sep not in nvcc:
+        nvcc = shutil.which(nvcc) or nvcc             # a command name: the one on PATH
     found = sorted(glob.glob("/usr/local/cuda*/bin/nvcc"), key=version, reverse=True)
     cands = [nvcc] if nvcc else [shutil.which("nvcc"), *found]
     for c in cands:
@@ -138,13 +147,16 @@ def nvcc_command(nvcc: str, out: str) -> list[str]:
 def build(nvcc: str | None = None, out: str = FATBIN, manifest: str = MANIFEST) -> dict:
     """Compile ``decode_k4v4.cu`` into ``out`` and write ``manifest`` (nvcc version, command, ptxas report,
     SHA-256 of source and fatbin); each file is written to a temporary name, then renamed. Returns the manifest.
-    Raises FileNotFoundError without an nvcc, RuntimeError with nvcc's output if it fails."""
+    Raises FileNotFoundError without an nvcc, RuntimeError with nvcc's output if it fails or if what it wrote is not a
+    fatbin holding every kernel of ``KERNELS`` and its ``_dyn_smem`` symbol (``check_fatbin``); nothing is written
+    then."""
     exe = find_nvcc(nvcc)
     with tempfile.TemporaryDirectory(prefix="kvrepro_cuda_") as tmp:
         tmp_out = os.path.join(tmp, "decode_k4v4.fatbin")
         r = subprocess.run(nvcc_command(exe, tmp_out), capture_output=True, text=True)
         if r.returncode:
             raise RuntimeError(f"nvcc failed ({r.returncode}):\n{r.stdout}\n{r.stderr}")
+        check_fatbin(tmp_out, exe)
         version = subprocess.run([exe, "--version"], capture_output=True, text=True).stdout.strip().splitlines()
         info = {"kernel": KERNEL, "kernels": list(KERNELS.values()), "source": os.path.basename(SOURCE),
                 "source_sha256": _sha256(SOURCE),
@@ -158,6 +170,24 @@ def build(nvcc: str | None = None, out: str = FATBIN, manifest: str = MANIFEST) 
         f.write("\n")
     os.replace(manifest + ".tmp", manifest)
     return info
+
+
+FATBIN_MAGIC = bytes.fromhex("50ed55ba")      # the fatbin container's first 4 bytes (0xBA55ED50, little-endian)
+
+
+def check_fatbin(path: str, made_by: str = "nvcc") -> None:
+    """Raise RuntimeError unless ``path`` is a fatbin (``FATBIN_MAGIC``) that names every kernel of ``KERNELS`` and its
+    ``<name>_dyn_smem`` symbol (a check of the container and its symbol names, not of the code inside)."""
+    if not os.path.isfile(path):
+        raise RuntimeError(f"{made_by} exited 0 but wrote no fatbin ({path})")
+    with open(path, "rb") as f:
+        data = f.read()
+    if not data.startswith(FATBIN_MAGIC):
+        raise RuntimeError(f"{made_by} wrote {len(data)} bytes that are not a fatbin (first bytes {data[:8].hex()}, "
+                           f"expected {FATBIN_MAGIC.hex()})")
+    missing = [n for name in KERNELS.values() for n in (name, f"{name}_dyn_smem") if n.encode() not in data]
+    if missing:
+        raise RuntimeError(f"the fatbin from {made_by} lacks {', '.join(missing)}")
 
 
 _ERRORS = {200: "CUDA_ERROR_INVALID_IMAGE", 209: "CUDA_ERROR_NO_BINARY_FOR_GPU", 218: "CUDA_ERROR_INVALID_PTX",
@@ -263,6 +293,8 @@ def load_error(device: torch.device) -> str | None:
     so."""
     if torch.device(device).type != "cuda":
         return f"the CUDA decode kernel needs a CUDA device, got {device}"
+    if not torch.cuda.is_available():
+        return f"the CUDA decode kernel needs a CUDA device, this PyTorch sees none ({device} requested)"
     idx = torch.device(device).index
     idx = torch.cuda.current_device() if idx is None else idx
     if idx in _MODULES:
@@ -294,7 +326,12 @@ def built_by(manifest: str = MANIFEST) -> str:
 
 def load(device: torch.device, path: str = FATBIN) -> _Module:
     """The kernel loaded on ``device`` (loaded on first use, once per device and process; do it before CUDA-graph
-    capture, e.g. by one eager call). Raises RuntimeError if the driver cannot load the fatbin."""
+    capture, e.g. by one eager call). Raises ValueError for a device that is not CUDA, RuntimeError if PyTorch sees
+    no CUDA device or the driver cannot load the fatbin."""
+    if torch.device(device).type != "cuda":
+        raise ValueError(f"the CUDA decode kernel needs a CUDA device, got {device}")
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"the CUDA decode kernel needs a CUDA device, this PyTorch sees none ({device} requested)")
     idx = torch.device(device).index
     idx = torch.cuda.current_device() if idx is None else idx
     if idx not in _MODULES:
@@ -466,9 +503,9 @@ def launch(query: torch.Tensor, rotation: torch.Tensor, pool: torch.Tensor, bloc
     if pool.shape[-1] != LAYOUTS[bits]["page_bytes"]:
         raise ValueError(f"pool pages must be {LAYOUTS[bits]['page_bytes']} bytes for {PRESETS[bits]} (key_bits="
                          f"{key_bits}, value_bits={value_bits}, head_dim 128, block 16), got {pool.shape[-1]}")
-    if tuple(rotation.shape) != (HEAD_DIM, HEAD_DIM):
-        raise ValueError(f"rotation must be [{HEAD_DIM}, {HEAD_DIM}] (head_dim {HEAD_DIM}), "
-                         f"got {tuple(rotation.shape)}")
+    if not isinstance(rotation, torch.Tensor) or tuple(rotation.shape) != (HEAD_DIM, HEAD_DIM):
+        raise ValueError(f"rotation must be a [{HEAD_DIM}, {HEAD_DIM}] tensor (head_dim {HEAD_DIM}), "
+                         f"got {tuple(rotation.shape) if isinstance(rotation, torch.Tensor) else type(rotation).__name__}")
     if pool.device.type != "cuda":
         raise ValueError(f"pool must be on a CUDA device for the CUDA decode kernel, got {pool.device}")
     if pool.data_ptr() % 16:
@@ -499,6 +536,10 @@ def main(argv=None) -> int:
     ap.add_argument("--build", action="store_true", help="compile with nvcc and rewrite the fatbin and manifest")
     ap.add_argument("--nvcc", default=None, help="nvcc to use (default: PATH, then /usr/local/cuda*/bin/nvcc)")
     a = ap.parse_args(argv)
+    if a.nvcc is not None and not a.build:
+        ap.print_usage(sys.stderr)
+        print("--nvcc is a --build option: add --build", file=sys.stderr)
+        return 2
     if not a.build:
         ap.print_usage(sys.stderr)
         print("nothing to do: --build compiles decode_k4v4.cu (the fatbin in the package is already built)",

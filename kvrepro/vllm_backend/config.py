@@ -38,6 +38,9 @@ def resolve_preset(value: str | None = None) -> str:
     """
     if value is None:
         value = os.environ.get(PRESET_ENV, "") or DEFAULT_PRESET
+    if not isinstance(value, str):
+        raise ValueError(f"{PRESET_ENV} must be a preset name (str), got {value!r}; allowed: "
+                         f"{', '.join(COMPRESSED_PRESETS)}")
     value = value.strip().lower()
     if value not in COMPRESSED_PRESETS:
         raise ValueError(
