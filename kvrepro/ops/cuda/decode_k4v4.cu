@@ -42,7 +42,9 @@
 //    sub.f16x2 of 1024 + 2 x 4^p give 4^p (code - 2), exact);
 //  - P^T fragments from the S^T accumulators with movmatrix.trans (no shared memory);
 //  - P.V summed by the tensor cores over FLUSH pages, then added to float32 registers (tensor-core accumulation
-//    truncates, notes/kernels.md run 5b); rescaling only when a running max grows (warp vote).
+//    truncates, notes/kernels.md run 5b); rescaling only when a running max grows (warp vote);
+//  - two pages per loop step of a warp (PageFmt::STEP; k8v4 one): one max reduction, vote and rescale check per 32
+//    tokens, and two pages' independent key MMAs in flight; 2^x by ex2.approx.ftz (notes/kernels.md runs 45-46).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <stdint.h>
@@ -66,14 +68,29 @@ template <int KB, int VB> struct PageFmt;
 #ifndef KVREPRO_STAGES_K4V2
 #define KVREPRO_STAGES_K4V2 6
 #endif
+// STEP: pages per loop step of a warp, at most KSTAGES - 1 (two: one softmax max reduction per 32 tokens; k8v4 keeps
+// one, its 3-deep ring would hold a single page beyond the pair and it spills 8 bytes on sm_80-89 with two; notes/
+// kernels.md runs 45-46).
+#ifndef KVREPRO_STEP_K4V4
+#define KVREPRO_STEP_K4V4 2
+#endif
+#ifndef KVREPRO_STEP_K8V4
+#define KVREPRO_STEP_K8V4 1
+#endif
+#ifndef KVREPRO_STEP_K4V2
+#define KVREPRO_STEP_K4V2 2
+#endif
 template <> struct PageFmt<4, 4> {
   static constexpr int PAGE = 2144, V_OFF = 1024, KM_OFF = 2048, VM_OFF = 2112, KSTAGES = KVREPRO_STAGES;
+  static constexpr int STEP = KVREPRO_STEP_K4V4;
 };
 template <> struct PageFmt<8, 4> {
   static constexpr int PAGE = 3168, V_OFF = 2048, KM_OFF = 3072, VM_OFF = 3136, KSTAGES = KVREPRO_STAGES_K8V4;
+  static constexpr int STEP = KVREPRO_STEP_K8V4;
 };
 template <> struct PageFmt<4, 2> {
   static constexpr int PAGE = 1632, V_OFF = 1024, KM_OFF = 1536, VM_OFF = 1600, KSTAGES = KVREPRO_STAGES_K4V2;
+  static constexpr int STEP = KVREPRO_STEP_K4V2;
 };
 constexpr int WARPS = 4;
 // The CTA's ring: WARPS x KSTAGES pages. Past 44 KB it goes to dynamic shared memory (the launch asks for BYTES and the
@@ -164,6 +181,15 @@ __device__ __forceinline__ uint32_t hsub2(uint32_t x, uint32_t y) {
   asm("sub.f16x2 %0, %1, %2;\n" : "=r"(z) : "r"(x), "r"(y));
   return z;
 }
+// 2^x for the softmax: ex2.approx.ftz.f32, one MUFU.EX2 (exp2f compiles to ex2.approx.f32, which keeps subnormal
+// results at the price of a range check and two multiplies around it on sm_90). Results below 2^-126 flush to 0, far
+// below what a float16 P^T fragment holds (2^-24); the logits' sums l differ from exp2f's by at most such a flushed
+// term per token. notes/kernels.md run 45: 1-2% faster for k4v2.
+__device__ __forceinline__ float ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
 __device__ __forceinline__ uint32_t pack_f16x2(float lo, float hi) {
   __half2 h = __floats2half2_rn(lo, hi);
   return *reinterpret_cast<uint32_t*>(&h);
@@ -234,11 +260,11 @@ __device__ unsigned long long kvrepro_trace[KVREPRO_TRACE][8];  // read by cuMod
 // Not inlined: its registers do not add to the attention loop's (the kernel runs at the 128-register cap).
 // (One instantiation per kernel, so that each keeps a single caller and the compiler's view of its shared buffers.)
 template <int KB, int VB>
-__device__ __noinline__ void merge_splits(uint8_t* smem, float* xbuf, const float* __restrict__ part_o,
+__device__ __noinline__ void merge_splits(uint8_t* smem, const float* __restrict__ part_o,
                                           const float* __restrict__ part_lse, const float* __restrict__ signs,
                                           void* __restrict__ out, int b, int kvh, int hq, int group, int num_splits,
                                           long long stride_ob, long long stride_oh, bool o_bf16) {
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, ch = threadIdx.x;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   __threadfence();
   // weights of the group's S x group partials, all threads at once: w[h][s] = 2^(lse - max_h), then 1 / sum per head
   float* wl = reinterpret_cast<float*>(smem);   // [group][num_splits] (num_splits x group <= MERGE_MAX)
@@ -293,31 +319,24 @@ __device__ __noinline__ void merge_splits(uint8_t* smem, float* xbuf, const floa
       if (h0 + h < group) reinterpret_cast<float4*>(red + (warp * 8 + h0 + h) * D)[lane] = acc4[h];
   }
   __syncthreads();
-  const float sgn = signs[ch];
+  // the rotation back, out = s * (H x) / sqrt(D): warp w takes heads w, w + 4, lane l channels 4 l .. 4 l + 3
+  // (fwht_warp, no block barrier; notes/kernels.md run 46: the per-channel form with 4 barriers per head was slower)
+  for (int h = warp; h < group; h += WARPS) {
+    float x[4];
 #pragma unroll
-  for (int h = 0; h < 8; ++h) {
-    if (h >= group) break;
-    float x = 0.f;
-    for (int w = 0; w < WARPS; ++w) x += red[(w * 8 + h) * D + ch];
-    x *= hinv[h];
-    // out = s * (H x) / sqrt(D): strides 1 .. 16 within the warp, 32 and 64 through shared memory
-#pragma unroll
-    for (int m = 1; m < 32; m <<= 1) {
-      const float o = __shfl_xor_sync(0xffffffffu, x, m);
-      x = (ch & m) ? o - x : x + o;
+    for (int i = 0; i < 4; ++i) {
+      x[i] = 0.f;
+      for (int w = 0; w < WARPS; ++w) x[i] += red[(w * 8 + h) * D + lane * 4 + i];
+      x[i] *= hinv[h];
     }
+    fwht_warp(x, lane);
+    const int64_t oi = (int64_t)b * stride_ob + (int64_t)(kvh * group + h) * stride_oh + lane * 4;
 #pragma unroll
-    for (int m = 32; m < D; m <<= 1) {
-      xbuf[ch] = x;
-      __syncthreads();
-      const float o = xbuf[ch ^ m];
-      __syncthreads();
-      x = (ch & m) ? o - x : x + o;
+    for (int i = 0; i < 4; ++i) {
+      const float y = x[i] * (signs[lane * 4 + i] * 0.08838834764831845f);  // 1 / sqrt(128)
+      if (o_bf16) reinterpret_cast<__nv_bfloat16*>(out)[oi + i] = __float2bfloat16_rn(y);
+      else reinterpret_cast<__half*>(out)[oi + i] = __float2half_rn(y);
     }
-    x *= sgn * 0.08838834764831845f;  // 1 / sqrt(128)
-    const int64_t oi = (int64_t)b * stride_ob + (int64_t)(kvh * group + h) * stride_oh + ch;
-    if (o_bf16) reinterpret_cast<__nv_bfloat16*>(out)[oi] = __float2bfloat16_rn(x);
-    else reinterpret_cast<__half*>(out)[oi] = __float2half_rn(x);
   }
 }
 
@@ -337,6 +356,7 @@ template <int KB, int VB>
 __device__ __forceinline__ void decode_step(KVREPRO_DECODE_PARAMS) {
   using F = PageFmt<KB, VB>;
   constexpr int PAGE = F::PAGE, V_OFF = F::V_OFF, KM_OFF = F::KM_OFF, VM_OFF = F::VM_OFF, STAGES = F::KSTAGES;
+  constexpr int STEP_PAGES = F::STEP;
   constexpr int K_BYTES = BS * D * KB / 8;        // key code region: 1024 (4-bit) / 2048 (8-bit) bytes
   constexpr int V_BYTES = BS * D * VB / 8;        // value code region: 1024 (4-bit) / 512 (2-bit) bytes
   constexpr int META_CHUNKS = (PAGE - K_BYTES - V_BYTES) / 16;  // 16-byte chunks of K and V metadata: 6
@@ -359,7 +379,6 @@ __device__ __forceinline__ void decode_step(KVREPRO_DECODE_PARAMS) {
   }
   __shared__ __align__(16) int8_t qd_hi[8][D], qd_lo[8][D];  // read back as 32-bit words
   __shared__ float s_q[8], q_sum[8];
-  __shared__ float xbuf[D];  // the merge's cross-warp Walsh-Hadamard stages
   __shared__ int s_last;
   const bool q_bf16 = flags & 1, o_bf16 = flags & 2;
   TRACE(0, global_ns());
@@ -431,9 +450,9 @@ __device__ __forceinline__ void decode_step(KVREPRO_DECODE_PARAMS) {
     }
     cp_commit();  // one group per slot, empty or not, so wait_group counts stay uniform
   };
-  static_assert(STAGES >= 2 && WARPS * STAGES * PAGE >= WARPS * 8 * D * 4 + WARPS * 8 * 3 * 4 &&
+  static_assert(STAGES >= 1 + STEP_PAGES && WARPS * STAGES * PAGE >= WARPS * 8 * D * 4 + WARPS * 8 * 3 * 4 &&
                 WARPS * STAGES * PAGE >= (MERGE_MAX + 8 + WARPS * 8 * D) * 4, "the ring doubles as the merge buffers");
-  for (int i = 0; i < STAGES - 1; ++i) issue(i);
+  for (int i = 0; i < STAGES - STEP_PAGES; ++i) issue(i);
 
   // ---- the group's query rows, rotated (q @ R = H (s q) / sqrt(D)), scaled and rounded to float16 as
   // rotate_query_kernel does; then the digits (Triton _query_digits): S_q = max|q| / 16255 per head,
@@ -491,14 +510,12 @@ __device__ __forceinline__ void decode_step(KVREPRO_DECODE_PARAMS) {
   for (int t = 0; t < 8; ++t)
     for (int j = 0; j < 4; ++j) acc[t][j] = tc[t][j] = 0.f;
 
-  for (int i = 0; i < my_pages; ++i) {
-    issue(i + STAGES - 1);
-    cp_wait<STAGES - 1>();
-    __syncwarp();
-    const uint8_t* pg = my_ring + (i % STAGES) * PAGE;
-    const int tok0 = (p0 + warp + i * WARPS) * BS;  // absolute position of the page's first token
-
-    // S^T = K Q^T: two chains (high and low digits), exact int32
+  // One page's logits (log2 domain) S^T = K Q^T: s = S_q KPLANE ks acc + S_q sum(qi) (KMID ks + kz) (k4v4: KPLANE
+  // 1 / 16, KMID 8; k8v4: 1, 128); s[0], s[1] = token g, heads h0, h0 + 1; s[2], s[3] = token g + 8. Tokens at or past
+  // `end` (the split's last, partial page) get -inf and okA / okB false; their bytes are never used, so stale NaN
+  // scales there cannot leak.
+  auto page_logits = [&](const uint8_t* pg, int tok0, float (&s)[4], bool& okA, bool& okB) {
+    // two int32 chains (high and low query digits), exact
     int chi[4] = {0, 0, 0, 0}, clo[4] = {0, 0, 0, 0};
     if (KB == 8) {
 #pragma unroll
@@ -529,34 +546,33 @@ __device__ __forceinline__ void decode_step(KVREPRO_DECODE_PARAMS) {
       imma(chi, e0, e1, e2, e3, bh[2 + half][0], bh[2 + half][1]);
       imma(clo, e0, e1, e2, e3, bl[2 + half][0], bl[2 + half][1]);
     }
-    // logits (log2 domain): s = S_q KPLANE ks acc + S_q sum(qi) (KMID ks + kz) (k4v4: KPLANE 1 / 16, KMID 8; k8v4: 1,
-    // 128); rows g (c0, c1), g + 8 (c2, c3)
     const __half2 kmA = *reinterpret_cast<const __half2*>(pg + KM_OFF + g * 4);        // (scale, zero) token g
     const __half2 kmB = *reinterpret_cast<const __half2*>(pg + KM_OFF + (g + 8) * 4);  // token g + 8
     constexpr float KMID = KB == 4 ? 8.f : 128.f;  // the int8 planes hold 16 (code - 8) / code - 128
     const float ksA = __low2float(kmA), kzA = __high2float(kmA) + KMID * ksA;
     const float ksB = __low2float(kmB), kzB = __high2float(kmB) + KMID * ksB;
-    float s[4];
     s[0] = (float)(chi[0] * 128 + clo[0]) * (kmul0 * ksA) + qs0 * kzA;
     s[1] = (float)(chi[1] * 128 + clo[1]) * (kmul1 * ksA) + qs1 * kzA;
     s[2] = (float)(chi[2] * 128 + clo[2]) * (kmul0 * ksB) + qs0 * kzB;
     s[3] = (float)(chi[3] * 128 + clo[3]) * (kmul1 * ksB) + qs1 * kzB;
-    bool okA = true, okB = true;  // tokens past the split's end (its last, partial page) take no weight; their
-    if (tok0 + BS > end) {        // bytes are never used, so stale NaN scales there cannot leak
+    okA = true, okB = true;
+    if (tok0 + BS > end) {
       okA = tok0 + g < end;
       okB = tok0 + g + 8 < end;
       if (!okA) s[0] = s[1] = -INFINITY;
       if (!okB) s[2] = s[3] = -INFINITY;
     }
-    // online softmax per head; a rescale only when some max grows
-    float pm0 = fmaxf(s[0], s[2]), pm1 = fmaxf(s[1], s[3]);
+  };
+  // Online softmax: pm0 / pm1 = this lane's largest logit of head h0 / h0 + 1 among the tokens of this step; the
+  // running max, the sums and the float32 accumulators are rescaled only when some max grows (warp vote).
+  auto raise_max = [&](float pm0, float pm1) {
     for (int o = 4; o < 32; o <<= 1) {
       pm0 = fmaxf(pm0, __shfl_xor_sync(0xffffffffu, pm0, o));
       pm1 = fmaxf(pm1, __shfl_xor_sync(0xffffffffu, pm1, o));
     }
     const float n0 = fmaxf(m0, pm0), n1 = fmaxf(m1, pm1);
     if (__any_sync(0xffffffffu, n0 > m0 || n1 > m1)) {
-      const float al0 = n0 == -INFINITY ? 1.f : exp2f(m0 - n0), al1 = n1 == -INFINITY ? 1.f : exp2f(m1 - n1);
+      const float al0 = n0 == -INFINITY ? 1.f : ex2(m0 - n0), al1 = n1 == -INFINITY ? 1.f : ex2(m1 - n1);
       for (int t = 0; t < 8; ++t) {
         acc[t][0] *= al0; acc[t][1] *= al1; acc[t][2] *= al0; acc[t][3] *= al1;
         tc[t][0] *= al0; tc[t][1] *= al1; tc[t][2] *= al0; tc[t][3] *= al1;
@@ -564,18 +580,24 @@ __device__ __forceinline__ void decode_step(KVREPRO_DECODE_PARAMS) {
       l0 *= al0; l1 *= al1; z0 *= al0; z1 *= al1;
       m0 = n0; m1 = n1;
     }
+  };
+  // One page's softmax weights times the value scales, w = p v_scale, into the sums and, as float16 P^T fragments
+  // (C rows = tokens, cols = heads -> B[k = token][n = head] by an 8x8 transpose), into pb0 (tokens 0-7) and pb1
+  // (tokens 8-15).
+  auto page_weights = [&](const uint8_t* pg, const float (&s)[4], bool okA, bool okB, uint32_t& pb0, uint32_t& pb1) {
     const float u0 = m0 == -INFINITY ? 0.f : m0, u1 = m1 == -INFINITY ? 0.f : m1;
-    const float p0_ = exp2f(s[0] - u0), p1_ = exp2f(s[1] - u1), p2_ = exp2f(s[2] - u0), p3_ = exp2f(s[3] - u1);
+    const float p0_ = ex2(s[0] - u0), p1_ = ex2(s[1] - u1), p2_ = ex2(s[2] - u0), p3_ = ex2(s[3] - u1);
     l0 += p0_ + p2_; l1 += p1_ + p3_;
     const float vsA = okA ? __half2float(*reinterpret_cast<const __half*>(pg + VM_OFF + g * 2)) : 0.f;
     const float vsB = okB ? __half2float(*reinterpret_cast<const __half*>(pg + VM_OFF + (g + 8) * 2)) : 0.f;
     const float w0 = p0_ * vsA, w1 = p1_ * vsA, w2 = p2_ * vsB, w3 = p3_ * vsB;
     z0 += 0.5f * (w0 + w2); z1 += 0.5f * (w1 + w3);
-    // P^T fragments: C rows = tokens, cols = heads -> B[k = token][n = head] by an 8x8 transpose
-    const uint32_t pb0 = movm_t(pack_f16x2(w0, w1));  // tokens 0-7
-    const uint32_t pb1 = movm_t(pack_f16x2(w2, w3));  // tokens 8-15
-
-    // O^T += V^T P^T: value codes through ldmatrix.trans, two tokens of two byte-channels per register
+    pb0 = movm_t(pack_f16x2(w0, w1));
+    pb1 = movm_t(pack_f16x2(w2, w3));
+  };
+  // O^T += V^T P^T over one page (into the tensor-core sums tc): value codes through ldmatrix.trans, two tokens of two
+  // byte-channels per register
+  auto page_values = [&](const uint8_t* pg, uint32_t pb0, uint32_t pb1) {
 #pragma unroll
     for (int half = 0; half < (VB == 4 ? 2 : 0); ++half) {
       uint32_t r0, r1, r2, r3;
@@ -620,11 +642,44 @@ __device__ __forceinline__ void decode_step(KVREPRO_DECODE_PARAMS) {
         }
       }
     }
-    if ((i + 1) % FLUSH == 0 || i + 1 == my_pages) {
-      for (int t = 0; t < 8; ++t)
-        for (int j = 0; j < 4; ++j) { acc[t][j] += tc[t][j]; tc[t][j] = 0.f; }
+  };
+  // P.V summed by the tensor cores over FLUSH pages, then added to the float32 sums
+  auto flush = [&]() {
+    for (int t = 0; t < 8; ++t)
+      for (int j = 0; j < 4; ++j) { acc[t][j] += tc[t][j]; tc[t][j] = 0.f; }
+  };
+
+  // NP = STEP_PAGES pages per step: one max reduction, vote and rescale check per 16 NP tokens. Pages i ..
+  // i + NP - 1 sit in consecutive ring slots; those past my_pages in the last step are masked (token position `end`:
+  // no weight, stale bytes never used). The tensor-core sums are flushed when a step crosses a multiple of FLUSH.
+  constexpr int NP = STEP_PAGES;
+  for (int i = 0; i < my_pages; i += NP) {
+#pragma unroll
+    for (int k = 0; k < NP; ++k) issue(i + STAGES - NP + k);
+    cp_wait<STAGES - NP>();
+    __syncwarp();
+    const uint8_t* pg[NP];
+    float s[NP][4];
+    bool okA[NP], okB[NP];
+#pragma unroll
+    for (int k = 0; k < NP; ++k) {
+      pg[k] = my_ring + ((i + k) % STAGES) * PAGE;
+      page_logits(pg[k], i + k < my_pages ? (p0 + warp + (i + k) * WARPS) * BS : end, s[k], okA[k], okB[k]);
     }
-    __syncwarp();  // every lane is done with this stage before it is refilled
+    float pm0 = fmaxf(s[0][0], s[0][2]), pm1 = fmaxf(s[0][1], s[0][3]);
+#pragma unroll
+    for (int k = 1; k < NP; ++k) {
+      pm0 = fmaxf(pm0, fmaxf(s[k][0], s[k][2]));
+      pm1 = fmaxf(pm1, fmaxf(s[k][1], s[k][3]));
+    }
+    raise_max(pm0, pm1);
+    uint32_t pb[NP][2];
+#pragma unroll
+    for (int k = 0; k < NP; ++k) page_weights(pg[k], s[k], okA[k], okB[k], pb[k][0], pb[k][1]);
+#pragma unroll
+    for (int k = 0; k < NP; ++k) page_values(pg[k], pb[k][0], pb[k][1]);
+    if ((i + NP) / FLUSH != i / FLUSH || i + NP >= my_pages) flush();
+    __syncwarp();  // every lane is done with these stages before they are refilled
   }
   cp_wait<0>();
   TRACE(2, global_ns());
@@ -689,7 +744,7 @@ __device__ __forceinline__ void decode_step(KVREPRO_DECODE_PARAMS) {
   __syncthreads();
   TRACE(4, global_ns());
   if (!s_last) return;
-  merge_splits<KB, VB>(ring, xbuf, part_o, part_lse, signs, out, b, kvh, hq, group, num_splits, stride_ob, stride_oh,
+  merge_splits<KB, VB>(ring, part_o, part_lse, signs, out, b, kvh, hq, group, num_splits, stride_ob, stride_oh,
                o_bf16);
   TRACE(5, global_ns());
   if (threadIdx.x == 0) *counter = 0u;  // every CTA of this (sequence, KV head) has counted in: ready for the next launch
