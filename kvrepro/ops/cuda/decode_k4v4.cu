@@ -7,7 +7,7 @@
 // Built into decode_k4v4.fatbin by `python -m kvrepro.ops.cuda_decode --build` (flags in decode_k4v4.json) and run by
 // kvrepro.ops.decode_attention(impl="cuda"), its default for these presets / head_dim 128 / block 16 / GQA group <= 8
 // on CUDA devices of compute capability >= 8.0. Verified against float64 attention on the H200 (sm_90) only:
-// notes/kernels.md runs 18 (k4v4), 37 (k8v4) and 39 (k4v2).
+// notes/kernels.md runs 18 (k4v4), 37 (k8v4), 39 (k4v2) and 47 (this build, every preset).
 //
 // Same page format, query preparation and split-K workspace as the Triton path (impl="triton": v2, int8 keys),
 // but one launch does all three steps that the Triton path launches separately (rotate_query_kernel, attention,
