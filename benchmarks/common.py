@@ -75,6 +75,21 @@ def copy_bandwidth(nbytes: int = 4 << 30) -> dict:
     return {"bytes": nbytes, "ms": ms, "GBps_read_plus_write": 2 * nbytes / ms / 1e6}
 
 
+def capture_graph(fn):
+    """A CUDA graph of one call of ``fn``: one call on a side stream first (warm-up off the capture stream, as
+    PyTorch's CUDA-graph docs do), then the capture. Capture errors propagate."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    torch.cuda.synchronize()
+    return g
+
+
 def cuda_event_ms(fn) -> float:
     """One warm-up call, then one call timed with CUDA events (ms). For long calls (a 128K prefill
     chunk) where ``do_bench``'s repetitions would cost minutes."""

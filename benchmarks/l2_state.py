@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import benchmarks.run_h200 as rh  # noqa: E402
-from benchmarks.common import copy_bandwidth, provenance, write_json  # noqa: E402
+from benchmarks.common import capture_graph, copy_bandwidth, provenance, write_json  # noqa: E402
 from kvrepro.ops import cuda_decode, decode_attention, decode_workspace_numel, default_num_splits  # noqa: E402
 
 CTX, HQ, HKV, D = 131072, 32, 8, 128
@@ -90,15 +90,7 @@ def main() -> int:
                 decode_attention(q, pool.data, bt, sl, pool.layout, pool.rotation, D ** -0.5, out=out, num_splits=s,
                                  workspace=ws, impl="cuda")
             step()
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # warm-up off the capture stream, as PyTorch's graph docs do
-                step()
-            torch.cuda.current_stream().wait_stream(side)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                step()
-            torch.cuda.synchronize()
+            g = capture_graph(step)
             ms = {"do_bench": triton.testing.do_bench(g.replay, warmup=10, rep=50, return_mode="median")}
             for name, flush in flushes.items():
                 ms[name] = event_median_ms(g.replay, flush, a.reps)

@@ -26,7 +26,7 @@ import torch
 import triton.testing
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from benchmarks.common import copy_bandwidth, provenance, random_pool, write_json  # noqa: E402
+from benchmarks.common import capture_graph, copy_bandwidth, provenance, random_pool, write_json  # noqa: E402
 from kvrepro.ops import decode, decode_attention  # noqa: E402
 
 HQ, HKV, D, BS = 32, 8, 128, 16
@@ -40,15 +40,7 @@ def bench(fn):
     torch.cuda.synchronize()
     eager = triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
     try:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):  # warm-up off the capture stream, as PyTorch's graph docs do
-            fn()
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        torch.cuda.synchronize()
+        g = capture_graph(fn)
         return eager, triton.testing.do_bench(g.replay, warmup=10, rep=50, return_mode="median"), ""
     except Exception as e:  # recorded, never replaced by the eager figure
         torch.cuda.synchronize()
