@@ -63,8 +63,8 @@ CTAS_PER_SM = 4                 # resident CTAs per SM on the H200 (__launch_bou
 # fastest (skew 48 1.1% / 4.6% faster than 0, skew 64 1.7% / 2.4%); the trace's kernel end with 48 is 1.2-1.8% before
 # skew 0's at batch 3, 6 and 13 (skew 96: earliest at 3, latest at 6 and 13). A mild, H200-only effect: the per-SM
 # spread (some SMs stream ~15% slower) dominates what remains. Applied on compute capability 9.x only (rank_args).
-# Run 47 (fatbin 9295e012, two pages per step): skew 64 0.3-0.7% faster than 48 for k4v4 / k8v4, within +-1% for k4v2,
-# 80-128 slower (128: up to 15% at batch 13); 48 kept.
+# Run 47 (fatbin 9295e012, two pages per step): skew 64 0.1-0.8% faster than 48 for k4v4 / k8v4, within +-1% for k4v2,
+# 96-128 slower (128: up to 15% at batch 13), 80 mixed; 48 kept.
 RANK_SKEW = 48
 # SASS for A100 / A10-A40 / L4-L40 / H100-H200, plus compute_80 PTX that the driver compiles for newer GPUs.
 GENCODE = ("arch=compute_80,code=sm_80", "arch=compute_86,code=sm_86", "arch=compute_89,code=sm_89",

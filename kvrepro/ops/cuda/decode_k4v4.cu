@@ -394,8 +394,8 @@ __device__ __forceinline__ void decode_step(KVREPRO_DECODE_PARAMS) {
   }
 
   // ---- this split's pages [p0, p1): whole 16-token pages, weighted by the CTA's round (split_weight_prefix; the
-  // split merge accepts any partition); the first STAGES - 1 pages of each warp's ring go in flight before the query
-  // work
+  // split merge accepts any partition); the first STAGES - STEP pages of each warp's ring go in flight before the
+  // query work
   const int seq_len = seq_lens[b];
   const int pages_all = (seq_len + BS - 1) / BS;
   const int c = kvh * gridDim.x + b, P = gridDim.x * num_kv_heads;
