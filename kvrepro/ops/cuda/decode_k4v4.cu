@@ -356,7 +356,7 @@ template <int KB, int VB>
 __device__ __forceinline__ void decode_step(KVREPRO_DECODE_PARAMS) {
   using F = PageFmt<KB, VB>;
   constexpr int PAGE = F::PAGE, V_OFF = F::V_OFF, KM_OFF = F::KM_OFF, VM_OFF = F::VM_OFF, STAGES = F::KSTAGES;
-  constexpr int STEP_PAGES = F::STEP;
+  constexpr int NP = F::STEP;                     // pages per loop step of a warp
   constexpr int K_BYTES = BS * D * KB / 8;        // key code region: 1024 (4-bit) / 2048 (8-bit) bytes
   constexpr int V_BYTES = BS * D * VB / 8;        // value code region: 1024 (4-bit) / 512 (2-bit) bytes
   constexpr int META_CHUNKS = (PAGE - K_BYTES - V_BYTES) / 16;  // 16-byte chunks of K and V metadata: 6
@@ -450,9 +450,9 @@ __device__ __forceinline__ void decode_step(KVREPRO_DECODE_PARAMS) {
     }
     cp_commit();  // one group per slot, empty or not, so wait_group counts stay uniform
   };
-  static_assert(STAGES >= 1 + STEP_PAGES && WARPS * STAGES * PAGE >= WARPS * 8 * D * 4 + WARPS * 8 * 3 * 4 &&
+  static_assert(STAGES >= 1 + NP && WARPS * STAGES * PAGE >= WARPS * 8 * D * 4 + WARPS * 8 * 3 * 4 &&
                 WARPS * STAGES * PAGE >= (MERGE_MAX + 8 + WARPS * 8 * D) * 4, "the ring doubles as the merge buffers");
-  for (int i = 0; i < STAGES - STEP_PAGES; ++i) issue(i);
+  for (int i = 0; i < STAGES - NP; ++i) issue(i);
 
   // ---- the group's query rows, rotated (q @ R = H (s q) / sqrt(D)), scaled and rounded to float16 as
   // rotate_query_kernel does; then the digits (Triton _query_digits): S_q = max|q| / 16255 per head,
@@ -649,10 +649,9 @@ __device__ __forceinline__ void decode_step(KVREPRO_DECODE_PARAMS) {
       for (int j = 0; j < 4; ++j) { acc[t][j] += tc[t][j]; tc[t][j] = 0.f; }
   };
 
-  // NP = STEP_PAGES pages per step: one max reduction, vote and rescale check per 16 NP tokens. Pages i ..
+  // NP pages per step: one max reduction, vote and rescale check per 16 NP tokens. Pages i ..
   // i + NP - 1 sit in consecutive ring slots; those past my_pages in the last step are masked (token position `end`:
   // no weight, stale bytes never used). The tensor-core sums are flushed when a step crosses a multiple of FLUSH.
-  constexpr int NP = STEP_PAGES;
   for (int i = 0; i < my_pages; i += NP) {
 #pragma unroll
     for (int k = 0; k < NP; ++k) issue(i + STAGES - NP + k);
