@@ -543,7 +543,7 @@ def test_split_pages_partition_properties():
                     assert max(sizes) - min(sizes) <= 1
     with pytest.raises(ValueError, match="rank_skew an int in 0..255, got 132, 256"):
         cuda_decode.split_pages(100, 4, 0, 0, 1, 8, 132, 256)
-    with pytest.raises(ValueError, match="rank_div must be an int >= 1"):
+    with pytest.raises(ValueError, match="rank_div must be an int in 1..65535"):
         cuda_decode.split_pages(100, 4, 0, 0, 1, 8, 0, 48)
     for args, match in [((100, 0, 0, 0, 1, 8), "num_splits must be an int >= 1, got 0"),
                         ((100, 4, 1, 0, 1, 8), "b must be an int in 0..0, got 1"),
@@ -554,14 +554,14 @@ def test_split_pages_partition_properties():
 
 
 def _weight_prefix_cpp(s, c, p, rank_div, rank_skew):
-    """decode_k4v4.cu ``split_weight_prefix`` transcribed literally (C++ integer division truncates toward zero)."""
-    def cdiv(a, b):                      # C++ a / b for b > 0
-        q = abs(a) // b
-        return q if a >= 0 else -q
-    w = 1024 * s
+    """decode_k4v4.cu ``split_weight_prefix`` transcribed literally: unsigned 32-bit arithmetic (wrapping mod 2^32,
+    which the caller's ranges never reach) and C++ unsigned division."""
+    m32 = (1 << 32) - 1
+    w = (1024 * s) & m32
     for j in (1, 2, 3):
-        first = max(0, cdiv(j * rank_div - c + p - 1, p))
-        w -= rank_skew * max(0, s - first)
+        first = (((j * rank_div) & m32) + ((p - 1 - c) & m32)) & m32
+        first //= p
+        w = (w - rank_skew * max(0, s - first)) & m32
     return w
 
 
@@ -573,11 +573,12 @@ def test_split_pages_equals_the_kernels_closed_form():
     from kvrepro.ops import cuda_decode
 
     def kernel_pages(seq_len, s_all, b, kvh, batch, hkv, div, skew):
+        # the kernel's cut: (int)((double)pages * (double)W(s) / (double)W(S)), IEEE double like Python's float
         pages = -(-seq_len // 16)
         c, p = kvh * batch + b, batch * hkv
-        w_all = _weight_prefix_cpp(s_all, c, p, div, skew)
-        return [(pages * _weight_prefix_cpp(s, c, p, div, skew) // w_all,
-                 pages * _weight_prefix_cpp(s + 1, c, p, div, skew) // w_all) for s in range(s_all)]
+        w_all = float(_weight_prefix_cpp(s_all, c, p, div, skew))
+        return [(int(float(pages) * float(_weight_prefix_cpp(s, c, p, div, skew)) / w_all),
+                 int(float(pages) * float(_weight_prefix_cpp(s + 1, c, p, div, skew)) / w_all)) for s in range(s_all)]
 
     cases = [(seq_len, s_all, b, kvh, batch, hkv, div, skew)
              for seq_len in (0, 1, 16, 17, 100) for s_all in (1, 3, 9) for batch in (1, 2) for hkv in (1, 3)
@@ -587,6 +588,11 @@ def test_split_pages_equals_the_kernels_closed_form():
         batch, hkv = rng.randint(1, 16), rng.randint(1, 8)
         cases.append((rng.randint(0, 1 << 20), rng.randint(1, 300), rng.randrange(batch), rng.randrange(hkv), batch,
                       hkv, rng.randint(1, 200), rng.randint(0, 255)))
+    for _ in range(300):                 # the largest ranges: int32 seq_len, 4096 splits, rank_div up to 65535
+        batch, hkv = rng.randint(1, 64), rng.randint(1, 64)
+        cases.append((rng.randint((1 << 31) - (1 << 20), (1 << 31) - 1), rng.choice((1, 2, 3, 4095, 4096)),
+                      rng.randrange(batch), rng.randrange(hkv), batch, hkv, rng.choice((1, 132, 65535)),
+                      rng.randint(0, 255)))
     for case in cases:
         assert cuda_decode.split_pages(*case) == kernel_pages(*case), case
 
@@ -661,7 +667,7 @@ def test_launch_and_helpers_check_their_arguments_first():
     for bad in [(0, 8, 22), (3, 8, 2.5), (True, 8, 22)]:
         with pytest.raises(ValueError, match="must be an int >= 1"):
             cuda_decode.rank_args("cpu", *bad)
-    with pytest.raises(ValueError, match="rank_div must be an int >= 1"):
+    with pytest.raises(ValueError, match="rank_div must be an int in 1..65535"):
         cuda_decode.split_pages(100, 4, 0, 0, 1, 8, True, 48)
     assert cuda_decode.unsupported_reason(get_format("k8v4").layout(128, 16), 4, "cpu").endswith("got cpu")
     assert cuda_decode.main([]) == 2

@@ -423,10 +423,11 @@ def check_splits(num_splits: int, group: int) -> None:
 
 
 def _check_rank(rank_div: int, rank_skew: int) -> None:
-    """Raise ValueError unless ``rank_div >= 1`` and ``0 <= rank_skew <= 255`` (every split's weight stays >= 259 of
-    1024; past 341 a weight would reach zero and the kernel's page cut would divide by zero or go negative)."""
-    if not (_is_int(rank_div) and rank_div >= 1 and _is_int(rank_skew) and 0 <= rank_skew <= 255):
-        raise ValueError(f"rank_div must be an int >= 1 and rank_skew an int in 0..255, got {rank_div!r}, "
+    """Raise ValueError unless ``1 <= rank_div <= 65535`` (an SM count; the kernel's split weights are 32-bit) and
+    ``0 <= rank_skew <= 255`` (every split's weight stays >= 259 of 1024; past 341 a weight would reach zero and the
+    kernel's page cut would divide by zero or go negative)."""
+    if not (_is_int(rank_div) and 1 <= rank_div <= 65535 and _is_int(rank_skew) and 0 <= rank_skew <= 255):
+        raise ValueError(f"rank_div must be an int in 1..65535 and rank_skew an int in 0..255, got {rank_div!r}, "
                          f"{rank_skew!r}")
 
 

@@ -165,16 +165,21 @@ def value_dot(smem: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def value_dot_v2(page: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, int]:
-    """k4v2 (decode_k4v4.cu, VB == 2): the value region [16 tokens][32 bytes] at V_OFF2 as the kernel's issue() copies
-    it (chunk ``lane`` of row ``lane >> 1`` at column ``(lane & 1) ^ ((lane >> 3) & 1)``), one ldmatrix.x4.trans, and
+    """k4v2 (decode_k4v4.cu, VB == 2): the value region [16 tokens][32 bytes] at V_OFF2 as the kernel's copy_page()
+    copies it (chunk ``lane`` of the 512-byte run at chunk ``lane ^ ((lane >> 3) & 3)``, the 64-byte-row pattern of
+    the key run; ``swz_row_chunk2``: chunk ``2 t + j`` of row ``t`` at ``(2 t + j) ^ ((t >> 2) & 3)``), one
+    ldmatrix.x4.trans, and
     per 16-byte half ``e`` and 2-bit plane ``p`` the float16 magic-number unpack (minus 1024 + 2 x 4^p). Returns the
     [8 tiles (2 p + e), 32, 4] C fragments and the worst bank conflict of the read."""
     smem = np.zeros(512, np.uint8)
     for lane in range(32):
-        d = (lane >> 1) * 2 + ((lane & 1) ^ ((lane >> 3) & 1))
+        d = lane ^ ((lane >> 3) & 3)
         smem[16 * d: 16 * d + 16] = page[V_OFF2 + 16 * lane: V_OFF2 + 16 * lane + 16]
-    addrs = [16 * (((t >> 3 & 1) * 8 + (t & 7)) * 2 + ((t >> 4) ^ ((((t >> 3 & 1) * 8 + (t & 7)) >> 2) & 1)))
-             for t in range(32)]
+
+    def swz2(tok: int, j: int) -> int:     # the kernel's swz_row_chunk2
+        return (tok * 2 + j) ^ ((tok >> 2) & 3)
+
+    addrs = [16 * swz2((t >> 3 & 1) * 8 + (t & 7), t >> 4) for t in range(32)]
     r = ldmatrix_x4(smem, addrs, trans=True)
     tc = np.zeros((8, 32, 4))
     for e in range(2):

@@ -112,6 +112,13 @@ template <int KB, int VB> struct Ring {
 #define TRACE(k, v)
 #endif
 constexpr int FLUSH = 16;        // pages summed by the tensor cores before the float32 add
+// Online-softmax reference slack (log2 units): the exponent reference of a head is its largest logit so far + SLACK,
+// set anew only when a logit passes it, so most steps skip the rescale of the float32 sums. This is the conditional
+// rescaling of FlashAttention-4 (Dao-AILab/flash-attention, 2025; described in Modal's "We reverse-engineered Flash
+// Attention 4", 2025-09-26), which rescales only when the max has moved enough to matter and lets weights grow past 1;
+// here the reference moves up by the slack instead, so every weight stays <= 1 and the float16 P^T fragments cannot
+// overflow (the largest weight of a head is >= 2^-SLACK: one bit of float16 range). notes/kernels.md runs 51-54.
+constexpr float SLACK = 1.0f;
 constexpr int MERGE_UNROLL = KVREPRO_MERGE_UNROLL;
 constexpr int MERGE_MAX = 4096;  // num_splits x group the merge's weights hold (in the ring's shared memory)
 
@@ -133,9 +140,10 @@ __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0
 __device__ __forceinline__ int swz_row_chunk(int t, int j) { return t * 4 + (j ^ ((t >> 1) & 3)); }
 // k8v4's key region has 128-byte rows: chunk j of row t at j ^ (t & 7), so the 8 rows of a phase hit 8 bank groups
 __device__ __forceinline__ int swz_row_chunk8(int t, int j) { return t * 8 + (j ^ (t & 7)); }
-// k4v2's value region has 32-byte rows (4 per 128 bytes): chunk j of row t at j ^ ((t >> 2) & 1), so rows t and t + 4
-// of a phase land 16 bytes apart
-__device__ __forceinline__ int swz_row_chunk2(int t, int j) { return t * 2 + (j ^ ((t >> 2) & 1)); }
+// k4v2's value region has 32-byte rows (4 per 128 bytes): chunk c = 2 t + j of row t at c ^ ((t >> 2) & 3), the
+// 64-byte-row pattern applied to the run's chunk index (c ^ ((c >> 3) & 3)), so one lane base copies every region
+// (issue()); the 8 rows of a phase (same j) hit 8 bank groups (rows t and t + 4 would share banks otherwise)
+__device__ __forceinline__ int swz_row_chunk2(int t, int j) { return (t * 2 + j) ^ ((t >> 2) & 3); }
 
 __device__ __forceinline__ void ldsm_x4(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
@@ -237,12 +245,17 @@ __device__ __forceinline__ float load_act(const void* p, int64_t i, bool bf16) {
 // the row b and the SM count, never on timing: same inputs, batch layout and GPU give the same bits. Returns W(s) = sum
 // over s' < s of the weights (closed form: rank is non-decreasing in s'); split s holds pages [pages W(s) / W(S),
 // pages W(s + 1) / W(S)) (integer division), whole pages, in order. rank_skew 0: equal splits; the caller keeps
-// rank_skew in 0..255 and rank_div >= 1 (kvrepro.ops.cuda_decode.rank_args), so every weight stays positive.
-__device__ __forceinline__ long long split_weight_prefix(int s, int c, int P, int rank_div, int rank_skew) {
-  long long w = 1024LL * s;
-  for (int j = 1; j <= 3; ++j) {  // splits s' < s of rank >= j: s' P + c >= j rank_div
-    const long long first = max(0LL, ((long long)j * rank_div - c + P - 1) / P);
-    w -= (long long)rank_skew * max(0LL, (long long)s - first);
+// rank_skew in 0..255 and 1 <= rank_div <= 65535 (kvrepro.ops.cuda_decode.rank_args), so every weight stays positive
+// and every term here fits in 32 bits (W <= 1024 x num_splits <= 2^22; j rank_div + P < 2^31). The page cut
+// pages x W(s) / W(S) is taken in double precision: the product is exact (< 2^53) and the floor of the correctly
+// rounded quotient equals the integer floor whenever pages x W(S) < 2^53 (a quotient k + 1 - q >= 1 / W(S) below an
+// integer cannot round up to it), which holds for any int32 seq_len. 32-bit and double arithmetic instead of five
+// 64-bit integer divisions: ~0.5 us less before the first page is requested (notes/kernels.md run 51).
+__device__ __forceinline__ unsigned split_weight_prefix(int s, int c, int P, int rank_div, int rank_skew) {
+  unsigned w = 1024u * (unsigned)s;
+  for (int j = 1; j <= 3; ++j) {  // splits s' < s of rank >= j: s' P + c >= j rank_div (the numerator is >= P - c > 0)
+    const int first = (int)(((unsigned)(j * rank_div) + (unsigned)(P - 1 - c)) / (unsigned)P);
+    w -= (unsigned)rank_skew * (unsigned)max(0, s - first);
   }
   return w;
 }
@@ -399,9 +412,10 @@ __device__ __forceinline__ void decode_step(KVREPRO_DECODE_PARAMS) {
   const int seq_len = seq_lens[b];
   const int pages_all = (seq_len + BS - 1) / BS;
   const int c = kvh * gridDim.x + b, P = gridDim.x * num_kv_heads;
-  const long long w_all = split_weight_prefix(num_splits, c, P, rank_div, rank_skew);
-  const int p0 = (int)(pages_all * split_weight_prefix(split, c, P, rank_div, rank_skew) / w_all);
-  const int p1 = (int)(pages_all * split_weight_prefix(split + 1, c, P, rank_div, rank_skew) / w_all);
+  const double w_all = (double)split_weight_prefix(num_splits, c, P, rank_div, rank_skew);
+  const int p0 = (int)((double)pages_all * (double)split_weight_prefix(split, c, P, rank_div, rank_skew) / w_all);
+  const int p1 =
+      (int)((double)pages_all * (double)split_weight_prefix(split + 1, c, P, rank_div, rank_skew) / w_all);
   const int end = min(p1 * BS, seq_len);
   const int n_pages = p1 - p0;
   const int my_pages = n_pages > warp ? (n_pages - warp + WARPS - 1) / WARPS : 0;  // pages p0 + warp + 4 i
@@ -412,47 +426,58 @@ __device__ __forceinline__ void decode_step(KVREPRO_DECODE_PARAMS) {
 #endif
 
   uint8_t* my_ring = ring + warp * STAGES * PAGE;
-  // 64-byte code rows (4-bit keys and values): chunk lane + 32 k is row (lane >> 2) + 8 k, column lane & 3, stored at
-  // column (lane & 3) ^ ((row >> 1) & 3) = ... ^ ((lane >> 3) & 3) for every k (swz_row_chunk)
+  // Every 512-byte run of a page's code regions (4-bit keys, 4-bit or 2-bit values) goes to chunk lane ^ ((lane >> 3) &
+  // 3) of its run: for 64-byte code rows, chunk lane + 32 k is row (lane >> 2) + 8 k, column lane & 3, stored at column
+  // (lane & 3) ^ ((row >> 1) & 3) (swz_row_chunk); for k4v2's 32-byte value rows, chunk lane is row lane >> 1, column
+  // lane & 1, stored at chunk lane ^ ((row >> 2) & 3) (swz_row_chunk2). Lanes 0-7 keep their chunk, so the metadata
+  // (chunks 0-5 past KM_OFF) lands unswizzled at the same lane offset: one lane base for every copy.
   const uint32_t ring_code = smem_u32(my_ring) + (lane ^ ((lane >> 3) & 3)) * 16;
   // 128-byte key rows (k8v4): chunk lane + 32 k is row (lane >> 3) + 4 k, column lane & 7, stored at column
   // (lane & 7) ^ (row & 7) (swz_row_chunk8): two offsets, even and odd k
   const uint32_t ring_k8e = smem_u32(my_ring) + ((lane >> 3) * 8 + ((lane & 7) ^ (lane >> 3))) * 16;
   const uint32_t ring_k8o = smem_u32(my_ring) + ((lane >> 3) * 8 + ((lane & 7) ^ ((lane >> 3) + 4))) * 16;
-  // 32-byte value rows (2-bit values): chunk lane is row lane >> 1, column lane & 1, stored at column
-  // (lane & 1) ^ ((row >> 2) & 1) (swz_row_chunk2)
-  const uint32_t ring_v2 = smem_u32(my_ring) + V_OFF + ((lane >> 1) * 2 + ((lane & 1) ^ ((lane >> 3) & 1))) * 16;
   const uint32_t ring_meta = smem_u32(my_ring) + KM_OFF + lane * 16;
-  auto issue = [&](int i) {
-    if (i < my_pages) {
-#if KVREPRO_BT_REGS
-      if ((i & 31) == 0 && i > 0) bt_win = i + lane < my_pages ? bt[p0 + warp + (i + lane) * WARPS] : 0;
-      const int blk = __shfl_sync(0xffffffffu, bt_win, i & 31);
-#else
-      const int blk = bt[p0 + warp + i * WARPS];
-#endif
-      const uint8_t* src = pool + ((int64_t)blk * num_kv_heads + kvh) * PAGE + lane * 16;
-      const uint32_t stage = (i % STAGES) * PAGE;
-      if (KB == 4 && VB == 4) {
+  const uint8_t* pool_lane = pool + (int64_t)kvh * PAGE + lane * 16;
+  const int blk_stride = num_kv_heads * PAGE;
+  // one page (block blk) into the ring slot at byte offset stage_off (cp.async, no commit)
+  auto copy_page = [&](int blk, uint32_t stage) {
+    const uint8_t* src = pool_lane + (int64_t)blk * blk_stride;
+    if (KB == 4) {  // k4v4 / k4v2: code runs 0 .. KM_OFF / 512 - 1, then the metadata (lanes 0-7 keep their chunk)
 #pragma unroll
-        for (int k = 0; k < 4; ++k) cp_async16(ring_code + stage + 512 * k, src + 512 * k);   // K then V codes
-      } else if (KB == 4) {  // k4v2: 64-byte key rows, then 32-byte value rows
+      for (int k = 0; k < KM_OFF / 512; ++k) cp_async16(ring_code + stage + 512 * k, src + 512 * k);
+      if (lane < META_CHUNKS) cp_async16(ring_code + stage + KM_OFF, src + KM_OFF);
+    } else {        // k8v4: 128-byte key rows, then 64-byte value rows
 #pragma unroll
-        for (int k = 0; k < 2; ++k) cp_async16(ring_code + stage + 512 * k, src + 512 * k);
-        cp_async16(ring_v2 + stage, src + V_OFF);
-      } else {
+      for (int k = 0; k < 4; ++k) cp_async16((k & 1 ? ring_k8o : ring_k8e) + stage + 512 * k, src + 512 * k);
 #pragma unroll
-        for (int k = 0; k < 4; ++k) cp_async16((k & 1 ? ring_k8o : ring_k8e) + stage + 512 * k, src + 512 * k);
-#pragma unroll
-        for (int k = 0; k < 2; ++k) cp_async16(ring_code + stage + V_OFF + 512 * k, src + V_OFF + 512 * k);
-      }
+      for (int k = 0; k < 2; ++k) cp_async16(ring_code + stage + V_OFF + 512 * k, src + V_OFF + 512 * k);
       if (lane < META_CHUNKS) cp_async16(ring_meta + stage, src + KM_OFF);
     }
-    cp_commit();  // one group per slot, empty or not, so wait_group counts stay uniform
   };
-  static_assert(STAGES >= 1 + NP && WARPS * STAGES * PAGE >= WARPS * 8 * D * 4 + WARPS * 8 * 3 * 4 &&
+  // pages i0 .. i0 + NP - 1 (i0 a multiple of NP) into the ring slots at stage_off, + PAGE, ... (no wrap: STAGES is a
+  // multiple of NP), one commit group per step's pages, empty or not, so wait_group counts stay uniform
+  auto issue = [&](int i0, uint32_t stage_off) {
+    if (i0 < my_pages) {
+#if KVREPRO_BT_REGS
+      if ((i0 & 31) == 0 && i0 > 0) bt_win = i0 + lane < my_pages ? bt[p0 + warp + (i0 + lane) * WARPS] : 0;
+#endif
+#pragma unroll
+      for (int k = 0; k < NP; ++k) {
+        if (k > 0 && i0 + k >= my_pages) break;
+#if KVREPRO_BT_REGS
+        const int blk = __shfl_sync(0xffffffffu, bt_win, (i0 + k) & 31);
+#else
+        const int blk = bt[p0 + warp + (i0 + k) * WARPS];
+#endif
+        copy_page(blk, stage_off + k * PAGE);
+      }
+    }
+    cp_commit();
+  };
+  static_assert(STAGES >= 1 + NP && STAGES % NP == 0 &&
+                WARPS * STAGES * PAGE >= WARPS * 8 * D * 4 + WARPS * 8 * 3 * 4 &&
                 WARPS * STAGES * PAGE >= (MERGE_MAX + 8 + WARPS * 8 * D) * 4, "the ring doubles as the merge buffers");
-  for (int i = 0; i < STAGES - NP; ++i) issue(i);
+  for (int i = 0; i < STAGES - NP; i += NP) issue(i, i * PAGE);
 
   // ---- the group's query rows, rotated (q @ R = H (s q) / sqrt(D)), scaled and rounded to float16 as
   // rotate_query_kernel does; then the digits (Triton _query_digits): S_q = max|q| / 16255 per head,
@@ -510,11 +535,17 @@ __device__ __forceinline__ void decode_step(KVREPRO_DECODE_PARAMS) {
   for (int t = 0; t < 8; ++t)
     for (int j = 0; j < 4; ++j) acc[t][j] = tc[t][j] = 0.f;
 
+  // ldmatrix row addresses of this lane, computed once (matrix lane >> 3 = tokens 0-7 / 8-15 x the first / second 16
+  // bytes of a 32-byte run, row lane & 7): 64-byte code rows, bytes [32 half, +32) (swz_row_chunk); 32-byte value rows
+  // (swz_row_chunk2)
+  const uint32_t lk0 = swz_row_chunk(((lane >> 3) & 1) * 8 + (lane & 7), lane >> 4) * 16;
+  const uint32_t lk1 = swz_row_chunk(((lane >> 3) & 1) * 8 + (lane & 7), 2 + (lane >> 4)) * 16;
+  const uint32_t lv2 = V_OFF + swz_row_chunk2(((lane >> 3) & 1) * 8 + (lane & 7), lane >> 4) * 16;
   // One page's logits (log2 domain) S^T = K Q^T: s = S_q KPLANE ks acc + S_q sum(qi) (KMID ks + kz) (k4v4: KPLANE
   // 1 / 16, KMID 8; k8v4: 1, 128); s[0], s[1] = token g, heads h0, h0 + 1; s[2], s[3] = token g + 8. Tokens at or past
-  // `end` (the split's last, partial page) get -inf and okA / okB false; their bytes are never used, so stale NaN
-  // scales there cannot leak.
-  auto page_logits = [&](const uint8_t* pg, int tok0, float (&s)[4], bool& okA, bool& okB) {
+  // `end` (the split's last, partial page) get -inf and okA / okB false when `masked` (the caller's full steps pass
+  // false: every token there is < end); their bytes are never used, so stale NaN scales there cannot leak.
+  auto page_logits = [&](const uint8_t* pg, int tok0, float (&s)[4], bool& okA, bool& okB, bool masked) {
     // two int32 chains (high and low query digits), exact
     int chi[4] = {0, 0, 0, 0}, clo[4] = {0, 0, 0, 0};
     if (KB == 8) {
@@ -532,9 +563,7 @@ __device__ __forceinline__ void decode_step(KVREPRO_DECODE_PARAMS) {
     for (int half = 0; half < (KB == 4 ? 2 : 0); ++half) {  // k4v4: bytes 0-31, 32-63 of each token
       uint32_t r0, r1, r2, r3;
       // matrices: tokens 0-7 / 8-15 x bytes [32 half, +16), then the next 16 bytes
-      const int mat = lane >> 3, row = lane & 7;
-      const uint8_t* a = pg + swz_row_chunk((mat & 1) * 8 + row, half * 2 + (mat >> 1)) * 16;
-      ldsm_x4(smem_u32(a), r0, r1, r2, r3);
+      ldsm_x4(smem_u32(pg) + (half ? lk1 : lk0), r0, r1, r2, r3);
       const uint32_t x0 = r0 << 4, x1 = r1 << 4, x2 = r2 << 4, x3 = r3 << 4;
       // plane 0 (low nibbles) as int8 16 (code - 8): ((x << 4) & 0xF0) ^ 0x80; plane 1: (x & 0xF0) ^ 0x80
       const uint32_t a0 = lop3_and_xor(x0, 0xF0F0F0F0u, 0x80808080u), a1 = lop3_and_xor(x1, 0xF0F0F0F0u, 0x80808080u);
@@ -556,22 +585,24 @@ __device__ __forceinline__ void decode_step(KVREPRO_DECODE_PARAMS) {
     s[2] = (float)(chi[2] * 128 + clo[2]) * (kmul0 * ksB) + qs0 * kzB;
     s[3] = (float)(chi[3] * 128 + clo[3]) * (kmul1 * ksB) + qs1 * kzB;
     okA = true, okB = true;
-    if (tok0 + BS > end) {
+    if (masked && tok0 + BS > end) {
       okA = tok0 + g < end;
       okB = tok0 + g + 8 < end;
       if (!okA) s[0] = s[1] = -INFINITY;
       if (!okB) s[2] = s[3] = -INFINITY;
     }
   };
-  // Online softmax: pm0 / pm1 = this lane's largest logit of head h0 / h0 + 1 among the tokens of this step; the
-  // running max, the sums and the float32 accumulators are rescaled only when some max grows (warp vote).
+  // Online softmax: pm0 / pm1 = this lane's largest logit of head h0 / h0 + 1 among the tokens of this step. m0 / m1
+  // are the exponent references (the same in the 8 lanes of a head pair): a warp vote on each lane's own maxima;
+  // only if some logit passes its reference are the maxima reduced over the 8 lanes, the reference set to max + SLACK
+  // and the sums and float32 accumulators rescaled.
   auto raise_max = [&](float pm0, float pm1) {
-    for (int o = 4; o < 32; o <<= 1) {
-      pm0 = fmaxf(pm0, __shfl_xor_sync(0xffffffffu, pm0, o));
-      pm1 = fmaxf(pm1, __shfl_xor_sync(0xffffffffu, pm1, o));
-    }
-    const float n0 = fmaxf(m0, pm0), n1 = fmaxf(m1, pm1);
-    if (__any_sync(0xffffffffu, n0 > m0 || n1 > m1)) {
+    if (__any_sync(0xffffffffu, pm0 > m0 || pm1 > m1)) {
+      for (int o = 4; o < 32; o <<= 1) {
+        pm0 = fmaxf(pm0, __shfl_xor_sync(0xffffffffu, pm0, o));
+        pm1 = fmaxf(pm1, __shfl_xor_sync(0xffffffffu, pm1, o));
+      }
+      const float n0 = pm0 > m0 ? pm0 + SLACK : m0, n1 = pm1 > m1 ? pm1 + SLACK : m1;
       const float al0 = n0 == -INFINITY ? 1.f : ex2(m0 - n0), al1 = n1 == -INFINITY ? 1.f : ex2(m1 - n1);
       for (int t = 0; t < 8; ++t) {
         acc[t][0] *= al0; acc[t][1] *= al1; acc[t][2] *= al0; acc[t][3] *= al1;
@@ -601,9 +632,7 @@ __device__ __forceinline__ void decode_step(KVREPRO_DECODE_PARAMS) {
 #pragma unroll
     for (int half = 0; half < (VB == 4 ? 2 : 0); ++half) {
       uint32_t r0, r1, r2, r3;
-      const int mat = lane >> 3, row = lane & 7;
-      const uint8_t* a = pg + V_OFF + swz_row_chunk((mat & 1) * 8 + row, half * 2 + (mat >> 1)) * 16;
-      ldsm_x4_t(smem_u32(a), r0, r1, r2, r3);
+      ldsm_x4_t(smem_u32(pg) + V_OFF + (half ? lk1 : lk0), r0, r1, r2, r3);
       const uint32_t rr[4] = {r0, r1, r2, r3};
 #pragma unroll
       for (int e = 0; e < 2; ++e) {  // bytes [32 half + 16 e, +16): channel tiles of plane 0 and plane 1
@@ -624,9 +653,8 @@ __device__ __forceinline__ void decode_step(KVREPRO_DECODE_PARAMS) {
     }
     if (VB == 2) {  // 32 bytes per token: byte j = channels j, j + 32, j + 64, j + 96 (planes 0-3, 2 bits each)
       uint32_t r0, r1, r2, r3;
-      const int mat = lane >> 3, row = lane & 7;
       // matrices: tokens 0-7 / 8-15 x bytes 0-15, then tokens 0-7 / 8-15 x bytes 16-31
-      ldsm_x4_t(smem_u32(pg + V_OFF + swz_row_chunk2((mat & 1) * 8 + row, mat >> 1) * 16), r0, r1, r2, r3);
+      ldsm_x4_t(smem_u32(pg) + lv2, r0, r1, r2, r3);
       const uint32_t rr[4] = {r0, r1, r2, r3};
 #pragma unroll
       for (int e = 0; e < 2; ++e) {  // bytes [16 e, +16): channel tiles 32 p + 16 e + (2g, 2g + 1) of plane p
@@ -649,21 +677,25 @@ __device__ __forceinline__ void decode_step(KVREPRO_DECODE_PARAMS) {
       for (int j = 0; j < 4; ++j) { acc[t][j] += tc[t][j]; tc[t][j] = 0.f; }
   };
 
-  // NP pages per step: one max reduction, vote and rescale check per 16 NP tokens. Pages i ..
-  // i + NP - 1 sit in consecutive ring slots; those past my_pages in the last step are masked (token position `end`:
-  // no weight, stale bytes never used). The tensor-core sums are flushed when a step crosses a multiple of FLUSH.
-  for (int i = 0; i < my_pages; i += NP) {
-#pragma unroll
-    for (int k = 0; k < NP; ++k) issue(i + STAGES - NP + k);
-    cp_wait<STAGES - NP>();
+  // NP pages per step: one vote (and, rarely, max reduction and rescale) per 16 NP tokens. Pages i .. i + NP - 1 sit
+  // in consecutive ring slots; those past my_pages in the last step are masked (token position `end`: no weight, stale
+  // bytes never used). The tensor-core sums are flushed when a step crosses a multiple of FLUSH.
+  uint32_t rd = 0;  // (i % STAGES) * PAGE, kept incrementally: STAGES is a multiple of NP
+  // One step of the warp: pages i .. i + NP - 1 (ring slots rd, rd + PAGE, ...), the token mask only if `masked`.
+  auto step = [&](int i, bool masked) {
+    uint32_t o = rd + (STAGES - NP) * PAGE;  // the slot of page i + STAGES - NP
+    if (o >= STAGES * PAGE) o -= STAGES * PAGE;
+    issue(i + STAGES - NP, o);
+    cp_wait<(STAGES - NP) / NP>();  // one commit group per NP pages
     __syncwarp();
     const uint8_t* pg[NP];
     float s[NP][4];
     bool okA[NP], okB[NP];
 #pragma unroll
     for (int k = 0; k < NP; ++k) {
-      pg[k] = my_ring + ((i + k) % STAGES) * PAGE;
-      page_logits(pg[k], i + k < my_pages ? (p0 + warp + (i + k) * WARPS) * BS : end, s[k], okA[k], okB[k]);
+      pg[k] = my_ring + rd + k * PAGE;
+      page_logits(pg[k], !masked ? 0 : i + k < my_pages ? (p0 + warp + (i + k) * WARPS) * BS : end, s[k], okA[k],
+                  okB[k], masked);
     }
     float pm0 = fmaxf(s[0][0], s[0][2]), pm1 = fmaxf(s[0][1], s[0][3]);
 #pragma unroll
@@ -679,6 +711,20 @@ __device__ __forceinline__ void decode_step(KVREPRO_DECODE_PARAMS) {
     for (int k = 0; k < NP; ++k) page_values(pg[k], pb[k][0], pb[k][1]);
     if ((i + NP) / FLUSH != i / FLUSH || i + NP >= my_pages) flush();
     __syncwarp();  // every lane is done with these stages before they are refilled
+    rd += NP * PAGE;
+    if (rd == STAGES * PAGE) rd = 0;
+  };
+  // Steps whose NP pages all exist and are full need no token mask; only the split's last page can be partial (when
+  // end = seq_len < p1 x 16), and it is this warp's last page if (p1 - 1 - p0) % WARPS == warp. The one step left
+  // (if any) is masked. k8v4 keeps the masked step throughout: its second copy of the loop body spilled 4 bytes on
+  // sm_90 (and it gained < 1% from the unmasked copy, notes/kernels.md run 54).
+  if (KB == 4) {
+    const int my_full = my_pages - (end < p1 * BS && (p1 - 1 - p0) % WARPS == warp ? 1 : 0);
+    int i = 0;
+    for (; i + NP <= my_full; i += NP) step(i, false);
+    if (i < my_pages) step(i, true);
+  } else {
+    for (int i = 0; i < my_pages; i += NP) step(i, true);
   }
   cp_wait<0>();
   TRACE(2, global_ns());
