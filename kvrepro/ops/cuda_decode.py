@@ -64,7 +64,8 @@ CTAS_PER_SM = 4                 # resident CTAs per SM on the H200 (__launch_bou
 # skew 0's at batch 3, 6 and 13 (skew 96: earliest at 3, latest at 6 and 13). A mild, H200-only effect: the per-SM
 # spread (some SMs stream ~15% slower) dominates what remains. Applied on compute capability 9.x only (rank_args).
 # Run 47 (fatbin 9295e012, two pages per step): skew 64 0.1-0.8% faster than 48 for k4v4 / k8v4, within +-1% for k4v2,
-# 96-128 slower (128: up to 15% at batch 13), 80 mixed; 48 kept.
+# 96-128 slower (128: up to 15% at batch 13), 80 mixed; 48 kept. Run 55 (fatbin f032ff8c): 32 / 40 / 56 / 64 within
+# 0.7% of 48 for k4v2 at batch 3.
 RANK_SKEW = 48
 # SASS for A100 / A10-A40 / L4-L40 / H100-H200, plus compute_80 PTX that the driver compiles for newer GPUs.
 GENCODE = ("arch=compute_80,code=sm_80", "arch=compute_86,code=sm_86", "arch=compute_89,code=sm_89",

@@ -7,7 +7,7 @@
 // Built into decode_k4v4.fatbin by `python -m kvrepro.ops.cuda_decode --build` (flags in decode_k4v4.json) and run by
 // kvrepro.ops.decode_attention(impl="cuda"), its default for these presets / head_dim 128 / block 16 / GQA group <= 8
 // on CUDA devices of compute capability >= 8.0. Verified against float64 attention on the H200 (sm_90) only:
-// notes/kernels.md runs 18 (k4v4), 37 (k8v4), 39 (k4v2) and 47 (this build, every preset).
+// notes/kernels.md runs 18 (k4v4), 37 (k8v4), 39 (k4v2) and 55 (this build, every preset).
 //
 // Same page format, query preparation and split-K workspace as the Triton path (impl="triton": v2, int8 keys),
 // but one launch does all three steps that the Triton path launches separately (rotate_query_kernel, attention,
@@ -42,9 +42,11 @@
 //    sub.f16x2 of 1024 + 2 x 4^p give 4^p (code - 2), exact);
 //  - P^T fragments from the S^T accumulators with movmatrix.trans (no shared memory);
 //  - P.V summed by the tensor cores over FLUSH pages, then added to float32 registers (tensor-core accumulation
-//    truncates, notes/kernels.md run 5b); rescaling only when a running max grows (warp vote);
-//  - two pages per loop step of a warp (PageFmt::STEP; k8v4 one): one max reduction, vote and rescale check per 32
-//    tokens, and two pages' independent key MMAs in flight; 2^x by ex2.approx.ftz (notes/kernels.md runs 45-46).
+//    truncates, notes/kernels.md run 5b); rescaling only when a logit passes its head's reference (max + SLACK; warp
+//    vote on each lane's own maxima, the max reduction only then);
+//  - two pages per loop step of a warp (PageFmt::STEP; k8v4 one): one vote per 32 tokens, two pages' independent key
+//    MMAs in flight, both pages copied in one commit group; the token mask only in a warp's last step (4-bit keys);
+//    2^x by ex2.approx.ftz (notes/kernels.md runs 45-46, 51-54).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <stdint.h>
