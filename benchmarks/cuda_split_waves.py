@@ -9,7 +9,7 @@ and for each split count S of a list (the rule's count, powers of two, and the c
 three waves of the kernel's 4 resident CTAs per SM: ``k x 4 x SMs / (B x 8)``), time from CUDA graphs
 (``side_by_side_vllm.bench``: median of replays) one decode step, ``decode_attention(impl="cuda", num_splits=S)``:
   - ``committed``: the committed fatbin (one launch: query rotation, attention, split merge);
-  - ``--variant NAME=PATH``: another build of the same source (e.g. ``-DKVREPRO_STAGES=5``), same launch (only the
+  - ``--variant NAME=PATH``: another build of the same source (e.g. ``-DKVREPRO_STAGES_K4V2=8``), same launch (only the
     preset's kernel is looked up, so builds older than that preset's kernel cannot be variants of it);
   - ``--three-launch PATH``: a fatbin of the earlier kernel (rotated float16 query in, partials out) with the Triton
     ``rotate_query_kernel`` before it and ``merge_splits_kernel`` after it, as before the fusion.

@@ -588,9 +588,9 @@ def test_split_pages_equals_the_kernels_closed_form():
         batch, hkv = rng.randint(1, 16), rng.randint(1, 8)
         cases.append((rng.randint(0, 1 << 20), rng.randint(1, 300), rng.randrange(batch), rng.randrange(hkv), batch,
                       hkv, rng.randint(1, 200), rng.randint(0, 255)))
-    for _ in range(300):                 # the largest ranges: int32 seq_len, 4096 splits, rank_div up to 65535
-        batch, hkv = rng.randint(1, 64), rng.randint(1, 64)
-        cases.append((rng.randint((1 << 31) - (1 << 20), (1 << 31) - 1), rng.choice((1, 2, 3, 4095, 4096)),
+    for _ in range(300):                 # the largest ranges: seq_len to 2^31 - 16 (the kernel's int page count),
+        batch, hkv = rng.randint(1, 64), rng.randint(1, 64)          # 4096 splits, rank_div up to 65535
+        cases.append((rng.randint((1 << 31) - (1 << 20), (1 << 31) - 16), rng.choice((1, 2, 3, 4095, 4096)),
                       rng.randrange(batch), rng.randrange(hkv), batch, hkv, rng.choice((1, 132, 65535)),
                       rng.randint(0, 255)))
     for case in cases:
@@ -599,7 +599,7 @@ def test_split_pages_equals_the_kernels_closed_form():
 
 def test_rank_args_skews_only_one_wave_on_hopper(monkeypatch):
     """The skew goes to grids of at most one wave (4 CTAs per SM) on compute capability 9.x; multi-wave grids, other
-    GPUs and the CPU get equal splits; a RANK_SKEW outside 0..255 is refused."""
+    GPUs and the CPU get equal splits; a RANK_SKEW outside 0..255 and an SM count past 65535 are refused."""
     from kvrepro.ops import cuda_decode
 
     monkeypatch.setattr(cuda_decode, "sm_count", lambda device: 132)
@@ -613,6 +613,10 @@ def test_rank_args_skews_only_one_wave_on_hopper(monkeypatch):
     assert cuda_decode.rank_args(CUDA, 3, 8, 22) == (132, 0)
     monkeypatch.setattr(cuda_decode, "RANK_SKEW", 400)
     with pytest.raises(ValueError, match="RANK_SKEW must be an int in 0..255, got 400"):
+        cuda_decode.rank_args(CUDA, 3, 8, 22)
+    monkeypatch.setattr(cuda_decode, "RANK_SKEW", 48)
+    monkeypatch.setattr(cuda_decode, "sm_count", lambda device: 70000)       # past the kernel's 32-bit weights
+    with pytest.raises(ValueError, match=r"rank_div must be an int in 1\.\.65535 .* got 70000, 48"):
         cuda_decode.rank_args(CUDA, 3, 8, 22)
 
 

@@ -65,7 +65,7 @@ CTAS_PER_SM = 4                 # resident CTAs per SM on the H200 (__launch_bou
 # spread (some SMs stream ~15% slower) dominates what remains. Applied on compute capability 9.x only (rank_args).
 # Run 47 (fatbin 9295e012, two pages per step): skew 64 0.1-0.8% faster than 48 for k4v4 / k8v4, within +-1% for k4v2,
 # 96-128 slower (128: up to 15% at batch 13), 80 mixed; 48 kept. Run 55 (fatbin f032ff8c): 32 / 40 / 56 / 64 within
-# 0.7% of 48 for k4v2 at batch 3.
+# 0.8% of 48 for k4v2 at batch 3.
 RANK_SKEW = 48
 # SASS for A100 / A10-A40 / L4-L40 / H100-H200, plus compute_80 PTX that the driver compiles for newer GPUs.
 GENCODE = ("arch=compute_80,code=sm_80", "arch=compute_86,code=sm_86", "arch=compute_89,code=sm_89",
@@ -439,7 +439,8 @@ def rank_args(device: torch.device, batch: int, num_kv_heads: int, num_splits: i
     CTAS_PER_SM x SMs`` CTAs, all placed at launch, round by round) on a GPU of compute capability 9.x (H100 / H200,
     where 4 CTAs fit per SM and the skew was measured), else 0: equal splits (later waves start as earlier CTAs finish,
     so rounds mean nothing; on other GPUs fewer CTAs may fit per SM and the rounds differ). Raises ValueError if
-    ``RANK_SKEW`` is outside 0..255, a size is not an int >= 1, or ``device`` is CUDA where PyTorch sees none."""
+    ``RANK_SKEW`` is outside 0..255, the SM count outside 1..65535, a size is not an int >= 1, or ``device`` is CUDA
+    where PyTorch sees none."""
     for name, v in (("batch", batch), ("num_kv_heads", num_kv_heads), ("num_splits", num_splits)):
         if not _is_int(v) or v < 1:
             raise ValueError(f"{name} must be an int >= 1, got {v!r}")
@@ -452,6 +453,7 @@ def rank_args(device: torch.device, batch: int, num_kv_heads: int, num_splits: i
         raise ValueError(f"kvrepro.ops.cuda_decode.RANK_SKEW must be an int in 0..255, got {skew!r}")
     one_wave = batch * num_kv_heads * num_splits <= CTAS_PER_SM * sms
     hopper = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+    _check_rank(sms, skew)                   # the kernel's 32-bit split weights: an SM count in 1..65535
     return sms, (skew if one_wave and hopper else 0)
 
 
@@ -461,8 +463,8 @@ def split_pages(seq_len: int, num_splits: int, b: int, kvh: int, batch: int, num
     (16-token pages, end exclusive; the last page may be partial), as ``split_weight_prefix`` in decode_k4v4.cu computes
     it: split ``s`` (linear block index ``L = s x batch x num_kv_heads + kvh x batch + b``) weighs ``1024 - rank_skew x
     min(L // rank_div, 3)``, and the pages are cut at the integer floor of the weights' running share. Raises
-    ValueError for ``rank_div < 1``, ``rank_skew`` outside 0..255 (weights must stay positive), ``seq_len < 0``,
-    ``num_splits`` / ``batch`` / ``num_kv_heads < 1`` or ``b`` / ``kvh`` out of range."""
+    ValueError for ``rank_div`` outside 1..65535, ``rank_skew`` outside 0..255 (weights must stay positive),
+    ``seq_len < 0``, ``num_splits`` / ``batch`` / ``num_kv_heads < 1`` or ``b`` / ``kvh`` out of range."""
     _check_rank(rank_div, rank_skew)
     for name, v, hi in (("num_splits", num_splits, None), ("batch", batch, None), ("num_kv_heads", num_kv_heads, None),
                         ("b", b, batch), ("kvh", kvh, num_kv_heads)):

@@ -59,7 +59,8 @@ constexpr int BS = 16;           // tokens per page (vLLM block)
 // K meta [16][scale, zero] f16 at KM_OFF, V meta [16] f16 at VM_OFF. KSTAGES: ring depth (k8v4's 3-deep ring keeps the
 // CTA under 48 KB of static shared memory, 4 CTAs per SM; k4v2 needs 6 pages per warp for the merge buffers that
 // reuse the ring). Deeper rings (KVREPRO_STAGES_K8V4=4, KVREPRO_STAGES_K4V2=7 or 8: dynamic shared memory, Ring) were
-// no faster on the H200 beyond run-to-run noise (notes/kernels.md run 39).
+// no faster on the H200 beyond run-to-run noise (notes/kernels.md run 39). A depth must be a multiple of the preset's
+// STEP (now 2 for k4v4 and k4v2: 7 for k4v2 or 5 for k4v4 no longer build).
 template <int KB, int VB> struct PageFmt;
 #ifndef KVREPRO_STAGES
 #define KVREPRO_STAGES 4
@@ -70,7 +71,8 @@ template <int KB, int VB> struct PageFmt;
 #ifndef KVREPRO_STAGES_K4V2
 #define KVREPRO_STAGES_K4V2 6
 #endif
-// STEP: pages per loop step of a warp, at most KSTAGES - 1 (two: one softmax max reduction per 32 tokens; k8v4 keeps
+// STEP: pages per loop step of a warp, at most KSTAGES - 1, dividing KSTAGES and 32 (one commit group per step; the
+// block-table window of 32 pages reloads at step starts) (two: one softmax max reduction per 32 tokens; k8v4 keeps
 // one, its 3-deep ring would hold a single page beyond the pair and it spills 8 bytes on sm_80-89 with two; notes/
 // kernels.md runs 45-46).
 #ifndef KVREPRO_STEP_K4V4
@@ -247,11 +249,12 @@ __device__ __forceinline__ float load_act(const void* p, int64_t i, bool bf16) {
 // the row b and the SM count, never on timing: same inputs, batch layout and GPU give the same bits. Returns W(s) = sum
 // over s' < s of the weights (closed form: rank is non-decreasing in s'); split s holds pages [pages W(s) / W(S),
 // pages W(s + 1) / W(S)) (integer division), whole pages, in order. rank_skew 0: equal splits; the caller keeps
-// rank_skew in 0..255 and 1 <= rank_div <= 65535 (kvrepro.ops.cuda_decode.rank_args), so every weight stays positive
-// and every term here fits in 32 bits (W <= 1024 x num_splits <= 2^22; j rank_div + P < 2^31). The page cut
-// pages x W(s) / W(S) is taken in double precision: the product is exact (< 2^53) and the floor of the correctly
-// rounded quotient equals the integer floor whenever pages x W(S) < 2^53 (a quotient k + 1 - q >= 1 / W(S) below an
-// integer cannot round up to it), which holds for any int32 seq_len. 32-bit and double arithmetic instead of five
+// rank_skew in 0..255 and 1 <= rank_div <= 65535 (kvrepro.ops.cuda_decode.rank_args: the SM count), so every weight
+// stays positive and every term here fits in 32 bits (W <= 1024 x num_splits <= 2^22; j rank_div + P < 2^31 for any
+// batch x KV heads below 2^30). The page cut pages x W(s) / W(S) is taken in double precision: the product is exact
+// (< 2^53) and the floor of the correctly rounded quotient equals the integer floor whenever pages x W(S) < 2^53 (a
+// quotient k + 1 - q >= 1 / W(S) below an integer cannot round up to it), which holds for every seq_len <= 2^31 - 16
+// (the kernel's int page count (seq_len + 15) / 16 and p1 x 16 overflow above that). 32-bit and double arithmetic instead of five
 // 64-bit integer divisions: ~0.5 us less before the first page is requested (notes/kernels.md run 51).
 __device__ __forceinline__ unsigned split_weight_prefix(int s, int c, int P, int rank_div, int rank_skew) {
   unsigned w = 1024u * (unsigned)s;
@@ -476,8 +479,10 @@ __device__ __forceinline__ void decode_step(KVREPRO_DECODE_PARAMS) {
     }
     cp_commit();
   };
-  static_assert(STAGES >= 1 + NP && STAGES % NP == 0 &&
-                WARPS * STAGES * PAGE >= WARPS * 8 * D * 4 + WARPS * 8 * 3 * 4 &&
+  static_assert(STAGES >= 1 + NP && STAGES % NP == 0 && 32 % NP == 0,
+                "PageFmt: STEP must divide KSTAGES (one commit group per step) and 32 (the block-table window), and "
+                "leave at least one page in flight");
+  static_assert(WARPS * STAGES * PAGE >= WARPS * 8 * D * 4 + WARPS * 8 * 3 * 4 &&
                 WARPS * STAGES * PAGE >= (MERGE_MAX + 8 + WARPS * 8 * D) * 4, "the ring doubles as the merge buffers");
   for (int i = 0; i < STAGES - NP; i += NP) issue(i, i * PAGE);
 
