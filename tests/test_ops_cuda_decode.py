@@ -541,14 +541,16 @@ def test_split_pages_partition_properties():
                     assert abs(Fraction(pages * wi, sum(w)) - size) < 1, (size, wi, sum(w), pages)
                 if skew == 0:
                     assert max(sizes) - min(sizes) <= 1
-    with pytest.raises(ValueError, match="rank_skew an int in 0..255, got 132, 256"):
+    with pytest.raises(ValueError, match="rank_skew must be an int in 0..255, got 256"):
         cuda_decode.split_pages(100, 4, 0, 0, 1, 8, 132, 256)
     with pytest.raises(ValueError, match="rank_div must be an int in 1..65535"):
         cuda_decode.split_pages(100, 4, 0, 0, 1, 8, 0, 48)
     for args, match in [((100, 0, 0, 0, 1, 8), "num_splits must be an int >= 1, got 0"),
                         ((100, 4, 1, 0, 1, 8), "b must be an int in 0..0, got 1"),
                         ((100, 4, 0, 8, 1, 8), "kvh must be an int in 0..7, got 8"),
-                        ((-1, 4, 0, 0, 1, 8), "seq_len must be an int >= 0, got -1")]:
+                        ((-1, 4, 0, 0, 1, 8), "seq_len must be an int in 0..2147483632 .*got -1"),
+                        ((2 ** 31 - 15, 4, 0, 0, 1, 8), "seq_len must be an int in 0..2147483632"),
+                        ((100, 4097, 0, 0, 1, 8), "num_splits must be an int in 1..4096")]:
         with pytest.raises(ValueError, match=match):
             cuda_decode.split_pages(*args, 132, 48)
 
@@ -616,7 +618,7 @@ def test_rank_args_skews_only_one_wave_on_hopper(monkeypatch):
         cuda_decode.rank_args(CUDA, 3, 8, 22)
     monkeypatch.setattr(cuda_decode, "RANK_SKEW", 48)
     monkeypatch.setattr(cuda_decode, "sm_count", lambda device: 70000)       # past the kernel's 32-bit weights
-    with pytest.raises(ValueError, match=r"rank_div must be an int in 1\.\.65535 .* got 70000, 48"):
+    with pytest.raises(ValueError, match=r"rank_div must be an int in 1\.\.65535 .*got 70000"):
         cuda_decode.rank_args(CUDA, 3, 8, 22)
 
 

@@ -427,9 +427,11 @@ def _check_rank(rank_div: int, rank_skew: int) -> None:
     """Raise ValueError unless ``1 <= rank_div <= 65535`` (an SM count; the kernel's split weights are 32-bit) and
     ``0 <= rank_skew <= 255`` (every split's weight stays >= 259 of 1024; past 341 a weight would reach zero and the
     kernel's page cut would divide by zero or go negative)."""
-    if not (_is_int(rank_div) and 1 <= rank_div <= 65535 and _is_int(rank_skew) and 0 <= rank_skew <= 255):
-        raise ValueError(f"rank_div must be an int in 1..65535 and rank_skew an int in 0..255, got {rank_div!r}, "
-                         f"{rank_skew!r}")
+    if not (_is_int(rank_div) and 1 <= rank_div <= 65535):
+        raise ValueError(f"rank_div must be an int in 1..65535 (an SM count; the kernel's split weights are 32-bit), "
+                         f"got {rank_div!r}")
+    if not (_is_int(rank_skew) and 0 <= rank_skew <= 255):
+        raise ValueError(f"rank_skew must be an int in 0..255, got {rank_skew!r}")
 
 
 def rank_args(device: torch.device, batch: int, num_kv_heads: int, num_splits: int) -> tuple[int, int]:
@@ -464,7 +466,8 @@ def split_pages(seq_len: int, num_splits: int, b: int, kvh: int, batch: int, num
     it: split ``s`` (linear block index ``L = s x batch x num_kv_heads + kvh x batch + b``) weighs ``1024 - rank_skew x
     min(L // rank_div, 3)``, and the pages are cut at the integer floor of the weights' running share. Raises
     ValueError for ``rank_div`` outside 1..65535, ``rank_skew`` outside 0..255 (weights must stay positive),
-    ``seq_len < 0``, ``num_splits`` / ``batch`` / ``num_kv_heads < 1`` or ``b`` / ``kvh`` out of range."""
+    ``seq_len`` outside 0..2**31 - 16 (the kernel's int page count), ``num_splits`` outside 1..MERGE_MAX,
+    ``batch`` / ``num_kv_heads < 1`` or ``b`` / ``kvh`` out of range."""
     _check_rank(rank_div, rank_skew)
     for name, v, hi in (("num_splits", num_splits, None), ("batch", batch, None), ("num_kv_heads", num_kv_heads, None),
                         ("b", b, batch), ("kvh", kvh, num_kv_heads)):
@@ -472,8 +475,10 @@ def split_pages(seq_len: int, num_splits: int, b: int, kvh: int, batch: int, num
         if not _is_int(v) or v < lo or (hi is not None and v >= hi):
             allowed = ">= 1" if hi is None else f"in 0..{hi - 1}"
             raise ValueError(f"{name} must be an int {allowed}, got {v!r}")
-    if not _is_int(seq_len) or seq_len < 0:
-        raise ValueError(f"seq_len must be an int >= 0, got {seq_len!r}")
+    if num_splits > MERGE_MAX:
+        raise ValueError(f"num_splits must be an int in 1..{MERGE_MAX} (the in-kernel merge's limit), got {num_splits!r}")
+    if not _is_int(seq_len) or not 0 <= seq_len <= 2 ** 31 - 16:
+        raise ValueError(f"seq_len must be an int in 0..{2 ** 31 - 16} (the kernel's int page count), got {seq_len!r}")
     pages = -(-seq_len // BLOCK_SIZE)
     c, p = kvh * batch + b, batch * num_kv_heads
     w = [1024 - rank_skew * min((s * p + c) // rank_div, 3) for s in range(num_splits)]
