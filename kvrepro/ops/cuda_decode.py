@@ -469,14 +469,13 @@ def split_pages(seq_len: int, num_splits: int, b: int, kvh: int, batch: int, num
     ``seq_len`` outside 0..2**31 - 16 (the kernel's int page count), ``num_splits`` outside 1..MERGE_MAX,
     ``batch`` / ``num_kv_heads < 1`` or ``b`` / ``kvh`` out of range."""
     _check_rank(rank_div, rank_skew)
-    for name, v, hi in (("num_splits", num_splits, None), ("batch", batch, None), ("num_kv_heads", num_kv_heads, None),
-                        ("b", b, batch), ("kvh", kvh, num_kv_heads)):
+    check_splits(num_splits, 1)              # num_splits in 1..MERGE_MAX, the in-kernel merge's limit
+    for name, v, hi in (("batch", batch, None), ("num_kv_heads", num_kv_heads, None), ("b", b, batch),
+                        ("kvh", kvh, num_kv_heads)):
         lo = 0 if hi is not None else 1
         if not _is_int(v) or v < lo or (hi is not None and v >= hi):
             allowed = ">= 1" if hi is None else f"in 0..{hi - 1}"
             raise ValueError(f"{name} must be an int {allowed}, got {v!r}")
-    if num_splits > MERGE_MAX:
-        raise ValueError(f"num_splits must be an int in 1..{MERGE_MAX} (the in-kernel merge's limit), got {num_splits!r}")
     if not _is_int(seq_len) or not 0 <= seq_len <= 2 ** 31 - 16:
         raise ValueError(f"seq_len must be an int in 0..{2 ** 31 - 16} (the kernel's int page count), got {seq_len!r}")
     pages = -(-seq_len // BLOCK_SIZE)

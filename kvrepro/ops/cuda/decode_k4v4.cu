@@ -254,8 +254,9 @@ __device__ __forceinline__ float load_act(const void* p, int64_t i, bool bf16) {
 // batch x KV heads below 2^30). The page cut pages x W(s) / W(S) is taken in double precision: the product is exact
 // (< 2^53) and the floor of the correctly rounded quotient equals the integer floor whenever pages x W(S) < 2^53 (a
 // quotient k + 1 - q >= 1 / W(S) below an integer cannot round up to it), which holds for every seq_len <= 2^31 - 16
-// (the kernel's int page count (seq_len + 15) / 16 and p1 x 16 overflow above that). 32-bit and double arithmetic instead of five
-// 64-bit integer divisions: ~0.5 us less before the first page is requested (notes/kernels.md run 51).
+// (the kernel's int page count (seq_len + 15) / 16 and p1 x 16 overflow above that). 32-bit and double arithmetic
+// instead of eleven 64-bit integer divisions: ~0.5 us less before the first page is requested (notes/kernels.md run
+// 51).
 __device__ __forceinline__ unsigned split_weight_prefix(int s, int c, int P, int rank_div, int rank_skew) {
   unsigned w = 1024u * (unsigned)s;
   for (int j = 1; j <= 3; ++j) {  // splits s' < s of rank >= j: s' P + c >= j rank_div (the numerator is >= P - c > 0)
@@ -444,7 +445,7 @@ __device__ __forceinline__ void decode_step(KVREPRO_DECODE_PARAMS) {
   const uint32_t ring_meta = smem_u32(my_ring) + KM_OFF + lane * 16;
   const uint8_t* pool_lane = pool + (int64_t)kvh * PAGE + lane * 16;
   const int blk_stride = num_kv_heads * PAGE;
-  // one page (block blk) into the ring slot at byte offset stage_off (cp.async, no commit)
+  // one page (block blk) into the ring slot at byte offset `stage` (cp.async, no commit)
   auto copy_page = [&](int blk, uint32_t stage) {
     const uint8_t* src = pool_lane + (int64_t)blk * blk_stride;
     if (KB == 4) {  // k4v4 / k4v2: code runs 0 .. KM_OFF / 512 - 1, then the metadata (lanes 0-7 keep their chunk)
