@@ -104,8 +104,12 @@ template <int KB, int VB> struct Ring {
   static constexpr int BYTES = WARPS * PageFmt<KB, VB>::KSTAGES * PageFmt<KB, VB>::PAGE;
   static constexpr bool DYNAMIC = BYTES > 44 * 1024;
 };
-#ifndef KVREPRO_MERGE_UNROLL
-#define KVREPRO_MERGE_UNROLL 4  // splits per warp whose partial loads are in flight together in the merge
+#ifndef KVREPRO_MERGE_PRE  // partial rows per head the merge loads together with the lse values (more: a loop)
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+#define KVREPRO_MERGE_PRE 16  // sm_80-89: 24 made ptxas spill 32 bytes in k4v4's last (masked) step on sm_80
+#else
+#define KVREPRO_MERGE_PRE 24  // the split count of batch 3 on 132 SMs (22) in one round trip (notes/kernels.md run 63)
+#endif
 #endif
 #ifndef KVREPRO_BT_REGS
 #define KVREPRO_BT_REGS 1  // block ids held in a register per lane, 32 pages per load (0: one load per page)
@@ -123,16 +127,18 @@ constexpr int FLUSH = 16;        // pages summed by the tensor cores before the 
 // here the reference moves up by the slack instead, so every weight stays <= 1 and the float16 P^T fragments cannot
 // overflow (the largest weight of a head is >= 2^-SLACK: one bit of float16 range). notes/kernels.md runs 51-54.
 constexpr float SLACK = 1.0f;
-constexpr int MERGE_UNROLL = KVREPRO_MERGE_UNROLL;
+constexpr int MERGE_PRE = KVREPRO_MERGE_PRE;
 constexpr int MERGE_MAX = 4096;  // num_splits x group the merge's weights hold (in the ring's shared memory)
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-// "memory" clobbers: no shared-memory access may move across the copies, the waits or the ldmatrix reads
+// "memory" clobbers: no shared-memory access may move across the copies, the waits or the ldmatrix reads. L2::128B:
+// the L2 fetches the whole 128-byte line of each 16-byte request (a page's runs are whole lines): 0.9% at batch 3
+// (notes/kernels.md runs 61-66; L2::256B gained less, an evict_first cache policy lost 1.5-5%)
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
+  asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
 }
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N>
@@ -274,29 +280,86 @@ __device__ unsigned long long kvrepro_trace[KVREPRO_TRACE][8];  // read by cuMod
 }
 #endif
 
-// The split merge of the last CTA of a (sequence, KV head): log-sum-exp weights of the S partials (all threads), their
-// weighted sums (warp w takes splits w, w + 4, ...), the rotation back (Walsh-Hadamard transform) and the output.
-// Not inlined: its registers do not add to the attention loop's (the kernel runs at the 128-register cap).
-// (One instantiation per kernel, so that each keeps a single caller and the compiler's view of its shared buffers.)
+// The CTA's partial from its 4 warps' softmax states in shared memory (w_o [WARPS][8][D] float32 sums of the warps, w_s
+// [WARPS][8][m, l, z]): warp w takes heads w, w + 4, lane l its channels 4 l .. 4 l + 3 (one plane factor, float4 loads
+// and store), so each thread forms a head's log-sum-exp factors once. Writes part_o row (b, head, split) normalized and
+// part_lse (log2; -inf for a split without tokens, NaN if a NaN reached the head). Not inlined: its registers do not add
+// to the attention loop's (the kernel runs at the 128-register cap). notes/kernels.md run 66: 1.0 us from a CTA's loop
+// end to its partial's stores, 1.8 us before.
+template <int KB, int VB>
+__device__ __noinline__ void cta_partial(const float* w_o, const float* w_s, float* __restrict__ part_o,
+                                         float* __restrict__ part_lse, int b, int kvh, int hq, int group,
+                                         int num_splits, int split) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int c4 = lane * 4;
+  // plane p of the values was summed as 16^p (4-bit) / 4^p (2-bit) times the code offset: exact powers of two
+  const float plane = VB == 4 ? (c4 < 64 ? 1.f : 1.0f / 16.0f) : __int_as_float((127 - 2 * (c4 >> 5)) << 23);
+  for (int h = warp; h < group; h += WARPS) {
+    float mw[WARPS], lw[WARPS];
+    float M = -INFINITY;
+    int nan = 0;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) {
+      mw[w] = w_s[(w * 8 + h) * 3]; lw[w] = w_s[(w * 8 + h) * 3 + 1];
+      M = fmaxf(M, mw[w]); nan |= (lw[w] != lw[w]);
+    }
+    float L = 0.f, Z = 0.f;
+    float4 O = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) {
+      const float f = mw[w] == -INFINITY ? 0.f : ex2(mw[w] - M);   // a warp without pages weighs nothing
+      const float4 x = *reinterpret_cast<const float4*>(w_o + (w * 8 + h) * D + c4);
+      L += f * lw[w]; Z += f * w_s[(w * 8 + h) * 3 + 2];
+      O.x += f * x.x; O.y += f * x.y; O.z += f * x.z; O.w += f * x.w;
+    }
+    const int64_t row = ((int64_t)b * hq + kvh * group + h) * num_splits + split;
+    float4 o;
+    float lse;
+    if (nan) { o.x = o.y = o.z = o.w = lse = __int_as_float(0x7fc00000); }
+    else if (L == 0.f) { o = make_float4(0.f, 0.f, 0.f, 0.f); lse = -INFINITY; }
+    else {
+      // o = (O plane + Z) / L; L >= 2^-SLACK when a token reached the head, so the fast reciprocal and log2 (MUFU,
+      // ~2 ulp) stay far from their denormal ranges
+      const float inv = __fdividef(1.f, L), pz = Z * inv, pp = plane * inv;
+      o = make_float4(O.x * pp + pz, O.y * pp + pz, O.z * pp + pz, O.w * pp + pz);
+      lse = M + __log2f(L);
+    }
+    reinterpret_cast<float4*>(part_o + row * D)[lane] = o;
+    if (lane == 0) part_lse[row] = lse;
+  }
+}
+
+// The split merge of the last CTA of a (sequence, KV head), one warp per head (heads w, w + 4): lane l holds channels
+// 4 l .. 4 l + 3 of the head's weighted sum over all S splits, so neither a block barrier nor a cross-warp sum is
+// needed. The first MERGE_PRE partial rows, the S lse values and the signs are requested together, before the
+// log-sum-exp weights are known (one round trip to L2 for S <= MERGE_PRE); then the weights w_s = 2^(lse_s - max) (a
+// warp's own region of the shared buffer), the weighted sum, the rotation back (Walsh-Hadamard transform) and the
+// output. The caller's atom.acq_rel and barrier order these loads after every other CTA's partial stores. Not inlined,
+// as cta_partial. notes/kernels.md runs 62-64: 1.3 us from the count-in to the output's stores, 3.3 us before.
 template <int KB, int VB>
 __device__ __noinline__ void merge_splits(uint8_t* smem, const float* __restrict__ part_o,
                                           const float* __restrict__ part_lse, const float* __restrict__ signs,
                                           void* __restrict__ out, int b, int kvh, int hq, int group, int num_splits,
                                           long long stride_ob, long long stride_oh, bool o_bf16) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  __threadfence();
-  // weights of the group's S x group partials, all threads at once: w[h][s] = 2^(lse - max_h), then 1 / sum per head
-  float* wl = reinterpret_cast<float*>(smem);   // [group][num_splits] (num_splits x group <= MERGE_MAX)
-  float* hinv = wl + MERGE_MAX;                             // [8]: 1 / sum of weights (NaN: a NaN reached the head)
+  float* wl = reinterpret_cast<float*>(smem);   // [group][num_splits] weights (num_splits x group <= MERGE_MAX)
   const int64_t row_b = ((int64_t)b * hq + kvh * group) * num_splits;   // head h's splits: rows row_b + h S + s
-  const int n_w = group * num_splits;
-  for (int i = threadIdx.x; i < n_w; i += WARPS * 32) wl[i] = __ldcg(part_lse + row_b + i);
-  __syncthreads();
+  float sg[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) sg[i] = signs[lane * 4 + i] * 0.08838834764831845f;  // s / sqrt(128)
   for (int h = warp; h < group; h += WARPS) {
+    const float* lse_h = part_lse + row_b + (int64_t)h * num_splits;
+    const float4* o_h = reinterpret_cast<const float4*>(part_o + (row_b + (int64_t)h * num_splits) * D) + lane;
+    float* w_h = wl + h * num_splits;
+    float4 pre[MERGE_PRE];
+#pragma unroll
+    for (int u = 0; u < MERGE_PRE; ++u)
+      pre[u] = u < num_splits ? __ldcg(o_h + u * (D / 4)) : make_float4(0.f, 0.f, 0.f, 0.f);
     float M = -INFINITY;
     int nan = 0;
     for (int s = lane; s < num_splits; s += 32) {
-      const float l = wl[h * num_splits + s];
+      const float l = __ldcg(lse_h + s);
+      w_h[s] = l;
       nan |= (l != l);
       M = fmaxf(M, l);
     }
@@ -306,53 +369,34 @@ __device__ __noinline__ void merge_splits(uint8_t* smem, const float* __restrict
     }
     float W = 0.f;
     for (int s = lane; s < num_splits; s += 32) {
-      const float l = wl[h * num_splits + s];
-      const float w = l > -INFINITY ? exp2f(l - M) : 0.f;   // empty splits (and NaN ones) weigh nothing
-      wl[h * num_splits + s] = w;
+      const float l = w_h[s];
+      const float w = l > -INFINITY ? ex2(l - M) : 0.f;   // empty splits (and NaN ones) weigh nothing
+      w_h[s] = w;
       W += w;
     }
     for (int o = 16; o; o >>= 1) W += __shfl_xor_sync(0xffffffffu, W, o);
-    if (lane == 0) hinv[h] = nan ? __int_as_float(0x7fc00000) : (W > 0.f ? 1.f / W : 0.f);
-  }
-  __syncthreads();
-  // weighted sums: warp w takes splits w, w + 4, ...; lane l holds channels 4 l .. 4 l + 3 of every head (one
-  // float4 per lane = one 512-byte partial row per warp load; a split's loads of all heads are independent)
-  float* red = hinv + 8;                                     // [WARPS][8][D] per-warp sums
-  for (int h0 = 0; h0 < group; h0 += 4) {                   // heads in fours: fewer live registers
-    float4 acc4[4];
+    __syncwarp();
+    const float inv = nan ? __int_as_float(0x7fc00000) : (W > 0.f ? 1.f / W : 0.f);
+    float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-    for (int h = 0; h < 4; ++h) acc4[h] = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll MERGE_UNROLL
-    for (int s = warp; s < num_splits; s += WARPS) {
-#pragma unroll
-      for (int h = 0; h < 4; ++h) {
-        if (h0 + h < group) {
-          const float w = wl[(h0 + h) * num_splits + s];
-          const float4 x = __ldcg(reinterpret_cast<const float4*>(part_o + (row_b + (int64_t)(h0 + h) * num_splits + s) * D) + lane);
-          acc4[h].x += w * x.x; acc4[h].y += w * x.y; acc4[h].z += w * x.z; acc4[h].w += w * x.w;
-        }
+    for (int u = 0; u < MERGE_PRE; ++u) {
+      if (u < num_splits) {
+        const float w = w_h[u];
+        a.x += w * pre[u].x; a.y += w * pre[u].y; a.z += w * pre[u].z; a.w += w * pre[u].w;
       }
     }
-#pragma unroll
-    for (int h = 0; h < 4; ++h)
-      if (h0 + h < group) reinterpret_cast<float4*>(red + (warp * 8 + h0 + h) * D)[lane] = acc4[h];
-  }
-  __syncthreads();
-  // the rotation back, out = s * (H x) / sqrt(D): warp w takes heads w, w + 4, lane l channels 4 l .. 4 l + 3
-  // (fwht_warp, no block barrier; notes/kernels.md run 46: the per-channel form with 4 barriers per head was slower)
-  for (int h = warp; h < group; h += WARPS) {
-    float x[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      x[i] = 0.f;
-      for (int w = 0; w < WARPS; ++w) x[i] += red[(w * 8 + h) * D + lane * 4 + i];
-      x[i] *= hinv[h];
+#pragma unroll 8
+    for (int s = MERGE_PRE; s < num_splits; ++s) {
+      const float4 x = __ldcg(o_h + s * (D / 4));
+      const float w = w_h[s];
+      a.x += w * x.x; a.y += w * x.y; a.z += w * x.z; a.w += w * x.w;
     }
+    float x[4] = {a.x * inv, a.y * inv, a.z * inv, a.w * inv};
     fwht_warp(x, lane);
     const int64_t oi = (int64_t)b * stride_ob + (int64_t)(kvh * group + h) * stride_oh + lane * 4;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const float y = x[i] * (signs[lane * 4 + i] * 0.08838834764831845f);  // 1 / sqrt(128)
+      const float y = x[i] * sg[i];
       if (o_bf16) reinterpret_cast<__nv_bfloat16*>(out)[oi + i] = __float2bfloat16_rn(y);
       else reinterpret_cast<__half*>(out)[oi + i] = __float2half_rn(y);
     }
@@ -483,8 +527,8 @@ __device__ __forceinline__ void decode_step(KVREPRO_DECODE_PARAMS) {
   static_assert(STAGES >= 1 + NP && STAGES % NP == 0 && 32 % NP == 0,
                 "PageFmt: STEP must divide KSTAGES (one commit group per step) and 32 (the block-table window), and "
                 "leave at least one page in flight");
-  static_assert(WARPS * STAGES * PAGE >= WARPS * 8 * D * 4 + WARPS * 8 * 3 * 4 &&
-                WARPS * STAGES * PAGE >= (MERGE_MAX + 8 + WARPS * 8 * D) * 4, "the ring doubles as the merge buffers");
+  static_assert(WARPS * STAGES * PAGE >= WARPS * 8 * D * 4 + WARPS * 8 * 3 * 4 && WARPS * STAGES * PAGE >= MERGE_MAX * 4,
+                "the ring doubles as the merge buffers");
   for (int i = 0; i < STAGES - NP; i += NP) issue(i, i * PAGE);
 
   // ---- the group's query rows, rotated (q @ R = H (s q) / sqrt(D)), scaled and rounded to float16 as
@@ -750,57 +794,39 @@ __device__ __forceinline__ void decode_step(KVREPRO_DECODE_PARAMS) {
     // channel of tile t, row g (row g + 8: + 1). 4-bit values: plane (t >> 2) * 64 + 32 half + 16 e + 2 g, t = 4 p +
     // 2 half + e; 2-bit values: 32 p + 16 e + 2 g, t = 2 p + e (both: (t >> 1) * 32 + (t & 1) * 16 + 2 g)
     const int ch = (t >> 1) * 32 + (t & 1) * 16 + 2 * g;
-    w_o[(warp * 8 + h0) * D + ch] = acc[t][0];
-    w_o[(warp * 8 + h0 + 1) * D + ch] = acc[t][1];
-    w_o[(warp * 8 + h0) * D + ch + 1] = acc[t][2];
-    w_o[(warp * 8 + h0 + 1) * D + ch + 1] = acc[t][3];
+    // channels ch, ch + 1 of heads h0 and h0 + 1: one 8-byte store each
+    *reinterpret_cast<float2*>(w_o + (warp * 8 + h0) * D + ch) = make_float2(acc[t][0], acc[t][2]);
+    *reinterpret_cast<float2*>(w_o + (warp * 8 + h0 + 1) * D + ch) = make_float2(acc[t][1], acc[t][3]);
   }
   if (g == 0) {
     w_s[(warp * 8 + h0) * 3 + 0] = m0; w_s[(warp * 8 + h0) * 3 + 1] = l0; w_s[(warp * 8 + h0) * 3 + 2] = z0;
     w_s[(warp * 8 + h0 + 1) * 3 + 0] = m1; w_s[(warp * 8 + h0 + 1) * 3 + 1] = l1; w_s[(warp * 8 + h0 + 1) * 3 + 2] = z1;
   }
   __syncthreads();
-  // thread = channel; loop over the group's heads
-  const int ch = threadIdx.x;
-  for (int h = 0; h < group; ++h) {
-    float M = -INFINITY;
-    for (int w = 0; w < WARPS; ++w) M = fmaxf(M, w_s[(w * 8 + h) * 3]);
-    float L = 0.f, Z = 0.f, O = 0.f;
-    int nan = 0;
-    for (int w = 0; w < WARPS; ++w) {
-      const float mw = w_s[(w * 8 + h) * 3], lw = w_s[(w * 8 + h) * 3 + 1];
-      nan |= (lw != lw);
-      if (mw == -INFINITY) continue;
-      const float f = exp2f(mw - M);
-      L += f * lw; Z += f * w_s[(w * 8 + h) * 3 + 2]; O += f * w_o[(w * 8 + h) * D + ch];
-    }
-    const int64_t row = ((int64_t)b * hq + kvh * group + h) * num_splits + split;
-    float o, lse;
-    if (nan) { o = __int_as_float(0x7fc00000); lse = o; }
-    else if (L == 0.f) { o = 0.f; lse = -INFINITY; }
-    else {
-      // plane p of the values was summed as 16^p (4-bit) / 4^p (2-bit) times the code offset
-      const float plane = VB == 4 ? (ch < 64 ? 1.f : 1.0f / 16.0f) : 1.0f / (float)(1 << (2 * (ch >> 5)));
-      o = O * plane / L + Z / L;
-      lse = M + log2f(L);
-    }
-    part_o[row * D + ch] = o;
-    if (ch == 0) part_lse[row] = lse;
-  }
+  cta_partial<KB, VB>(w_o, w_s, part_o, part_lse, b, kvh, hq, group, num_splits, split);
 
-  // ---- the last CTA of this (sequence, KV head) merges the splits (threadfence reduction: CUDA programming
-  // guide, "Memory fence functions") and rotates back
-  __threadfence();  // this CTA's partials are visible device-wide before it counts itself in
-  __syncthreads();
+  // ---- the last CTA of this (sequence, KV head) merges the splits and rotates back. The count-in is one
+  // atom.add.acq_rel.gpu by thread 0 after a barrier: the barrier orders the CTA's partial stores before thread 0's
+  // release, and the acquire (with the barrier after it) orders the merging CTA's loads after every other CTA's
+  // release (PTX ISA, memory consistency model: release and acquire patterns are cumulative; the pattern of CUTLASS's
+  // split-K semaphore). It replaces a __threadfence (fence.sc.gpu) in every thread on each side (notes/kernels.md run
+  // 64).
   unsigned* counter = counters + (int64_t)b * num_kv_heads + kvh;
-  if (threadIdx.x == 0) s_last = atomicAdd(counter, 1u) == (unsigned)(num_splits - 1);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    unsigned prev;
+    asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;\n" : "=r"(prev) : "l"(counter) : "memory");
+    s_last = prev == (unsigned)(num_splits - 1);
+  }
   __syncthreads();
   TRACE(4, global_ns());
   if (!s_last) return;
+  // every CTA of this (sequence, KV head) has counted in: the counter is ready for the next launch (reset before the
+  // merge, so that no register stays live across its call)
+  if (threadIdx.x == 0) *counter = 0u;
   merge_splits<KB, VB>(ring, part_o, part_lse, signs, out, b, kvh, hq, group, num_splits, stride_ob, stride_oh,
                o_bf16);
   TRACE(5, global_ns());
-  if (threadIdx.x == 0) *counter = 0u;  // every CTA of this (sequence, KV head) has counted in: ready for the next launch
 }
 
 // Entry points: one per preset; <name>_dyn_smem = the dynamic shared memory its launch must ask for (0: none), read by
