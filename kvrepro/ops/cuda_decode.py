@@ -17,8 +17,8 @@ Zhang et al. 2024), values through ``mma.m16n8k16.f16`` (4-bit or 2-bit codes tu
 trick, code | 0x6400 = 1024 + code) with tokens x GQA heads as the MMA shape; it
 writes the same split-K partials as the Triton kernel, but does the query rotation (a fast Walsh-Hadamard transform:
 the rotation is ``diag(s) H / sqrt(D)``) and the log-sum-exp split merge (FlashDecoding, Dao et al. 2023; the last CTA
-of each (sequence, KV head) merges, after the threadfence reduction of the CUDA programming guide) in the same
-launch, where the Triton path launches three kernels.
+of each (sequence, KV head) to count itself in merges: a release / acquire count-in, as CUTLASS's split-K semaphore) in
+the same launch, where the Triton path launches three kernels.
 """
 from __future__ import annotations
 

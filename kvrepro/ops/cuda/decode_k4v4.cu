@@ -7,7 +7,7 @@
 // Built into decode_k4v4.fatbin by `python -m kvrepro.ops.cuda_decode --build` (flags in decode_k4v4.json) and run by
 // kvrepro.ops.decode_attention(impl="cuda"), its default for these presets / head_dim 128 / block 16 / GQA group <= 8
 // on CUDA devices of compute capability >= 8.0. Verified against float64 attention on the H200 (sm_90) only:
-// notes/kernels.md runs 18 (k4v4), 37 (k8v4), 39 (k4v2) and 55 (this build, every preset).
+// notes/kernels.md runs 18 (k4v4), 37 (k8v4), 39 (k4v2) and 67 (this build, every preset).
 //
 // Same page format, query preparation and split-K workspace as the Triton path (impl="triton": v2, int8 keys),
 // but one launch does all three steps that the Triton path launches separately (rotate_query_kernel, attention,
@@ -23,8 +23,8 @@
 //   part_o   [B, HQ, S, D] float32 normalized partial outputs (rotated space), part_lse [B, HQ, S] (log2)
 //   out      [B, HQ, D] bfloat16 / float16 (flag bit 1), strides (stride_ob, stride_oh, 1)
 //   counters [B, HKV] uint32, zero before the launch and left zero after it: the CTAs of one (sequence, KV head)
-//            count themselves in; the last one merges the S partials (log-sum-exp, as merge_splits_kernel) and
-//            rotates the result back, out = s * (H o) / sqrt(D), then resets the counter.
+//            count themselves in (one acquire-release atomic each); the last one resets the counter, merges the S
+//            partials (log-sum-exp, as merge_splits_kernel) and rotates the result back, out = s * (H o) / sqrt(D).
 //
 // Differences from the Triton kernel (notes/kernels.md "Design sketch for the next decode kernel"):
 //  - grid (B, S x HKV), blockIdx.y = split x HKV + kvh (split-major); split boundaries weighted by the CTA's round of
