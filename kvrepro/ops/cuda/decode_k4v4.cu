@@ -57,10 +57,11 @@ constexpr int D = 128;           // head_dim
 constexpr int BS = 16;           // tokens per page (vLLM block)
 // Page layout per preset (kvrepro.formats.layout): K codes [16][D * KB / 8] at 0, V codes [16][D * VB / 8] at V_OFF,
 // K meta [16][scale, zero] f16 at KM_OFF, V meta [16] f16 at VM_OFF. KSTAGES: ring depth (k8v4's 3-deep ring keeps the
-// CTA under 48 KB of static shared memory, 4 CTAs per SM; k4v2 needs 6 pages per warp for the merge buffers that
-// reuse the ring). Deeper rings (KVREPRO_STAGES_K8V4=4, KVREPRO_STAGES_K4V2=7 or 8: dynamic shared memory, Ring) were
-// no faster on the H200 beyond run-to-run noise (notes/kernels.md run 39). A depth must be a multiple of the preset's
-// STEP (now 2 for k4v4 and k4v2: 7 for k4v2 or 5 for k4v4 no longer build).
+// CTA under 48 KB of static shared memory, 4 CTAs per SM; k4v2 keeps 6 pages per warp, chosen when the old split
+// merge needed them for its buffers; the merge now needs ~17 KB, a 4-deep k4v2 ring was not timed). Deeper rings
+// (KVREPRO_STAGES_K8V4=4, KVREPRO_STAGES_K4V2=7 or 8: dynamic shared memory, Ring) were no faster on the H200 beyond
+// run-to-run noise (notes/kernels.md run 39). A depth must be a multiple of the preset's STEP
+// (now 2 for k4v4 and k4v2: 7 for k4v2 or 5 for k4v4 no longer build).
 template <int KB, int VB> struct PageFmt;
 #ifndef KVREPRO_STAGES
 #define KVREPRO_STAGES 4
@@ -135,7 +136,7 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
 }
 
 // "memory" clobbers: no shared-memory access may move across the copies, the waits or the ldmatrix reads. L2::128B:
-// the L2 fetches the whole 128-byte line of each 16-byte request (a page's runs are whole lines): 0.9% at batch 3
+// the L2 fetches the whole 128-byte line of each 16-byte request (a page's runs are whole lines): 1.0-1.3% at batch 3
 // (notes/kernels.md runs 61-66; L2::256B gained less, an evict_first cache policy lost 1.5-5%)
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {
   asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
@@ -335,7 +336,7 @@ __device__ __noinline__ void cta_partial(const float* w_o, const float* w_s, flo
 // log-sum-exp weights are known (one round trip to L2 for S <= MERGE_PRE); then the weights w_s = 2^(lse_s - max) (a
 // warp's own region of the shared buffer), the weighted sum, the rotation back (Walsh-Hadamard transform) and the
 // output. The caller's atom.acq_rel and barrier order these loads after every other CTA's partial stores. Not inlined,
-// as cta_partial. notes/kernels.md runs 62-64: 1.3 us from the count-in to the output's stores, 3.3 us before.
+// as cta_partial. notes/kernels.md runs 62-66: 1.8 us from the count-in to the output's stores, 3.5 us before.
 template <int KB, int VB>
 __device__ __noinline__ void merge_splits(uint8_t* smem, const float* __restrict__ part_o,
                                           const float* __restrict__ part_lse, const float* __restrict__ signs,
