@@ -1,5 +1,8 @@
-# kvrepro: `make report` (set up if needed, run the three notebooks, write HTML to reports/)
-#          `make test`   (set up if needed, run the test suite; what CI runs through .ci/run)
+# kvrepro: `make report`   (set up if needed, run the three notebooks, write HTML to reports/)
+#          `make test`     (set up if needed, run the test suite; what CI runs through .ci/run)
+#          `make test-gpu` (the tests marked gpu, on a machine with a CUDA device)
+#          `make lab`      (JupyterLab on the notebooks, kernel "Python (kvrepro)")
+#          `make summary`  (regenerate the README results block and docs/capacity.png from results/)
 #
 # CPU path (default): a virtual environment in .venv with the CPU torch and Triton (interpreter).
 # GPU/conda path: `conda env create -f environment.yml && conda activate kvrepro`, then
@@ -20,7 +23,7 @@ STAMP := $(VENV)/.kvrepro-env-stamp
 # 2-core machine (notes/accuracy.md).
 export OMP_WAIT_POLICY ?= PASSIVE
 
-.PHONY: env report test check-notebooks clean-reports
+.PHONY: env report test test-gpu lab summary check-notebooks clean-reports
 
 ifeq ($(PY),$(VENV)/bin/python)
 env: $(STAMP)
@@ -69,6 +72,23 @@ test: env
 	@$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "error: pytest collected no tests (exit code 5)" >&2; exit 1; fi; \
 	exit $$rc
+
+# The tests marked `gpu` (CUDA kernels, the backend's decode path, vLLM smoke where vLLM is installed).
+# Refuses to run where there is no CUDA device instead of reporting every test as skipped.
+test-gpu: env
+	@$(PY) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'error: make test-gpu needs a CUDA device (torch.cuda.is_available() is False)')"
+	@$(PY) -m pytest -m gpu -rs $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "error: pytest collected no gpu tests (exit code 5)" >&2; exit 1; fi; \
+	exit $$rc
+
+# JupyterLab with the kvrepro kernel, on the CPU path as on the GPU path (installs the `lab` extra once).
+lab: env
+	@$(PY) -c "import jupyterlab" 2>/dev/null || $(PY) -m pip install -e '.[lab]'
+	$(PY) -m jupyter lab --notebook-dir=notebooks
+
+# README results block and docs/capacity.png, generated from the committed result files.
+summary: env
+	$(PY) -m kvrepro.summary --write
 
 clean-reports:
 	find reports -mindepth 1 ! -name .gitkeep -delete

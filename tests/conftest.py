@@ -1,14 +1,56 @@
-"""Shared pytest setup.
+"""Shared pytest setup: environment before torch loads, and the markers that gate hardware.
 
-- OpenMP threads wait passively: on a busy 2-core machine spinning threads slowed CPU model runs
-  10-30x (notes/accuracy.md). Set before torch is imported.
-- On a machine without CUDA, Triton kernels run in its interpreter.
+Markers (declared in ``pyproject.toml``):
+
+- ``gpu``: needs a CUDA device; skipped with that reason where ``torch.cuda.is_available()`` is False.
+  ``make test-gpu`` (``pytest -m gpu``) runs exactly these on a GPU machine.
+- ``vllm``: needs vLLM 0.20.2 importable; skipped with that reason where it is not.
+- ``slow``: more than ~30 s on the 2-core CPU machine; run by ``make test``, left out by ``-m "not slow"``.
+
+Why the environment is set here: OpenMP threads wait passively (spinning threads slowed CPU model runs
+10-30x on a busy 2-core machine), and without CUDA the Triton kernels run in Triton's interpreter; both
+must be set before torch / triton are imported.
 """
+import collections
+import importlib.util
 import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+import pytest  # noqa: E402
 import torch  # noqa: E402
 
-if not torch.cuda.is_available():
+HAS_CUDA = torch.cuda.is_available()
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+
+if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+SKIP_REASONS = {
+    "gpu": None if HAS_CUDA else "needs a CUDA GPU (torch.cuda.is_available() is False); run `make test-gpu` on one",
+    "vllm": None if HAS_VLLM else "needs vLLM 0.20.2 (not installed; GPU path: conda env from environment.yml)",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skip ``gpu`` / ``vllm`` tests, with the reason, where the machine lacks what they need."""
+    for item in items:
+        for name, reason in SKIP_REASONS.items():
+            if reason and item.get_closest_marker(name):
+                item.add_marker(pytest.mark.skip(reason=reason))
+                break
+
+
+def pytest_terminal_summary(terminalreporter):
+    """One line per skip reason with its count, so a run says why tests did not run (``-rs`` lists each)."""
+    skipped = terminalreporter.stats.get("skipped", [])
+    if not skipped:
+        return
+    reasons = collections.Counter()
+    for rep in skipped:
+        longrepr = rep.longrepr
+        reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+        reasons[reason.removeprefix("Skipped: ")] += 1
+    terminalreporter.section("skip reasons")
+    for reason, n in reasons.most_common():
+        terminalreporter.write_line(f"{n:4d} skipped: {reason}")
