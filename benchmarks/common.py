@@ -1,5 +1,5 @@
-"""Helpers shared by the benchmark scripts (not tests): provenance, pools filled with random
-pages, copy bandwidth, atomic JSON writes."""
+"""Helpers shared by the benchmark scripts (not tests): provenance, the decode workload (Qwen3-4B shapes over pools
+filled with random pages), CUDA-graph timing, copy bandwidth, atomic JSON writes."""
 from __future__ import annotations
 
 import datetime
@@ -11,6 +11,9 @@ import tempfile
 import torch
 
 from kvrepro.formats import get_format
+
+HQ, HKV, D, BS = 32, 8, 128, 16        # Qwen3-4B: 32 query / 8 KV heads, head_dim 128; vLLM's block of 16 tokens
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
 def provenance(extra: dict | None = None) -> dict:
@@ -24,9 +27,9 @@ def provenance(extra: dict | None = None) -> dict:
         "triton": triton.__version__,
         "measured": "measured (this run)",
     }
-    # the code that ran, even where the copy's git metadata is stale (the device's was, 2026-11-30)
-    from kvrepro.accuracy_vllm import src_sha256
+    # the code that ran, even where the machine's git metadata does not match its working tree
     from kvrepro.ops import cuda_decode
+    from kvrepro.provenance import src_sha256
     info["kvrepro_src_sha256"] = src_sha256()
     info["cuda_fatbin_sha256"] = cuda_decode.read_manifest()["fatbin_sha256"]
     if torch.cuda.is_available():
@@ -64,11 +67,24 @@ def random_pool(preset: str, num_blocks: int, num_kv_heads: int, head_dim: int, 
     return pool
 
 
+def decode_setup(preset: str, ctx: int, batch: int, gen: torch.Generator):
+    """One decode step's inputs on CUDA at Qwen3-4B shapes: a ``random_pool`` of ``preset`` holding ``batch``
+    sequences of ``ctx`` tokens under a shuffled block table. Returns ``(pool, block_tables [batch, ctx / BS] int32,
+    seq_lens [batch] int32, query [batch, HQ, D] bfloat16)``."""
+    nb_per = ctx // BS
+    pool = random_pool(preset, batch * nb_per + 8, HKV, D, BS, "cuda", gen)
+    bt = torch.randperm(pool.num_blocks, device="cuda", generator=gen)[: batch * nb_per].reshape(batch, nb_per)
+    sl = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+    q = torch.randn(batch, HQ, D, device="cuda", dtype=torch.bfloat16)
+    return pool, bt.to(torch.int32), sl, q
+
+
 def copy_bandwidth(nbytes: int = 4 << 30) -> dict:
     """Device-to-device copy of ``nbytes``; bandwidth counts bytes read + written."""
     import triton.testing
     a = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_(0, 256)
     b = torch.empty_like(a)
+
     def copy():
         b.copy_(a)
     ms = triton.testing.do_bench(copy, warmup=50, rep=300, return_mode="median")
@@ -90,43 +106,16 @@ def capture_graph(fn):
     return g
 
 
-def cuda_event_ms(fn) -> float:
-    """One warm-up call, then one call timed with CUDA events (ms). For long calls (a 128K prefill
-    chunk) where ``do_bench``'s repetitions would cost minutes."""
+def bench(fn):
+    """``(eager_ms, graph_ms, graph_error)``: ``triton.testing.do_bench`` medians (L2 flushed before every call) of
+    ``fn`` and of a CUDA graph of one call; ``graph_ms`` None and the error's text if the call cannot be captured."""
+    import triton.testing
     fn()
-    e0, e1 = torch.cuda.Event(True), torch.cuda.Event(True)
-    e0.record()
-    fn()
-    e1.record()
     torch.cuda.synchronize()
-    return e0.elapsed_time(e1)
-
-
-def prefill_prompt(num_tokens: int, num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-                   gen: torch.Generator, preset: str = "k4v4"):
-    """A random bf16 prompt (q ``[T, Hq, D]``, k/v ``[T, Hkv, D]``) whose K/V are stored in a fresh
-    ``preset`` pool (``store_kv``, rotation in PyTorch) under a shuffled one-row block table.
-    Returns ``(q, k, v, pool, block_table [1, T / block_size] int32)``."""
-    from kvrepro.ops import store_kv
-    n, dev = num_tokens, "cuda"
-    k = torch.randn(n, num_kv_heads, head_dim, device=dev, dtype=torch.bfloat16)
-    v = torch.randn(n, num_kv_heads, head_dim, device=dev, dtype=torch.bfloat16)
-    q = torch.randn(n, num_q_heads, head_dim, device=dev, dtype=torch.bfloat16)
-    pool = get_format(preset).new_pool(n // block_size + 8, num_kv_heads, head_dim, block_size, device=dev)
-    bt = torch.randperm(pool.num_blocks, device=dev, generator=gen)[: n // block_size][None].to(torch.int32)
-    pos = torch.arange(n, device=dev)
-    slots = (bt[0, pos // block_size].long() * block_size + pos % block_size).to(torch.int32)
-    store_kv(k, v, pool.data, slots, pool.layout, pool.rotation, rotate="torch")
-    torch.cuda.synchronize()
-    return q, k, v, pool, bt
-
-
-def prefill_chunk(q, k, v, pool, block_table, c0: int, chunk: int, **kw):
-    """A no-argument callable: ``prefill_attention`` of the prompt's chunk ``[c0, c0 + chunk)``
-    (context ``[0, c0)`` from ``pool``, the chunk's own K/V fresh), softmax scale ``D ** -0.5``."""
-    from kvrepro.ops import prefill_attention
-    qsl = torch.tensor([0, chunk], dtype=torch.int32, device=q.device)
-    sl = torch.tensor([c0 + chunk], dtype=torch.int32, device=q.device)
-    rows = slice(c0, c0 + chunk)
-    return lambda: prefill_attention(q[rows], k[rows], v[rows], pool.data, block_table, sl, qsl, pool.layout,
-                                     pool.rotation, q.shape[-1] ** -0.5, max_query_len=chunk, **kw)
+    eager = triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
+    try:
+        g = capture_graph(fn)
+        return eager, triton.testing.do_bench(g.replay, warmup=10, rep=50, return_mode="median"), ""
+    except Exception as e:  # recorded, never replaced by the eager figure
+        torch.cuda.synchronize()
+        return eager, None, repr(e)[:300]

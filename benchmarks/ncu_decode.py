@@ -1,17 +1,13 @@
 """Workload for an Nsight Compute profile of one decode_attention launch (CUDA; default k4v4, 128K x 13).
 
 The cache: ``--preset`` (k4v4 default, k8v4, k4v2) with Qwen3-4B shapes (32 q / 8 KV heads, head_dim 128,
-block 16, shuffled block table) at one context length and batch, the default launch (keys through int8
-tensor cores, asm dequantization). Run 14 (notes/kernels.md) on the lent H200::
+block 16, shuffled block table) at one context length and batch, the kernel's default launch. ``--impl triton``
+(default) profiles the Triton kernel (``-k regex:paged_attn``; keys through int8 tensor cores, asm
+dequantization), ``--impl cuda`` kvrepro's CUDA kernel (``-k regex:kvrepro_decode``)::
 
-    ncu --set full --import-source yes -k regex:paged_attn --launch-skip 2 --launch-count 1 \\
-        -o $OUT/decode_b13 python3 benchmarks/ncu_decode.py --batch 13
-    ncu --import $OUT/decode_b13.ncu-rep --page details --csv > $OUT/details_b13.csv
-    ncu --import $OUT/decode_b13.ncu-rep --page source --csv --print-source sass > $OUT/sass_b13.csv
-    python benchmarks/ncu_summary.py $OUT/sass_b13.csv       # stall reasons, instruction mix
-
-The CUDA kernel (k4v4's default since 3b9474b) has its own kernel name: ``--impl cuda`` with
-``-k regex:kvrepro_decode``; ``--impl triton`` (default here, as in run 14) profiles the Triton kernel.
+    ncu --set full --import-source yes -k regex:kvrepro_decode --launch-skip 2 --launch-count 1 \\
+        -o $OUT/decode_b3 python3 benchmarks/ncu_decode.py --impl cuda --batch 3
+    ncu --import $OUT/decode_b3.ncu-rep --page details --csv > $OUT/details_b3.csv
 
 Runs the decode 4 times (2 warm-up launches compile and load the kernel; ncu skips those), prints the
 launch (kernel, splits) and exits. Needs CUDA. Nothing is timed here: ncu reports the figures.
@@ -25,7 +21,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-import benchmarks.run_h200 as rh  # noqa: E402
+from benchmarks.common import D, HKV, HQ, decode_setup  # noqa: E402
 from kvrepro.ops import decode_attention, decode_workspace_numel, default_num_splits  # noqa: E402
 
 
@@ -40,16 +36,16 @@ def main():
     if not torch.cuda.is_available():
         raise SystemExit("ncu_decode.py needs a CUDA device; none found")
     gen = torch.Generator(device="cuda").manual_seed(1234)
-    pool, bt, sl, q = rh.decode_setup(args.preset, args.ctx, args.batch, gen)
-    s = default_num_splits(args.batch, rh.HKV, bt.shape[1] * rh.BS, q.device, args.impl)
+    pool, bt, sl, q = decode_setup(args.preset, args.ctx, args.batch, gen)
+    s = default_num_splits(args.batch, HKV, bt.shape[1] * pool.block_size, q.device, args.impl)
     out = torch.empty_like(q)
-    ws = torch.empty(decode_workspace_numel(args.batch, rh.HQ, rh.D, s), device="cuda", dtype=torch.float32)
+    ws = torch.empty(decode_workspace_numel(args.batch, HQ, D, s), device="cuda", dtype=torch.float32)
     for _ in range(4):
-        decode_attention(q, pool.data, bt, sl, pool.layout, pool.rotation, rh.D ** -0.5, out=out, workspace=ws,
+        decode_attention(q, pool.data, bt, sl, pool.layout, pool.rotation, D ** -0.5, out=out, workspace=ws,
                          num_splits=s, impl=args.impl)
     torch.cuda.synchronize()
     print(f"ncu_decode: {args.impl} {args.preset} ctx {args.ctx} batch {args.batch} splits {s} "
-          f"({args.batch * rh.HKV * s} programs), finite {bool(torch.isfinite(out).all())}", flush=True)
+          f"({args.batch * HKV * s} programs), finite {bool(torch.isfinite(out).all())}", flush=True)
 
 
 if __name__ == "__main__":

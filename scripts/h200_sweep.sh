@@ -14,8 +14,9 @@
 # MIN_START='{"mode": s}' overrides kvrepro.sweep.MIN_START_S (seconds a mode needs to be started).
 # PREFILL_AUTO=1: kvrepro modes prefill with KVREPRO_PREFILL=dequant if the smoke passed it (see smoke).
 # Results: $OUT/RUN_ID.jsonl (rows of earlier calls resume from results/capacity/RUN_ID.jsonl or from
-# the warm machine's /tmp/kvres copy, whichever has more rows) + $OUT/sweep_log.txt (full vLLM log)
-# + $OUT/smoke_log.txt (the smoke test's SMOKE lines).
+# the warm machine's /tmp/kvres copy, whichever has more rows; kvrepro.sweep re-measures a mode whose rows
+# are incomplete and moves its earlier rows to RUN_ID.jsonl.superseded) + $OUT/sweep_log.txt (full vLLM
+# log) + $OUT/smoke_log.txt (the smoke test's SMOKE lines).
 set -u
 case "${1:-}" in smoke|sweep|smoke+sweep|prefix|preempt|smokeg) ;;
   *) echo "usage: $0 smoke | sweep RUN_ID MODES [EDGE] [PARAMS] [MODE_PARAMS] | smoke+sweep ... | prefix | preempt | smokeg"; exit 2 ;;
@@ -59,6 +60,7 @@ sweep() {
     src=/tmp/kvres/$run.jsonl
   fi
   [ -f "$src" ] && cp "$src" $OUT/$run.jsonl && echo "resuming from $src ($(wc -l < $src) rows)"
+  [ -f "$src.superseded" ] && cp "$src.superseded" $OUT/$run.jsonl.superseded
   # PREFILL_AUTO=1: use KVREPRO_PREFILL=dequant for kvrepro modes if this machine's smoke found it
   # right and faster than fa (the rows record the path in env / kvrepro_settings).
   if [ "${PREFILL_AUTO:-0}" = 1 ] && [ -z "${KVREPRO_PREFILL:-}" ] && [ -f /tmp/kvcache/flags/prefill_dequant_ok ]; then
@@ -70,9 +72,10 @@ sweep() {
     --run-id $run --confirm-edge "$edge" --sizing-only "${SIZING_ONLY:-}" --params "$params" \
     --mode-params "$mparams" --min-start-s "${MIN_START:-{\}}" --budget-s $(( budget - 10 )) --timeout-s ${SWEEP_TIMEOUT_S:-540} 2>&1 \
     | tee $OUT/sweep_log.txt \
-    | grep -E "^\[sweep\]|^\[measure\]|^\{|[Ee]rror|Traceback|GPU KV cache size|CUDA graph pool memory|Available KV cache" \
+    | grep -E "^\[sweep\]|^\[measure\]|^\{|[Ee]rror|Traceback|kvrepro settings|GPU KV cache size|CUDA graph pool memory|Available KV cache" \
     | cut -c1-700 | tail -60
   cp $OUT/$run.jsonl /tmp/kvres/ 2>/dev/null
+  cp $OUT/$run.jsonl.superseded /tmp/kvres/ 2>/dev/null
   echo "call done at $(( $(date +%s) - T0 )) s"
 }
 
@@ -88,7 +91,7 @@ case "${1:-}" in
     timeout 240 python3 scripts/vllm_smoke.py --case preempt --out $OUT/preempt.json > $OUT/preempt_log.txt 2>&1
     echo "preempt rc=$?"; grep -E "Error|Traceback" $OUT/preempt_log.txt | tail -5; cat $OUT/preempt.json 2>/dev/null | cut -c1-1500
     ;;
-  smokeg)  # the tiny-model engine smoke of the previous session (CUDA graphs + torch.compile, ~2 min)
+  smokeg)  # the tiny-model engine smoke (CUDA graphs + torch.compile, ~2 min)
     timeout 200 python3 scripts/vllm_smoke.py --case graphs --out $OUT/smoke_graphs.json 2>&1 | tee $OUT/smoke_log.txt | grep -E "SMOKE|Error|Traceback|KV cache size" | tail -20
     ;;
   *) echo "usage: $0 smoke | sweep RUN_ID MODES [EDGE] [PARAMS] [MODE_PARAMS] | smoke+sweep ... | prefix | preempt | smokeg"; exit 2 ;;

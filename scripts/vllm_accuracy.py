@@ -162,7 +162,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/kvout"))
     ap.add_argument("--weights", default="dequant", choices=av.WEIGHTS,
                     help="dequant (default): GGUF de-quantized by transformers, bf16; gguf: vLLM's GGUF loader "
-                         "(degenerate output on the H200, 2026-11-30); auto: gguf, then dequant if it fails")
+                         "(degenerate output on the H200); auto: gguf, then dequant if it fails")
     ap.add_argument("--compile", default="decode-graphs", choices=av.COMPILE)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.35)
     ap.add_argument("--deadline-s", type=float, default=330.0, help="no mode starts after this many seconds")

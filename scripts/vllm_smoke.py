@@ -92,7 +92,7 @@ def case_graphs(a):
 
 def case_piecewise(a):
     # disable_log_stats=False: the offline LLM turns stat logging off, and get_metrics() (the prefix-cache hit
-    # counter) then raises "Stat logging disabled" (first GPU run, 2026-11-30 09:47 UTC)
+    # counter) then raises "Stat logging disabled"
     llm = engine(compilation_config={"cudagraph_mode": "PIECEWISE"}, enable_prefix_caching=True,
                  disable_log_stats=False)
     ps = prompts()
@@ -103,7 +103,7 @@ def case_piecewise(a):
     prefix = rng.integers(1000, 150000, size=1024).tolist()
     pair = [{"prompt_token_ids": prefix + rng.integers(1000, 150000, size=n).tolist()} for n in (50, 90)]
     gen(llm, pair[:1], temperature=0.0, max_tokens=4)
-    from kvrepro.vllm_backend.measure import counter
+    from kvrepro.sweep_worker import counter
     from kvrepro.vllm_backend.runtime import CHECKS
 
     hits0, calls0 = counter(llm, "vllm:prefix_cache_hits"), len(CHECKS)
@@ -124,9 +124,9 @@ def case_piecewise(a):
 
 
 def case_preempt(a):
-    """vLLM's preemption counter, read as the capacity sweep reads it (``measure.preemptions``), on a workload that
-    must preempt: 8 requests of 64 + 128 tokens (96 blocks of 16) in a KV cache of 48 blocks."""
-    from kvrepro.vllm_backend.measure import counter, preemptions
+    """vLLM's preemption counter, read as the capacity sweep reads it (``sweep_worker.preemptions``), on a workload
+    that must preempt: 8 requests of 64 + 128 tokens (96 blocks of 16) in a KV cache of 48 blocks."""
+    from kvrepro.sweep_worker import counter, preemptions
 
     llm = engine(num_gpu_blocks_override=48, max_num_seqs=8, max_model_len=512, disable_log_stats=False)
     import numpy as np
@@ -172,9 +172,9 @@ def main():
     a = ap.parse_args()
     res = {"case": a.case, **globals()[f"case_{a.case}"](a)}
     from kvrepro.accuracy_vllm import _atomic_write
-    from kvrepro.vllm_backend.measure import key_center_summary
+    from kvrepro.vllm_backend.config import settings_for_engine
 
-    res["key_center_state"] = key_center_summary()   # the layers' key-centering states after the case ran
+    res["kvrepro_settings"] = settings_for_engine().as_dict()   # what the case's engine resolved (and logged)
     _atomic_write(a.out, lambda f: json.dump(res, f))   # write, then rename: no half-written result file
     print("SMOKE " + json.dumps({k: v for k, v in res.items() if k not in ("greedy",)}), flush=True)
 

@@ -1,16 +1,20 @@
 """kvrepro's CUDA decode kernel (``decode_attention(impl="cuda")``): which calls it serves, the committed fatbin
-against its source, and (on a CUDA device) its output vs float64 attention over the dequantized cache."""
+and generated layout header against their sources (``kvrepro.ops.cuda_build``), a CPU emulation of its fragment data
+flow, and (on a CUDA device, ``gpu`` marker) its output vs float64 attention over the dequantized cache."""
 from test_ops_helpers import DEV, block_tables, fill, make_pool, relerr  # noqa: I001  (TRITON_INTERPRET first)
 
 import filecmp
 import hashlib
+import shutil
 
+import numpy as np
 import pytest
 import torch
 
+import cuda_emulation as emu
 from kvrepro.formats import get_format
 from kvrepro.formats.layout import PageLayout
-from kvrepro.ops import cuda_decode, decode_attention
+from kvrepro.ops import cuda_build, cuda_decode, decode_attention
 from kvrepro.ops.decode import resolve_impl
 from kvrepro.reference import paged_attention_ref
 
@@ -132,11 +136,11 @@ def test_loader_errors_name_the_way_out(monkeypatch, tmp_path):
     assert cuda_decode.built_by(str(tmp_path / "missing.json")).startswith("an unknown nvcc")
     folders = ["/usr/local/cuda/bin/nvcc", "/usr/local/cuda-9.2/bin/nvcc", "/usr/local/cuda-13.0/bin/nvcc",
                "/usr/local/cuda-12.8/bin/nvcc"]
-    monkeypatch.setattr(cuda_decode.glob, "glob", lambda pattern: list(folders))
-    monkeypatch.setattr(cuda_decode.shutil, "which", lambda name: None)
-    monkeypatch.setattr(cuda_decode.os.path, "isfile", lambda p: p in folders)
-    monkeypatch.setattr(cuda_decode.os, "access", lambda p, mode: True)
-    assert cuda_decode.find_nvcc() == "/usr/local/cuda-13.0/bin/nvcc"
+    monkeypatch.setattr(cuda_build.glob, "glob", lambda pattern: list(folders))
+    monkeypatch.setattr(cuda_build.shutil, "which", lambda name: None)
+    monkeypatch.setattr(cuda_build.os.path, "isfile", lambda p: p in folders)
+    monkeypatch.setattr(cuda_build.os, "access", lambda p, mode: True)
+    assert cuda_build.find_nvcc() == "/usr/local/cuda-13.0/bin/nvcc"
 
 
 def test_decode_attention_refuses_cuda_with_the_reason():
@@ -152,41 +156,94 @@ def test_decode_attention_refuses_cuda_with_the_reason():
 
 
 def test_committed_fatbin_is_built_from_the_committed_source(tmp_path):
-    """The manifest's SHA-256s match the files; where an nvcc of the manifest's version exists, rebuilding
-    gives the committed fatbin byte for byte (nvcc is deterministic for a fixed version and flags)."""
+    """The manifest's hashes match the files (the sources' with comments stripped, the fatbin's); where an nvcc of
+    the manifest's version exists, rebuilding gives the committed fatbin byte for byte (nvcc is deterministic for a
+    fixed version and flags)."""
     info = cuda_decode.read_manifest()
-    assert info["source_sha256"] == _sha(cuda_decode.SOURCE), "decode_k4v4.cu changed: run python -m kvrepro.ops.cuda_decode --build"
+    assert info[cuda_build.CODE_HASH_FIELD] == cuda_build.code_sha256(), \
+        "decode.cu or page_layout.h changed (not only in comments): run python -m kvrepro.ops.cuda_build"
+    assert info["sources"] == ["decode.cu", "page_layout.h"]
     assert info["fatbin_sha256"] == _sha(cuda_decode.FATBIN)
-    assert info["gencode"] == list(cuda_decode.GENCODE) and info["nvcc_flags"] == list(cuda_decode.NVCC_FLAGS)
+    assert info["kernels"] == list(cuda_decode.KERNELS.values())
+    assert info["gencode"] == list(cuda_build.GENCODE) and info["nvcc_flags"] == list(cuda_build.NVCC_FLAGS)
     assert all("0 bytes spill" in ln for ln in info["ptxas_report"] if "spill" in ln)
+    assert cuda_build.check() == [] and cuda_build.main(["--check"]) == 0
     try:
-        nvcc = cuda_decode.find_nvcc()
+        nvcc = cuda_build.find_nvcc()
     except FileNotFoundError:
         pytest.skip("no nvcc on this machine: byte-for-byte rebuild not checked")
     import subprocess
     version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1]
     if version != info["nvcc_version"]:
         pytest.skip(f"nvcc here is {version!r}, the fatbin was built by {info['nvcc_version']!r}")
-    got = cuda_decode.build(nvcc, out=str(tmp_path / "k.fatbin"), manifest=str(tmp_path / "k.json"))
+    got = cuda_build.build(nvcc, out=str(tmp_path / "k.fatbin"), manifest=str(tmp_path / "k.json"))
     assert filecmp.cmp(tmp_path / "k.fatbin", cuda_decode.FATBIN, shallow=False)
-    assert got["fatbin_sha256"] == info["fatbin_sha256"] and not (tmp_path / "k.fatbin.tmp").exists()
+    assert got == info and not (tmp_path / "k.fatbin.tmp").exists()
+
+
+def test_manifest_code_hash_ignores_comments_only():
+    """``source_sha256_comments_stripped``: a comment, trailing whitespace or a blank line changes nothing; code does,
+    and so does a string literal that looks like a comment."""
+    src = '''#include "page_layout.h"  // layout
+/* block
+   comment */ constexpr int A = 1;   // why: a reason
+
+asm("mov.u32 %0, 1; // not a comment");
+const char c = '/';
+'''
+    same = src.replace("// why: a reason", "// why: another reason, longer").replace("block", "blk") + "\n\n   \n"
+    assert cuda_build.code_text(same) == cuda_build.code_text(src)
+    assert cuda_build.code_text(src) == ('#include "page_layout.h"\n  constexpr int A = 1;\n'
+                                         'asm("mov.u32 %0, 1; // not a comment");\nconst char c = \'/\';\n')
+    assert cuda_build.code_text(src.replace("A = 1", "A = 2")) != cuda_build.code_text(src)
+    assert cuda_build.code_text(src.replace("// not", "// NOT")) != cuda_build.code_text(src)
+
+
+def test_committed_page_layout_header_is_generated_from_the_formats(tmp_path):
+    """``cuda/page_layout.h`` is ``page_layout_header()`` (from kvrepro.formats.layout: the one definition of the page
+    layout), decode.cu includes it and instantiates one entry point per ``KERNELS`` name; ``check`` (``--check``)
+    reports a header that differs, and ``write_header`` rewrites it."""
+    with open(cuda_build.HEADER) as f:
+        header = f.read()
+    assert header == cuda_build.page_layout_header()
+    assert header.startswith("// Generated by `python -m kvrepro.ops.cuda_build`") and "do not edit" in header
+    for (kb, vb), lay in cuda_decode.LAYOUTS.items():
+        assert lay == get_format(cuda_decode.PRESETS[kb, vb]).layout(128, 16)
+        assert (f"struct PageLayout<{kb}, {vb}> {{  // {cuda_decode.PRESETS[kb, vb]}\n  static constexpr int PAGE = "
+                f"{lay.page_bytes}, V_OFF = {lay.v_code_offset}, KM_OFF = {lay.k_meta_offset}, "
+                f"VM_OFF = {lay.v_meta_offset};") in header
+    with open(cuda_build.SOURCE) as f:
+        src = f.read()
+    assert '#include "page_layout.h"' in src
+    for (kb, vb), name in cuda_decode.KERNELS.items():
+        assert f"KVREPRO_ENTRY({name}, {kb}, {vb})" in src
+        assert f"struct PageFmt<{kb}, {vb}> : PageLayout<{kb}, {vb}>" in src
+    stale = tmp_path / "page_layout.h"
+    stale.write_text(header.replace("PAGE = 2144", "PAGE = 2160"))
+    problems = cuda_build.check(header=str(stale))
+    assert any("not the header generated from kvrepro.formats.layout" in p for p in problems), problems
+    assert any("differ from the sources the fatbin was built from" in p for p in problems), problems
+    assert cuda_build.write_header(str(stale)) and stale.read_text() == header
+    assert not cuda_build.write_header(str(stale))                     # already up to date: not rewritten
+    man = tmp_path / "decode.json"
+    shutil.copyfile(cuda_decode.MANIFEST, man)
+    assert cuda_build.check(header=str(stale), manifest=str(man)) == []
+    assert cuda_build.check(header=str(stale), manifest=str(man), fatbin=str(man)) == [
+        f"{man} is not the fatbin the manifest names (fatbin_sha256)"]
 
 
 def test_build_reports_nvcc_failure(tmp_path):
     with pytest.raises(FileNotFoundError, match="nvcc not found"):
-        cuda_decode.find_nvcc(str(tmp_path / "no-nvcc"))
+        cuda_build.find_nvcc(str(tmp_path / "no-nvcc"))
     fake = tmp_path / "nvcc"
     fake.write_text("#!/bin/sh\necho 'error: boom' >&2\nexit 3\n")
     fake.chmod(0o755)
     with pytest.raises(RuntimeError, match=r"nvcc failed \(3\):[\s\S]*error: boom"):
-        cuda_decode.build(str(fake), out=str(tmp_path / "k.fatbin"), manifest=str(tmp_path / "k.json"))
+        cuda_build.build(str(fake), out=str(tmp_path / "k.fatbin"), manifest=str(tmp_path / "k.json"))
     assert not list(tmp_path.glob("k.*")), "a failed build leaves no fatbin or manifest behind"
 
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA kernel needs a CUDA device")
-
-
-@needs_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("hq,hkv", [(32, 8), (24, 8), (8, 8), (16, 2), (16, 8), (40, 8), (56, 8)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("num_splits", [1, 3, None])
@@ -228,7 +285,7 @@ def _filled(gen, lens, preset="k4v4"):
     return pool, bt
 
 
-@needs_cuda
+@pytest.mark.gpu
 def test_cuda_nan_query_head_stays_nan():
     gen = torch.Generator().manual_seed(3)
     pool, bt = _filled(gen, [170, 170])
@@ -243,7 +300,7 @@ def test_cuda_nan_query_head_stays_nan():
     assert relerr(out[keep], ref[keep]) < 5e-4
 
 
-@needs_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("preset", ["k4v4", "k8v4", "k4v2"])
 def test_cuda_kernel_is_graph_capturable(preset):
     """Launched on PyTorch's current stream: a captured CUDA graph replays it with new query values."""
@@ -309,12 +366,12 @@ def test_runtime_uses_the_split_rule_of_its_kernel(monkeypatch):
     assert big.reserve_numel(cpu) == max(need_cuda, triton_only)      # covers whichever kernel resolves
 
 
-@needs_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("forced", [None, (30, 200)])
 @pytest.mark.parametrize("preset", ["k4v4", "k8v4", "k4v2"])
 def test_cuda_splits_partition_the_sequence(forced, preset, monkeypatch):
     """Each split's log-sum-exp (the workspace's part_lse, log2) is that of its own tokens only: whole 16-token pages
-    cut as ``cuda_decode.split_pages`` says (weighted by round of placement; decode_k4v4.cu split_weight_prefix), empty
+    cut as ``cuda_decode.split_pages`` says (weighted by round of placement; decode.cu split_weight_prefix), empty
     splits -inf. A kernel whose splits each read the whole sequence would still merge to the right output, and one
     that cut the pages elsewhere would too; this catches both. ``forced``: ``(rank_div, rank_skew)`` handed to the
     kernel instead of ``rank_args``'s (120 CTAs all sit in round 0 of 132 SMs), so that the weights differ (rounds
@@ -368,7 +425,7 @@ def check_split_lse(lse, logits, pages, n, where):
             assert torch.isneginf(got).all(), (where, s_)
 
 
-@needs_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("preset", ["k4v4", "k8v4", "k4v2"])
 def test_cuda_pool_over_2_gib_and_unaligned_pool(preset):
     """Block ids whose byte offset passes 2**31 give the same output as low block ids (int64 offsets); a pool that
@@ -420,7 +477,7 @@ def test_rotation_signs_accepts_only_the_hadamard_form():
         cuda_decode.rotation_signs(r)
 
 
-@needs_cuda
+@pytest.mark.gpu
 def test_cuda_strided_query_and_output_and_mixed_dtypes():
     """The kernel reads the query and writes the output through their strides (a slice of a wider buffer, as vLLM's
     [tokens, heads * head_dim] views), in float16 or bfloat16 independently, and leaves the rest of the buffer alone."""
@@ -443,7 +500,7 @@ def test_cuda_strided_query_and_output_and_mixed_dtypes():
         assert (obuf[untouched] == 7.0).all()
 
 
-@needs_cuda
+@pytest.mark.gpu
 def test_cuda_split_counters_return_to_zero_and_calls_repeat_exactly():
     """The last CTA of each (sequence, KV head) merges and resets its arrival counter: after any launch the counters
     are zero again, so back-to-back launches (and graph replays) give bit-identical outputs, at every split count."""
@@ -463,7 +520,7 @@ def test_cuda_split_counters_return_to_zero_and_calls_repeat_exactly():
         assert relerr(outs[0][live], ref[live]) < 4e-3 and (outs[0][~live] == 0).all(), s
 
 
-@needs_cuda
+@pytest.mark.gpu
 def test_cuda_unchecked_rotation_refused_during_capture(monkeypatch):
     """A rotation tensor never seen eagerly cannot be checked inside graph capture (the check syncs): refused with
     a message that says to run it once eagerly; one seen before is served from the cache."""
@@ -478,7 +535,7 @@ def test_cuda_unchecked_rotation_refused_during_capture(monkeypatch):
         cuda_decode.rotation_signs(fresh)
 
 
-@needs_cuda
+@pytest.mark.gpu
 def test_cuda_refuses_more_splits_than_its_merge_holds():
     """impl='cuda' merges in the kernel, holding num_splits x group weights in shared memory: more is refused with
     the limit named."""
@@ -556,7 +613,7 @@ def test_split_pages_partition_properties():
 
 
 def _weight_prefix_cpp(s, c, p, rank_div, rank_skew):
-    """decode_k4v4.cu ``split_weight_prefix`` transcribed literally: unsigned 32-bit arithmetic (wrapping mod 2^32,
+    """decode.cu ``split_weight_prefix`` transcribed literally: unsigned 32-bit arithmetic (wrapping mod 2^32,
     which the caller's ranges never reach) and C++ unsigned division."""
     m32 = (1 << 32) - 1
     w = (1024 * s) & m32
@@ -623,17 +680,16 @@ def test_rank_args_skews_only_one_wave_on_hopper(monkeypatch):
 
 
 def test_launch_refuses_a_page_size_of_another_kernel():
-    """``LAYOUTS`` equals kvrepro.formats' page layouts of k4v4, k8v4 and k4v2 (2,144 / 3,168 / 1,632 bytes); a pool
+    """``LAYOUTS`` are kvrepro.formats' page layouts of k4v4, k8v4 and k4v2 (2,144 / 3,168 / 1,632 bytes); a pool
     whose page size is not the layout of ``(key_bits, value_bits)`` is refused before anything runs (CPU tensors: the
     check comes first)."""
     from kvrepro.ops import cuda_decode
 
-    assert {v["page_bytes"] for v in cuda_decode.LAYOUTS.values()} == {
-        get_format(p).layout(128, 16).page_bytes for p in ("k4v4", "k8v4", "k4v2")}
+    assert [v.page_bytes for v in cuda_decode.LAYOUTS.values()] == [2144, 3168, 1632]
     for preset in ("k4v4", "k8v4", "k4v2"):
         layout = get_format(preset).layout(128, 16)
         bits = (layout.key_bits, layout.value_bits)
-        assert {k: getattr(layout, k) for k in cuda_decode.LAYOUT} == cuda_decode.LAYOUTS[bits]
+        assert cuda_decode.LAYOUTS[bits] == layout
         assert cuda_decode.PRESETS[bits] == preset and cuda_decode.KERNELS[bits] == f"kvrepro_decode_{preset}"
     q = torch.zeros(1, 32, 128, dtype=torch.bfloat16)
     args = [torch.zeros(1, 4, dtype=torch.int32), torch.ones(1, dtype=torch.int32), torch.zeros(1 << 16),
@@ -648,7 +704,8 @@ def test_launch_refuses_a_page_size_of_another_kernel():
 
 def test_launch_and_helpers_check_their_arguments_first():
     """Bad sizes, a rotation of another head_dim, a CPU pool and a GQA group outside 1..8 are refused by name before
-    any CUDA call; the build command without --build says what it does, and a missing nvcc is one line, exit 1."""
+    any CUDA call; the build command refuses --check with --nvcc (usage, exit 2), and a missing nvcc is one line,
+    exit 1."""
     from kvrepro.ops import cuda_decode
 
     q = torch.zeros(1, 32, 128, dtype=torch.bfloat16)
@@ -676,26 +733,8 @@ def test_launch_and_helpers_check_their_arguments_first():
     with pytest.raises(ValueError, match="rank_div must be an int in 1..65535"):
         cuda_decode.split_pages(100, 4, 0, 0, 1, 8, True, 48)
     assert cuda_decode.unsupported_reason(get_format("k8v4").layout(128, 16), 4, "cpu").endswith("got cpu")
-    assert cuda_decode.main([]) == 2
-    assert cuda_decode.main(["--build", "--nvcc", "/nonexistent/nvcc"]) == 1
-
-
-def test_layouts_match_the_kernels_page_constants():
-    """``cuda_decode.LAYOUTS`` (what Python checks and sends) and ``PageFmt<KB, VB>`` in decode_k4v4.cu (what the
-    kernels read) give the same page size and region offsets for every kernel, and the source has one entry point per
-    ``KERNELS`` name."""
-    import re
-
-    from kvrepro.ops import cuda_decode
-
-    src = open(cuda_decode.SOURCE).read()
-    for (kb, vb), lay in cuda_decode.LAYOUTS.items():
-        m = re.search(rf"struct PageFmt<{kb}, {vb}> {{\s*static constexpr int PAGE = (\d+), V_OFF = (\d+), "
-                      rf"KM_OFF = (\d+), VM_OFF = (\d+)", src)
-        assert m, f"PageFmt<{kb}, {vb}> not found"
-        assert f"KVREPRO_ENTRY({cuda_decode.KERNELS[kb, vb]}, {kb}, {vb})" in src
-        assert tuple(int(x) for x in m.groups()) == (lay["page_bytes"], lay["v_code_offset"], lay["k_meta_offset"],
-                                                     lay["v_meta_offset"])
+    assert cuda_build.main(["--check", "--nvcc", "/usr/bin/nvcc"]) == 2
+    assert cuda_build.main(["--nvcc", "/nonexistent/nvcc"]) == 1
 
 
 class _FakeDriver:
@@ -742,25 +781,75 @@ def test_dynamic_shared_memory_symbol_is_read_or_refused():
         mod._dyn_smem("kvrepro_decode_k4v2", missing_ok=True)
 
 
-def test_fragment_emulation_of_every_kernel_path():
-    """``prototypes/cuda_decode/emulate_fragments.py`` (numpy, no GPU): the kernel's register-level data flow for one
-    page (ldmatrix / mma fragment layouts, the int8 and float16 unpacks, the swizzles) against a direct decode of the
-    page bytes: k4v4's key dot product and values, and k4v2's 2-bit values, bit for bit, with conflict-free
-    shared-memory reads."""
-    import importlib.util
-    import os
+def _direct_codes(page, layout, region, bits):
+    """[16 tokens, 128 channels] codes of a region (``"k"`` / ``"v"``) of a split-plane page, decoded directly: byte
+    j of a token holds channel j + i P in bits [i bits, (i + 1) bits) (``P`` bytes per token)."""
+    lo, hi = ((layout.k_code_offset, layout.v_code_offset) if region == "k"
+              else (layout.v_code_offset, layout.k_meta_offset))
+    codes = page[lo:hi].reshape(16, -1)
+    mask = (1 << bits) - 1
+    return np.concatenate([(codes >> (i * bits)) & mask for i in range(8 // bits)], 1).astype(np.int64)
 
-    path = os.path.join(os.path.dirname(__file__), "..", "prototypes", "cuda_decode", "emulate_fragments.py")
-    spec = importlib.util.spec_from_file_location("emulate_fragments", path)
-    emu = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(emu)
-    assert emu.main() == 0
+
+def test_emulated_key_logits_equal_the_direct_dot_product():
+    """k4v4 keys (emulated lane by lane, tests/cuda_emulation.py): the swizzled copy, ldmatrix, the int8 planes
+    16 (code - 8) and two int8 MMA chains of the query digits give exactly the int32 dot products of the direct decode,
+    16 tokens x 8 heads (GQA 4: heads 4-7 are padding, zero)."""
+    rng = np.random.default_rng(0)
+    page = emu.random_page(rng, emu.K4V4)
+    qi = rng.integers(-16255, 16256, size=(8, 128))
+    qi[4:] = 0
+    qh = (qi + 64) >> 7                                     # the kernel's two digits: qi = 128 qh + ql
+    ql = qi - (qh << 7)
+    chi, clo = emu.key_dot(emu.to_smem(page), emu.query_fragments(qh), emu.query_fragments(ql))
+    got = emu.logits_from_fragments(chi * 128 + clo)
+    assert np.array_equal(got, 16 * (_direct_codes(page, emu.K4V4, "k", 4) - 8) @ qi.T)
+
+
+def test_emulated_values_equal_the_direct_weighted_sum():
+    """k4v4 and k4v2 values (emulated): ldmatrix.trans, the float16 magic-number unpack and the P^T fragments from
+    movmatrix give sum over tokens of w (code - mid) per head and channel, to float64 rounding; the page regions
+    the emulation reads are where kvrepro.formats' pool puts them."""
+    rng = np.random.default_rng(1)
+    page = emu.random_page(rng, emu.K4V4)
+    vs = page[emu.K4V4.v_meta_offset:].view(np.float16).astype(np.float64)
+    w = rng.uniform(0, 1, size=(16, 8)) * vs[:, None]
+    w[:, 4:] = 0
+    b = emu.weight_fragments(w)
+    w16 = w.astype(np.float16).astype(np.float64)           # the kernel packs the weights to float16
+    tc = emu.value_dot(emu.to_smem(page), b)
+    got = emu.outputs_from_tiles(tc, lambda t8: (t8 >> 2) * 64 + ((t8 >> 1) & 1) * 32 + (t8 & 1) * 16)
+    got[:, 64:] /= 16                                       # plane 1 is summed as 16 x the code
+    want = w16.T @ (_direct_codes(page, emu.K4V4, "v", 4) - 8)
+    assert np.abs(got - want).max() <= 1e-6 * np.abs(want).max()
+
+    pool = get_format("k4v4").new_pool(1, 1, 128, 16, device="cpu")
+    pool.data.copy_(torch.from_numpy(page.copy()).view(1, 1, -1))
+    kr, vr = pool.regions()[:2]
+    assert torch.equal(kr.reshape(-1), torch.from_numpy(page[:emu.K4V4.v_code_offset].copy()))
+    assert torch.equal(vr.reshape(-1), torch.from_numpy(page[emu.K4V4.v_code_offset:emu.K4V4.k_meta_offset].copy()))
+
+    page2 = emu.random_page(rng, emu.K4V2)
+    tc, ways = emu.value_dot_k4v2(page2, b)
+    got = emu.outputs_from_tiles(tc, lambda t8: (t8 >> 1) * 32 + (t8 & 1) * 16)
+    got /= 4.0 ** (np.arange(128) // 32)[None, :]           # 2-bit plane p is summed as 4^p x the code
+    want = w16.T @ (_direct_codes(page2, emu.K4V2, "v", 2) - 2)
+    assert np.abs(got - want).max() <= 1e-6 * np.abs(want).max()
+    assert ways == 1                                        # k4v2's value reads are conflict-free
+
+
+def test_swizzle_makes_the_code_reads_conflict_free():
+    """Each ldmatrix of k4v4's key and value code rows hits every shared-memory bank once with the kernel's swizzle
+    (rows t and t + 2 of 64-byte rows would share banks without it: 4-way)."""
+    regions = (0, emu.K4V4.v_code_offset)
+    assert max(emu.bank_ways(emu.row_addr(base, half)) for base in regions for half in (0, 1)) == 1
+    assert max(emu.bank_ways(emu.plain_row_addr(base, half)) for base in regions for half in (0, 1)) == 4
 
 
 def test_build_refuses_what_is_not_a_fatbin_of_these_kernels(tmp_path, monkeypatch):
     """``build`` writes nothing unless nvcc produced a fatbin naming every kernel and its ``_dyn_smem`` symbol: an
     "nvcc" that exits 0 without output, or with other bytes, is an error; an empty ``--nvcc`` is refused (not replaced
-    by a search); ``--nvcc`` alone (without ``--build``) is a usage error."""
+    by a search)."""
     out, man = tmp_path / "k.fatbin", tmp_path / "k.json"
     silent = tmp_path / "silent"
     silent.write_text("#!/bin/sh\nexit 0\n")
@@ -774,11 +863,11 @@ def test_build_refuses_what_is_not_a_fatbin_of_these_kernels(tmp_path, monkeypat
     for exe, match in [(silent, "exited 0 but wrote no fatbin"), (junk, "5 bytes that are not a fatbin"),
                        (fake_fatbin, "lacks kvrepro_decode_k8v4, kvrepro_decode_k8v4_dyn_smem, kvrepro_decode_k4v2")]:
         with pytest.raises(RuntimeError, match=match):
-            cuda_decode.build(str(exe), out=str(out), manifest=str(man))
+            cuda_build.build(str(exe), out=str(out), manifest=str(man))
         assert not out.exists() and not man.exists()
-    cuda_decode.check_fatbin(cuda_decode.FATBIN)                      # the committed one passes
+    cuda_build.check_fatbin(cuda_decode.FATBIN)                        # the committed one passes
     with pytest.raises(FileNotFoundError, match="--nvcc / nvcc is empty"):
-        cuda_decode.find_nvcc("  ")
-    monkeypatch.setattr(cuda_decode.shutil, "which", lambda name: str(junk) if name == "mynvcc" else None)
-    assert cuda_decode.find_nvcc("mynvcc") == str(junk)                # a command name: looked up on PATH
-    assert cuda_decode.main(["--nvcc", str(junk)]) == 2
+        cuda_build.find_nvcc("  ")
+    monkeypatch.setattr(cuda_build.shutil, "which", lambda name: str(junk) if name == "mynvcc" else None)
+    assert cuda_build.find_nvcc("mynvcc") == str(junk)                 # a command name: looked up on PATH
+    assert cuda_build.main(["--nvcc", str(junk)]) == 1                 # built with it: not a fatbin, exit 1

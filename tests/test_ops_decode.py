@@ -29,7 +29,7 @@ def _ref(q, pool, bt, sl):
     return paged_attention_ref(q, pool, bt, sl, qsl, q.shape[-1] ** -0.5, torch.float64)
 
 
-@pytest.mark.parametrize("variant", ["v1", "v2", "v3"])
+@pytest.mark.parametrize("key_mma", [None, "f16"])   # None: the default (int8 keys for 4- and 8-bit keys)
 @pytest.mark.parametrize("preset,hq,hkv,d,bs", [
     ("k4v4", 32, 8, 128, 16),     # Qwen3-4B
     ("k4v4", 9, 3, 64, 16),       # SmolLM2-135M
@@ -37,21 +37,21 @@ def _ref(q, pool, bt, sl):
     ("k4v2", 48, 2, 128, 16),     # group 24 (padded to 32 rows)
     ("k4v2", 16, 2, 64, 64),
 ])
-def test_decode_matches_dequantized_reference(variant, preset, hq, hkv, d, bs):
+def test_decode_matches_dequantized_reference(key_mma, preset, hq, hkv, d, bs):
     pool, bt, sl, q, _ = _setup(preset, hq, hkv, d, bs, LENS, torch.float16, seed=hq * d + bs)
     out = torch.full_like(q, float("nan"))                       # poisoned: every element must be written
     decode_attention(q, pool.data, bt, sl, pool.layout, pool.rotation, d ** -0.5, out=out,
-                     num_splits=3, variant=variant)
+                     num_splits=3, key_mma=key_mma)
     ref = _ref(q, pool, bt, sl)
     assert torch.isfinite(out).all()
     assert torch.equal(out[4], torch.zeros_like(out[4]))         # seq_len 0 -> zeros
     assert relerr(out[:4], ref[:4]) < 2e-3                       # fp16 output rounding ~3e-4
 
 
-@pytest.mark.parametrize("prefetch,block_n", [(False, 64), (True, 16), (True, 256)])
-def test_decode_v3_nan_tail_slots(prefetch, block_n):
-    """v3 reads whole pages: the unwritten slots after each sequence's last token are filled with
-    0xFF bytes (float16 NaN metadata) and must not reach the output."""
+@pytest.mark.parametrize("block_n", [16, 256])
+def test_decode_nan_tail_slots(block_n):
+    """The unwritten slots after each sequence's last token are filled with 0xFF bytes (float16 NaN
+    metadata) and must not reach the output, whether a tile ends inside a page or spans many."""
     lens = [1, 5, 54, 97, 300, 0]
     gen = torch.Generator().manual_seed(3)
     pool = make_pool("k4v4", 2, 64, 16, 130, gen)
@@ -63,16 +63,10 @@ def test_decode_v3_nan_tail_slots(prefetch, block_n):
     q = torch.randn(len(lens), 8, 64, generator=gen).to(DEV, torch.float16)
     sl = torch.tensor(lens, dtype=torch.int32, device=DEV)
     out = decode_attention(q, pool.data, bt, sl, pool.layout, pool.rotation, 0.125, num_splits=3,
-                           variant="v3", prefetch=prefetch, block_n=block_n)
+                           block_n=block_n)
     ref = _ref(q, pool, bt, sl)
     assert torch.isfinite(out).all()
     assert relerr(out[:5], ref[:5]) < 2e-3
-    with pytest.raises(ValueError, match="block_n >= block_size"):
-        big = make_pool("k4v4", 2, 64, 64, 4, gen)
-        decode_attention(q, big.data, bt[:, :2] % 4, sl.clamp(max=64), big.layout, big.rotation, 0.125,
-                         variant="v3", block_n=32)
-    with pytest.raises(ValueError, match="prefetch is a variant='v3' option"):
-        decode_attention(q, pool.data, bt, sl, pool.layout, pool.rotation, 0.125, variant="v2", prefetch=True)
 
 
 @pytest.mark.parametrize("num_splits", [1, 2, 7, 16])
@@ -145,8 +139,8 @@ def test_decode_refuses_unsupported_shapes():
     q = torch.zeros(1, 4, 64, dtype=torch.float16, device=DEV)
     with pytest.raises(ValueError, match="block_tables must be an int32"):
         decode_attention(q, pool.data, bt.long(), sl, pool.layout, pool.rotation, 0.125)
-    with pytest.raises(ValueError, match="variant"):
-        decode_attention(q, pool.data, bt, sl, pool.layout, pool.rotation, 0.125, variant="v9")
+    with pytest.raises(ValueError, match=r"dequant='ptx'; allowed: \('triton', 'asm'\)"):
+        decode_attention(q, pool.data, bt, sl, pool.layout, pool.rotation, 0.125, dequant="ptx")
     hkv = pool.data.shape[1]
     for bad in (True, 0, 65535 // hkv + 1):
         with pytest.raises(ValueError, match=rf"num_splits must be an int in 1\.\.{65535 // hkv} \(65535 // num_kv_heads\)"):
@@ -155,7 +149,7 @@ def test_decode_refuses_unsupported_shapes():
         decode_attention(q, pool.data, bt, sl, pool.layout, pool.rotation, 0.125, num_warps=3)
     if DEV == "cpu":
         with pytest.raises(ValueError, match="needs a CUDA device"):
-            decode_attention(q, pool.data, bt, sl, pool.layout, pool.rotation, 0.125, variant="v2", dequant="asm")
+            decode_attention(q, pool.data, bt, sl, pool.layout, pool.rotation, 0.125, dequant="asm")
 
 
 @pytest.mark.parametrize("preset,hq,hkv,d,bs,splits", [
@@ -181,6 +175,8 @@ def test_decode_key_mma_int8(preset, hq, hkv, d, bs, splits):
     assert err < 5e-4
 
 
+@pytest.mark.filterwarnings("ignore:All-NaN slice encountered:RuntimeWarning")      # the interpreter's max over the
+@pytest.mark.filterwarnings("ignore:invalid value encountered in cast:RuntimeWarning")  # NaN head, NaN -> int8 digits
 @pytest.mark.parametrize("key_mma,splits", [("f16", 1), ("f16", 3), ("int8", 1), ("int8", 3)])
 def test_decode_nan_query_stays_nan(key_mma, splits):
     """A NaN in one query head reaches that head's output as NaN (as in the float64 reference), on
@@ -200,15 +196,13 @@ def test_decode_nan_query_stays_nan(key_mma, splits):
     assert torch.equal(out[4], torch.zeros_like(out[4]))         # the padding row still reads nothing
 
 
-@pytest.mark.parametrize("variant", ["v1", "v2", "v3"])
-def test_decode_max_registers(variant, monkeypatch):
+def test_decode_max_registers(monkeypatch):
     """``max_registers`` reaches the attention launch as Triton's ``maxnreg`` (the interpreter ignores
     it, so the launch keywords are recorded) and changes nothing else: same output, which matches the
     float64 reference. Bad values are refused by name."""
     from kvrepro.ops import decode as dec
 
     seen = []
-    real = dec.attention_kernel
 
     class Recorder:
         def __init__(self, kernel):
@@ -220,9 +214,9 @@ def test_decode_max_registers(variant, monkeypatch):
                 return self.kernel[grid](*args, **kw)
             return launch
 
-    monkeypatch.setattr(dec, "attention_kernel", lambda *a, **k: (Recorder(real(*a, **k)[0]), real(*a, **k)[1]))
+    monkeypatch.setattr(dec, "paged_attn_kernel", Recorder(dec.paged_attn_kernel))
     pool, bt, sl, q, _ = _setup("k4v4", 8, 2, 64, 16, LENS, torch.float16, seed=21)
-    kw = dict(num_splits=2, variant=variant, dequant="triton")
+    kw = dict(num_splits=2, dequant="triton")
     plain = decode_attention(q, pool.data, bt, sl, pool.layout, pool.rotation, 0.125, **kw)
     capped = decode_attention(q, pool.data, bt, sl, pool.layout, pool.rotation, 0.125, max_registers=128, **kw)
     assert seen == [None, 128]
@@ -244,10 +238,6 @@ def test_decode_key_mma_refuses_bad_arguments():
     q = torch.zeros(1, 4, 64, dtype=torch.float16, device=DEV)
     with pytest.raises(ValueError, match=r"key_mma='fp8'; allowed: \('f16', 'int8'\)"):
         decode_attention(q, pool.data, bt, sl, pool.layout, pool.rotation, 0.125, key_mma="fp8")
-    for variant in ("v1", "v3"):
-        with pytest.raises(ValueError, match=f"key_mma='int8' is implemented for variant='v2' only.*{variant}"):
-            decode_attention(q, pool.data, bt, sl, pool.layout, pool.rotation, 0.125, variant=variant,
-                             key_mma="int8")
 
 
 def test_decode_key_mma_int8_per_head_query_scale():

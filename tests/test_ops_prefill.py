@@ -47,14 +47,13 @@ def _dense64_br(q, k, v, scale, causal):
 _dense64_br.bottom_right_causal = True
 
 
-@pytest.mark.parametrize("variant", ["v1", "v2"])
 @pytest.mark.parametrize("preset,hq,hkv,d,bs,rows", [
     ("k4v4", 32, 8, 128, 16, 64), ("k4v2", 9, 3, 64, 32, 16), ("k8v4", 28, 4, 128, 16, 32)])
-def test_prefill_paged_matches_reference(variant, preset, hq, hkv, d, bs, rows):
+def test_prefill_paged_matches_reference(preset, hq, hkv, d, bs, rows):
     pool, bt, sl, qsl, q, k, v, ref = _batch(preset, hq, hkv, d, bs, seed=hq + d)
     out = torch.full_like(q, float("nan"))
     prefill_attention(q, k, v, pool.data, bt, sl, qsl, pool.layout, pool.rotation, d ** -0.5, out=out,
-                      rows=rows, variant=variant, max_query_len=max(QLENS))
+                      rows=rows, max_query_len=max(QLENS))
     assert torch.isfinite(out).all()
     assert relerr(out, ref) < 2e-3
 
@@ -144,7 +143,7 @@ def test_prefill_rejects_bad_inputs():
 
 
 def test_prefill_refuses_inconsistent_lengths_and_options():
-    """Fresh-user review: rows that would never be written, decode-only variants and bad tiling
+    """Rows that would never be written, an unknown dequant mode and bad tiling
     are refused with the parameter's name instead of returning uninitialised memory."""
     pool, bt, sl, qsl, q, k, v, ref = _batch("k4v4", 8, 2, 64, 16, seed=5)
     args = (pool.data, bt, sl)
@@ -157,8 +156,8 @@ def test_prefill_refuses_inconsistent_lengths_and_options():
         prefill_attention(q, k, v, *args, short, *tail)
     with pytest.raises(ValueError, match="max_query_len must be a non-negative int"):
         prefill_attention(q, k, v, *args, qsl, *tail, max_query_len=2.5)
-    with pytest.raises(ValueError, match="'v3' is decode-only"):
-        prefill_attention(q, k, v, *args, qsl, *tail, variant="v3")
+    with pytest.raises(ValueError, match=r"dequant='ptx'; allowed: \('triton', 'asm'\)"):
+        prefill_attention(q, k, v, *args, qsl, *tail, dequant="ptx")
     with pytest.raises(ValueError, match="block_n=48"):
         prefill_attention(q, k, v, *args, qsl, *tail, block_n=48)
     with pytest.raises(ValueError, match="num_warps=3"):

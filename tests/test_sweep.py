@@ -1,4 +1,5 @@
-"""Pure parts of the capacity sweep: arithmetic, row validation, resumable JSONL, window statistics."""
+"""Pure parts of the capacity sweep: arithmetic, row validation, resumable JSONL (complete modes only, one engine
+run per mode), window statistics."""
 import json
 
 import pytest
@@ -13,7 +14,7 @@ def _row(**kw):
            "gpu": "NVIDIA H200", "gpu_memory_gb": 80.0, "gpu_memory_utilization": 0.5128, "vllm_version": "0.20.2",
            "torch_version": "2.11.0", "kvrepro_version": "0.1.0", "model": "Qwen/Qwen3-4B-Instruct-2507",
            "load_format": "dummy", "date": "2026-11-29T22:00:00+00:00", "run_id": "r1", "measured": True,
-           "measured_by": "full"}
+           "measured_by": "full", "engine_run_id": "e1"}
     row.update(kw)
     return row
 
@@ -59,6 +60,8 @@ def test_validate_row():
         sweep.validate_row(_row(preemptions=False))
     with pytest.raises(ValueError, match="mode"):
         sweep.validate_row(_row(mode="fp16"))
+    with pytest.raises(ValueError, match="missing engine_run_id"):
+        sweep.validate_row({k: v for k, v in _row().items() if k != "engine_run_id"})
 
 
 def test_results_file_resumes_without_duplicates(tmp_path):
@@ -66,8 +69,9 @@ def test_results_file_resumes_without_duplicates(tmp_path):
     f = sweep.ResultsFile(path)
     assert f.add([_row(), _row(num_users=5, measured_by="abort-window")]) == 2
     again = sweep.ResultsFile(path)  # a rerun reads what is there
-    assert again.modes_done() == {"fp8"}
-    assert again.add([_row(aggregate_decode_tok_s=1.0), _row(mode="bf16", kv_cache_dtype="auto")]) == 1
+    assert again.modes_done() == set()   # abort windows 4..1 of N=6 are missing
+    assert again.add([_row(aggregate_decode_tok_s=1.0), _row(mode="bf16", kv_cache_dtype="auto", engine_run_id="e2")]) \
+        == 1
     lines = path.read_text().splitlines()
     assert len(lines) == 3 and json.loads(lines[0])["aggregate_decode_tok_s"] == 170.0
     assert not (tmp_path / "run.jsonl.tmp").exists()
@@ -132,8 +136,8 @@ def test_resume_refuses_a_file_with_another_workload(tmp_path, monkeypatch):
     monkeypatch.setattr(sweep, "measurement_blockers", lambda info=None: [])
     monkeypatch.setattr(subprocess, "call", lambda cmd: calls.append(cmd) or 0)
     path = tmp_path / "r.jsonl"
-    sweep.ResultsFile(path).add([_row(block_size=16)])  # fp8: 80 GB, 131072 + 1024 tokens, Qwen3-4B, dummy
-    assert sweep.run_sweep(["fp8", "bf16"], path, "r") == ["bf16"]  # same workload: fp8 resumed (skipped)
+    sweep.ResultsFile(path).add(_complete(block_size=16))  # fp8: 80 GB, 131072 + 1024 tokens, Qwen3-4B, dummy
+    assert sweep.run_sweep(["fp8", "bf16"], path, "r") == ["bf16"]  # same workload: fp8 complete (skipped)
     for params, field in (({"gpu_memory_gb": 40}, "gpu_memory_gb"), ({"prompt_tokens": 4096}, "prompt_tokens"),
                           ({"decode_tokens": 64}, "decode_tokens"), ({"block_size": 32}, "block_size"),
                           ({"load_format": "auto"}, "load_format")):
@@ -143,3 +147,84 @@ def test_resume_refuses_a_file_with_another_workload(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="bf16 rows with model='/other/model'"):
         sweep.run_sweep(["fp8", "bf16"], path, "r")
     assert len(calls) == 1  # nothing started by the refused calls
+
+
+def _complete(mode="fp8", n=3, run="e1", **kw):
+    """A full row of ``n`` users and its abort windows n-1 .. 1, all of engine run ``run``."""
+    return [_row(mode=mode, num_users=n, engine_run_id=run, users_fit_arithmetic=n, **kw)] + [
+        _row(mode=mode, num_users=k, measured_by="abort-window", engine_run_id=run, **kw) for k in range(n - 1, 0, -1)]
+
+
+def test_mode_status_needs_every_window_of_one_engine_run():
+    assert sweep.mode_status([], "fp8") == (False, "no rows")
+    rows = _complete(n=4)
+    assert sweep.mode_status(rows, "fp8") == (True, "")
+    assert sweep.mode_status(rows[:1], "fp8") == (False, "abort windows 1-3 of N=4 missing")
+    assert sweep.mode_status(rows[:1] + rows[2:3], "fp8") == (False, "abort windows 1, 3 of N=4 missing")
+    assert sweep.mode_status(rows[1:], "fp8") == (False, "no full-window row")
+    assert sweep.mode_status(rows, "fp8", confirm_edge=True) == (False, "edge-check row (N+1=5) missing")
+    edge = _row(num_users=5, measured_by="edge-check", clean=False)
+    assert sweep.mode_status(rows + [edge], "fp8", confirm_edge=True) == (True, "")
+    capped = [dict(rows[0], users_fit_arithmetic=9)] + rows[1:]      # N capped by max_users: no edge check
+    assert sweep.mode_status(capped, "fp8", confirm_edge=True) == (True, "")
+    mixed = rows[:2] + [dict(r, engine_run_id="e2") for r in rows[2:]]
+    assert sweep.mode_status(mixed, "fp8") == (False, "rows of 2 engine runs (e1, e2)")
+    assert sweep.mode_status(_complete(n=1), "fp8") == (True, "")    # one user: no abort window
+    sizing = _row(num_users=0, measured_by="sizing", clean=False, users_fit_arithmetic=0)
+    assert sweep.mode_status([sizing], "fp8") == (True, "")          # nothing fits: nothing more to measure
+    assert sweep.mode_status([dict(sizing, users_fit_arithmetic=5)], "fp8") == (False, "no full-window row")
+    assert sweep.mode_status([dict(sizing, users_fit_arithmetic=5)], "fp8", sizing_only=True) == (True, "")
+    assert sweep.mode_status(rows, "fp8", sizing_only=True) == (True, "")
+    legacy = [{k: v for k, v in r.items() if k != "engine_run_id"} for r in rows]   # rows of older code
+    assert sweep.mode_status(legacy, "fp8") == (True, "")
+    assert sweep.mode_status(legacy[:2], "fp8") == (False, "abort windows 1-2 of N=4 missing")
+
+
+def test_results_file_refuses_to_mix_engine_runs_of_a_mode(tmp_path):
+    f = sweep.ResultsFile(tmp_path / "r.jsonl")
+    f.add(_complete(n=2)[:1])
+    with pytest.raises(ValueError, match="holds fp8 rows of engine run.s. e1; a row of engine run e2 would mix two "
+                                         "engine runs of one mode"):
+        f.add([_row(num_users=1, measured_by="abort-window", engine_run_id="e2")])
+    assert f.add([_row(mode="bf16", kv_cache_dtype="auto", engine_run_id="e2")]) == 1   # another mode: fine
+    assert len(sweep.ResultsFile(tmp_path / "r.jsonl").rows) == 2
+    assert f.supersede("fp8", "test") == 1 and f.engine_runs("fp8") == []
+    assert f.add([_row(engine_run_id="e3")]) == 1 and sweep.ResultsFile(tmp_path / "r.jsonl").engine_runs("fp8") == \
+        ["e3"]
+    assert f.superseded_path == tmp_path / "r.jsonl.superseded"   # not *.jsonl: replay never reads it as results
+    moved = [json.loads(x) for x in f.superseded_path.read_text().splitlines()]
+    assert len(moved) == 1 and moved[0]["superseded"] == "test" and moved[0]["engine_run_id"] == "e1"
+
+
+def test_resume_supersedes_incomplete_and_mixed_modes_and_skips_complete_ones(tmp_path, monkeypatch, capsys):
+    """A file whose fp8 rows come from two engine runs (e.g. an earlier version that resumed into a partial mode) and
+    whose bf16 rows lack abort windows: both are measured again, their rows moved to the superseded file, and the
+    supersession is stated; the complete kvrepro:k4v4 mode is skipped."""
+    import subprocess
+
+    path = tmp_path / "r.jsonl"
+    fp8 = _complete(n=3)
+    fp8 = fp8[:2] + [dict(fp8[2], engine_run_id="e0")]           # window 1 from another engine run
+    bf16 = _complete(mode="bf16", n=3, run="b1", kv_cache_dtype="auto")[:2]
+    k4 = _complete(mode="kvrepro:k4v4", n=2, run="k1", kv_cache_dtype="auto")
+    path.write_text("".join(json.dumps(r) + "\n" for r in fp8 + bf16 + k4))   # written as older code could
+    calls = []
+
+    def fake_call(cmd):
+        mode = cmd[cmd.index("--mode") + 1]
+        calls.append(mode)
+        assert not [r for r in sweep.ResultsFile(path).rows if r["mode"] == mode]   # nothing left to mix with
+        return 0
+
+    monkeypatch.setattr(sweep, "measurement_blockers", lambda info=None: [])
+    monkeypatch.setattr(subprocess, "call", fake_call)
+    assert sweep.run_sweep(["fp8", "bf16", "kvrepro:k4v4"], path, "r") == ["fp8", "bf16"] == calls
+    out = capsys.readouterr().out
+    assert ("[sweep] fp8: 3 earlier rows (engine run e1, e0) superseded: rows of 2 engine runs (e1, e0); moved to "
+            f"{tmp_path / 'r.jsonl.superseded'}") in out
+    assert "[sweep] bf16: 2 earlier rows (engine run b1) superseded: abort windows 1 of N=3 missing" in out
+    assert "[sweep] kvrepro:k4v4: already in" in out
+    assert sweep.ResultsFile(path).rows == k4
+    moved = [json.loads(x) for x in (tmp_path / "r.jsonl.superseded").read_text().splitlines()]
+    assert [(r["mode"], r["engine_run_id"]) for r in moved] == [("fp8", "e1"), ("fp8", "e1"), ("fp8", "e0"),
+                                                                 ("bf16", "b1"), ("bf16", "b1")]

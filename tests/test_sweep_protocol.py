@@ -38,7 +38,7 @@ def test_parse_vllm_memory_log_from_vllm_format_strings():
 
 
 def test_memory_log_handler_keeps_debug_breakdown_without_changing_console(capsys):
-    from kvrepro.vllm_backend.measure import MEMORY_LOGGERS, MemoryLog
+    from kvrepro.sweep_worker import MEMORY_LOGGERS, MemoryLog
 
     root = logging.getLogger("vllm")
     console = logging.StreamHandler()

@@ -1,5 +1,6 @@
-"""Pure parts of the vLLM plugin (no vLLM needed): preset choice, refusals, page sizing, the spec patch."""
+"""Pure parts of the vLLM plugin (no vLLM needed): settings per engine, refusals, page sizing, the spec patch."""
 import dataclasses
+import logging
 
 import pytest
 import torch
@@ -9,55 +10,36 @@ from kvrepro.vllm_backend import config as cfg
 from kvrepro.vllm_backend import spec_patch
 
 
-def test_preset_default_env_and_refusal(monkeypatch):
-    monkeypatch.delenv(cfg.PRESET_ENV, raising=False)
-    assert cfg.resolve_preset() == "k4v4"
-    monkeypatch.setenv(cfg.PRESET_ENV, " K8V4 ")
-    assert cfg.resolve_preset() == "k8v4"
-    monkeypatch.setenv(cfg.PRESET_ENV, "int3")
-    with pytest.raises(ValueError, match="KVREPRO_PRESET.*k4v4"):
-        cfg.resolve_preset()
-    assert cfg.resolve_preset("k4v2") == "k4v2"
-    with pytest.raises(ValueError, match=r"KVREPRO_PRESET must be a preset name \(str\), got 4; allowed: k4v4"):
-        cfg.resolve_preset(4)
+@pytest.fixture(autouse=True)
+def _fresh_engine_settings(monkeypatch):
+    """Each test starts with no engine resolved in this process (settings_for_engine keeps them per process)."""
+    monkeypatch.setattr(cfg, "_ENGINE_SETTINGS", {})
+    monkeypatch.setattr(cfg, "_LAST", [])
 
 
-def test_prefill_path(monkeypatch):
-    monkeypatch.delenv(cfg.PREFILL_ENV, raising=False)
-    assert cfg.resolve_prefill() == "fa"
-    monkeypatch.setenv(cfg.PREFILL_ENV, "fa-sliced")
-    assert cfg.resolve_prefill() == "fa-sliced"
-    with pytest.raises(ValueError, match="KVREPRO_PREFILL.*triton"):
-        cfg.resolve_prefill("sdpa")
+def test_settings_for_engine_resolves_once_per_engine_and_logs_once(caplog):
+    """One Settings object per vLLM config (every layer of an engine gets the same one), logged once at engine
+    start with a warning naming unknown KVREPRO_ variables; a new engine resolves again."""
+    class Engine:  # stands in for vLLM's VllmConfig (only its identity matters)
+        pass
 
-
-def test_decode_impl_choice(monkeypatch):
-    monkeypatch.delenv(cfg.DECODE_IMPL_ENV, raising=False)
-    assert cfg.resolve_decode_impl() is None                 # auto: kvrepro.ops.decode.resolve_impl decides
-    monkeypatch.setenv(cfg.DECODE_IMPL_ENV, " CUDA ")
-    assert cfg.resolve_decode_impl() == "cuda"
-    assert cfg.resolve_decode_impl("triton") == "triton" and cfg.resolve_decode_impl("auto") is None
-    with pytest.raises(ValueError, match="KVREPRO_DECODE_IMPL='fast'; allowed: auto, cuda, triton"):
-        cfg.resolve_decode_impl("fast")
-
-
-def test_warmup_switch(monkeypatch):
-    monkeypatch.delenv("KVREPRO_WARMUP", raising=False)
-    assert cfg.resolve_warmup() is True
-    monkeypatch.setenv("KVREPRO_WARMUP", "0")
-    assert cfg.resolve_warmup() is False
-    with pytest.raises(ValueError, match="KVREPRO_WARMUP.*allowed: 0, 1"):
-        cfg.resolve_warmup("yes")
-
-
-def test_num_splits(monkeypatch):
-    monkeypatch.delenv(cfg.NUM_SPLITS_ENV, raising=False)
-    assert cfg.resolve_num_splits() is None
-    monkeypatch.setenv(cfg.NUM_SPLITS_ENV, "8")
-    assert cfg.resolve_num_splits() == 8
-    for bad in ("0", "x", "1000"):
-        with pytest.raises(ValueError, match="KVREPRO_NUM_SPLITS"):
-            cfg.resolve_num_splits(bad)
+    a, b = Engine(), Engine()
+    env_a = {"KVREPRO_PRESET": "k8v4", "KVREPRO_RECENT_WINDOW": "32"}
+    with caplog.at_level(logging.INFO, logger=cfg.LOGGER_NAME):
+        s = cfg.settings_for_engine(a, env_a)
+        assert cfg.settings_for_engine(a, {"KVREPRO_PRESET": "k4v2"}) is s   # later layers: the same object
+        t = cfg.settings_for_engine(b, {"KVREPRO_NUM_SPLITS": "8"})
+    assert (s.preset, t.preset, t.num_splits) == ("k8v4", "k4v4", 8)
+    infos = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    assert infos == ["kvrepro settings: preset=k8v4 decode_impl=auto num_splits=auto prefill=fa store_rotate=torch "
+                     "warmup=1 debug_check=0",
+                     "kvrepro settings: preset=k4v4 decode_impl=auto num_splits=8 prefill=fa store_rotate=torch "
+                     "warmup=1 debug_check=0"]
+    warns = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warns) == 1 and "KVREPRO_RECENT_WINDOW set but not a kvrepro setting (ignored)" in warns[0]
+    assert cfg.settings_for_engine() is t          # outside an engine build: the last engine's settings
+    with pytest.raises(ValueError, match="KVREPRO_PREFILL='sdpa'; allowed: fa, fa-sliced, dequant, triton"):
+        cfg.settings_for_engine(Engine(), {"KVREPRO_PREFILL": "sdpa"})
 
 
 @pytest.mark.parametrize("preset", list(COMPRESSED_PRESETS))
@@ -146,30 +128,11 @@ def test_spec_patch_sizes_pages_exactly(monkeypatch):
     assert spec_patch.uninstall(cls) is True
     assert cls(FakeBackend).get_kv_cache_spec(FakeVllmConfig) == "original"
     assert spec_patch.uninstall(cls) is False
-
-
-def test_debug_check_switch_is_validated(monkeypatch):
-    from kvrepro.vllm_backend import config as cfg
-    monkeypatch.delenv("KVREPRO_DEBUG_CHECK", raising=False)
-    assert cfg.resolve_debug_check() is False
-    monkeypatch.setenv("KVREPRO_DEBUG_CHECK", "1")
-    assert cfg.resolve_debug_check() is True
-    monkeypatch.setenv("KVREPRO_DEBUG_CHECK", "true")
-    with pytest.raises(ValueError, match="KVREPRO_DEBUG_CHECK='true'; allowed: 0, 1"):
-        cfg.resolve_debug_check()
-
-
-def test_store_rotate_and_switches_ignore_case_and_spaces_like_the_other_settings(monkeypatch):
-    """KVREPRO_STORE_ROTATE reads like KVREPRO_PRESET (case and surrounding spaces ignored); the 0/1 switches ignore
-    surrounding spaces; anything else is still refused with the variable and the allowed values."""
-    monkeypatch.setenv("KVREPRO_STORE_ROTATE", " Kernel ")
-    assert cfg.resolve_store_rotate() == "kernel"
-    monkeypatch.delenv("KVREPRO_STORE_ROTATE")
-    assert cfg.resolve_store_rotate() == "torch"
-    with pytest.raises(ValueError, match="KVREPRO_STORE_ROTATE='numpy'; allowed: torch, kernel"):
-        cfg.resolve_store_rotate("numpy")
-    monkeypatch.setenv("KVREPRO_WARMUP", " 0 ")
-    assert cfg.resolve_warmup() is False
-    with pytest.raises(ValueError, match="KVREPRO_WARMUP='on'; allowed: 0, 1"):
-        cfg.resolve_warmup(" on ")
-
+    # the preset is the engine's (resolved once per vLLM config), not re-read from the environment per layer
+    monkeypatch.setenv(cfg.PRESET_ENV, "k8v4")
+    assert spec_patch.compressed_spec(cls(FakeBackend), 16, FakeTQSpec, vllm_config=FakeVllmConfig).tq_slot_size \
+        == 134
+    other = type("OtherEngineConfig", (), {"cache_config": FakeVllmConfig.cache_config})
+    assert spec_patch.compressed_spec(cls(FakeBackend), 16, FakeTQSpec, vllm_config=other).tq_slot_size == 198
+    with pytest.raises(ValueError, match="KVREPRO_PRESET='int3' is not a kvrepro compressed preset"):
+        cfg.page_layout("int3", 128, 16)

@@ -11,14 +11,13 @@ import time
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    pytest.skip("needs CUDA", allow_module_level=True)
+from kvrepro.vllm_backend import runtime
+from kvrepro.vllm_backend.runtime import LayerRuntime, reference_attend
 
-from kvrepro.vllm_backend import runtime  # noqa: E402
-from kvrepro.vllm_backend.runtime import LayerRuntime, reference_attend  # noqa: E402
+pytestmark = pytest.mark.gpu
 
 GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32)
-MAX_MODEL_LEN = 131072 + 1024 + 32 * 32 + 64 + 1024  # the sweep's (kvrepro.vllm_backend.measure margin)
+MAX_MODEL_LEN = 131072 + 1024 + 32 * 32 + 64 + 1024  # the sweep's (kvrepro.sweep_worker margin)
 HQ, HKV, D, BS = 32, 8, 128, 16
 
 
@@ -74,7 +73,7 @@ def test_warmup_then_graph_capture_allocates_nothing_and_matches_reference(prese
     torch.cuda.synchronize()
     eager = out.clone()
     # PyTorch's first capture in a process registers the CUDA generator with the graph and allocates
-    # its seed/offset tensors (2 x 512 B; the 1,024 B this check saw on the H200 on 2026-11-30):
+    # its seed/offset tensors (2 x 512 B; the 1,024 B this check once saw on the H200):
     # capture a no-op first so that only the forward's own allocations are measured below.
     noop = torch.cuda.CUDAGraph()
     with torch.cuda.graph(noop):
@@ -104,7 +103,7 @@ def test_warmup_then_graph_capture_allocates_nothing_and_matches_reference(prese
     print(f"SMOKE graph replay == eager; rel err vs attention over the dequantized pages {err:.2e}")
     assert err < 1e-2
 
-    # Evidence for notes/vllm.md: the in-kernel rotation's register-spill stack makes the driver
+    # Evidence for KVREPRO_STORE_ROTATE's default (notes/vllm.md): the in-kernel rotation's register-spill stack makes the driver
     # reserve local memory for every resident thread of the GPU at its first launch.
     nt1 = non_torch_bytes(dev)
     rt_kernel = LayerRuntime(preset, HQ, HKV, D, D ** -0.5, store_rotate="kernel")   # this preset's pool
@@ -114,6 +113,7 @@ def test_warmup_then_graph_capture_allocates_nothing_and_matches_reference(prese
           "(local memory for its register-spill stack)")
 
 
+@pytest.mark.vllm
 def test_prefill_paths_at_128k_with_vllm_flash_attention():
     """One layer, one 16K chunk after 112K of context (the last chunk of a 128K prompt): ``fa`` and
     ``dequant`` (KVREPRO_PREFILL) against attention over the dequantized pages (float32, last 64
@@ -121,7 +121,6 @@ def test_prefill_paths_at_128k_with_vllm_flash_attention():
     (scripts/h200_sweep.sh then may select it for the sweep: PREFILL_AUTO=1)."""
     import os
 
-    pytest.importorskip("vllm")
     from kvrepro.vllm_backend.fa_prefill import FlashPrefill, RotatedDequantPrefill
 
     dev = torch.device("cuda", torch.cuda.current_device())

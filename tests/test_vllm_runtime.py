@@ -187,7 +187,7 @@ def test_split_rule_counts_the_smallest_real_batch_of_a_padded_graph():
         assert s >= default_num_splits(b, hkv, ctx, cpu)  # never fewer than counted for the padding
         assert n * hkv * s >= live * hkv * default_num_splits(live, hkv, ctx, cpu)  # the kernel's target
         assert ctx // s >= 256
-    # With a target of 8 programs per SM (the rule of the 2026-11-29 sweep), counting the padded
+    # With a target of 8 programs per SM (an earlier rule), counting the padded
     # batch starved 9 users in graph 16: 8 splits = 4.4 live programs per SM (the measured
     # 47.7 -> 64.8 ms step jump from 8 to 9 users, notes/vllm.md); counting 9 gives 16 splits.
     def rule8(b, h, c, d):
@@ -284,14 +284,14 @@ def test_warmup_launches_one_decode_per_split_count(monkeypatch):
 
 
 def test_store_rotates_in_torch_by_default_and_both_modes_write_the_reference_bytes(monkeypatch):
-    """Default ``store_rotate="torch"`` (no register-spill stack on the GPU, config.resolve_store_rotate);
+    """Default ``store_rotate="torch"`` (no register-spill stack on the GPU, ``KVREPRO_STORE_ROTATE``);
     both modes must store pages whose dequantized K/V equal the format's own round trip."""
-    from kvrepro.vllm_backend import config as cfg
+    from kvrepro.settings import Settings
 
-    monkeypatch.delenv(cfg.STORE_ROTATE_ENV, raising=False)
-    assert cfg.resolve_store_rotate() == "torch"
+    monkeypatch.delenv("KVREPRO_STORE_ROTATE", raising=False)
+    assert Settings.from_env().store_rotate == "torch" == LayerRuntime("k4v4", 4, 2, 64, 0.125).store_rotate
     with pytest.raises(ValueError, match="KVREPRO_STORE_ROTATE.*torch, kernel"):
-        cfg.resolve_store_rotate("host")
+        Settings(store_rotate="host")
     with pytest.raises(ValueError, match="store_rotate"):
         LayerRuntime("k4v4", 4, 2, 64, 0.125, store_rotate="host")
     g = torch.Generator().manual_seed(9)

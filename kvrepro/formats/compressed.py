@@ -117,18 +117,11 @@ class CompressedPool(KVPool):
         vm = d[:, :, L.v_meta_offset:L.page_bytes].view(nb, h, bs, V_META_BYTES)
         return kc, vc, km, vm
 
-    def write(self, key, value, slot_mapping, key_center: torch.Tensor | None = None):
-        """``KVPool.write``; ``key_center`` (float ``[num_kv_heads, head_dim]``, optional): store ``key - key_center``
-        (``kvrepro.formats.centering``)."""
+    def write(self, key, value, slot_mapping):
+        """``KVPool.write``."""
         check_kv(key, value, self.num_kv_heads, self.head_dim)
         keep, blocks, offs = self._split_slots(slot_mapping, key.shape[0])
-        k = key[keep].float()
-        if key_center is not None:
-            if tuple(key_center.shape) != (self.num_kv_heads, self.head_dim):
-                raise ValueError(f"key_center must be [num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}], "
-                                 f"got {tuple(key_center.shape)}")
-            k = k - key_center.float()
-        kp, km = quantize_rotated(k @ self.rotation, self.layout.key_bits)
+        kp, km = quantize_rotated(key[keep].float() @ self.rotation, self.layout.key_bits)
         vp, vm = quantize_rotated(value[keep].float() @ self.rotation, self.layout.value_bits, symmetric=True)
         kc_r, vc_r, km_r, vm_r = self.regions()
         # Advanced indices on dims 0 and 2 -> the assigned value is [tokens, heads, bytes].

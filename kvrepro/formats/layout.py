@@ -1,7 +1,10 @@
 """Byte layout of one compressed KV-cache page (one vLLM block x one KV head).
 
-This is the contract between the PyTorch reference (``kvrepro.formats.compressed``) and the
-Triton kernels (``kvrepro.ops``): both read and write exactly these bytes.
+This is the one definition of the page, the contract between the PyTorch reference
+(``kvrepro.formats.compressed``) and the kernels (``kvrepro.ops``): all read and write exactly these
+bytes. The Triton kernels take the offsets as constexprs (``kvrepro.ops.common.page_constexprs``);
+the CUDA kernel's ``kvrepro/ops/cuda/page_layout.h`` is generated from ``PageLayout`` by
+``python -m kvrepro.ops.cuda_build`` (a test checks the committed header is that output).
 
 A pool for one attention layer is a ``uint8`` tensor of shape
 ``[num_blocks, num_kv_heads, page_bytes]``. The page of (block ``b``, KV head ``h``) holds

@@ -12,6 +12,10 @@ Order per layer and step: ``store_kv`` for the step's new tokens, then attention
 the current token from the pages; prefill reads the chunk's own K/V fresh). Page format:
 ``kvrepro.formats.layout``; numerics: ``kvrepro.formats.compressed``. On CPU the kernels run
 under ``TRITON_INTERPRET=1`` (set it before importing triton).
+
+Layout: host wrappers here (``store``, ``prefill``, ``decode``, checks in ``common``); ``@triton.jit`` code in
+``kvrepro.ops.triton``; the CUDA kernel's source, fatbin and manifest in ``cuda/``, built by ``kvrepro.ops.cuda_build``
+and loaded and launched by ``kvrepro.ops.cuda_decode``.
 """
 from kvrepro.ops.decode import decode_attention, decode_workspace_numel, default_num_splits
 from kvrepro.ops.prefill import (dequantize_context, flash_dense_attn, prefill_attention,

@@ -1,87 +1,67 @@
-"""kvrepro's CUDA decode attention kernels for k4v4, k8v4 and k4v2 pages: where they apply, how they are built and
-launched.
+"""kvrepro's CUDA decode attention kernels for k4v4, k8v4 and k4v2 pages at run time: where they apply, how they are
+loaded and launched, and how they split the context.
 
-``kvrepro.ops.decode_attention(impl="cuda")`` runs it (its default where it applies, see ``unsupported_reason``);
-this module holds the pieces behind that: the committed fatbin ``cuda/decode_k4v4.fatbin``, built from
-``cuda/decode_k4v4.cu`` by ``python -m kvrepro.ops.cuda_decode --build`` (nvcc; flags and SHA-256s in
-``cuda/decode_k4v4.json``; the file names predate the other presets: the one source holds all three kernels), loaded
-once per device through the CUDA driver API (``ctypes``, ``libcuda.so.1``: no
-PyTorch extension build, no nvcc at run time) and launched with ``cuLaunchKernel`` on PyTorch's current stream, so
-CUDA graphs capture it.
+``kvrepro.ops.decode_attention(impl="cuda")`` runs them (its default where they apply, see ``unsupported_reason``).
+The committed fatbin ``cuda/decode.fatbin`` (built from ``cuda/decode.cu`` by ``python -m kvrepro.ops.cuda_build``;
+flags and hashes in ``cuda/decode.json``) is loaded once per device through the CUDA driver API (``ctypes``,
+``libcuda.so.1``: no PyTorch extension build, no nvcc at run time) and launched with ``cuLaunchKernel`` on PyTorch's
+current stream, so CUDA graphs capture it.
 
-The kernel (design: notes/kernels.md "Design sketch for the next decode kernel", measured as run 18): one CTA of 4
-warps per (sequence, KV head, split), each warp walking its own pages through a ``cp.async`` ring (4-deep for k4v4,
-3-deep for k8v4, 6-deep for k4v2); keys through int8 tensor cores (``mma.m16n8k32.s8``: 4-bit keys as 16 (code - 8),
-8-bit keys as code - 128; the query as two int8 digits as in the Triton int8 key path; method after SageAttention,
-Zhang et al. 2024), values through ``mma.m16n8k16.f16`` (4-bit or 2-bit codes turned into float16 by the magic-number
-trick, code | 0x6400 = 1024 + code) with tokens x GQA heads as the MMA shape; it
-writes the same split-K partials as the Triton kernel, but does the query rotation (a fast Walsh-Hadamard transform:
-the rotation is ``diag(s) H / sqrt(D)``) and the log-sum-exp split merge (FlashDecoding, Dao et al. 2023; the last CTA
-of each (sequence, KV head) to count itself in merges: a release / acquire count-in, as CUTLASS's split-K semaphore) in
-the same launch, where the Triton path launches three kernels.
+The kernel (design: notes/kernels.md, "Design sketch for the next decode kernel"): one CTA of 4 warps per (sequence,
+KV head, split), each warp walking its own pages through a ``cp.async`` ring (4-deep for k4v4, 3-deep for k8v4,
+6-deep for k4v2); keys through int8 tensor cores (``mma.m16n8k32.s8``: 4-bit keys as 16 (code - 8), 8-bit keys as
+code - 128; the query as two int8 digits as in the Triton int8 key path; method after SageAttention, Zhang et al.
+2024), values through ``mma.m16n8k16.f16`` (4-bit or 2-bit codes turned into float16 by the magic-number trick,
+code | 0x6400 = 1024 + code) with tokens x GQA heads as the MMA shape. It writes the same split-K partials as the
+Triton kernel, but does the query rotation (a fast Walsh-Hadamard transform: the rotation is ``diag(s) H / sqrt(D)``)
+and the log-sum-exp split merge (FlashDecoding, Dao et al. 2023; the last CTA of each (sequence, KV head) to count
+itself in merges: a release / acquire count-in, as CUTLASS's split-K semaphore) in the same launch, where the Triton
+path launches three kernels.
+
+The page layout the kernels read is ``kvrepro.formats.layout.PageLayout`` of each preset at head_dim 128 and block
+16 (``LAYOUTS``); ``cuda/page_layout.h`` holds the same numbers for the kernel, generated from it by
+``kvrepro.ops.cuda_build``.
 """
 from __future__ import annotations
 
-import argparse
 import ctypes
-import glob
-import hashlib
 import itertools
 import json
 import os
 import re
-import shutil
-import subprocess
-import sys
-import tempfile
 import weakref
 
 import torch
 
+from kvrepro.formats import COMPRESSED_PRESETS, get_format
+from kvrepro.formats.layout import PageLayout
 from kvrepro.ops.common import sm_count
 
 HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda")
-SOURCE = os.path.join(HERE, "decode_k4v4.cu")
-FATBIN = os.path.join(HERE, "decode_k4v4.fatbin")
-MANIFEST = os.path.join(HERE, "decode_k4v4.json")
-# One kernel per supported (key_bits, value_bits) (decode_k4v4.cu instantiates one body three times).
-KERNELS = {(4, 4): "kvrepro_decode_k4v4", (8, 4): "kvrepro_decode_k8v4", (4, 2): "kvrepro_decode_k4v2"}
-KERNEL = KERNELS[(4, 4)]        # the manifest's first kernel (kept for the manifest's "kernel" field)
+FATBIN = os.path.join(HERE, "decode.fatbin")
+MANIFEST = os.path.join(HERE, "decode.json")
+HEAD_DIM, BLOCK_SIZE = 128, 16  # what the kernels are written for (decode.cu: D, BS)
+# The presets with a kernel, keyed by (key_bits, value_bits): one entry point each (decode.cu instantiates one body
+# three times), and the page layout it reads, kvrepro.formats' layout of the preset.
+PRESETS = {COMPRESSED_PRESETS[name]: name for name in ("k4v4", "k8v4", "k4v2")}
+KERNELS = {bits: f"kvrepro_decode_{name}" for bits, name in PRESETS.items()}
+LAYOUTS = {bits: get_format(name).layout(HEAD_DIM, BLOCK_SIZE) for bits, name in PRESETS.items()}
 CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8   # cuda.h CUfunction_attribute
 WARPS = 4                       # threads per CTA = 32 * WARPS (the kernel's __launch_bounds__)
 MIN_CAPABILITY = (8, 0)         # cp.async, mma.m16n8k32.s8, movmatrix (PTX ISA 7.8) need sm_80+
 MAX_GROUP = 8                   # GQA query heads per KV head: the MMA's N = 8
-MERGE_MAX = 4096                # num_splits x group that the in-kernel split merge holds (decode_k4v4.cu MERGE_MAX)
+MERGE_MAX = 4096                # num_splits x group that the in-kernel split merge holds (decode.cu MERGE_MAX)
 CTAS_PER_SM = 4                 # resident CTAs per SM on the H200 (__launch_bounds__(128, 4); 37 / 41 / 42 KB of
                                 # shared memory for k4v4 / k8v4 / k4v2: GPUs with ~100 KB per SM hold fewer)
-# Split weights by round of placement (decode_k4v4.cu split_weight_prefix): split s weighs 1024 - RANK_SKEW x round,
-# round = min(linear block index // SMs, 3), for grids of at most one wave. H200 run 33 (%globaltimer trace, batch 3,
-# 22 equal splits): CTAs placed in round 0 / 1 / 2 / 3 of an SM streamed their pages in 101 / 106 / 112 / 117 us (the
-# warp schedulers favour older CTAs), 1, 0.955, 0.905, 0.862 of round 0's speed; RANK_SKEW 48 gives 1, 0.953, 0.906,
-# 0.859. Run 34 (same process, rule's split counts, batch 1 / 3 / 6 / 13; graph ms within ~1% run to run at 1 and 3,
-# up to ~5% at 13): every skew from 0 to 96 within 1.2% of the others at batch 1 and 3; at 6 and 13 skew 48 or 64
-# fastest (skew 48 1.1% / 4.6% faster than 0, skew 64 1.7% / 2.4%); the trace's kernel end with 48 is 1.2-1.8% before
-# skew 0's at batch 3, 6 and 13 (skew 96: earliest at 3, latest at 6 and 13). A mild, H200-only effect: the per-SM
-# spread (some SMs stream ~15% slower) dominates what remains. Applied on compute capability 9.x only (rank_args).
-# Run 47 (fatbin 9295e012, two pages per step): skew 64 0.1-0.8% faster than 48 for k4v4 / k8v4, within +-1% for k4v2,
-# 96-128 slower (128: up to 15% at batch 13), 80 mixed; 48 kept. Run 55 (fatbin f032ff8c): 32 / 40 / 56 / 64 within
-# 0.8% of 48 for k4v2 at batch 3.
+# Split weights by round of placement (decode.cu split_weight_prefix): split s weighs 1024 - RANK_SKEW x round,
+# round = min(linear block index // SMs, 3), for grids of at most one wave. Why: on the H200 the warp schedulers favour
+# a SM's older CTAs, so CTAs placed in round 0 / 1 / 2 / 3 streamed their pages at 1, 0.955, 0.905, 0.862 of round
+# 0's speed (a %globaltimer trace, batch 3, 22 equal splits); RANK_SKEW 48 gives weights 1, 0.953, 0.906, 0.859.
+# Timed against skews 0 to 128: every skew up to 96 within ~1% at batch 1 and 3, 48 or 64 fastest at batch 6 and 13
+# (1-5% over equal splits), 96 and above slower at larger batches. A mild effect (the per-SM spread, some SMs
+# streaming ~15% slower, dominates what remains), measured on the H200 only: applied on compute capability 9.x
+# only (rank_args).
 RANK_SKEW = 48
-# SASS for A100 / A10-A40 / L4-L40 / H100-H200, plus compute_80 PTX that the driver compiles for newer GPUs.
-GENCODE = ("arch=compute_80,code=sm_80", "arch=compute_86,code=sm_86", "arch=compute_89,code=sm_89",
-           "arch=compute_90,code=sm_90", "arch=compute_80,code=compute_80")
-NVCC_FLAGS = ("-O3", "-fatbin", "-Xptxas", "-v")
-# What the kernels hard-code (decode_k4v4.cu PageFmt): k4v4, k8v4 or k4v2, head_dim 128, 16-token pages of 2144 /
-# 3168 / 1632 bytes per KV head.
-LAYOUTS = {(4, 4): {"key_bits": 4, "value_bits": 4, "head_dim": 128, "block_size": 16, "page_bytes": 2144,
-                    "v_code_offset": 1024, "k_meta_offset": 2048, "v_meta_offset": 2112},
-           (8, 4): {"key_bits": 8, "value_bits": 4, "head_dim": 128, "block_size": 16, "page_bytes": 3168,
-                    "v_code_offset": 2048, "k_meta_offset": 3072, "v_meta_offset": 3136},
-           (4, 2): {"key_bits": 4, "value_bits": 2, "head_dim": 128, "block_size": 16, "page_bytes": 1632,
-                    "v_code_offset": 1024, "k_meta_offset": 1536, "v_meta_offset": 1600}}
-PRESETS = {(4, 4): "k4v4", (8, 4): "k8v4", (4, 2): "k4v2"}
-LAYOUT = LAYOUTS[(4, 4)]
-BLOCK_SIZE, HEAD_DIM = LAYOUT["block_size"], LAYOUT["head_dim"]   # the same in every layout
 
 
 def unsupported_reason(layout, group: int, device: torch.device) -> str | None:
@@ -94,14 +74,12 @@ def unsupported_reason(layout, group: int, device: torch.device) -> str | None:
         device: the pool's device; a CUDA device of compute capability >= ``MIN_CAPABILITY``.
     """
     device = torch.device(device)
-    if not all(hasattr(layout, k) for k in LAYOUT):
+    if not isinstance(layout, PageLayout):
         raise ValueError(f"layout must be a kvrepro PageLayout (kvrepro.formats.layout), got {type(layout).__name__}")
-    got = {k: getattr(layout, k) for k in LAYOUT}
-    if got not in LAYOUTS.values():
+    if layout not in LAYOUTS.values():
         return (f"the CUDA decode kernel supports k4v4, k8v4 and k4v2 pages with head_dim 128 and block_size 16 only, "
-                f"got "
-                f"key_bits={got['key_bits']}, value_bits={got['value_bits']}, head_dim={got['head_dim']}, "
-                f"block_size={got['block_size']}")
+                f"got key_bits={layout.key_bits}, value_bits={layout.value_bits}, head_dim={layout.head_dim}, "
+                f"block_size={layout.block_size}")
     if not _is_int(group) or not 1 <= group <= MAX_GROUP:
         return f"the CUDA decode kernel supports GQA groups of 1..{MAX_GROUP} query heads, got {group}"
     if device.type != "cuda":
@@ -115,82 +93,6 @@ def unsupported_reason(layout, group: int, device: torch.device) -> str | None:
         return (f"the CUDA decode kernel needs compute capability >= {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}, "
                 f"got {cap[0]}.{cap[1]} on {device}")
     return None
-
-
-def _sha256(path: str) -> str:
-    with open(path, "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()
-
-
-def find_nvcc(nvcc: str | None = None) -> str:
-    """``nvcc`` if given (a path, or a command name looked up on PATH), else the one on PATH, else the
-    ``/usr/local/cuda*/bin/nvcc`` of the highest version in its folder name (an unversioned ``/usr/local/cuda`` last).
-    Raises FileNotFoundError naming the places looked at (an empty ``nvcc`` is refused, not replaced by a search)."""
-    def version(path: str) -> tuple:         # /usr/local/cuda-13.0/bin/nvcc -> (13, 0); /usr/local/cuda -> ()
-        digits = re.findall(r"\d+", path.split("/")[3])
-        return tuple(int(d) for d in digits)
-
-    if nvcc is not None and not str(nvcc).strip():
-        raise FileNotFoundError("nvcc not found: --nvcc / nvcc is empty; give the path of an nvcc executable")
-    if nvcc is not None and os.sep not in nvcc:
-        nvcc = shutil.which(nvcc) or nvcc             # a command name: the one on PATH
-    found = sorted(glob.glob("/usr/local/cuda*/bin/nvcc"), key=version, reverse=True)
-    cands = [nvcc] if nvcc else [shutil.which("nvcc"), *found]
-    for c in cands:
-        if c and os.path.isfile(c) and os.access(c, os.X_OK):
-            return c
-    raise FileNotFoundError(f"nvcc not found (looked at {nvcc or 'PATH and /usr/local/cuda*/bin/nvcc'})")
-
-
-def nvcc_command(nvcc: str, out: str) -> list[str]:
-    """The build command: ``nvcc NVCC_FLAGS -gencode ... -o out SOURCE``."""
-    return [nvcc, *NVCC_FLAGS, *[a for g in GENCODE for a in ("-gencode", g)], "-o", out, SOURCE]
-
-
-def build(nvcc: str | None = None, out: str = FATBIN, manifest: str = MANIFEST) -> dict:
-    """Compile ``decode_k4v4.cu`` into ``out`` and write ``manifest`` (nvcc version, command, ptxas report,
-    SHA-256 of source and fatbin); each file is written to a temporary name, then renamed. Returns the manifest.
-    Raises FileNotFoundError without an nvcc, RuntimeError with nvcc's output if it fails or if what it wrote is not a
-    fatbin holding every kernel of ``KERNELS`` and its ``_dyn_smem`` symbol (``check_fatbin``); nothing is written
-    then."""
-    exe = find_nvcc(nvcc)
-    with tempfile.TemporaryDirectory(prefix="kvrepro_cuda_") as tmp:
-        tmp_out = os.path.join(tmp, "decode_k4v4.fatbin")
-        r = subprocess.run(nvcc_command(exe, tmp_out), capture_output=True, text=True)
-        if r.returncode:
-            raise RuntimeError(f"nvcc failed ({r.returncode}):\n{r.stdout}\n{r.stderr}")
-        check_fatbin(tmp_out, exe)
-        version = subprocess.run([exe, "--version"], capture_output=True, text=True).stdout.strip().splitlines()
-        info = {"kernel": KERNEL, "kernels": list(KERNELS.values()), "source": os.path.basename(SOURCE),
-                "source_sha256": _sha256(SOURCE),
-                "fatbin_sha256": _sha256(tmp_out), "nvcc_version": version[-1] if version else "",
-                "nvcc_flags": list(NVCC_FLAGS), "gencode": list(GENCODE),
-                "ptxas_report": [ln for ln in (r.stdout + r.stderr).splitlines() if "Used" in ln or "spill" in ln]}
-        shutil.copyfile(tmp_out, out + ".tmp")
-        os.replace(out + ".tmp", out)
-    with open(manifest + ".tmp", "w") as f:
-        json.dump(info, f, indent=1)
-        f.write("\n")
-    os.replace(manifest + ".tmp", manifest)
-    return info
-
-
-FATBIN_MAGIC = bytes.fromhex("50ed55ba")      # the fatbin container's first 4 bytes (0xBA55ED50, little-endian)
-
-
-def check_fatbin(path: str, made_by: str = "nvcc") -> None:
-    """Raise RuntimeError unless ``path`` is a fatbin (``FATBIN_MAGIC``) that names every kernel of ``KERNELS`` and its
-    ``<name>_dyn_smem`` symbol (a check of the container and its symbol names, not of the code inside)."""
-    if not os.path.isfile(path):
-        raise RuntimeError(f"{made_by} exited 0 but wrote no fatbin ({path})")
-    with open(path, "rb") as f:
-        data = f.read()
-    if not data.startswith(FATBIN_MAGIC):
-        raise RuntimeError(f"{made_by} wrote {len(data)} bytes that are not a fatbin (first bytes {data[:8].hex()}, "
-                           f"expected {FATBIN_MAGIC.hex()})")
-    missing = [n for name in KERNELS.values() for n in (name, f"{name}_dyn_smem") if n.encode() not in data]
-    if missing:
-        raise RuntimeError(f"the fatbin from {made_by} lacks {', '.join(missing)}")
 
 
 _ERRORS = {200: "CUDA_ERROR_INVALID_IMAGE", 209: "CUDA_ERROR_NO_BINARY_FOR_GPU", 218: "CUDA_ERROR_INVALID_PTX",
@@ -223,9 +125,9 @@ class _Module:
             if rc:
                 raise RuntimeError(
                     f"kvrepro CUDA decode kernel: cuModuleLoadData({path}) failed with {self.error(rc)} on "
-                    f"{torch.cuda.get_device_name(device)}. The fatbin was built by {built_by()} (decode_k4v4.json) "
+                    f"{torch.cuda.get_device_name(device)}. The fatbin was built by {built_by()} (decode.json) "
                     f"and needs a driver for that CUDA version or newer; rebuild it with your nvcc "
-                    f"(python -m kvrepro.ops.cuda_decode --build) or use impl='triton' (vLLM backend: "
+                    f"(python -m kvrepro.ops.cuda_build) or use impl='triton' (vLLM backend: "
                     f"KVREPRO_DECODE_IMPL=triton)")
             self.fns = {}                             # (key bits, value bits) -> CUfunction
             self.smem = {}                            # (key bits, value bits) -> dynamic shared memory bytes
@@ -255,7 +157,7 @@ class _Module:
             return 0
         if rc:
             raise RuntimeError(f"kvrepro CUDA decode kernel: {sym} not found in the fatbin ({self.error(rc)}); "
-                               f"rebuild it (python -m kvrepro.ops.cuda_decode --build)")
+                               f"rebuild it (python -m kvrepro.ops.cuda_build)")
         if size.value != 4:
             raise RuntimeError(f"kvrepro CUDA decode kernel: {sym} is {size.value} bytes, expected a 4-byte int")
         val = ctypes.c_int()
@@ -462,7 +364,7 @@ def rank_args(device: torch.device, batch: int, num_kv_heads: int, num_splits: i
 def split_pages(seq_len: int, num_splits: int, b: int, kvh: int, batch: int, num_kv_heads: int, rank_div: int,
                 rank_skew: int) -> list[tuple[int, int]]:
     """The kernel's partition of sequence ``b``'s pages for KV head ``kvh``: ``[(first_page, end_page)]`` per split
-    (16-token pages, end exclusive; the last page may be partial), as ``split_weight_prefix`` in decode_k4v4.cu computes
+    (16-token pages, end exclusive; the last page may be partial), as ``split_weight_prefix`` in decode.cu computes
     it: split ``s`` (linear block index ``L = s x batch x num_kv_heads + kvh x batch + b``) weighs ``1024 - rank_skew x
     min(L // rank_div, 3)``, and the pages are cut at the integer floor of the weights' running share. Raises
     ValueError for ``rank_div`` outside 1..65535, ``rank_skew`` outside 0..255 (weights must stay positive),
@@ -510,8 +412,8 @@ def launch(query: torch.Tensor, rotation: torch.Tensor, pool: torch.Tensor, bloc
         allowed = ", ".join(f"{kb, vb} ({PRESETS[kb, vb]})" for kb, vb in LAYOUTS)
         raise ValueError(f"(key_bits, value_bits) must be one of {allowed} for the CUDA decode kernel, got "
                          f"({key_bits!r}, {value_bits!r})")
-    if pool.shape[-1] != LAYOUTS[bits]["page_bytes"]:
-        raise ValueError(f"pool pages must be {LAYOUTS[bits]['page_bytes']} bytes for {PRESETS[bits]} (key_bits="
+    if pool.shape[-1] != LAYOUTS[bits].page_bytes:
+        raise ValueError(f"pool pages must be {LAYOUTS[bits].page_bytes} bytes for {PRESETS[bits]} (key_bits="
                          f"{key_bits}, value_bits={value_bits}, head_dim 128, block 16), got {pool.shape[-1]}")
     if not isinstance(rotation, torch.Tensor) or tuple(rotation.shape) != (HEAD_DIM, HEAD_DIM):
         raise ValueError(f"rotation must be a [{HEAD_DIM}, {HEAD_DIM}] tensor (head_dim {HEAD_DIM}), "
@@ -538,32 +440,3 @@ def launch(query: torch.Tensor, rotation: torch.Tensor, pool: torch.Tensor, bloc
                     ctypes.c_longlong(query.stride(0)), ctypes.c_longlong(query.stride(1)),
                     ctypes.c_longlong(out.stride(0)), ctypes.c_longlong(out.stride(1)), ctypes.c_float(qmul), flags,
                     block_tables.stride(0), num_splits, num_kv_heads, group, rank_div, rank_skew], stream, bits)
-
-
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m kvrepro.ops.cuda_decode",
-                                 description="Build kvrepro's CUDA decode kernels (decode_k4v4.cu -> .fatbin)")
-    ap.add_argument("--build", action="store_true", help="compile with nvcc and rewrite the fatbin and manifest")
-    ap.add_argument("--nvcc", default=None, help="nvcc to use (default: PATH, then /usr/local/cuda*/bin/nvcc)")
-    a = ap.parse_args(argv)
-    if a.nvcc is not None and not a.build:
-        ap.print_usage(sys.stderr)
-        print("--nvcc is a --build option: add --build", file=sys.stderr)
-        return 2
-    if not a.build:
-        ap.print_usage(sys.stderr)
-        print("nothing to do: --build compiles decode_k4v4.cu (the fatbin in the package is already built)",
-              file=sys.stderr)
-        return 2
-    try:
-        info = build(a.nvcc)
-    except (FileNotFoundError, RuntimeError) as e:
-        print(f"kvrepro.ops.cuda_decode --build: {e}", file=sys.stderr)
-        return 1
-    json.dump(info, sys.stdout, indent=1)
-    print()
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

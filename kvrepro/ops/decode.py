@@ -10,102 +10,82 @@ from kvrepro.ops import cuda_decode
 from kvrepro.ops.common import (check_block_tables, check_float, check_heads, check_int, check_launch,
                                 check_pool, check_rotation, check_scale, next_pow2, page_constexprs,
                                 pool_tensor, sm_count, want_checks)
-from kvrepro.ops.kernels.attention import paged_attn_kernel
-from kvrepro.ops.kernels.attention_v1 import paged_attn_kernel_v1
-from kvrepro.ops.kernels.decode_v3 import decode_v3_kernel
-from kvrepro.ops.kernels.rotate import merge_splits_kernel, rotate_query_kernel
+from kvrepro.ops.triton.attention import paged_attn_kernel
+from kvrepro.ops.triton.rotate import merge_splits_kernel, rotate_query_kernel
 
 LOG2E = 1.4426950408889634
-DECODE_BLOCK_N = 256   # v2, 2 warps: best of H200 runs 4-5 for both dequant modes (notes/kernels.md)
+# Launch of the float16 key path: block_n 256 with 2 warps was the best of the block_n x warps sweeps on the H200 for
+# both dequant modes.
+DECODE_BLOCK_N = 256
 DECODE_WARPS = 2
 DECODE_STAGES = 1
-PROGRAMS_PER_SM = 32   # default split count targets ~32 programs per SM (run 4: 4x fewer was 15% slower)
+PROGRAMS_PER_SM = 32   # the Triton split rule targets ~32 programs per SM (4x fewer was 15% slower on the H200)
 DEQUANT_MODES = ("triton", "asm")
-VARIANTS = ("v1", "v2", "v3")
 KEY_MMAS = ("f16", "int8")
-# Keys through int8 tensor cores: same relerr as "f16" at full size on the H200 (2.2e-4 fp16 / 1.7e-3 bf16
-# vs float64, every preset; 3.8e-4 with one 128K split) and 8-12% faster for k4v4 at 128K (1.108 vs 1.258 ms
-# at B=13; run 9, 2026-11-30 05:10 UTC, benchmarks/results/h200_run9_key_mma). Default for variant "v2";
-# v1 / v3 have only the "f16" path.
+# Keys through int8 tensor cores: the same error as "f16" at full size on the H200 (relerr 2.2e-4 fp16 / 1.7e-3 bf16
+# vs float64, every preset; 3.8e-4 with one 128K split) and 8-12% faster for k4v4 at 128K.
 DEFAULT_KEY_MMA = "int8"
-# Launch (block_n, num_warps) of the int8 key path per key width, H200 runs 9 and 11 (notes/kernels.md):
+# Launch (block_n, num_warps) of the int8 key path per key width, from launch sweeps on the H200:
 # 4-bit keys: block_n 256 with 4 warps, 0.90x the time of 2 warps at 128K x 13 and 0.955x at 128K x 3;
 # 8-bit keys (k8v4): block_n 256 spills 160 B of stack, block_n 128 with 2 warps was 14-18% faster
 # than 256 and 6% faster than 128 with 4 warps.
 DECODE_LAUNCH_I8 = {4: (256, 4), 8: (128, 2)}
-V3_PREFETCH = True   # v3: issue the loads of step i + 1 before the math of step i
-# v2 (split-plane dot products) is verified at full size on the H200 (run 2, 2026-11-29: relerr
-# 2.8e-4 vs float64 over the dequantized cache, every preset) and is 19-24% faster than v1 at 128K
-# (notes/kernels.md, benchmarks/results/h200_run2_quick). v1 stays selectable for comparison.
-DEFAULT_VARIANT = "v2"
 
 
 def default_dequant(device: torch.device) -> str:
     """``"asm"`` on CUDA, ``"triton"`` elsewhere (the CPU interpreter cannot run inline PTX).
-    ``"asm"`` (inline PTX: prmt/lop3/sub.f16x2, centred value planes) matched float64 on the H200
-    (2026-11-30 02:37 UTC, benchmarks/results/h200_run7_fix: relerr 3.7e-4 fp16 / 1.7e-3 bf16 at 128K
-    with one split, identical to the triton dequantization) and was 7-8% faster (1.252 vs 1.358 ms at
-    128K x 13, 0.311 vs 0.336 ms at 128K x 3; notes/kernels.md run 7)."""
+    ``"asm"`` (inline PTX: prmt/lop3/sub.f16x2, centred value planes) matches float64 on the H200 as the
+    triton dequantization does (relerr 3.7e-4 fp16 / 1.7e-3 bf16 at 128K with one split) and was 7-8% faster
+    there at 128K."""
     return "asm" if device.type == "cuda" else "triton"
 
 
-def attention_kernel(variant: str, dequant: str | None, device: torch.device):
-    """The jit kernel for ``variant`` and the extra constexpr arguments it takes."""
-    if variant not in VARIANTS:
-        raise ValueError(f"variant={variant!r}; allowed: {VARIANTS}")
+def resolve_dequant(dequant: str | None, device: torch.device) -> str:
+    """``dequant``, or ``default_dequant(device)`` for None. Raises ValueError unless it is one of
+    ``DEQUANT_MODES``, or for ``"asm"`` on a device that is not CUDA."""
     dequant = default_dequant(device) if dequant is None else dequant
     if dequant not in DEQUANT_MODES:
         raise ValueError(f"dequant={dequant!r}; allowed: {DEQUANT_MODES}")
     if dequant == "asm" and device.type != "cuda":
         raise ValueError("dequant='asm' is inline PTX and needs a CUDA device; use dequant='triton'")
-    if variant == "v1":
-        if dequant != "triton":
-            raise ValueError(f"variant='v1' supports dequant='triton' only, got {dequant!r}")
-        return paged_attn_kernel_v1, {}
-    if variant == "v3":
-        return decode_v3_kernel, {"DEQ_ASM": dequant == "asm"}
-    return paged_attn_kernel, {"DEQ_ASM": dequant == "asm"}
+    return dequant
 
 
 I8_KEY_BITS = (4, 8)   # key code widths the int8 key path implements
 
 
-def resolve_key_mma(key_mma: str | None, variant: str, key_bits: int) -> str:
-    """``key_mma``, or the default: ``DEFAULT_KEY_MMA`` for variant "v2" with 4- or 8-bit keys, else "f16"."""
+def resolve_key_mma(key_mma: str | None, key_bits: int) -> str:
+    """``key_mma``, or the default: ``DEFAULT_KEY_MMA`` for 4- or 8-bit keys, else "f16"."""
     if key_mma is not None:
         return key_mma
-    return DEFAULT_KEY_MMA if variant == "v2" and key_bits in I8_KEY_BITS else "f16"
+    return DEFAULT_KEY_MMA if key_bits in I8_KEY_BITS else "f16"
 
 
 def default_launch(key_bits: int, key_mma: str) -> tuple[int, int]:
     """``(block_n, num_warps)`` of the decode launch: ``DECODE_LAUNCH_I8`` for the int8 key path,
-    else ``(DECODE_BLOCK_N, DECODE_WARPS)`` (the float16 key path's best, H200 runs 4-5)."""
+    else ``(DECODE_BLOCK_N, DECODE_WARPS)`` (the float16 key path's)."""
     if key_mma == "int8" and key_bits in DECODE_LAUNCH_I8:
         return DECODE_LAUNCH_I8[key_bits]
     return DECODE_BLOCK_N, DECODE_WARPS
 
 
-def check_key_mma(key_mma: str, variant: str, key_bits: int | None = None) -> None:
-    """ValueError unless ``key_mma`` is one of ``KEY_MMAS`` and, for ``"int8"``, ``variant`` is ``"v2"``
-    and ``key_bits`` (when given) is one of ``I8_KEY_BITS``."""
+def check_key_mma(key_mma: str, key_bits: int | None = None) -> None:
+    """ValueError unless ``key_mma`` is one of ``KEY_MMAS`` and, for ``"int8"``, ``key_bits`` (when given) is one
+    of ``I8_KEY_BITS``."""
     if key_mma not in KEY_MMAS:
         raise ValueError(f"key_mma={key_mma!r}; allowed: {KEY_MMAS}")
-    if key_mma == "int8" and variant != "v2":
-        raise ValueError(f"key_mma='int8' is implemented for variant='v2' only, got variant={variant!r}")
     if key_mma == "int8" and key_bits is not None and key_bits not in I8_KEY_BITS:
         raise ValueError(f"key_mma='int8' needs key_bits in {I8_KEY_BITS}, got key_bits={key_bits}; use key_mma='f16'")
 
 
-def v2_decode_constexprs(layout: PageLayout, num_kv_heads: int, group: int, block_n: int,
-                         key_mma: str | None = None) -> dict:
-    """The constexprs ``decode_attention`` launches the v2 kernel (``paged_attn_kernel``) with, besides
-    ``DEQ_ASM`` (from ``attention_kernel``): one query token per sequence, the GQA group padded to a
-    power of two and to >= 16 rows for ``tl.dot``, split output, and ``KEY_I8`` for ``key_mma="int8"``.
-    Also used by the offline SASS count (benchmarks/sass_loop_mix.py), so that it compiles exactly
-    what runs. ``key_mma`` None = ``resolve_key_mma`` (int8 for 4- and 8-bit keys, else f16). Raises
-    ValueError as ``check_key_mma``."""
-    key_mma = resolve_key_mma(key_mma, "v2", layout.key_bits)
-    check_key_mma(key_mma, "v2", layout.key_bits)
+def decode_constexprs(layout: PageLayout, num_kv_heads: int, group: int, block_n: int,
+                      key_mma: str | None = None) -> dict:
+    """The constexprs ``decode_attention`` launches ``paged_attn_kernel`` with, besides ``DEQ_ASM``: one query
+    token per sequence, the GQA group padded to a power of two and to >= 16 rows for ``tl.dot``, split output, and
+    ``KEY_I8`` for ``key_mma="int8"``. ``key_mma`` None = ``resolve_key_mma`` (int8 for 4- and 8-bit keys, else
+    f16). Raises ValueError as ``check_key_mma``."""
+    key_mma = resolve_key_mma(key_mma, layout.key_bits)
+    check_key_mma(key_mma, layout.key_bits)
     gp = next_pow2(group)
     return dict(G=group, GP=gp, **page_constexprs(layout, num_kv_heads), BLOCK_Q=1, BLOCK_M=max(16, gp),
                 BLOCK_N=block_n, HAS_FRESH=False, SPLIT_OUT=True, IS_DECODE=True, KEY_I8=key_mma == "int8")
@@ -114,7 +94,7 @@ def v2_decode_constexprs(layout: PageLayout, num_kv_heads: int, group: int, bloc
 DECODE_IMPLS = ("triton", "cuda")
 _WARNED_LOAD: set = set()
 # decode_attention's arguments that only the Triton kernel takes (setting one selects it, see resolve_impl)
-TRITON_OPTIONS = ("block_n", "num_warps", "num_stages", "dequant", "variant", "prefetch", "key_mma", "max_registers")
+TRITON_OPTIONS = ("block_n", "num_warps", "num_stages", "dequant", "key_mma", "max_registers")
 
 
 def resolve_impl(impl: str | None, layout: PageLayout, group: int, device: torch.device,
@@ -126,11 +106,9 @@ def resolve_impl(impl: str | None, layout: PageLayout, group: int, device: torch
     device (e.g. a driver older than the fatbin's CUDA 13.0). ``impl="cuda"`` never falls back: a load failure is a
     RuntimeError at the launch (or at engine start in the vLLM backend).
 
-    Why ``"cuda"`` by default there: at 128K context it took 0.57x the Triton kernel's time at batch 13 (0.582 vs
-    1.021 ms, 73% vs 42% of the copy bandwidth) and 0.76-0.80x at batch 1-3, with relerr 2.3e-4 (fp16 q) /
-    1.7e-3 (bf16 q) vs float64 as the Triton kernel (H200 run 18, 2026-11-30, notes/kernels.md); since then 0.49x /
-    0.57x at batch 13 for k4v4 / k8v4 (0.502 vs 1.019 ms, run 38; 0.706 vs 1.241 ms, runs 38 and 35); k4v2's kernel
-    (run 42): 0.38x-0.48x the Triton kernel's time at batch 1-13 (0.4502 vs 1.1755 ms at batch 13).
+    Why ``"cuda"`` by default there: on the H200 at 128K context it takes about half the Triton kernel's time or less
+    at every batch and preset, with the same error vs float64 (relerr 2.3e-4 with float16 queries, 1.7e-3 with
+    bfloat16); ``benchmarks/results/decode_side_by_side.json`` holds the current figures.
 
     Args:
         triton_options: names of the Triton-only arguments the caller set (``block_n``, ``num_warps``, ...).
@@ -167,13 +145,13 @@ MIN_TOKENS_PER_SPLIT = 256
 
 
 # CUDA kernel (impl="cuda"). For a launch of exactly ``batch`` live rows: one wave of its CUDA_CTAS_PER_SM resident
-# CTAs per SM (its __launch_bounds__), any integer count. H200 run 25 (2026-11-30, 128K, the three-launch kernel,
-# benchmarks/results/h200_run25_cuda_waves): whole waves beat powers of two at every batch, one wave best at batch 1
-# and 3 (66 / 22 splits: 0.072 / 0.152 ms), within 1.8% of the best (two waves) at 6 and 13 (11 / 5 splits).
+# CTAs per SM (its __launch_bounds__), any integer count. Why: on the H200 at 128K whole waves beat powers of two at
+# every batch, one wave was best at batch 1 and 3 (66 / 22 splits) and within 1.8% of the best (two waves) at 6 and
+# 13 (benchmarks/decode_splits.py times this).
 # For a CUDA graph replayed for a range of batches (``padded=True``, vLLM's capture sizes: the batch given is the
-# smallest of the range), rows past the real batch are padding and one wave would leave SMs idle: there the earlier
-# many-wave rule (at most CUDA_PROGRAMS_PER_SM CTAs per SM, a power of two, at least CUDA_MIN_SPLITS; H200 run 19),
-# under which the committed capacity runs were measured.
+# smallest of the range), rows past the real batch are padding and one wave would leave SMs idle: there a many-wave
+# rule (at most CUDA_PROGRAMS_PER_SM CTAs per SM, a power of two, at least CUDA_MIN_SPLITS), under which the
+# committed capacity results were measured.
 CUDA_CTAS_PER_SM = cuda_decode.CTAS_PER_SM
 CUDA_PROGRAMS_PER_SM = 12
 CUDA_MIN_SPLITS = 32
@@ -182,10 +160,10 @@ CUDA_MIN_SPLITS = 32
 def default_num_splits(batch: int, num_kv_heads: int, max_context: int, device: torch.device,
                        impl: str = "triton", padded: bool = False) -> int:
     """Splits per (sequence, KV head), each split >= 256 tokens, at most 256:
-    ``impl="triton"``: ~``PROGRAMS_PER_SM`` programs per SM (H200 run 4, notes/kernels.md), a power of two rounded
-    up; ``impl="cuda"``: one wave, ``CUDA_CTAS_PER_SM x SMs // (batch x num_kv_heads)`` (H200 run 25), or with
-    ``padded`` (a CUDA graph that serves any batch from ``batch`` up to its capture size) at most
-    ``CUDA_PROGRAMS_PER_SM`` CTAs per SM, a power of two rounded down, at least ``CUDA_MIN_SPLITS`` (H200 run 19).
+    ``impl="triton"``: ~``PROGRAMS_PER_SM`` programs per SM, a power of two rounded up; ``impl="cuda"``: one wave,
+    ``CUDA_CTAS_PER_SM x SMs // (batch x num_kv_heads)``, or with ``padded`` (a CUDA graph that serves any batch from
+    ``batch`` up to its capture size) at most ``CUDA_PROGRAMS_PER_SM`` CTAs per SM, a power of two rounded down, at
+    least ``CUDA_MIN_SPLITS`` (the comment above says why).
 
     Depends only on shapes (batch, heads, block-table width), never on ``seq_lens`` values, so
     the launch grid is fixed per batch size (CUDA-graph capturable). Raises ValueError for another ``impl`` or a
@@ -222,8 +200,7 @@ def decode_attention(query: torch.Tensor, pool, block_tables: torch.Tensor, seq_
                      out: torch.Tensor | None = None, num_splits: int | None = None,
                      workspace: torch.Tensor | None = None, *, block_n: int | None = None,
                      num_warps: int | None = None, num_stages: int | None = None,
-                     dequant: str | None = None, variant: str | None = None,
-                     prefetch: bool | None = None, key_mma: str | None = None,
+                     dequant: str | None = None, key_mma: str | None = None,
                      max_registers: int | None = None, impl: str | None = None,
                      validate: bool | None = None) -> torch.Tensor:
     """Decode attention (one new token per sequence) over compressed KV pages.
@@ -255,19 +232,14 @@ def decode_attention(query: torch.Tensor, pool, block_tables: torch.Tensor, seq_
             ``num_stages`` to ``DECODE_STAGES``.
         dequant: ``"triton"`` (portable, runs under the interpreter) or ``"asm"`` (inline PTX,
             CUDA only); default ``default_dequant(device)``.
-        variant: ``"v2"`` (default ``DEFAULT_VARIANT``: per-plane dots, fewer integer ops), ``"v1"`` (full-width
-            dequantization) or ``"v3"`` (v2's arithmetic with page-shaped, prefetched loads;
-            decode only; needs ``block_n >= block_size``); see notes/kernels.md.
-        prefetch: v3 only: load step ``i + 1`` before computing step ``i`` (default
-            ``V3_PREFETCH``).
         max_registers: registers per thread the attention kernel may use (Triton's ``maxnreg``,
             ptxas ``--maxrregcount``); None (default) = the compiler's choice. A cap trades spills
             for resident warps: 128 lets 4 programs of 4 warps share an H200 SM instead of 3
             (the default launch measured 2.7-3.4% slower for k4v4 and 37-39% slower for k8v4 at 128K
-            on the H200: run 15 in notes/kernels.md; no cap is the default).
-        key_mma: ``"int8"`` (default for ``variant="v2"`` with 4- or 8-bit keys: key codes stay
-            integers and go through int8 tensor cores, IMMA, int32 sums) or ``"f16"`` (key codes ->
-            float16, HMMA; the only path of v1 / v3, their default). For ``"int8"`` each program
+            on the H200; no cap is the default).
+        key_mma: ``"int8"`` (default for 4- or 8-bit keys: key codes stay integers and go through int8
+            tensor cores, IMMA, int32 sums) or ``"f16"`` (key codes -> float16, HMMA; the default for
+            2-bit keys). For ``"int8"`` each program
             quantizes its rotated, scaled float16 query rows ``[M, D]`` to ``qi = round(q / S_q)``,
             ``S_q = max|q| / 16255`` per query head (and sequence and split), held as two int8 digits
             ``qi = 128 qh + ql``; the keys are their exact centred codes (4-bit: ``16 (code - 8)``,
@@ -297,8 +269,8 @@ def decode_attention(query: torch.Tensor, pool, block_tables: torch.Tensor, seq_
     Raises:
         ValueError: wrong shapes/dtypes/devices, unsupported head_dim or GQA group size, a scale
             that is not finite and positive; with ``validate``, bad seq_lens or block ids;
-            ``key_mma`` not in ``KEY_MMAS``, or ``"int8"`` with a variant other than ``"v2"`` or keys
-            other than 4 / 8 bits; ``max_registers`` not None or a multiple of 8 in [32, 248];
+            ``dequant`` not in ``DEQUANT_MODES`` (or ``"asm"`` off CUDA); ``key_mma`` not in ``KEY_MMAS``,
+            or ``"int8"`` with keys other than 4 / 8 bits; ``max_registers`` not None or a multiple of 8 in [32, 248];
             ``impl`` as ``resolve_impl``; with ``impl="cuda"``: ``num_splits x group > cuda_decode.MERGE_MAX`` or a
             rotation that is not ``diag(s) H / sqrt(D)``.
         RuntimeError: ``impl="cuda"`` and the CUDA driver cannot load the kernel's fatbin (the message says
@@ -326,23 +298,17 @@ def decode_attention(query: torch.Tensor, pool, block_tables: torch.Tensor, seq_
         out = torch.empty_like(query)
     else:
         check_float("out", out, (b, hq, d), dev)
-    options = dict(zip(TRITON_OPTIONS, (block_n, num_warps, num_stages, dequant, variant, prefetch, key_mma,
-                                        max_registers)))
+    options = dict(zip(TRITON_OPTIONS, (block_n, num_warps, num_stages, dequant, key_mma, max_registers)))
     impl = resolve_impl(impl, layout, group, dev, tuple(k for k, v in options.items() if v is not None))
-    variant = DEFAULT_VARIANT if variant is None else variant
     num_stages = DECODE_STAGES if num_stages is None else num_stages
-    key_mma = resolve_key_mma(key_mma, variant, layout.key_bits)
-    check_key_mma(key_mma, variant, layout.key_bits)
+    key_mma = resolve_key_mma(key_mma, layout.key_bits)
+    check_key_mma(key_mma, layout.key_bits)
     launch = default_launch(layout.key_bits, key_mma)
     block_n = launch[0] if block_n is None else block_n
     num_warps = launch[1] if num_warps is None else num_warps
     if not isinstance(block_n, int) or isinstance(block_n, bool) or block_n not in (16, 32, 64, 128, 256):
         raise ValueError(f"block_n={block_n}; allowed: 16, 32, 64, 128, 256")
-    if variant == "v3" and block_n < layout.block_size:
-        raise ValueError(f"variant='v3' needs block_n >= block_size, got block_n={block_n}, "
-                         f"block_size={layout.block_size}")
-    if prefetch is not None and variant != "v3":
-        raise ValueError(f"prefetch is a variant='v3' option, got variant={variant!r}")
+    dequant = resolve_dequant(dequant, dev)
     if num_splits is None:
         num_splits = default_num_splits(b, hkv, block_tables.shape[1] * layout.block_size, dev, impl)
     max_splits = 65535 // hkv       # the launch grid's second / third dimension holds Hkv x num_splits
@@ -370,20 +336,11 @@ def decode_attention(query: torch.Tensor, pool, block_tables: torch.Tensor, seq_
         return out
     rotate_query_kernel[(b * hq,)](query, rotation, q16, query.stride(0), query.stride(1),
                                    float(scale) * LOG2E, HQ=hq, D=d)
-    gp = next_pow2(group)
-    kernel, extra = attention_kernel(variant, dequant, dev)
-    if variant == "v3":
-        kernel[(b, hkv * num_splits)](
-            q16, data, block_tables, seq_lens, part_o, part_lse, block_tables.stride(0), num_splits,
-            G=group, **page_constexprs(layout, hkv), BLOCK_M=max(16, gp), BLOCK_N=block_n,
-            PREFETCH=V3_PREFETCH if prefetch is None else bool(prefetch),
-            num_warps=num_warps, num_stages=num_stages, **launch_opts, **extra)
-    else:
-        kernel[(b, 1, hkv * num_splits)](
-            q16, data, block_tables, seq_lens, seq_lens, q16, q16, part_o, part_lse, rotation,
-            block_tables.stride(0), NUM_SPLITS=num_splits, **v2_decode_constexprs(layout, hkv, group, block_n, key_mma),
-            num_warps=num_warps, num_stages=num_stages, **launch_opts, **extra,
-        )
+    paged_attn_kernel[(b, 1, hkv * num_splits)](
+        q16, data, block_tables, seq_lens, seq_lens, q16, q16, part_o, part_lse, rotation,
+        block_tables.stride(0), NUM_SPLITS=num_splits, **decode_constexprs(layout, hkv, group, block_n, key_mma),
+        DEQ_ASM=dequant == "asm", num_warps=num_warps, num_stages=num_stages, **launch_opts,
+    )
     merge_splits_kernel[(b * hq,)](part_o, part_lse, rotation, out, out.stride(0), out.stride(1),
                                    HQ=hq, D=d, NUM_SPLITS=num_splits, SP=next_pow2(num_splits))
     return out

@@ -8,9 +8,10 @@ from kvrepro.formats.layout import PageLayout
 from kvrepro.ops.common import (check_block_tables, check_float, check_heads, check_int, check_launch,
                                 check_pool, check_rotation, check_scale, next_pow2, page_constexprs,
                                 pool_tensor, want_checks)
-from kvrepro.ops.decode import DEFAULT_VARIANT, LOG2E, attention_kernel
-from kvrepro.ops.kernels.dequant import dequant_pages_kernel
-from kvrepro.ops.kernels.rotate import rotate_query_kernel
+from kvrepro.ops.decode import LOG2E, resolve_dequant
+from kvrepro.ops.triton.attention import paged_attn_kernel
+from kvrepro.ops.triton.dequant import dequant_pages_kernel
+from kvrepro.ops.triton.rotate import rotate_query_kernel
 
 PREFILL_ROWS = 64      # query rows (tokens x heads of one GQA group) per program
 PREFILL_BLOCK_N = 64
@@ -146,17 +147,16 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
                       scale: float, out: torch.Tensor | None = None, *,
                       max_query_len: int | None = None, block_n: int = PREFILL_BLOCK_N,
                       rows: int = PREFILL_ROWS, num_warps: int = 4, num_stages: int = 2,
-                      dequant: str | None = None, variant: str = DEFAULT_VARIANT, impl: str = "paged",
+                      dequant: str | None = None, impl: str = "paged",
                       piece_tokens: int = PIECE_TOKENS, dense_attn=None,
                       validate: bool | None = None) -> torch.Tensor:
     """Causal varlen attention of the current chunk: earlier context from compressed pages,
     the chunk's own K/V fresh (not quantized).
 
     ``impl="paged"`` (default): one Triton kernel reads the compressed pages directly (no
-    dequantized copy, no host sync if ``max_query_len`` is given). On the H200 it was 3.0x bf16
-    FlashAttention-2 at 128K; its long-context error (relerr 0.40 at ctx 120K before the fix of
-    centred value planes and per-tile tensor-core sums) is 3.7e-4 (fp16) / 1.7e-3 (bf16) there since
-    (run 7, notes/kernels.md). ``impl="dequant"`` measured 1.08x bf16 and correct. ``impl="dequant"``: per
+    dequantized copy, no host sync if ``max_query_len`` is given). On the H200 at 128K it took 3.0x the
+    time of bf16 FlashAttention-2, relerr 3.7e-4 (fp16) / 1.7e-3 (bf16) vs float64 at ctx 120K.
+    ``impl="dequant"`` took 1.08x bf16 there, with the same error. ``impl="dequant"``: per
     sequence, everything happens in the pages' rotated space: the chunk's q/k/v are rotated
     (``@ R``), the context is dequantized without the inverse rotation into a workspace of
     ``piece_tokens`` tokens (``2 * piece_tokens * Hkv * D * 2`` bytes; 128 MiB at 32K x 8 x 128),
@@ -180,7 +180,7 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         out: optional ``[T, Hq, D]`` in the query dtype.
         max_query_len: ``max(q_len)``; if omitted it is read from ``query_start_loc`` (host sync).
         block_n, rows, num_warps, num_stages: tiling / launch options.
-        dequant, variant: as in ``decode_attention`` (impl="paged").
+        dequant: as in ``decode_attention`` (impl="paged").
         impl, piece_tokens, dense_attn: see above.
 
     Decode rows (q_len 1) may be mixed in. Temporaries: ``prefill_workspace_bytes`` (rotated
@@ -192,7 +192,9 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
 
     Raises:
         ValueError: wrong shapes/dtypes/devices, unsupported head_dim or GQA group size, a scale
-            that is not finite and positive; with ``validate``, bad seq_lens or block ids.
+            that is not finite and positive; with ``validate``, bad seq_lens or block ids; ``dequant`` not
+            in ``DEQUANT_MODES`` (or ``"asm"`` off CUDA); ``block_n``, ``rows``, ``impl`` or launch options
+            outside their allowed values (the message lists them).
     """
     data = pool_tensor(pool)
     _, hkv = check_pool(data, layout)
@@ -231,8 +233,6 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         out = torch.empty_like(query)
     else:
         check_float("out", out, (t, hq, d), dev)
-    if variant not in ("v1", "v2"):
-        raise ValueError(f"variant={variant!r} for prefill; allowed: 'v1', 'v2' ('v3' is decode-only)")
     if block_n not in (16, 32, 64, 128, 256):
         raise ValueError(f"block_n={block_n}; allowed: 16, 32, 64, 128, 256")
     check_launch(num_warps, num_stages)
@@ -251,6 +251,7 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
             raise ValueError(f"piece_tokens must be a positive int, got {piece_tokens!r}")
         return _prefill_dequant(query, key, value, data, block_tables, seq_lens, query_start_loc, layout,
                                 rotation, scale, out, piece_tokens, dense_attn or flash_dense_attn)
+    dequant = resolve_dequant(dequant, dev)
     if max_query_len is None:
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
     q16 = torch.empty((t, hq, d), dtype=torch.float16, device=dev)
@@ -262,12 +263,11 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     rotate_query_kernel[(t * hkv,)](value, rotation, v16, value.stride(0), value.stride(1), 1.0, HQ=hkv, D=d)
     block_q = rows // gp
     grid = (nseq, triton.cdiv(max_query_len, block_q), hkv)
-    kernel, extra = attention_kernel(variant, dequant, dev)
-    kernel[grid](
+    paged_attn_kernel[grid](
         q16, data, block_tables, seq_lens, query_start_loc, k16, v16, out, q16, rotation,
         block_tables.stride(0), NUM_SPLITS=1,
         G=group, GP=gp, **page_constexprs(layout, hkv),
         BLOCK_Q=block_q, BLOCK_M=rows, BLOCK_N=block_n, HAS_FRESH=True, SPLIT_OUT=False,
-        IS_DECODE=False, num_warps=num_warps, num_stages=num_stages, **extra,
+        IS_DECODE=False, DEQ_ASM=dequant == "asm", num_warps=num_warps, num_stages=num_stages,
     )
     return out

@@ -9,7 +9,7 @@ from kvrepro.formats.layout import PageLayout
 from kvrepro.formats.base import check_finite
 from kvrepro.ops.common import (check_float, check_pool, check_rotation, check_slots, page_constexprs,
                                 pool_tensor, want_checks)
-from kvrepro.ops.kernels.store import store_kv_kernel
+from kvrepro.ops.triton.store import store_kv_kernel
 
 STORE_BLOCK_T = 16
 
@@ -20,7 +20,7 @@ ROTATE_PIECE = 4096  # rotate="torch": tokens rotated per float32 temporary (409
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, pool, slot_mapping: torch.Tensor,
              layout: PageLayout, rotation: torch.Tensor, *, rotate: str = "torch",
-             validate: bool | None = None, key_center: torch.Tensor | None = None) -> None:
+             validate: bool | None = None) -> None:
     """Rotate, quantize and pack ``key``/``value`` into their slots of ``pool`` (in place).
 
     Same bytes as ``CompressedPool.write`` (``kvrepro.formats.compressed``), except that a code
@@ -35,26 +35,21 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, pool, slot_mapping: torch.T
         rotation: float32 ``[head_dim, head_dim]`` (``rotation_matrix(head_dim, seed)``), same device.
         rotate: ``"torch"`` (default: ``x.float() @ R`` through PyTorch in pieces of
             ``ROTATE_PIECE`` tokens, then the kernel quantizes; the same op as the reference;
-            0.22 ms per 8K tokens x 8 heads x 128 on the H200, run 4) or ``"kernel"`` (rotation
+            0.22 ms per 8K tokens x 8 heads x 128 on the H200) or ``"kernel"`` (rotation
             inside the Triton kernel: 2.50 ms there, and its float32 ``[D, D]`` operand spills to a
             6,792 B stack per thread, for which the CUDA driver reserves ~1.7 GiB of local memory
             at the first launch, notes/vllm.md).
 
         validate: check slot range and finite K/V on the host (default: on for CPU tensors,
             off on CUDA, where it would need a host sync and break CUDA-graph capture).
-        key_center: optional float32 ``[num_kv_heads, head_dim]`` mean key ``mu`` (same device): the pages
-            then hold ``key - mu`` (``kvrepro.formats.centering``: attention is unchanged if every key a query
-            attends to is shifted by the same ``mu``). Read by address, so a CUDA graph captured with it sees
-            later in-place updates. With ``rotate="torch"`` it replaces the float32 cast (no extra kernel); with
-            ``rotate="kernel"`` the centered key is rounded to the key dtype before the kernel rotates it.
 
     Preconditions (checked only when ``validate``): slots in ``[-1, num_blocks * block_size)``,
     K/V finite with magnitudes within float16 range after rotation. Without ``validate``: no host
     sync; CUDA-graph capturable. Page offsets are int64.
 
     Raises:
-        ValueError: wrong shapes, dtypes, devices or layout (``key_center`` included); with ``validate``, bad
-            slots, non-finite K/V or a non-finite ``key_center``.
+        ValueError: wrong shapes, dtypes, devices or layout, or ``rotate`` not in ``ROTATE_MODES``; with
+            ``validate``, bad slots or non-finite K/V (or K/V beyond the float16 range after rotation).
     """
     data = pool_tensor(pool)
     _, hkv = check_pool(data, layout)
@@ -70,35 +65,22 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, pool, slot_mapping: torch.T
     check_rotation(rotation, layout, dev)
     if rotate not in ROTATE_MODES:
         raise ValueError(f"rotate={rotate!r}; allowed: {ROTATE_MODES}")
-    if key_center is not None:
-        if not isinstance(key_center, torch.Tensor):
-            raise ValueError(f"key_center must be None or a float32 tensor [num_kv_heads={hkv}, "
-                             f"head_dim={layout.head_dim}], got {type(key_center).__name__}")
-        if (key_center.dtype != torch.float32 or tuple(key_center.shape) != (hkv, layout.head_dim)
-                or key_center.device != dev):
-            raise ValueError(f"key_center must be float32 [num_kv_heads={hkv}, head_dim={layout.head_dim}] on {dev}, "
-                             f"got {key_center.dtype} {tuple(key_center.shape)} on {key_center.device}")
-        if want_checks(validate, dev) and not torch.isfinite(key_center).all():
-            raise ValueError("key_center holds a NaN or an infinity")
     if want_checks(validate, dev):
         check_slots(slot_mapping, data.shape[0], layout.block_size)
         check_finite(key, value)
         for p0 in range(0, t, ROTATE_PIECE):   # the reference's range check (formats.compressed)
-            k = key[p0:p0 + ROTATE_PIECE]
-            for x in (k if key_center is None else k - key_center, value[p0:p0 + ROTATE_PIECE]):
+            for x in (key[p0:p0 + ROTATE_PIECE], value[p0:p0 + ROTATE_PIECE]):
                 if float((x.float() @ rotation).abs().max()) > FP16_MAX:
                     raise ValueError(f"K/V magnitude after rotation exceeds the float16 range ({FP16_MAX}) "
                                      "of the stored scale/zero; refusing to store them")
     if t == 0:
         return
     if rotate == "kernel":
-        k = key if key_center is None else (key - key_center).to(key.dtype)
-        _launch(k, value, data, slot_mapping, rotation, layout, hkv, True)
+        _launch(key, value, data, slot_mapping, rotation, layout, hkv, True)
         return
     for p0 in range(0, t, ROTATE_PIECE):
         p1 = min(t, p0 + ROTATE_PIECE)
-        k = key[p0:p1].float() if key_center is None else key[p0:p1] - key_center   # float32 either way
-        _launch(k @ rotation, value[p0:p1].float() @ rotation, data, slot_mapping[p0:p1],
+        _launch(key[p0:p1].float() @ rotation, value[p0:p1].float() @ rotation, data, slot_mapping[p0:p1],
                 rotation, layout, hkv, False)
 
 

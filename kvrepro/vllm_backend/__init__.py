@@ -4,7 +4,7 @@ Use (GPU, ``pip install kvrepro[vllm]``; no fork, no edits to vLLM)::
 
     KVREPRO_PRESET=k4v4 vllm serve Qwen/Qwen3-4B-Instruct-2507 --attention-backend CUSTOM
     # or, in Python:
-    os.environ["KVREPRO_PRESET"] = "k4v4"          # optional; k4v4 is the default
+    os.environ["KVREPRO_PRESET"] = "k4v4"          # optional; k4v4 is the default (kvrepro.settings: all variables)
     llm = vllm.LLM(model, attention_backend="CUSTOM")   # kv_cache_dtype stays "auto"
 
 vLLM calls :func:`register` in every process it starts, through the entry point::
@@ -18,7 +18,8 @@ It binds vLLM's ``AttentionBackendEnum.CUSTOM`` slot to
 Nothing changes for engines that do not select ``CUSTOM``. Unsupported configurations are refused
 at engine start (``config.unsupported_reasons`` / ``config.check_layer``).
 
-The pure parts (``config``, ``runtime``, ``spec_patch``) import without vLLM; ``backend`` needs it.
+The pure parts (``config``, ``runtime``, ``fa_prefill``, ``spec_patch``) import without vLLM; ``backend`` needs it.
+The capacity sweep's GPU worker is ``kvrepro.sweep_worker`` (outside this package: vLLM loads only the backend).
 """
 from __future__ import annotations
 
@@ -28,14 +29,16 @@ BACKEND_CLASS = "kvrepro.vllm_backend.backend.KVReproAttentionBackend"
 def register() -> None:
     """vLLM general-plugin entry point: register the CUSTOM backend and the page-size patch.
 
-    Idempotent (vLLM may call it several times). Validates ``KVREPRO_PRESET`` so a bad value fails
-    at engine start. Raises ImportError without vLLM, ValueError on a bad preset.
+    Idempotent (vLLM may call it several times). Validates every ``KVREPRO_*`` setting
+    (``kvrepro.settings.Settings.from_env``) so that a bad value fails at engine start; the engine resolves and
+    logs them when it builds its layers (``config.settings_for_engine``). Raises ImportError without vLLM,
+    ValueError on a bad setting (naming the variable and the allowed values).
     """
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
+    from kvrepro.settings import Settings
     from kvrepro.vllm_backend import spec_patch
-    from kvrepro.vllm_backend.config import resolve_preset
 
-    resolve_preset()
+    Settings.from_env()
     register_backend(AttentionBackendEnum.CUSTOM, BACKEND_CLASS)
     spec_patch.install()

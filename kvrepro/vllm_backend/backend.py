@@ -24,6 +24,9 @@ allocation inside a captured forward); padded rows have seq_len 0 and slot -1. E
 variant is compiled before vLLM's memory profiling (``KVREPRO_WARMUP``), and no kernel of the path
 has a register-spill stack (``KVREPRO_STORE_ROTATE``). Mixed and prefill batches run piecewise (attention
 outside the graph). Prefix caching works like chunked prefill (cached blocks are read as context).
+
+Settings (``kvrepro.settings``): resolved once per engine by :func:`engine_settings` (the first layer built
+resolves and logs them, every layer uses that one object).
 """
 from __future__ import annotations
 
@@ -80,7 +83,7 @@ class KVReproAttentionBackend(AttentionBackend):
     @staticmethod
     def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
                            cache_dtype_str: str = "auto") -> tuple[int, ...]:
-        return cfg.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
+        return cfg.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size, engine_settings().preset)
 
     @staticmethod
     def get_kv_cache_stride_order(include_num_layers_dimension: bool = False) -> tuple[int, ...]:
@@ -146,6 +149,14 @@ class KVReproMetadataBuilder(AttentionMetadataBuilder[KVReproMetadata]):
 _WARMED: dict[tuple, list[int]] = {}
 
 
+def engine_settings():
+    """The ``kvrepro.settings.Settings`` of the engine being built (``config.settings_for_engine`` of vLLM's
+    current config: resolved and logged once per engine; outside an engine, see there)."""
+    from vllm.config import get_current_vllm_config_or_none
+
+    return cfg.settings_for_engine(get_current_vllm_config_or_none())
+
+
 def engine_shape() -> dict:
     """What the impl needs from vLLM's current config: CUDA-graph capture sizes, the largest decode
     batch (``max_num_seqs``: a request has at most one decode token per step), block size and
@@ -184,9 +195,11 @@ class KVReproAttentionImpl(AttentionImpl[KVReproMetadata]):
         self.scale = float(scale)
         self.num_kv_heads = num_kv_heads
         self.kv_cache_dtype = kv_cache_dtype
-        preset = cfg.resolve_preset()
+        s = engine_settings()
+        self.settings = s
+        preset = s.preset
         prefill = None
-        path = cfg.resolve_prefill()
+        path = s.prefill
         if path in ("fa", "fa-sliced"):
             from kvrepro.formats import get_format
             from kvrepro.vllm_backend.fa_prefill import FlashPrefill
@@ -198,16 +211,15 @@ class KVReproAttentionImpl(AttentionImpl[KVReproMetadata]):
             prefill = RotatedDequantPrefill(head_size)
         shape = engine_shape()
         self.rt = LayerRuntime(preset, num_heads, num_kv_heads, head_size, self.scale,
-                               cfg.resolve_num_splits(), prefill=prefill, graph_sizes=shape["graph_sizes"],
-                               max_batch=shape["max_batch"], store_rotate=cfg.resolve_store_rotate(),
-                               decode_impl=cfg.resolve_decode_impl(), key_center=cfg.resolve_key_center(),
-                               recent_window=cfg.resolve_recent_window())
+                               s.num_splits, prefill=prefill, graph_sizes=shape["graph_sizes"],
+                               max_batch=shape["max_batch"], store_rotate=s.store_rotate,
+                               decode_impl=s.decode_impl_arg)
         dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         self.rt.check_decode_impl(shape["block_size"] or 16, dev)
         self._shape = shape
-        self._warmup = cfg.resolve_warmup()
+        self._warmup = s.warmup
         # Debug only (slow, host syncs): compare every eagerly run step with reference_attend.
-        self._debug_check = cfg.resolve_debug_check()
+        self._debug_check = s.debug_check
 
     def process_weights_after_loading(self, act_dtype: torch.dtype):
         """Before vLLM profiles memory and captures CUDA graphs: reserve the shared decode workspace
@@ -217,7 +229,6 @@ class KVReproAttentionImpl(AttentionImpl[KVReproMetadata]):
         if torch.cuda.is_available():
             dev = torch.device("cuda", torch.cuda.current_device())
             self.rt.prepare(dev)
-            self.rt.prepare_window(dev, act_dtype)      # recent-token window (opt-in): before memory profiling
             if self._warmup and self._shape["block_size"]:
                 key = (str(dev), act_dtype, self.rt.fmt.name, self.num_heads, self.num_kv_heads, self.head_size)
                 if key not in _WARMED:  # one warm-up per process and geometry, not one per layer
@@ -241,10 +252,6 @@ class KVReproAttentionImpl(AttentionImpl[KVReproMetadata]):
             return output.fill_(0)
         m = attn_metadata
         out3 = output.view(-1, self.num_heads, self.head_size)
-        if self.rt.center_state == "pending":   # key centering: the first real prefill sets the mean key
-            self.rt.calibrate(key, value, kv_cache, m.slot_mapping, m.seq_lens, m.query_start_loc,
-                              m.num_actual_tokens, m.num_decodes, m.max_query_len)
-        self.rt.update_window(key, value, m.slot_mapping, m.query_start_loc, m.num_actual_tokens)
         self.rt.attend(query, key, value, kv_cache, m.block_table, m.seq_lens, m.query_start_loc,
                        m.num_actual_tokens, m.num_decodes, m.num_decode_tokens, out3,
                        max_query_len=m.max_query_len)

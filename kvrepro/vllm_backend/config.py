@@ -1,9 +1,11 @@
-"""What the kvrepro vLLM backend supports, and how its preset is chosen (pure Python: no vLLM needed).
+"""What the kvrepro vLLM backend supports, and the settings of an engine (pure Python: no vLLM needed).
 
-Preset choice (one documented way): the environment variable ``KVREPRO_PRESET`` (default ``k4v4``;
-allowed: the compressed presets of ``kvrepro.formats.COMPRESSED_PRESETS``). vLLM loads the plugin in
-every process it starts and child processes inherit the environment, so setting it before
-``LLM(...)``/``vllm serve`` picks the preset everywhere. A bad value is a ``ValueError`` at engine start.
+Settings: every ``KVREPRO_*`` variable is declared in ``kvrepro.settings`` (``KVREPRO_PRESET`` picks the
+compressed preset, default ``k4v4``; ``python -m kvrepro.settings`` lists them all). vLLM loads the plugin in
+every process it starts and child processes inherit the environment, so setting them before
+``LLM(...)``/``vllm serve`` applies them everywhere. They are resolved once per engine
+(:func:`settings_for_engine`), logged at engine start and used by every layer; a bad value is a ``ValueError``
+at engine start.
 
 Supported (everything else is refused at engine start with a message, never a fallback):
 decoder self-attention of a non-MLA model, head_dim in ``SUPPORTED_HEAD_DIMS`` (64, 128), model dtype
@@ -13,191 +15,63 @@ sinks, no KV sharing between layers.
 """
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
 
-from kvrepro.formats import COMPRESSED_PRESETS, DEFAULT_PRESET, get_format
+from kvrepro.formats import get_format
 from kvrepro.formats.hadamard import SUPPORTED_HEAD_DIMS
 from kvrepro.formats.layout import SUPPORTED_BLOCK_SIZES, PageLayout
+from kvrepro.settings import SETTINGS, Settings, parse, unknown_variables
 
 PRESET_ENV = "KVREPRO_PRESET"
-NUM_SPLITS_ENV = "KVREPRO_NUM_SPLITS"
-PREFILL_ENV = "KVREPRO_PREFILL"
-PREFILL_PATHS = ("fa", "fa-sliced", "dequant", "triton")
 BACKEND_NAME = "CUSTOM"  # vLLM's enum slot for out-of-tree backends (--attention-backend CUSTOM)
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 SUPPORTED_KV_CACHE_DTYPES = ("auto", "bfloat16", "float16")
+# vLLM prints the records of its own "vllm" logger tree (its handler, its level); a child of it makes the
+# settings line appear in the engine's log next to vLLM's own start-up lines.
+LOGGER_NAME = "vllm.kvrepro"
+
+# Settings resolved per engine: {id(vllm_config): (vllm_config, Settings)}. The config object is kept so that
+# its id is not reused by another engine's config while the entry exists.
+_ENGINE_SETTINGS: dict[int, tuple[object, Settings]] = {}
+_LAST: list[Settings] = []
 
 
-def resolve_preset(value: str | None = None) -> str:
-    """The compressed preset to use: ``value``, else ``$KVREPRO_PRESET``, else ``k4v4``.
+def settings_for_engine(vllm_config=None, environ=None) -> Settings:
+    """The engine's :class:`kvrepro.settings.Settings`, resolved from the environment once per engine.
+
+    ``vllm_config``: vLLM's ``VllmConfig`` of the engine being built (the backend passes
+    ``get_current_vllm_config_or_none()``; the page-size patch the config vLLM hands it). The first call for a
+    config resolves ``Settings.from_env(environ)``, logs it once (``kvrepro settings: preset=k4v4 ...``, logger
+    ``LOGGER_NAME``, with a warning naming any unknown ``KVREPRO_*`` variable) and keeps it; every later call for
+    that config (every layer) returns the same object. Without a config (outside an engine build): the settings
+    of the last engine resolved in this process, else ``Settings.from_env(environ)`` (neither kept nor logged).
 
     Raises:
-        ValueError: not one of ``COMPRESSED_PRESETS`` (message names KVREPRO_PRESET and the allowed values).
+        ValueError: a bad ``KVREPRO_*`` value (names the variable and the allowed values).
     """
-    if value is None:
-        value = os.environ.get(PRESET_ENV, "") or DEFAULT_PRESET
-    if not isinstance(value, str):
-        raise ValueError(f"{PRESET_ENV} must be a preset name (str), got {value!r}; allowed: "
-                         f"{', '.join(COMPRESSED_PRESETS)}")
-    value = value.strip().lower()
-    if value not in COMPRESSED_PRESETS:
-        raise ValueError(
-            f"{PRESET_ENV}={value!r} is not a kvrepro compressed preset; allowed: {', '.join(COMPRESSED_PRESETS)}"
-        )
-    return value
-
-
-def _as_int(value) -> int | None:
-    """An int from an int (not a bool) or a string of ASCII digits (surrounding spaces ignored); else None."""
-    if isinstance(value, str) and value.strip().isascii() and value.strip().isdigit():
-        return int(value)
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    return None
-
-
-def resolve_num_splits(value: str | int | None = None) -> int | None:
-    """Split-K count of the decode kernel: ``value``, else ``$KVREPRO_NUM_SPLITS``, else None (the
-    kernel's ``default_num_splits``, which depends on shapes only, so CUDA graphs see fixed grids).
-    Raises ValueError unless a positive int <= 256."""
-    if value is None:
-        value = os.environ.get(NUM_SPLITS_ENV, "")
-        if not value:
-            return None
-    n = _as_int(value)
-    if n is None or not 1 <= n <= 256:
-        raise ValueError(f"{NUM_SPLITS_ENV} must be an integer in 1..256, got {value!r}")
-    return n
-
-
-RECENT_WINDOW_ENV = "KVREPRO_RECENT_WINDOW"
-
-
-def resolve_recent_window(value: str | int | None = None) -> int:
-    """Recent-token window (``kvrepro.vllm_backend.window``; opt-in, an experiment): decode steps read each request's
-    last W tokens' K/V exact from a side cache instead of their compressed pages. ``0`` / ``off`` (default) or W in
-    1..256, from ``value`` or ``$KVREPRO_RECENT_WINDOW`` (an empty variable counts as unset). Its side cache holds the
-    next power of two >= ``16 x W x max_num_seqs`` (at least 4,096; at most 2**20) tokens of unquantized K/V per layer
-    plus 24 bytes each, allocated before vLLM sizes its KV cache (so vLLM's KV-cache size in tokens shrinks by that
-    much). Raises ValueError naming KVREPRO_RECENT_WINDOW and the allowed values."""
-    if value is None:
-        value = os.environ.get(RECENT_WINDOW_ENV, "").strip() or "0"
-    if isinstance(value, str) and value.strip().lower() == "off":
-        return 0
-    n = _as_int(value)
-    if n is None or not 0 <= n <= 256:
-        raise ValueError(f"{RECENT_WINDOW_ENV} must be off, 0 or an integer in 1..256, got {value!r}")
-    return n
-
-
-STORE_ROTATE_ENV = "KVREPRO_STORE_ROTATE"
-STORE_ROTATE_MODES = ("torch", "kernel")
-
-
-def resolve_store_rotate(value: str | None = None) -> str:
-    """Where ``store_kv`` rotates new K/V: ``torch`` (default: ``x.float() @ R`` in PyTorch, then the
-    quantize kernel) or ``kernel`` (inside the Triton store kernel). From ``value`` or
-    ``$KVREPRO_STORE_ROTATE``.
-
-    Why ``torch``: the in-kernel rotation keeps a float32 [D, D] operand that spills to a 6,792-byte
-    stack per thread (cuobjdump, sm_90, k4v4). The CUDA driver sizes a context's local memory for
-    every resident thread of the GPU (6,792 B x 2,048 threads x 132 SMs = 1.7 GiB on the H200) at the
-    first launch and keeps it; in vLLM that first launch falls inside its CUDA-graph memory profiling,
-    so it was counted twice (as non-torch memory and in the graph estimate): the 2.8 GiB less KV
-    cache than bf16 of the 2026-11-29 sweep (notes/vllm.md). Case and surrounding spaces are ignored, as for the
-    other settings. Raises ValueError naming the variable and the allowed values."""
-    return _choice(STORE_ROTATE_ENV, value, "torch", STORE_ROTATE_MODES)
-
-
-WARMUP_ENV = "KVREPRO_WARMUP"
-
-
-def _switch(env: str, value: str | None, default: str) -> bool:
-    """A 0/1 switch: ``value``, else ``$env``, else ``default``; surrounding spaces ignored. Raises ValueError naming
-    ``env``."""
-    if value is None:
-        value = os.environ.get(env, "") or default
-    value = value.strip() if isinstance(value, str) else value
-    if value not in ("0", "1"):
-        raise ValueError(f"{env}={value!r}; allowed: 0, 1")
-    return value == "1"
-
-
-def resolve_warmup(value: str | None = None) -> bool:
-    """Whether the impl compiles its decode-kernel variants before vLLM's memory profiling:
-    ``value``, else ``$KVREPRO_WARMUP``, else on. Raises ValueError unless ``0`` or ``1``."""
-    return _switch(WARMUP_ENV, value, "1")
-
-
-DEBUG_CHECK_ENV = "KVREPRO_DEBUG_CHECK"
-
-
-def resolve_debug_check(value: str | None = None) -> bool:
-    """Debug only (slow, host syncs): compare every eagerly run attention call with the reference.
-    ``value``, else ``$KVREPRO_DEBUG_CHECK``, else off. Raises ValueError unless ``0`` or ``1``."""
-    return _switch(DEBUG_CHECK_ENV, value, "0")
-
-
-def _choice(env: str, value: str | None, default: str, allowed: tuple[str, ...]) -> str:
-    """``value``, else ``$env``, else ``default``; case and surrounding spaces ignored. Raises ValueError naming
-    ``env`` and the allowed values."""
-    if value is None:
-        value = os.environ.get(env, "") or default
-    value = value.strip().lower() if isinstance(value, str) else value
-    if value not in allowed:
-        raise ValueError(f"{env}={value!r}; allowed: {', '.join(allowed)}")
-    return value
-
-
-DECODE_IMPL_ENV = "KVREPRO_DECODE_IMPL"
-DECODE_IMPL_CHOICES = ("auto", "cuda", "triton")
-
-
-def resolve_decode_impl(value: str | None = None) -> str | None:
-    """Decode kernel: ``cuda`` (kvrepro's CUDA kernels: k4v4, k8v4 or k4v2, head_dim 128, block 16, GQA group <= 8,
-    compute capability >= 8.0; anything else is refused at engine start), ``triton`` (every preset and shape) or ``auto``
-    (default: ``kvrepro.ops.decode.resolve_impl``, i.e. ``cuda`` where it applies, else ``triton``). From
-    ``value`` or ``$KVREPRO_DECODE_IMPL`` (case and surrounding spaces ignored). Returns None for ``auto``.
-    Raises ValueError naming KVREPRO_DECODE_IMPL and the allowed values."""
-    value = _choice(DECODE_IMPL_ENV, value, "auto", DECODE_IMPL_CHOICES)
-    return None if value == "auto" else value
-
-
-KEY_CENTER_ENV = "KVREPRO_KEY_CENTER"
-KEY_CENTER_CHOICES = ("first-prefill", "off")
-
-
-def resolve_key_center(value: str | None = None) -> bool:
-    """Key centering (``kvrepro.formats.centering``): ``off`` (default) or ``first-prefill`` (opt-in, an experiment:
-    the pages hold each key minus the mean key, per layer and KV head, of the engine's first prefill; attention is
-    unchanged by softmax's shift invariance). Off by default because through vLLM on the H200 it made long-context
-    retrieval worse (SmolLM2, 8,184 tokens: 20 of 28 single-needle prompts lost key log-prob against uncentered k4v4;
-    notes/accuracy.md). From ``value`` or ``$KVREPRO_KEY_CENTER`` (case and surrounding spaces ignored; an empty
-    variable counts as unset, as for every KVREPRO_ variable). Whether it came on is in each result row's
-    ``kvrepro_settings.key_center_state`` (``measure.key_center_summary``).
-    Raises ValueError naming KVREPRO_KEY_CENTER and the allowed values."""
-    return _choice(KEY_CENTER_ENV, value, "off", KEY_CENTER_CHOICES) == "first-prefill"
-
-
-def resolve_prefill(value: str | None = None) -> str:
-    """Prefill path: ``fa`` (dequantize the context, then vLLM's FlashAttention; default, measured),
-    ``fa-sliced`` (the same slice by slice with a log-sum-exp merge: bounded temporaries; not yet run on a
-    GPU), ``dequant`` (``fa_prefill.RotatedDequantPrefill``: context dequantized in the rotated space by
-    a Triton kernel, one FlashAttention call; in the H200 GPU smoke of 2026-11-30, one layer with vLLM's
-    FA3, 16K chunk after 112K of context: 51.6 ms vs ``fa`` 56.3 ms, relerr 5.7e-3; the kvrepro rows of every
-    capacity sweep since 2026-11-30 04:49 UTC used it, set by ``scripts/h200_sweep.sh``'s ``PREFILL_AUTO=1`` after its
-    smoke check) or ``triton`` (kvrepro's direct-read prefill kernel: correct at 120K context since the run-7
-    fix, but 3.0x bf16 at 128K: notes/kernels.md). From ``value`` or ``$KVREPRO_PREFILL`` (case and surrounding
-    spaces ignored, as for the preset).
-    Raises ValueError naming KVREPRO_PREFILL and the allowed values."""
-    return _choice(PREFILL_ENV, value, "fa", PREFILL_PATHS)
+    if vllm_config is None:
+        return _LAST[-1] if _LAST else Settings.from_env(environ)
+    hit = _ENGINE_SETTINGS.get(id(vllm_config))
+    if hit is not None and hit[0] is vllm_config:
+        return hit[1]
+    s = Settings.from_env(environ)
+    _ENGINE_SETTINGS[id(vllm_config)] = (vllm_config, s)
+    _LAST[:] = [s]
+    log = logging.getLogger(LOGGER_NAME)
+    log.info("%s", s.describe())
+    unknown = unknown_variables(os.environ if environ is None else environ)
+    if unknown:
+        log.warning("kvrepro: %s set but not a kvrepro setting (ignored); the settings are %s",
+                    ", ".join(unknown), ", ".join(d.env for d in SETTINGS))
+    return s
 
 
 def page_layout(preset: str, head_dim: int, block_size: int) -> PageLayout:
     """Page layout of ``preset`` (one block x one KV head). Raises ValueError on unsupported sizes."""
-    return get_format(resolve_preset(preset)).layout(head_dim, block_size)
+    return get_format(parse("preset", preset)).layout(head_dim, block_size)
 
 
 def slot_bytes(preset: str, head_dim: int, block_size: int) -> int:
@@ -212,8 +86,10 @@ def slot_bytes(preset: str, head_dim: int, block_size: int) -> int:
 
 def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
                    preset: str | None = None) -> tuple[int, int, int]:
-    """Shape of one layer's pool as vLLM must allocate it: uint8 ``(num_blocks, num_kv_heads, page_bytes)``."""
-    return (num_blocks, num_kv_heads, page_layout(resolve_preset(preset), head_size, block_size).page_bytes)
+    """Shape of one layer's pool as vLLM must allocate it: uint8 ``(num_blocks, num_kv_heads, page_bytes)``;
+    ``preset`` None: the engine's (:func:`settings_for_engine`)."""
+    preset = settings_for_engine().preset if preset is None else preset
+    return (num_blocks, num_kv_heads, page_layout(preset, head_size, block_size).page_bytes)
 
 
 def unsupported_reasons(*, head_size: int, dtype: torch.dtype, kv_cache_dtype: str | None,

@@ -2,7 +2,7 @@
 
 Why: kvrepro's own Triton prefill kernel (``kvrepro.ops.prefill_attention``) reads the compressed
 context directly, but on the H200 a 128K prompt in 8K chunks costs ~0.96 s of attention per layer
-(benchmarks/results/h200_run1, 2.2x FlashAttention's full causal 128K), i.e. ~35 s per user for
+(notes/kernels.md, Prefill: 2.2x FlashAttention's full causal 128K), i.e. ~35 s per user for
 Qwen3-4B's 36 layers. Here each prefill chunk instead dequantizes its earlier context from the pages
 into bf16 (in slices of ``SLICE_TOKENS``, PyTorch, ``kvrepro.formats.compressed`` numerics), rotates it
 back (``x = x_rot @ R.T``), appends the chunk's own fresh K/V and runs vLLM's FlashAttention varlen
@@ -15,8 +15,8 @@ temporaries (gathered K and V plus their rotated copies, ~0.25 GiB at ``SLICE_TO
 chunk's output (0.125 GiB for a 16K chunk of 32 heads): < 1 GiB, freed after the call, one sequence
 at a time. vLLM does not see it: its profiling run (``GPUModelRunner.profile_run``) passes no
 attention metadata, so attention returns early there; it comes out of the card's headroom
-(1 - gpu_memory_utilization = 10 % in the sweep). The 2.8 GiB less KV cache than bf16 measured on
-2026-11-29 was not this but the store kernel's local-memory reservation (``config.resolve_store_rotate``).
+(1 - gpu_memory_utilization = 10 % in the sweep). A KV cache 2.8 GiB smaller than bf16's, once measured, was
+not this but the store kernel's local-memory reservation (``KVREPRO_STORE_ROTATE`` in ``kvrepro.settings``).
 
 ``sliced=True`` (``KVREPRO_PREFILL=fa-sliced``; CPU-tested, not yet run on a GPU, not the default)
 never holds the whole context: the chunk attends to itself (causal) and to each dequantized context
@@ -157,13 +157,15 @@ class RotatedDequantPrefill:
     """``KVREPRO_PREFILL=dequant``: ``kvrepro.ops.prefill_attention(impl="dequant")`` with vLLM's
     FlashAttention varlen as its dense attention, in one call per sequence.
 
-    Everything stays in the pages' rotated space (notes/kernels.md, run 5): the chunk's q/k/v are
+    Everything stays in the pages' rotated space (notes/kernels.md, Prefill): the chunk's q/k/v are
     rotated with ``R`` (float32 matmuls over the chunk only), the context is dequantized by a
     stack-free Triton kernel without the inverse rotation (a byte-bound pass; the float32 inverse
     rotation of the whole context is what makes ``fa`` slow), one bottom-right-causal FlashAttention
     call runs over [context | chunk], and the output is rotated back with ``R.T``. Measured by the
     kernel owner with PyTorch's FA2 in 32K pieces: 1.08x bf16 FA2 for a 128K prompt in 8K chunks
-    (``fa``'s unrotated dequantization: 2.55x). Not yet run inside vLLM.
+    (``fa``'s unrotated dequantization: 2.55x). With vLLM's FlashAttention 3 on the H200, one layer, a 16K
+    chunk after 112K of context: 51.6 ms vs ``fa``'s 56.3 ms, relerr 5.7e-3 (``tests/test_vllm_gpu_runtime.py``
+    measures it; ``scripts/h200_sweep.sh``'s ``PREFILL_AUTO=1`` selects this path for a sweep where it passes).
 
     Memory outside vLLM's accounting (its profiling run skips attention), per prefill sequence: the
     context and chunk K/V in bf16, ``2 x seq_len x Hkv x D x 2`` bytes (0.5 GiB at 132K for Qwen3-4B),

@@ -5,8 +5,6 @@ against ``kvrepro.reference.paged_attention_ref`` with vLLM's own batch conventi
 """
 from __future__ import annotations
 
-import weakref
-
 import torch
 
 from kvrepro.formats import get_format
@@ -18,11 +16,8 @@ _ROTATIONS: dict[tuple[int, int, str], torch.Tensor] = {}
 # address it was captured with, so a workspace must never be freed once a graph may use it.
 _WORKSPACES: dict[str, list[torch.Tensor]] = {}
 # The decode kernel each layer geometry resolved to in this process, e.g. {"k4v4 32q/8kv d128 bs16": "cuda"}
-# (kvrepro.ops.decode.resolve_impl), read by measure.kvrepro_settings for the provenance of result rows.
+# (kvrepro.ops.decode.resolve_impl), read by settings_record for the provenance of result rows.
 DECODE_IMPL_USED: dict[str, str] = {}
-# The layer runtimes alive in this process (weak: a deleted engine's layers drop out), for the provenance of
-# key centering (measure.key_center_summary reads their center_state).
-LIVE_RUNTIMES: "weakref.WeakSet[LayerRuntime]" = weakref.WeakSet()
 MIN_TOKENS_PER_SPLIT = 256   # as kvrepro.ops.decode
 MAX_SPLITS = 256
 
@@ -53,7 +48,7 @@ def decode_splits(batch: int, num_kv_heads: int, max_context: int, device: torch
     programs per SM, each split >= 256 tokens, a power of two <= 256), counted for the *smallest*
     real batch that vLLM pads to ``batch`` (:func:`smallest_padded_batch`) instead of the padded
     one: counted for the padded batch, 9 users in graph size 16 got 8 splits (576 live programs,
-    4.4 per SM on 132 SMs) and the step took 64.8 ms vs 47.7 ms at 8 users (notes/vllm.md). This way
+    4.4 per SM on 132 SMs) and the step took 64.8 ms vs 47.7 ms at 8 users (notes/vllm.md, CUDA graphs). This way
     every real batch gets at least the kernel's target of live programs.
 
     Args:
@@ -119,22 +114,17 @@ class LayerRuntime:
             larger); :meth:`prepare` reserves the decode workspace for it so that no captured forward
             allocates. None = no reservation (grown on demand outside capture).
         store_rotate: ``store_kv``'s ``rotate`` (``"torch"``: no kernel with a register-spill stack,
-            see ``config.resolve_store_rotate``; ``"kernel"``).
+            see ``KVREPRO_STORE_ROTATE`` in ``kvrepro.settings``; ``"kernel"``).
         decode_impl: ``decode_attention``'s ``impl`` (``"cuda"``, ``"triton"``, or None = its default
-            ``kvrepro.ops.decode.resolve_impl``; ``config.resolve_decode_impl``).
-        key_center: center the keys (``kvrepro.formats.centering``; ``config.resolve_key_center``; opt-in): the
-            pages hold ``k - mu`` with ``mu`` (``key_mean``, float32 ``[Hkv, D]``) the mean key of the first real
-            prefill (:meth:`calibrate`), zeros until then; the prefill paths shift the chunk's fresh keys by the
-            same ``mu``. False (default): ``mu`` stays zero and nothing is shifted.
-        recent_window: W (0 = off, default; 1..256): decode steps read each request's last W tokens' K/V exact from
-            ``window.RecentWindow`` (``config.resolve_recent_window``; opt-in, an experiment).
-        window_entries: the window's side-cache entries (None: ``window.default_entries(W, max_batch)``).
+            ``kvrepro.ops.decode.resolve_impl``; ``Settings.decode_impl_arg``).
+
+    Raises:
+        ValueError: a bad ``max_batch``, ``store_rotate`` or ``decode_impl`` (naming it and the allowed values).
     """
 
     def __init__(self, preset: str, num_heads: int, num_kv_heads: int, head_size: int, scale: float,
                  num_splits: int | None = None, ops=None, prefill=None, graph_sizes=(),
-                 max_batch: int | None = None, store_rotate: str = "torch", decode_impl: str | None = None,
-                 key_center: bool = False, recent_window: int = 0, window_entries: int | None = None) -> None:
+                 max_batch: int | None = None, store_rotate: str = "torch", decode_impl: str | None = None) -> None:
         self.fmt = get_format(preset)
         self.num_heads, self.num_kv_heads, self.head_size = num_heads, num_kv_heads, head_size
         self.scale = scale
@@ -152,26 +142,6 @@ class LayerRuntime:
             raise ValueError(f"decode_impl={decode_impl!r}; allowed: None (auto), 'cuda', 'triton'")
         self.decode_impl = decode_impl
         self.impl_used: str | None = None   # the decode kernel record_impl resolved (None: not yet)
-        if not isinstance(key_center, bool):
-            raise ValueError(f"key_center must be True or False, got {key_center!r}")
-        self.key_center = key_center
-        self.key_mean: torch.Tensor | None = None   # float32 [Hkv, D], allocated by prepare() if key_center
-        self._stored: torch.Tensor | None = None     # int64 [1]: real tokens stored so far (key_center only)
-        self.center_state = "pending" if key_center else "off (disabled)"
-        from kvrepro.vllm_backend.window import MAX_ENTRIES, MAX_WINDOW, default_entries
-
-        if not isinstance(recent_window, int) or isinstance(recent_window, bool) \
-                or not 0 <= recent_window <= MAX_WINDOW:
-            raise ValueError(f"recent_window must be an int in 0..{MAX_WINDOW} (0 = off), got {recent_window!r}")
-        self.recent_window = recent_window
-        if window_entries is not None and (not isinstance(window_entries, int) or isinstance(window_entries, bool)
-                                           or not max(1, recent_window) <= window_entries <= MAX_ENTRIES):
-            raise ValueError(f"window_entries must be None or an int in {max(1, recent_window)}..{MAX_ENTRIES}, "
-                             f"got {window_entries!r}")
-        self.window_entries = window_entries if window_entries is not None else (
-            default_entries(recent_window, max_batch) if recent_window else 0)
-        self.window = None            # window.RecentWindow, made by prepare_window (recent_window > 0)
-        LIVE_RUNTIMES.add(self)
         self._layouts: dict[int, object] = {}
         self.rotation: torch.Tensor | None = None
         self._cuda_ready: torch.device | None = None   # device where the CUDA kernel's check and counters are done
@@ -214,14 +184,11 @@ class LayerRuntime:
                    for b in range(1, self.max_batch + 1) for impl in ("triton", "cuda"))
 
     def prepare(self, device: torch.device) -> torch.Tensor:
-        """Put the rotation and the key mean (zeros) on ``device`` and reserve the shared decode workspace for
-        ``max_batch`` and, for the CUDA decode kernel, its split counters and rotation check (call before CUDA-graph
-        capture and before vLLM's memory profiling); returns the rotation."""
+        """Put the rotation on ``device`` and reserve the shared decode workspace for ``max_batch`` and, for the
+        CUDA decode kernel, its split counters and rotation check (call before CUDA-graph capture and before
+        vLLM's memory profiling); returns the rotation."""
         if self.rotation is None or self.rotation.device != torch.device(device):
             self.rotation = shared_rotation(self.head_size, self.fmt.seed, torch.device(device))
-            if self.key_center and (self.key_mean is None or self.key_mean.device != torch.device(device)):
-                self.key_mean = torch.zeros(self.num_kv_heads, self.head_size, dtype=torch.float32, device=device)
-                self._stored = torch.zeros(1, dtype=torch.int64, device=device)
             if self.max_batch:
                 decode_workspace(device, self.reserve_numel(device))
         if self.impl_used == "cuda" and self.rotation.is_cuda and self._cuda_ready != self.rotation.device:
@@ -230,76 +197,6 @@ class LayerRuntime:
             cuda_decode.split_counters(self.rotation.device, (self.max_batch or 1) * self.num_kv_heads)
             self._cuda_ready = self.rotation.device
         return self.rotation
-
-    def prepare_window(self, device: torch.device, dtype: torch.dtype):
-        """Allocate the recent-token window (``recent_window > 0``; ``kvrepro.vllm_backend.window``) on ``device`` for
-        K/V of ``dtype``, before vLLM profiles memory (so its bytes count as the model's, not the KV cache's). Returns
-        it (None when off). Raises RuntimeError if it has to be allocated inside CUDA-graph capture."""
-        from kvrepro.vllm_backend.window import RecentWindow
-
-        if not self.recent_window:
-            return None
-        w = self.window
-        if w is not None and (w.k.device != torch.device(device) or w.k.dtype != dtype):
-            raise ValueError(f"kvrepro recent-token window: made for {w.k.dtype} on {w.k.device}, now asked for {dtype} "
-                             f"on {device}; one layer serves one dtype and device")
-        if w is None:
-            if torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError("kvrepro recent-token window: first allocated inside CUDA-graph capture; "
-                                   "LayerRuntime.prepare_window must run before (the backend does it after loading)")
-            self.window = RecentWindow(self.recent_window, self.window_entries, self.num_kv_heads, self.head_size,
-                                       dtype, device)
-        return self.window
-
-    def update_window(self, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
-                      query_start_loc: torch.Tensor, num_actual_tokens: int) -> None:
-        """Record this step's tokens in the recent-token window (no-op when off): call after the step's store, before
-        :meth:`attend`. ``key``/``value`` ``[>= T, Hkv(, D)]``, ``slot_mapping`` ``[>= T]``, ``query_start_loc``
-        ``[R + 1]``, T = ``num_actual_tokens``."""
-        if not self.recent_window or num_actual_tokens == 0:
-            return
-        self.prepare_window(key.device, key.dtype).update(key, value, slot_mapping, query_start_loc, num_actual_tokens)
-
-    def calibrate(self, key: torch.Tensor, value: torch.Tensor, pool: torch.Tensor, slot_mapping: torch.Tensor,
-                  seq_lens: torch.Tensor, query_start_loc: torch.Tensor, num_actual_tokens: int,
-                  num_decodes: int, max_query_len: int) -> bool:
-        """Key centering's one-time decision (``kvrepro.formats.centering``), called after this step's store while
-        the state is "pending". A step that stores no real token (every slot -1: vLLM's warm-up, profiling and
-        capture batches) changes nothing. The first step that does decides, once: if it is a prefill
-        (``max_query_len > 1``) and no real token was stored before it (``store`` counts them on the device, CUDA
-        graphs included, so a request stored by a replayed decode graph counts too), ``key_mean`` becomes the
-        mean key of its stored tokens at positions >= 1 and the step's tokens are stored again with it (they were
-        stored before the mean was known); otherwise, or with fewer than ``MIN_CENTER_TOKENS`` such tokens,
-        centering is off for this layer's life (``center_state`` says why), so no sequence ever holds keys under
-        two means. Nothing happens while a CUDA graph is being captured. Reads the index tensors on the host
-        (eager steps only, while pending). Returns True if the state changed."""
-        from kvrepro.formats.centering import MIN_CENTER_TOKENS, prefill_key_mean
-
-        if self.center_state != "pending" or num_actual_tokens == 0:
-            return False
-        if pool.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return False
-        self.prepare(pool.device)
-        t = num_actual_tokens
-        now = int((slot_mapping[:t] >= 0).sum())
-        if now == 0:                                     # a dummy batch: nothing is stored
-            return False
-        earlier = int(self._stored) - now
-        if earlier > 0 or max_query_len <= 1:
-            why = f"{earlier} tokens were stored before it" if earlier > 0 else "it was a decode step"
-            self.center_state = f"off (the first step that stored tokens was not a fresh prefill: {why})"
-            return True
-        k = key[:t].view(t, self.num_kv_heads, self.head_size)
-        r = seq_lens.shape[0]
-        mean, n = prefill_key_mean(k, query_start_loc[:r + 1], seq_lens, num_decodes, slot_mapping[:t])
-        if n < MIN_CENTER_TOKENS:
-            self.center_state = (f"off (first prefill had {n} < {MIN_CENTER_TOKENS} stored tokens at positions >= 1, "
-                                 f"{t} tokens in its batch)")
-        else:
-            self.key_mean.copy_(mean)
-            self.center_state = f"on ({n} tokens)"
-            self.store(key, value, pool, slot_mapping[:t])
-        return True
 
     def warmup(self, device: torch.device, dtype: torch.dtype, block_size: int, max_context: int) -> list[int]:
         """Compile and load every decode-kernel variant this layer can launch (one per split count over
@@ -389,10 +286,7 @@ class LayerRuntime:
         k = key[:n].view(n, self.num_kv_heads, self.head_size)
         v = value[:n].view(n, self.num_kv_heads, self.head_size)
         rot = self.prepare(pool.device)
-        self.ops.store_kv(k, v, pool, slot_mapping, self.layout(pool), rot, rotate=self.store_rotate,
-                          key_center=self.key_mean if self.key_center else None)
-        if self.key_center:   # real tokens stored so far, counted on the device (graph-capturable, no sync)
-            self._stored.add_((slot_mapping >= 0).sum())
+        self.ops.store_kv(k, v, pool, slot_mapping, self.layout(pool), rot, rotate=self.store_rotate)
 
     def attend(self, query, key, value, pool, block_table, seq_lens, query_start_loc, num_actual_tokens: int,
                num_decodes: int, num_decode_tokens: int, out: torch.Tensor,
@@ -424,24 +318,11 @@ class LayerRuntime:
                 self.record_impl(layout, pool.device)
             splits = self.splits(nd, block_table.shape[1] * layout.block_size, pool.device)
             ws = decode_workspace(pool.device, self.workspace_numel(nd, splits))
-            win = self.window if self.recent_window else None
-            if self.recent_window and win is None:
-                raise RuntimeError("kvrepro recent-token window: attend before update_window / prepare_window")
-            lens = seq_lens[:nd] if win is None else (seq_lens[:nd] - win.window).clamp(min=0).to(seq_lens.dtype)
-            self.ops.decode_attention(q[:nd], pool, block_table[:nd], lens, layout, rot, self.scale,
+            self.ops.decode_attention(q[:nd], pool, block_table[:nd], seq_lens[:nd], layout, rot, self.scale,
                                       out=out[:nd], num_splits=splits, workspace=ws, impl=self.impl_used)
-            if win is not None:     # positions [L - W, L) from the window, merged by log-sum-exp
-                from kvrepro.vllm_backend.window import lse_from_workspace
-
-                lse = lse_from_workspace(ws, nd, hq, d, splits)
-                o = win.attend_decode(self.fmt, q[:nd], pool, layout, rot, block_table[:nd], seq_lens[:nd],
-                                      self.scale, out[:nd], lse, self.key_mean if self.key_center else None)
-                out[:nd].copy_(o)
         if ndt < t:
             k = key[:t].view(t, hkv, d)[ndt:]
             v = value[:t].view(t, hkv, d)[ndt:]
-            if self.key_center:   # the pages hold k - mu: shift the chunk's own keys alike
-                k = (k - self.key_mean).to(k.dtype)
             qsl = query_start_loc[nd:] - ndt if nd else query_start_loc
             (self.prefill or self.ops.prefill_attention)(q[ndt:], k, v, pool, block_table[nd:], seq_lens[nd:], qsl, layout, rot,
                                        self.scale, out=out[ndt:t], max_query_len=max_query_len)
@@ -453,8 +334,7 @@ def reference_attend(rt: LayerRuntime, query, key, value, pool: torch.Tensor, bl
                      dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """What :meth:`LayerRuntime.attend` must compute, in PyTorch (``dtype``, default float64):
     decode rows attend to their dequantized pages (``kvrepro.formats.compressed``); prefill rows to
-    the dequantized context pages plus the chunk's own K/V unquantized (its keys shifted by ``rt.key_mean``
-    when ``rt.key_center``, as the pages hold centered keys). Returns ``[T, Hq, D]``."""
+    the dequantized context pages plus the chunk's own K/V unquantized. Returns ``[T, Hq, D]``."""
     from kvrepro.reference import attention_ref
 
     t, hq, hkv, d = num_actual_tokens, rt.num_heads, rt.num_kv_heads, rt.head_size
@@ -463,8 +343,6 @@ def reference_attend(rt: LayerRuntime, query, key, value, pool: torch.Tensor, bl
     ref_pool.data = pool
     q = query[:t].reshape(t, hq, d)
     k = key[:t].reshape(t, hkv, d)
-    if rt.key_center and rt.key_mean is not None:
-        k = k.to(dtype) - rt.key_mean.to(dtype)
     v = value[:t].reshape(t, hkv, d)
     qsl = query_start_loc.tolist()
     lens = seq_lens.tolist()
@@ -507,3 +385,38 @@ def record_check(rt: LayerRuntime, out, *args) -> dict:
     entry = {"tokens": t, "num_decodes": args[8], "rel_err": err / scale, "max_ref": scale}
     CHECKS.append(entry)
     return entry
+
+
+def settings_record(dequant: str | None = None) -> dict:
+    """What the backend runs with in this process, for the provenance of result rows (``kvrepro_settings``).
+
+    The engine's :class:`kvrepro.settings.Settings` (``config.settings_for_engine``: the object the layers use;
+    ``Settings.as_dict`` fields) with ``decode_impl`` replaced by the kernel each layer geometry resolved to
+    (``DECODE_IMPL_USED``, e.g. ``{"k4v4 32q/8kv d128 bs16": "cuda"}``; the setting itself in
+    ``decode_impl_setting``), plus: ``cuda_fatbin_sha256`` (the CUDA kernels' binary, ``kvrepro/ops/cuda``);
+    for layers that run the Triton decode kernel, its dequant mode (``decode_dequant``:
+    ``kvrepro.ops.decode.default_dequant`` of a CUDA device, or ``dequant``), key path and launch
+    (``decode_key_mma``, ``decode_block_n``, ``decode_num_warps``: its defaults for the preset, as the backend
+    passes no tiling); ``kvrepro_src_sha256`` (``kvrepro.provenance.src_sha256``: identifies the code even off a
+    git checkout).
+
+    Raises:
+        ValueError: ``dequant`` not one of ``kvrepro.ops.decode.DEQUANT_MODES``.
+    """
+    from kvrepro.formats import get_format
+    from kvrepro.ops import cuda_decode, decode
+    from kvrepro.provenance import src_sha256
+    from kvrepro.vllm_backend.config import settings_for_engine
+
+    s = settings_for_engine()
+    dq = decode.default_dequant(torch.device("cuda")) if dequant is None else dequant
+    if dq not in decode.DEQUANT_MODES:
+        raise ValueError(f"dequant={dq!r}; allowed: {decode.DEQUANT_MODES}")
+    key_bits = get_format(s.preset).key_bits
+    mma = decode.resolve_key_mma(None, key_bits)     # the backend passes no key path: the kernel's default
+    block_n, warps = decode.default_launch(key_bits, mma)
+    impl = dict(DECODE_IMPL_USED) or f"{s.decode_impl} (no layer resolved it yet)"
+    return {**s.as_dict(), "decode_impl": impl, "decode_impl_setting": s.decode_impl,
+            "cuda_fatbin_sha256": cuda_decode.read_manifest()["fatbin_sha256"], "decode_dequant": dq,
+            "decode_key_mma": mma, "decode_block_n": block_n, "decode_num_warps": warps,
+            "kvrepro_src_sha256": src_sha256()}

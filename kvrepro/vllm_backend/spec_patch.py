@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from kvrepro.vllm_backend.config import check_layer, resolve_preset, slot_bytes
+from kvrepro.vllm_backend.config import check_layer, settings_for_engine, slot_bytes
 
 MARKER = "_kvrepro_spec_patch"
 
@@ -29,7 +29,7 @@ def is_kvrepro_layer(layer) -> bool:
     return bool(getattr(backend, "kvrepro_compressed", False))
 
 
-def compressed_spec(layer, block_size: int, spec_cls, preset: str | None = None):
+def compressed_spec(layer, block_size: int, spec_cls, preset: str | None = None, vllm_config=None):
     """The spec vLLM must use for a kvrepro layer.
 
     Args:
@@ -37,7 +37,8 @@ def compressed_spec(layer, block_size: int, spec_cls, preset: str | None = None)
             ``sliding_window``, ``kv_cache_dtype``, ``attn_type``).
         block_size: ``vllm_config.cache_config.block_size`` (tokens per block).
         spec_cls: ``vllm.v1.kv_cache_interface.TQFullAttentionSpec`` (injected for tests).
-        preset: compressed preset; default from ``KVREPRO_PRESET``.
+        preset: compressed preset; default: the engine's (``config.settings_for_engine(vllm_config)``).
+        vllm_config: vLLM's ``VllmConfig`` of the engine (None outside an engine).
 
     Raises:
         ValueError: unsupported layer (see ``config.check_layer``), head_dim or block_size.
@@ -52,7 +53,7 @@ def compressed_spec(layer, block_size: int, spec_cls, preset: str | None = None)
         head_size=layer.head_size,
         head_size_v=layer.head_size,
         dtype=torch.uint8,
-        tq_slot_size=slot_bytes(resolve_preset(preset), layer.head_size, block_size),
+        tq_slot_size=slot_bytes(preset or settings_for_engine(vllm_config).preset, layer.head_size, block_size),
     )
 
 
@@ -69,7 +70,7 @@ def install(attention_cls=None, spec_cls=None) -> bool:
 
     def get_kv_cache_spec(self, vllm_config):
         if is_kvrepro_layer(self):
-            return compressed_spec(self, vllm_config.cache_config.block_size, spec_cls)
+            return compressed_spec(self, vllm_config.cache_config.block_size, spec_cls, vllm_config=vllm_config)
         return original(self, vllm_config)
 
     setattr(get_kv_cache_spec, MARKER, True)

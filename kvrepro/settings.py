@@ -1,0 +1,270 @@
+"""Every ``KVREPRO_*`` runtime variable, declared once: type, default, allowed values, what it changes.
+
+As vLLM's ``vllm/envs.py``: :data:`SETTINGS` declares each variable once; :class:`Settings` is the one resolved
+object, read from the environment by :meth:`Settings.from_env`. The vLLM backend resolves it once per engine
+(``kvrepro.vllm_backend.config.settings_for_engine``), logs it at engine start (``kvrepro settings: preset=k4v4
+decode_impl=auto ...``), hands the same object to every layer, and the capacity sweep and the vLLM accuracy runs
+store it in every result row (``kvrepro_settings``). :func:`settings_table` gives the declarations as table rows
+(variable, values, default, what it changes), e.g. for the README; ``python -m kvrepro.settings`` prints them and
+the values resolved from this shell.
+
+Reading rules, the same for every variable: case and surrounding spaces are ignored; an empty variable counts as
+unset (its default). A bad value raises ``ValueError`` naming the variable and the allowed values.
+
+Pure Python: imports neither torch nor vLLM (the preset names are checked against ``kvrepro.formats`` by the tests).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+PREFIX = "KVREPRO_"
+PRESETS = ("k4v4", "k8v4", "k4v2")          # = kvrepro.formats.COMPRESSED_PRESETS
+DEFAULT_PRESET = "k4v4"                     # = kvrepro.formats.DEFAULT_PRESET
+DECODE_IMPLS = ("auto", "cuda", "triton")
+PREFILL_PATHS = ("fa", "fa-sliced", "dequant", "triton")
+STORE_ROTATE_MODES = ("torch", "kernel")
+MAX_NUM_SPLITS = 256
+# KVREPRO_* variables that are not runtime settings (read by the test harness only), so not reported as unknown.
+NOT_SETTINGS = ("KVREPRO_SMOKE_FLAGS",)
+
+
+def _text(env: str, value: Any, what: str, allowed: str) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"{env} must be {what} (str), got {value!r}; allowed: {allowed}")
+    return value.strip().lower()
+
+
+def _choice(env: str, allowed: tuple[str, ...], what: str = "one of the allowed values"):
+    def parse(value: Any) -> str:
+        v = _text(env, value, what, ", ".join(allowed))
+        if v not in allowed:
+            raise ValueError(f"{env}={v!r}; allowed: {', '.join(allowed)}")
+        return v
+    return parse
+
+
+def _preset(value: Any) -> str:
+    v = _text("KVREPRO_PRESET", value, "a preset name", ", ".join(PRESETS))
+    if v not in PRESETS:
+        raise ValueError(f"KVREPRO_PRESET={v!r} is not a kvrepro compressed preset; allowed: {', '.join(PRESETS)}")
+    return v
+
+
+def _num_splits(value: Any) -> int | None:
+    """None (the shape rule), an int (not a bool) or a string of ASCII digits, in 1..MAX_NUM_SPLITS."""
+    if value is None:
+        return None
+    n = None
+    if isinstance(value, str) and value.strip().isascii() and value.strip().isdigit():
+        n = int(value)
+    elif isinstance(value, int) and not isinstance(value, bool):
+        n = value
+    if n is None or not 1 <= n <= MAX_NUM_SPLITS:
+        raise ValueError(f"KVREPRO_NUM_SPLITS must be an integer in 1..{MAX_NUM_SPLITS}, got {value!r}")
+    return n
+
+
+def _switch(env: str):
+    def parse(value: Any) -> bool:
+        if isinstance(value, bool):
+            return value
+        v = value.strip() if isinstance(value, str) else value
+        if v not in ("0", "1"):
+            raise ValueError(f"{env}={v!r}; allowed: 0, 1")
+        return v == "1"
+    return parse
+
+
+@dataclasses.dataclass(frozen=True)
+class Declaration:
+    """One runtime variable.
+
+    Attributes:
+        field: the :class:`Settings` attribute.
+        env: the environment variable (``KVREPRO_...``).
+        values: the allowed values, as a table shows them.
+        default: the default, as the environment would spell it (``""``: unset = the rule described in ``doc``).
+        doc: what it changes, and why the default is the default.
+        parse: a value (environment text, or the attribute's own type) -> the attribute's value; raises ValueError
+            naming ``env`` and the allowed values.
+    """
+
+    field: str
+    env: str
+    values: str
+    default: str
+    doc: str
+    parse: Callable[[Any], Any]
+
+    def read(self, environ: Mapping[str, str]) -> Any:
+        """The value ``environ`` gives this variable (unset, empty or only spaces: the default)."""
+        raw = environ.get(self.env)
+        if raw is None or (isinstance(raw, str) and not raw.strip()):
+            return self.parse(self.default) if self.default else None
+        return self.parse(raw)
+
+
+SETTINGS: tuple[Declaration, ...] = (
+    Declaration(
+        "preset", "KVREPRO_PRESET", ", ".join(PRESETS), DEFAULT_PRESET,
+        "The compressed KV format of every layer (bits per key / value element; kvrepro.formats). vLLM runs with "
+        "kv_cache_dtype='auto' and --attention-backend CUSTOM: the compression is the KV dtype.",
+        _preset),
+    Declaration(
+        "decode_impl", "KVREPRO_DECODE_IMPL", ", ".join(DECODE_IMPLS), "auto",
+        "Decode kernel. cuda: kvrepro's CUDA kernels (k4v4, k8v4, k4v2; head_dim 128, block 16, GQA group <= 8, "
+        "compute capability >= 8.0; anything else is refused at engine start); triton: every preset and shape; "
+        "auto: cuda where it applies, else triton (kvrepro.ops.decode.resolve_impl).",
+        _choice("KVREPRO_DECODE_IMPL", DECODE_IMPLS)),
+    Declaration(
+        "num_splits", "KVREPRO_NUM_SPLITS", f"1..{MAX_NUM_SPLITS}", "",
+        "Split-K count of every decode launch. Unset: the decode kernel's shape-only rule "
+        "(runtime.decode_splits), which keeps the grid fixed per CUDA-graph batch size.",
+        _num_splits),
+    Declaration(
+        "prefill", "KVREPRO_PREFILL", ", ".join(PREFILL_PATHS), "fa",
+        "Prefill path. fa: dequantize the context, then vLLM's FlashAttention (measured, the default); fa-sliced: "
+        "the same slice by slice with a log-sum-exp merge (bounded temporaries); dequant: the context dequantized "
+        "in the rotated space by a Triton kernel, one FlashAttention call (fa_prefill.RotatedDequantPrefill); "
+        "triton: kvrepro's direct-read prefill kernel (correct, but ~3x bf16 at 128K: notes/kernels.md, Prefill).",
+        _choice("KVREPRO_PREFILL", PREFILL_PATHS)),
+    Declaration(
+        "store_rotate", "KVREPRO_STORE_ROTATE", ", ".join(STORE_ROTATE_MODES), "torch",
+        "Where new K/V are rotated before quantization. torch: x.float() @ R in PyTorch, then the quantize "
+        "kernel; kernel: inside the Triton store kernel. torch by default because the in-kernel rotation spills "
+        "a float32 [D, D] operand to a per-thread stack, and the driver then reserves local memory for every "
+        "resident thread of the GPU (~1.7 GiB on an H200) inside vLLM's CUDA-graph memory profiling, which "
+        "counts it twice against the KV cache (notes/vllm.md, Memory accounting).",
+        _choice("KVREPRO_STORE_ROTATE", STORE_ROTATE_MODES)),
+    Declaration(
+        "warmup", "KVREPRO_WARMUP", "0, 1", "1",
+        "1: compile and load every decode-kernel variant before vLLM's memory profiling, so that no compilation "
+        "or module load falls inside its CUDA-graph memory estimate; 0: compile on first use.",
+        _switch("KVREPRO_WARMUP")),
+    Declaration(
+        "debug_check", "KVREPRO_DEBUG_CHECK", "0, 1", "0",
+        "Debug only (slow, host syncs): 1 compares every eagerly run attention call with attention over the "
+        "dequantized pages (runtime.reference_attend) and records the error in runtime.CHECKS.",
+        _switch("KVREPRO_DEBUG_CHECK")),
+)
+BY_FIELD: dict[str, Declaration] = {d.field: d for d in SETTINGS}
+BY_ENV: dict[str, Declaration] = {d.env: d for d in SETTINGS}
+
+
+def parse(field: str, value: Any) -> Any:
+    """``value`` of the setting ``field`` (a :class:`Settings` attribute name), validated and normalized.
+
+    Raises:
+        ValueError: unknown ``field`` (lists the fields), or a bad value (names the variable and the allowed values).
+    """
+    if field not in BY_FIELD:
+        raise ValueError(f"unknown kvrepro setting {field!r}; allowed: {', '.join(BY_FIELD)}")
+    return BY_FIELD[field].parse(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """The resolved ``KVREPRO_*`` settings (one object per engine). Field values are validated and normalized on
+    construction (``Settings(preset=" K8V4 ")`` has ``preset == "k8v4"``); see :data:`SETTINGS` for each.
+
+    Attributes:
+        preset: ``"k4v4"`` | ``"k8v4"`` | ``"k4v2"``.
+        decode_impl: ``"auto"`` | ``"cuda"`` | ``"triton"``.
+        num_splits: int in 1..256, or None (the decode kernel's shape-only rule).
+        prefill: ``"fa"`` | ``"fa-sliced"`` | ``"dequant"`` | ``"triton"``.
+        store_rotate: ``"torch"`` | ``"kernel"``.
+        warmup: compile the decode kernels before vLLM's memory profiling.
+        debug_check: compare every eager attention call with the reference (slow).
+
+    Raises:
+        ValueError: a bad value, naming the variable and the allowed values.
+    """
+
+    preset: str = DEFAULT_PRESET
+    decode_impl: str = "auto"
+    num_splits: int | None = None
+    prefill: str = "fa"
+    store_rotate: str = "torch"
+    warmup: bool = True
+    debug_check: bool = False
+
+    def __post_init__(self) -> None:
+        for d in SETTINGS:
+            object.__setattr__(self, d.field, d.parse(getattr(self, d.field)))
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "Settings":
+        """The settings ``environ`` (default ``os.environ``) gives; unset or empty variables take their defaults.
+
+        Raises:
+            ValueError: a bad value, naming the variable and the allowed values.
+        """
+        environ = os.environ if environ is None else environ
+        return cls(**{d.field: d.read(environ) for d in SETTINGS})
+
+    def as_dict(self) -> dict[str, Any]:
+        """``{field: value}`` (JSON-serializable), in declaration order."""
+        return {d.field: getattr(self, d.field) for d in SETTINGS}
+
+    def as_env(self) -> dict[str, str]:
+        """The environment that gives these settings (``{variable: text}``; an unset ``num_splits`` is left out)."""
+        out = {}
+        for d in SETTINGS:
+            v = getattr(self, d.field)
+            if v is None:
+                continue
+            out[d.env] = ("1" if v else "0") if isinstance(v, bool) else str(v)
+        return out
+
+    @property
+    def decode_impl_arg(self) -> str | None:
+        """``decode_impl`` as ``kvrepro.ops.decode_attention`` takes it: None for ``"auto"``."""
+        return None if self.decode_impl == "auto" else self.decode_impl
+
+    def describe(self) -> str:
+        """One log line: ``kvrepro settings: preset=k4v4 decode_impl=auto num_splits=auto prefill=fa ...``."""
+        parts = []
+        for d in SETTINGS:
+            v = getattr(self, d.field)
+            parts.append(f"{d.field}={'auto' if v is None else int(v) if isinstance(v, bool) else v}")
+        return "kvrepro settings: " + " ".join(parts)
+
+
+def unknown_variables(environ: Mapping[str, str] | None = None) -> list[str]:
+    """``KVREPRO_*`` variables set in ``environ`` (default ``os.environ``) that no setting declares (a typo, or an
+    experiment that is not part of kvrepro), sorted. The backend logs a warning naming them at engine start."""
+    environ = os.environ if environ is None else environ
+    return sorted(k for k in environ if k.startswith(PREFIX) and k not in BY_ENV and k not in NOT_SETTINGS)
+
+
+def settings_table() -> list[dict[str, str]]:
+    """One row per variable: ``{"variable", "values", "default", "changes"}`` (strings, declaration order)."""
+    return [{"variable": d.env, "values": d.values, "default": d.default or "unset", "changes": d.doc}
+            for d in SETTINGS]
+
+
+def markdown_table() -> str:
+    """:func:`settings_table` as a Markdown table."""
+    lines = ["| variable | values | default | what it changes |", "| --- | --- | --- | --- |"]
+    lines += [f"| `{r['variable']}` | {r['values']} | {r['default']} | {r['changes']} |" for r in settings_table()]
+    return "\n".join(lines)
+
+
+def _main() -> int:
+    print(markdown_table())
+    try:
+        print("\n" + Settings.from_env().describe())
+    except ValueError as e:
+        print(f"\nerror: {e}")
+        return 1
+    unknown = unknown_variables()
+    if unknown:
+        print(f"unknown KVREPRO_ variables (ignored): {', '.join(unknown)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main())

@@ -1,0 +1,263 @@
+"""Lane-level CPU emulation of the CUDA decode kernel's register data flow for one page (numpy, no GPU).
+
+What ``kvrepro/ops/cuda/decode.cu`` does with one page in shared memory, lane by lane: the swizzled ``cp.async``
+copy, ``ldmatrix.x4`` (+ ``.trans``) and ``movmatrix.trans`` per the PTX ISA fragment layouts, the int8 / float16
+unpacking by bit operations (``lop3``, ``sub.f16x2``), and ``mma.m16n8k32.s8`` / ``mma.m16n8k16.f16`` on their
+documented A / B / C fragments. ``tests/test_ops_cuda_decode.py`` compares the results with a direct decode of the
+page bytes. It emulates the kernel's design, not its binary: a transcription slip between the two, and the hardware's
+own behaviour, are covered by the GPU tests only.
+
+Page offsets come from ``kvrepro.formats`` (the layouts the kernel's ``page_layout.h`` is generated from).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from kvrepro.formats import get_format
+
+D, BS = 128, 16
+K4V4 = get_format("k4v4").layout(D, BS)
+K4V2 = get_format("k4v2").layout(D, BS)
+
+
+def ldmatrix_x4(smem: np.ndarray, row_addr: list[int], trans: bool) -> np.ndarray:
+    """[32 lanes, 4 regs] uint32: lane t gave the address of row t % 8 of matrix t // 8 (16 bytes = 8 b16)."""
+    mats = [np.stack([smem[row_addr[8 * i + r]: row_addr[8 * i + r] + 16].view(np.uint16) for r in range(8)])
+            for i in range(4)]                                   # 4 x [8 rows, 8 b16]
+    out = np.zeros((32, 4), np.uint32)
+    for t in range(32):
+        for i, m in enumerate(mats):
+            if trans:
+                lo, hi = m[2 * (t % 4), t // 4], m[2 * (t % 4) + 1, t // 4]
+            else:
+                lo, hi = m[t // 4, 2 * (t % 4)], m[t // 4, 2 * (t % 4) + 1]
+            out[t, i] = np.uint32(lo) | (np.uint32(hi) << np.uint32(16))
+    return out
+
+
+def s8x4(x: np.uint32) -> np.ndarray:
+    return np.frombuffer(np.uint32(x).tobytes(), dtype=np.int8).astype(np.int64)
+
+
+def f16x2(x: np.uint32) -> np.ndarray:
+    return np.frombuffer(np.uint32(x).tobytes(), dtype=np.float16).astype(np.float64)
+
+
+def pack_f16x2(lo: float, hi: float) -> np.uint32:
+    return np.frombuffer(np.array([lo, hi], np.float16).tobytes(), dtype=np.uint32)[0]
+
+
+def _c_fragments(C: np.ndarray) -> np.ndarray:
+    return np.array([[C[t // 4, 2 * (t % 4)], C[t // 4, 2 * (t % 4) + 1], C[t // 4 + 8, 2 * (t % 4)],
+                      C[t // 4 + 8, 2 * (t % 4) + 1]] for t in range(32)])
+
+
+def mma_s8(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """m16n8k32 row.col s8: a [32, 4] and b [32, 2] uint32 fragments -> C [32, 4] int64 fragments."""
+    A = np.zeros((16, 32), np.int64)
+    B = np.zeros((32, 8), np.int64)
+    for t in range(32):
+        g, q = t // 4, t % 4
+        for i in range(4):
+            A[g + 8 * (i % 2), q * 4 + 16 * (i // 2): q * 4 + 16 * (i // 2) + 4] = s8x4(a[t, i])
+        for i in range(2):
+            B[q * 4 + 16 * i: q * 4 + 16 * i + 4, g] = s8x4(b[t, i])
+    return _c_fragments(A @ B)
+
+
+def mma_f16(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """m16n8k16 row.col f16 -> f32: a [32, 4], b [32, 2] uint32 (f16x2) -> C [32, 4] float64."""
+    A = np.zeros((16, 16))
+    B = np.zeros((16, 8))
+    for t in range(32):
+        g, q = t // 4, t % 4
+        for i in range(4):
+            A[g + 8 * (i % 2), 2 * q + 8 * (i // 2): 2 * q + 8 * (i // 2) + 2] = f16x2(a[t, i])
+        for i in range(2):
+            B[2 * q + 8 * i: 2 * q + 8 * i + 2, g] = f16x2(b[t, i])
+    return _c_fragments(A @ B)
+
+
+def movmatrix_t(x: np.ndarray) -> np.ndarray:
+    """movmatrix.m8n8.trans.b16 on [32] uint32 fragments."""
+    M = np.zeros((8, 8), np.uint16)
+    for t in range(32):
+        M[t // 4, 2 * (t % 4)], M[t // 4, 2 * (t % 4) + 1] = x[t] & 0xFFFF, x[t] >> 16
+    return np.array([np.uint32(M[2 * (t % 4), t // 4]) | (np.uint32(M[2 * (t % 4) + 1, t // 4]) << np.uint32(16))
+                     for t in range(32)], np.uint32)
+
+
+def lop(x, mask, v, xor):
+    """The kernel's lop3: ``(x & mask) ^ v`` (``xor``) or ``(x & mask) | v``."""
+    x, mask, v = np.uint32(x), np.uint32(mask), np.uint32(v)
+    return (x & mask) ^ v if xor else (x & mask) | v
+
+
+def hsub2(x, c):
+    """sub.f16x2."""
+    a = np.frombuffer(np.uint32(x).tobytes(), np.float16)
+    b = np.frombuffer(np.uint32(c).tobytes(), np.float16)
+    return np.frombuffer((a - b).astype(np.float16).tobytes(), np.uint32)[0]
+
+
+def to_smem(page: np.ndarray) -> np.ndarray:
+    """A k4v4 page as the kernel's cp.async copy lays it out in shared memory: 16-byte chunk ``c`` of the K and V code
+    rows (4 chunks per token) at chunk ``c ^ ((c >> 3) & 3)``, the metadata chunks in place."""
+    out = np.zeros_like(page)
+    code_chunks = K4V4.k_meta_offset // 16
+    for lane in range(32):                      # the kernel's copy_page(): one lane base per 512-byte run
+        for k in range(code_chunks // 32):
+            d, c = (lane ^ ((lane >> 3) & 3)) + 32 * k, lane + 32 * k
+            out[16 * d: 16 * d + 16] = page[16 * c: 16 * c + 16]
+        if lane < len(page) // 16 - code_chunks:
+            m = code_chunks + lane
+            out[16 * m: 16 * m + 16] = page[16 * m: 16 * m + 16]
+    return out
+
+
+def bank_ways(addrs: list[int]) -> int:
+    """Worst bank conflict of one ldmatrix.x4: per matrix (8 lanes' 16-byte rows), the most rows hitting a bank."""
+    worst = 1
+    for m in range(4):
+        hits = np.zeros(32, int)
+        for a in addrs[8 * m: 8 * m + 8]:
+            for w in range(4):
+                hits[(a // 4 + w) % 32] += 1
+        worst = max(worst, int(hits.max()))
+    return worst
+
+
+def row_addr(base: int, half: int) -> list[int]:
+    """Per lane, the byte address ldmatrix reads (the kernel's ``swz_row_chunk``): matrix ``lane >> 3`` = tokens
+    0-7 / 8-15 x bytes +0 / +16 of 32-byte half ``half``, row ``lane & 7``."""
+    out = []
+    for t in range(32):
+        tok, j = (t >> 3 & 1) * 8 + (t & 7), half * 2 + (t >> 4)
+        out.append(base + 16 * (tok * 4 + (j ^ ((tok >> 1) & 3))))
+    return out
+
+
+def plain_row_addr(base: int, half: int) -> list[int]:
+    """``row_addr`` without the swizzle (64-byte rows in token order)."""
+    return [base + ((t >> 3 & 1) * 8 + (t & 7)) * 64 + half * 32 + (t >> 4) * 16 for t in range(32)]
+
+
+def key_dot(smem: np.ndarray, bh: np.ndarray, bl: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The kernel's S^T = K Q^T for one k4v4 page in shared memory (``to_smem``): int32 C fragments [32, 4] of the
+    high- and low-digit chains (``bh`` / ``bl``: [4 chunks, 32, 2] B fragments of the query digits)."""
+    chi = np.zeros((32, 4), np.int64)
+    clo = np.zeros((32, 4), np.int64)
+    for half in range(2):
+        r = ldmatrix_x4(smem, row_addr(0, half), trans=False)
+        a_lo = np.array([[lop(np.uint32(r[t, i]) << np.uint32(4), 0xF0F0F0F0, 0x80808080, True) for i in range(4)]
+                         for t in range(32)], np.uint32)
+        a_hi = np.array([[lop(r[t, i], 0xF0F0F0F0, 0x80808080, True) for i in range(4)] for t in range(32)], np.uint32)
+        chi += mma_s8(a_lo, bh[half]) + mma_s8(a_hi, bh[2 + half])
+        clo += mma_s8(a_lo, bl[half]) + mma_s8(a_hi, bl[2 + half])
+    return chi, clo
+
+
+def value_dot(smem: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """The kernel's O^T contribution of one k4v4 page in shared memory (``to_smem``): [8 channel tiles, 32, 4]
+    float64 C fragments for the P^T B fragments ``b`` [32, 2] (tile 4 p + 2 half + e: plane p, bytes 32 half +
+    16 e)."""
+    tc = np.zeros((8, 32, 4))
+    for half in range(2):
+        r = ldmatrix_x4(smem, row_addr(K4V4.v_code_offset, half), trans=True)
+        for e in range(2):
+            lo, hi = r[:, 2 * e], r[:, 2 * e + 1]
+            for p, (mask, c) in enumerate(((0x000F000F, 0x64086408), (0x00F000F0, 0x64806480))):
+                a = np.array([[hsub2(lop(lo[t], mask, 0x64006400, False), c),
+                               hsub2(lop(lo[t] >> np.uint32(8), mask, 0x64006400, False), c),
+                               hsub2(lop(hi[t], mask, 0x64006400, False), c),
+                               hsub2(lop(hi[t] >> np.uint32(8), mask, 0x64006400, False), c)] for t in range(32)],
+                             np.uint32)
+                tc[4 * p + 2 * half + e] += mma_f16(a, b)
+    return tc
+
+
+def value_dot_k4v2(page: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, int]:
+    """k4v2 (``VB == 2``): the value region [16 tokens][32 bytes] as the kernel's copy_page() copies it (chunk
+    ``lane`` of the 512-byte run at chunk ``lane ^ ((lane >> 3) & 3)``, the 64-byte-row pattern of the key run;
+    ``swz_row_chunk2``: chunk ``2 t + j`` of row ``t`` at ``(2 t + j) ^ ((t >> 2) & 3)``), one ldmatrix.x4.trans, and
+    per 16-byte half ``e`` and 2-bit plane ``p`` the float16 magic-number unpack (minus 1024 + 2 x 4^p). Returns the
+    [8 tiles (2 p + e), 32, 4] C fragments and the worst bank conflict of the read."""
+    v_off = K4V2.v_code_offset
+    smem = np.zeros(512, np.uint8)
+    for lane in range(32):
+        d = lane ^ ((lane >> 3) & 3)
+        smem[16 * d: 16 * d + 16] = page[v_off + 16 * lane: v_off + 16 * lane + 16]
+
+    def swz2(tok: int, j: int) -> int:     # the kernel's swz_row_chunk2
+        return (tok * 2 + j) ^ ((tok >> 2) & 3)
+
+    addrs = [16 * swz2((t >> 3 & 1) * 8 + (t & 7), t >> 4) for t in range(32)]
+    r = ldmatrix_x4(smem, addrs, trans=True)
+    tc = np.zeros((8, 32, 4))
+    for e in range(2):
+        lo, hi = r[:, 2 * e], r[:, 2 * e + 1]
+        for p in range(4):
+            mask, c = 0x00030003 << (2 * p), 0x64006400 | (0x00020002 << (2 * p))
+            a = np.array([[hsub2(lop(lo[t], mask, 0x64006400, False), c),
+                           hsub2(lop(lo[t] >> np.uint32(8), mask, 0x64006400, False), c),
+                           hsub2(lop(hi[t], mask, 0x64006400, False), c),
+                           hsub2(lop(hi[t] >> np.uint32(8), mask, 0x64006400, False), c)] for t in range(32)],
+                         np.uint32)
+            tc[2 * p + e] += mma_f16(a, b)
+    return tc, bank_ways(addrs)
+
+
+def random_page(rng: np.random.Generator, layout) -> np.ndarray:
+    """Random code bytes of one page of ``layout`` with sane float16 metadata (K scale 0.05..0.15, zero -1.2..-0.8;
+    V scale 0.05..0.15)."""
+    page = rng.integers(0, 256, size=layout.page_bytes, dtype=np.uint8)
+    km = np.stack([rng.uniform(0.05, 0.15, BS), rng.uniform(-1.2, -0.8, BS)], 1).astype(np.float16)
+    page[layout.k_meta_offset:layout.v_meta_offset] = np.frombuffer(km.tobytes(), np.uint8)
+    page[layout.v_meta_offset:] = np.frombuffer(rng.uniform(0.05, 0.15, BS).astype(np.float16).tobytes(), np.uint8)
+    return page
+
+
+def query_fragments(dig: np.ndarray) -> np.ndarray:
+    """B fragments [4 chunks, 32 lanes, 2] of Q^T from int8 query digits ``dig`` [8 heads, D] (the kernel's
+    ``bh`` / ``bl``: chunk c holds channels (c & 1) 32 + (c >> 1) 64 + 4 tq .. + 3 and + 16)."""
+    fr = np.zeros((4, 32, 2), np.uint32)
+    for c in range(4):
+        for t in range(32):
+            g, tq = t // 4, t % 4
+            ch = (c & 1) * 32 + (c >> 1) * 64 + tq * 4
+            for j, off in enumerate((0, 16)):
+                fr[c, t, j] = np.frombuffer(dig[g, ch + off: ch + off + 4].astype(np.int8).tobytes(), np.uint32)[0]
+    return fr
+
+
+def weight_fragments(w: np.ndarray) -> np.ndarray:
+    """P^T B fragments [32, 2] of the softmax weights ``w`` [16 tokens, 8 heads], packed to float16 as the kernel's
+    page_weights() does (C fragments of tokens 0-7 and 8-15, each transposed by movmatrix)."""
+    pb = []
+    for tokblk in range(2):
+        x = np.array([pack_f16x2(w[tokblk * 8 + t // 4, 2 * (t % 4)], w[tokblk * 8 + t // 4, 2 * (t % 4) + 1])
+                      for t in range(32)], np.uint32)
+        pb.append(movmatrix_t(x))
+    return np.stack(pb, 1)
+
+
+def logits_from_fragments(acc: np.ndarray) -> np.ndarray:
+    """[16 tokens, 8 heads] from the S^T C fragments ``acc`` [32, 4] (rows g, g + 8; heads 2 (t % 4), + 1)."""
+    out = np.zeros((16, 8), acc.dtype)
+    for t in range(32):
+        g, h0 = t // 4, 2 * (t % 4)
+        out[g, h0], out[g, h0 + 1], out[g + 8, h0], out[g + 8, h0 + 1] = acc[t]
+    return out
+
+
+def outputs_from_tiles(tc: np.ndarray, first_channel) -> np.ndarray:
+    """[8 heads, D] from the O^T C fragments ``tc`` [8 tiles, 32, 4]; tile t8 covers channels ``first_channel(t8)``
+    .. + 15 (row g: channel + 2 g, row g + 8: + 1)."""
+    out = np.zeros((8, D))
+    for t8 in range(8):
+        ch0 = first_channel(t8)
+        for t in range(32):
+            g, h0 = t // 4, 2 * (t % 4)
+            out[h0, ch0 + 2 * g], out[h0 + 1, ch0 + 2 * g] = tc[t8, t, 0], tc[t8, t, 1]
+            out[h0, ch0 + 2 * g + 1], out[h0 + 1, ch0 + 2 * g + 1] = tc[t8, t, 2], tc[t8, t, 3]
+    return out

@@ -1,0 +1,114 @@
+"""kvrepro.settings: every KVREPRO_* runtime variable declared once, read with one set of rules (case and surrounding
+spaces ignored, empty = unset), refused with the variable and the allowed values."""
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+
+from kvrepro import settings as st
+from kvrepro.settings import Settings
+
+
+def test_defaults_and_declarations():
+    s = Settings.from_env({})
+    assert s == Settings() and s.as_dict() == {"preset": "k4v4", "decode_impl": "auto", "num_splits": None,
+                                               "prefill": "fa", "store_rotate": "torch", "warmup": True,
+                                               "debug_check": False}
+    assert [d.field for d in st.SETTINGS] == list(s.as_dict())
+    assert [d.env for d in st.SETTINGS] == ["KVREPRO_PRESET", "KVREPRO_DECODE_IMPL", "KVREPRO_NUM_SPLITS",
+                                            "KVREPRO_PREFILL", "KVREPRO_STORE_ROTATE", "KVREPRO_WARMUP",
+                                            "KVREPRO_DEBUG_CHECK"]
+    assert s.describe() == ("kvrepro settings: preset=k4v4 decode_impl=auto num_splits=auto prefill=fa "
+                            "store_rotate=torch warmup=1 debug_check=0")
+    assert s.decode_impl_arg is None and Settings(decode_impl="cuda").decode_impl_arg == "cuda"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.preset = "k8v4"
+
+
+def test_presets_are_the_compressed_formats():
+    from kvrepro.formats import COMPRESSED_PRESETS, DEFAULT_PRESET
+
+    assert st.PRESETS == tuple(COMPRESSED_PRESETS) and st.DEFAULT_PRESET == DEFAULT_PRESET
+
+
+def test_preset(monkeypatch):
+    monkeypatch.delenv("KVREPRO_PRESET", raising=False)
+    assert Settings.from_env().preset == "k4v4"
+    monkeypatch.setenv("KVREPRO_PRESET", " K8V4 ")
+    assert Settings.from_env().preset == "k8v4"
+    monkeypatch.setenv("KVREPRO_PRESET", "")                     # empty = unset
+    assert Settings.from_env().preset == "k4v4"
+    monkeypatch.setenv("KVREPRO_PRESET", "int3")
+    with pytest.raises(ValueError, match="KVREPRO_PRESET='int3' is not a kvrepro compressed preset; allowed: "
+                                         "k4v4, k8v4, k4v2"):
+        Settings.from_env()
+    assert st.parse("preset", "k4v2") == "k4v2"
+    with pytest.raises(ValueError, match=r"KVREPRO_PRESET must be a preset name \(str\), got 4; allowed: k4v4"):
+        st.parse("preset", 4)
+    with pytest.raises(ValueError, match="unknown kvrepro setting 'presets'; allowed: preset, decode_impl"):
+        st.parse("presets", "k4v4")
+
+
+def test_prefill_path_and_decode_impl():
+    assert Settings.from_env({"KVREPRO_PREFILL": "fa-sliced"}).prefill == "fa-sliced"
+    with pytest.raises(ValueError, match="KVREPRO_PREFILL='sdpa'; allowed: fa, fa-sliced, dequant, triton"):
+        Settings.from_env({"KVREPRO_PREFILL": "sdpa"})
+    assert Settings.from_env({"KVREPRO_DECODE_IMPL": " CUDA "}).decode_impl == "cuda"
+    assert Settings(decode_impl="triton").decode_impl == "triton"
+    with pytest.raises(ValueError, match="KVREPRO_DECODE_IMPL='fast'; allowed: auto, cuda, triton"):
+        Settings(decode_impl="fast")
+
+
+def test_num_splits():
+    assert Settings.from_env({"KVREPRO_NUM_SPLITS": ""}).num_splits is None
+    assert Settings.from_env({"KVREPRO_NUM_SPLITS": " 8 "}).num_splits == 8 and Settings(num_splits=16).num_splits == 16
+    for bad in ("0", "x", "1000", "-1", "²"):
+        with pytest.raises(ValueError, match="KVREPRO_NUM_SPLITS must be an integer in 1..256"):
+            Settings.from_env({"KVREPRO_NUM_SPLITS": bad})
+    with pytest.raises(ValueError, match="KVREPRO_NUM_SPLITS"):
+        Settings(num_splits=True)
+
+
+def test_switches_and_store_rotate_ignore_case_and_spaces():
+    """The 0/1 switches ignore surrounding spaces, KVREPRO_STORE_ROTATE case and spaces, like every setting;
+    anything else is refused with the variable and the allowed values."""
+    s = Settings.from_env({"KVREPRO_WARMUP": " 0 ", "KVREPRO_DEBUG_CHECK": "1", "KVREPRO_STORE_ROTATE": " Kernel "})
+    assert (s.warmup, s.debug_check, s.store_rotate) == (False, True, "kernel")
+    for env, bad, msg in (("KVREPRO_WARMUP", " on ", "KVREPRO_WARMUP='on'; allowed: 0, 1"),
+                          ("KVREPRO_WARMUP", "yes", "KVREPRO_WARMUP='yes'; allowed: 0, 1"),
+                          ("KVREPRO_DEBUG_CHECK", "true", "KVREPRO_DEBUG_CHECK='true'; allowed: 0, 1"),
+                          ("KVREPRO_STORE_ROTATE", "numpy", "KVREPRO_STORE_ROTATE='numpy'; allowed: torch, kernel")):
+        with pytest.raises(ValueError, match=msg):
+            Settings.from_env({env: bad})
+
+
+def test_as_env_round_trips_and_unknown_variables():
+    s = Settings(preset="k4v2", decode_impl="triton", num_splits=4, prefill="dequant", store_rotate="kernel",
+                 warmup=False, debug_check=True)
+    assert Settings.from_env(s.as_env()) == s
+    assert "KVREPRO_NUM_SPLITS" not in Settings().as_env() and Settings.from_env(Settings().as_env()) == Settings()
+    env = {"KVREPRO_PRESET": "k4v4", "KVREPRO_KEY_CENTER": "first-prefill", "KVREPRO_RECENT_WINDOW": "32",
+           "KVREPRO_SMOKE_FLAGS": "/tmp/x", "OTHER": "1"}
+    assert st.unknown_variables(env) == ["KVREPRO_KEY_CENTER", "KVREPRO_RECENT_WINDOW"]
+
+
+def test_settings_table_is_one_row_per_variable():
+    rows = st.settings_table()
+    assert [r["variable"] for r in rows] == [d.env for d in st.SETTINGS]
+    assert all(set(r) == {"variable", "values", "default", "changes"} and r["changes"] for r in rows)
+    assert rows[0] == {"variable": "KVREPRO_PRESET", "values": "k4v4, k8v4, k4v2", "default": "k4v4",
+                       "changes": st.SETTINGS[0].doc}
+    assert {r["variable"]: r["default"] for r in rows}["KVREPRO_NUM_SPLITS"] == "unset"
+    md = st.markdown_table().splitlines()
+    assert len(md) == 2 + len(rows) and all(line.count(" | ") == 3 for line in md[2:])
+
+
+def test_imports_without_torch_and_prints_the_table():
+    code = ("import sys, kvrepro.settings as s; assert not [m for m in sys.modules if m.split('.')[0] in "
+            "('torch', 'vllm')]; s._main()")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                       env={"KVREPRO_PRESET": "k8v4", "KVREPRO_KEY_CENTER": "off", "PATH": "/usr/bin:/bin"})
+    assert r.returncode == 0, r.stderr
+    assert "| `KVREPRO_PRESET` |" in r.stdout and "kvrepro settings: preset=k8v4" in r.stdout
+    assert "unknown KVREPRO_ variables (ignored): KVREPRO_KEY_CENTER" in r.stdout
