@@ -1,8 +1,6 @@
 #!/usr/bin/env bash
-# Runs ON the lent H200 (see /work/shared/device/README.md), from the repo root, after the vLLM 0.20.2 bundle is
-# staged and installed: .device/ is not in git; the lead's machine keeps the bundle in four parts there
-# (stage .device/vllm-p1..p3 in three calls, then `source .device/vllm-p4/kvdev.sh env` puts it on PYTHONPATH;
-# NOTES.md "Next GPU session"). With vLLM installed some other way, skip that.
+# Runs on a GPU machine from the repo root, with vLLM 0.20.2 importable by python3 (installed, or put on PYTHONPATH
+# first where the machine has no network: see notes/kit.md). Installs kvrepro's vLLM entry point into /tmp/kvsite_ep.
 # Usage: bash scripts/h200_sweep.sh smoke                 GPU smoke of the decode path (~30-60 s)
 #        bash scripts/h200_sweep.sh sweep RUN_ID MODES [EDGE_MODES] [PARAMS_JSON] [MODE_PARAMS_JSON]
 #        bash scripts/h200_sweep.sh smoke+sweep RUN_ID MODES [EDGE_MODES] ...   (both, one call)

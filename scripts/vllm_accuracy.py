@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""Passkey accuracy + output sanity through vLLM 0.20.2 per KV mode (issue 5), unattended on the H200.
+"""Passkey accuracy + output sanity through vLLM 0.20.2 per KV mode, unattended on a GPU machine.
 
-Run from the repo root after ``source .device/vllm-c/kvdev.sh env`` (vLLM on PYTHONPATH):
+Run from the repo root with vLLM 0.20.2 importable (installed, or on PYTHONPATH; notes/kit.md):
 
     PYTHONPATH=.:$PYTHONPATH python3 scripts/vllm_accuracy.py --gguf-parts /tmp/kvmodel --out $OUT
 

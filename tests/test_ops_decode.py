@@ -110,7 +110,7 @@ def test_decode_high_block_ids_identical():
 def test_decode_compression_error_vs_bf16(preset, bound):
     """Looser bound: attention over compressed pages vs float64 attention over the raw bf16 K/V
     (random Gaussian K/V, 200 and 97 tokens; near-uniform attention, so the output is small and
-    the relative error large: measured 0.11 k8v4, 0.15 k4v4, 0.55 k4v2, see notes/kernels.md)."""
+    the relative error large: measured 0.11 k8v4, 0.15 k4v4, 0.55 k4v2, see notes/kernels.md, "Page format")."""
     pool, bt, sl, q, raw = _setup(preset, 8, 2, 128, 16, [200, 97], torch.bfloat16, seed=9)
     out = decode_attention(q.float().to(torch.float16), pool.data, bt, sl, pool.layout, pool.rotation, 128 ** -0.5)
     errs = []

@@ -18,7 +18,7 @@ A pool for one attention layer is a ``uint8`` tensor of shape
 Keys are quantized asymmetrically (min/max), values with a symmetric mid-rise quantizer (no zero
 point; levels at odd multiples of scale/2), which saves 2 bytes per token per head: ``k4v4`` is
 134 B per token per head at head_dim 128, so 13 users of 131,072 + 1,024 tokens fit an emulated
-A100-80GB budget where 136 B would give 12.98 (see NOTES.md).
+A100-80GB budget where 136 B would give 12.98 (notes/kernels.md, "Page format").
 
 Codes are "split-plane" packed: with ``n = 8 / bits`` codes per byte and ``P = head_dim / n``
 bytes per token, byte ``j`` holds the code of channel ``j + i * P`` in bits

@@ -7,7 +7,7 @@ flags and hashes in ``cuda/decode.json``) is loaded once per device through the 
 ``libcuda.so.1``: no PyTorch extension build, no nvcc at run time) and launched with ``cuLaunchKernel`` on PyTorch's
 current stream, so CUDA graphs capture it.
 
-The kernel (design: notes/kernels.md, "Design sketch for the next decode kernel"): one CTA of 4 warps per (sequence,
+The kernel (design: notes/kernels.md, "Decode: the CUDA kernel"): one CTA of 4 warps per (sequence,
 KV head, split), each warp walking its own pages through a ``cp.async`` ring (4-deep for k4v4, 3-deep for k8v4,
 6-deep for k4v2); keys through int8 tensor cores (``mma.m16n8k32.s8``: 4-bit keys as 16 (code - 8), 8-bit keys as
 code - 128; the query as two int8 digits as in the Triton int8 key path; method after SageAttention, Zhang et al.

@@ -38,7 +38,7 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, pool, slot_mapping: torch.T
             0.22 ms per 8K tokens x 8 heads x 128 on the H200) or ``"kernel"`` (rotation
             inside the Triton kernel: 2.50 ms there, and its float32 ``[D, D]`` operand spills to a
             6,792 B stack per thread, for which the CUDA driver reserves ~1.7 GiB of local memory
-            at the first launch, notes/vllm.md).
+            at the first launch, notes/vllm.md, "Memory accounting: what was learned").
 
         validate: check slot range and finite K/V on the host (default: on for CPU tensors,
             off on CUDA, where it would need a host sync and break CUDA-graph capture).

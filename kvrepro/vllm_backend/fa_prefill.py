@@ -2,7 +2,7 @@
 
 Why: kvrepro's own Triton prefill kernel (``kvrepro.ops.prefill_attention``) reads the compressed
 context directly, but on the H200 a 128K prompt in 8K chunks costs ~0.96 s of attention per layer
-(notes/kernels.md, Prefill: 2.2x FlashAttention's full causal 128K), i.e. ~35 s per user for
+(notes/kernels.md, Prefill), i.e. ~35 s per user for
 Qwen3-4B's 36 layers. Here each prefill chunk instead dequantizes its earlier context from the pages
 into bf16 (in slices of ``SLICE_TOKENS``, PyTorch, ``kvrepro.formats.compressed`` numerics), rotates it
 back (``x = x_rot @ R.T``), appends the chunk's own fresh K/V and runs vLLM's FlashAttention varlen

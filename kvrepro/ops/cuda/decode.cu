@@ -26,7 +26,7 @@
 //            count themselves in (one acquire-release atomic each); the last one resets the counter, merges the S
 //            partials (log-sum-exp, as merge_splits_kernel) and rotates the result back, out = s * (H o) / sqrt(D).
 //
-// Differences from the Triton kernel (notes/kernels.md "Design sketch for the next decode kernel"):
+// Differences from the Triton kernel (notes/kernels.md, "Decode: the CUDA kernel"):
 //  - grid (B, S x HKV), blockIdx.y = split x HKV + kvh (split-major); split boundaries weighted by the CTA's round of
 //    placement on the SMs (split_weight_prefix; rank_div = SM count, rank_skew per 1024, 0 = equal splits);
 //  - one CTA = (sequence, KV head, split) with 4 warps; each warp walks its own pages (page p of the split goes to
