@@ -138,7 +138,7 @@ def test_paged_scatter_gather_with_padding_and_shuffled_blocks(name):
 
 # Attention over each format vs float32 attention on the raw K/V: compression error bound per format.
 # Bounds: relative L2 error of the attention output on N(0,1) K/V (diffuse attention, the hard case for
-# relative error). Measured on these inputs (2026-11-29, CPU): fp8 0.037-0.039, k8v4 0.101-0.110,
+# relative error). Measured on these inputs (CPU): fp8 0.037-0.039, k8v4 0.101-0.110,
 # k4v4 0.132-0.148, k4v2 0.51-0.56; bounds are ~1.4x the worst.
 ATTN_BOUND = {"bf16": 1e-6, "fp8": 0.06, "k8v4": 0.15, "k4v4": 0.21, "k4v2": 0.78}
 
@@ -278,7 +278,7 @@ def test_outlier_keys_attention_output_error(channels):
     """Row 1, measured part: attention-output error (not K cosine). 8-bit keys keep it small."""
     q, k = _outlier_case(channels)
     _, err8 = _top1_and_err("k8v4", q, k)
-    assert err8 < 0.09  # measured 0.061 and 0.026 (2026-11-29, CPU)
+    assert err8 < 0.09  # measured 0.061 and 0.026 on the CPU
 
 
 @pytest.mark.xfail(strict=True, reason="known limitation (notes/accuracy.md, "The open gap"): with a 600-norm key bias, per-token "
