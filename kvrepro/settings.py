@@ -137,7 +137,7 @@ SETTINGS: tuple[Declaration, ...] = (
         "kernel; kernel: inside the Triton store kernel. torch by default because the in-kernel rotation spills "
         "a float32 [D, D] operand to a per-thread stack, and the driver then reserves local memory for every "
         "resident thread of the GPU (~1.7 GiB on an H200) inside vLLM's CUDA-graph memory profiling, which "
-        "counts it twice against the KV cache (notes/vllm.md, "Memory accounting: what was learned").",
+        "counts it twice against the KV cache (notes/vllm.md, 'Memory accounting: what was learned').",
         _choice("KVREPRO_STORE_ROTATE", STORE_ROTATE_MODES)),
     Declaration(
         "warmup", "KVREPRO_WARMUP", "0, 1", "1",

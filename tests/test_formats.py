@@ -281,7 +281,7 @@ def test_outlier_keys_attention_output_error(channels):
     assert err8 < 0.09  # measured 0.061 and 0.026 on the CPU
 
 
-@pytest.mark.xfail(strict=True, reason="known limitation (notes/accuracy.md, "The open gap"): with a 600-norm key bias, per-token "
+@pytest.mark.xfail(strict=True, reason="known limitation (notes/accuracy.md, 'The open gap'): with a 600-norm key bias, per-token "
                    "4-bit keys change the top-1 key for most random queries; k8v4 is the preset for such models")
 def test_outlier_keys_top1_k4v4():
     q, k = _outlier_case([0, 1, 2, 3])
