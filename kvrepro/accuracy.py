@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -146,8 +147,15 @@ def run_one(model, tokenizer, prompt, fmt_name: str, max_new_tokens: int, block_
     }
 
 
-def run_grid(params: AccuracyParams | dict, progress: bool = True) -> pd.DataFrame:
+def _progress(progress: bool | None) -> bool:
+    """A tqdm bar or not: ``None`` = only when stderr is a terminal (executed notebooks and their HTML reports then
+    carry no progress lines; pass True in an interactive notebook to see it)."""
+    return sys.stderr.isatty() if progress is None else bool(progress)
+
+
+def run_grid(params: AccuracyParams | dict, progress: bool | None = None) -> pd.DataFrame:
     """Run every (variant, length, depth, key) prompt through every format; one row per run.
+    ``progress``: a tqdm bar (:func:`_progress`).
 
     Columns: see ``run_one`` (``format, engine, variant, context_length, depth, key, vault, distractors,
     n_tokens, prompt_sha256, answer, correct, answer_kind, output_ids, key_logprob_mean [nats/token],
@@ -159,14 +167,14 @@ def run_grid(params: AccuracyParams | dict, progress: bool = True) -> pd.DataFra
     if isinstance(params, dict):
         params = AccuracyParams.from_dict(params)
     params.validate()
-    from tqdm import tqdm  # text bar: renders in papermill/nbconvert output without ipywidgets
+    from tqdm import tqdm
 
     model, tok = load_smollm2()
     keys = make_keys(params.num_keys, params.seed)
     cells = [(v, n, d, k) for v in params.variants for n in params.context_lengths for d in params.depths
              for k in keys]
     rows = []
-    bar = tqdm(total=len(cells) * len(params.formats), desc="passkey runs", disable=not progress)
+    bar = tqdm(total=len(cells) * len(params.formats), desc="passkey runs", disable=not _progress(progress))
     for v, n, d, k in cells:
         prompt = build_prompt(tok, n, float(d), k, v)
         for f in params.formats:
@@ -178,7 +186,8 @@ def run_grid(params: AccuracyParams | dict, progress: bool = True) -> pd.DataFra
     return df
 
 
-def run_sanity(formats, sanity_tokens: int, block_size: int = 16, seed: int = 0, progress: bool = True) -> pd.DataFrame:
+def run_sanity(formats, sanity_tokens: int, block_size: int = 16, seed: int = 0,
+               progress: bool | None = None) -> pd.DataFrame:
     """Greedy continuations (``sanity_tokens`` tokens, EOS not a stop) of ``kvrepro.needle``'s sanity
     prompts per format, through the CPU reference path. Columns: format, engine, name, prompt_sha256,
     n_tokens, output_ids (space-separated), text. Compare with ``sanity_table``."""
@@ -187,7 +196,7 @@ def run_sanity(formats, sanity_tokens: int, block_size: int = 16, seed: int = 0,
     model, tok = load_smollm2()
     prompts = build_sanity_prompts(tok, seed)
     rows = []
-    bar = tqdm(total=len(prompts) * len(formats), desc="sanity runs", disable=not progress)
+    bar = tqdm(total=len(prompts) * len(formats), desc="sanity runs", disable=not _progress(progress))
     for sp in prompts:
         for f in formats:
             cache = make_cache(get_format(f), model.config.num_hidden_layers, block_size)
@@ -247,7 +256,11 @@ def cell_table(df: pd.DataFrame, value: str) -> dict[str, pd.DataFrame]:
 def plot_heatmaps(df: pd.DataFrame, value: str, title: str, cmap: str = "viridis",
                   vmin: float | None = None, vmax: float | None = None, center: float | None = None):
     """One seaborn heatmap per format of ``value`` over (context length x depth), one colour scale
-    for all formats (symmetric around ``center`` when given); returns the figure."""
+    for all formats (symmetric around ``center`` when given); returns the figure. The figure grows with
+    the grid (about 0.32 in per context length and 0.42 in per depth), so labels and cell values never
+    overlap, and wraps to more rows beyond five formats (three for grids of more than four depths)."""
+    import math
+
     import matplotlib.pyplot as plt
     import seaborn as sns
 
@@ -258,14 +271,25 @@ def plot_heatmaps(df: pd.DataFrame, value: str, title: str, cmap: str = "viridis
         vmin, vmax = center - r, center + r
     vmin = float(allv.min()) if vmin is None else vmin
     vmax = float(allv.max()) if vmax is None else vmax
-    fig, axes = plt.subplots(1, len(tables), figsize=(3.2 * len(tables), 2.8), squeeze=False)
-    for ax, (f, t) in zip(axes[0], tables.items()):
+    n_rows = max(len(t.index) for t in tables.values())
+    n_cols = max(len(t.columns) for t in tables.values())
+    per_row = min(len(tables), 3 if n_cols > 4 else 5)
+    grid_rows = math.ceil(len(tables) / per_row)
+    w = max(2.6, 0.42 * n_cols + 1.3)
+    h = max(1.9, 0.32 * n_rows + 1.2)
+    fig, axes = plt.subplots(grid_rows, per_row, figsize=(w * per_row, h * grid_rows + 0.5), squeeze=False)
+    flat = axes.ravel()
+    for i, (ax, (f, t)) in enumerate(zip(flat, tables.items())):
         sns.heatmap(t, ax=ax, annot=True, fmt=".2f", cmap=cmap, vmin=vmin, vmax=vmax, center=center,
-                    cbar=False, annot_kws={"size": 7})
-        ax.set_title(str(f))
+                    cbar=False, annot_kws={"size": 9})
+        ax.set_title(str(f), fontsize=11)
         ax.set_xlabel("needle depth")
-        ax.set_ylabel("context tokens" if ax is axes[0][0] else "")
-    fig.suptitle(title)
+        ax.set_ylabel("context tokens" if i % per_row == 0 else "")
+        ax.set_xticklabels([f"{float(x.get_text()):g}" for x in ax.get_xticklabels()], rotation=0)
+        ax.tick_params(axis="y", rotation=0)
+    for ax in flat[len(tables):]:
+        ax.set_visible(False)
+    fig.suptitle(title, fontsize=12)
     fig.tight_layout()
     return fig
 
@@ -529,6 +553,70 @@ def target_line(t: pd.DataFrame, fmt: str = "k4v4") -> str:
     return "; ".join(parts)
 
 
+def _frac(df: pd.DataFrame, fmt: str, variant: str) -> str:
+    sub = df[(df["format"].astype(str) == fmt) & (df["variant"] == variant)]
+    return f"{int(sub['correct'].sum())}/{len(sub)}" if len(sub) else ""
+
+
+def _target_words(t: pd.DataFrame | None, fmt: str) -> str:
+    """ "single MET, multi NOT MET (2048/0.5)" for the judged variants of ``fmt`` in a ``target_check`` table
+    (at most three cells below the baseline are named, then "+N more")."""
+    if t is None or fmt not in t.index.get_level_values(0):
+        return ""
+    def cells(worse):
+        shown = ", ".join(worse[:3]) + (f" +{len(worse) - 3} more" if len(worse) > 3 else "")
+        return f" ({shown})" if worse else ""
+
+    parts = [f"{v} {r['verdict']}{cells(r['cells_worse'])}" for v, r in t.loc[fmt].iterrows()
+             if r["verdict"] != "NOT JUDGED"]
+    return ", ".join(parts) if parts else "not judged"
+
+
+def verdict_table(cpu: pd.DataFrame, vllm: pd.DataFrame | None = None, cpu_sanity: pd.DataFrame | None = None,
+                  vllm_sanity: pd.DataFrame | None = None, head_dim: int = 64) -> pd.DataFrame:
+    """The answer at the top of notebook 03: one row per KV format (``FORMAT_NAMES`` order; vLLM-only controls
+    such as ``bf16-triton_attn`` are left to the details).
+
+    Args:
+        cpu: CPU reference rows (format, variant, context_length, depth, correct, ...).
+        vllm: vLLM rows of ``load_vllm_results`` (None: no vLLM columns).
+        cpu_sanity, vllm_sanity: greedy-continuation rows per engine (``sanity_table`` input), or None.
+        head_dim: the model's head_dim for the bytes column (SmolLM2-135M: 64).
+
+    Returns:
+        DataFrame indexed by ``mode``: ``B/token/head`` (stored KV bytes per token and KV head at ``head_dim``),
+        per engine and needle variant the correct / runs (e.g. "CPU single", "vLLM multi"), per engine the
+        sanity result ("pass" / "FAIL", blank without rows), and ``verdict``: "baseline" for bf16, else per engine
+        the ``target_check`` verdicts of the variants it judges ("not judged" when bf16 retrieves too little
+        for a comparison) and any failed sanity check.
+    """
+    engines = [("CPU", cpu, cpu_sanity)] + ([("vLLM", vllm, vllm_sanity)] if vllm is not None else [])
+    prepared = []
+    for name, rows, san in engines:
+        d = rows.assign(format=rows["format"].astype(str))
+        if "variant" not in d:
+            d["variant"] = "single"
+        st = None
+        if san is not None and len(san) and (san["format"].astype(str) == BASELINE).any():
+            st = sanity_table(san)
+        prepared.append((name, d, target_check(d), st))
+    present = set().union(*(set(d["format"]) for _, d, _, _ in prepared))
+    out = []
+    for fmt in [f for f in FORMAT_NAMES if f in present]:
+        row = {"mode": fmt, "B/token/head": get_format(fmt).bytes_per_token_per_head(head_dim)}
+        words = []
+        for name, d, t, st in prepared:
+            for v in [v for v in VARIANTS if v in set(d["variant"])]:
+                row[f"{name} {v}"] = _frac(d, fmt, v)
+            sane = "" if st is None or fmt not in st.index else ("pass" if st.loc[fmt, "sanity_pass"] else "FAIL")
+            row[f"{name} sanity"] = sane
+            if fmt != BASELINE and fmt in set(d["format"]):
+                words.append(f"{name}: {_target_words(t, fmt)}" + ("; sanity FAIL" if sane == "FAIL" else ""))
+        row["verdict"] = "baseline" if fmt == BASELINE else " · ".join(words)
+        out.append(row)
+    return pd.DataFrame(out).set_index("mode").fillna("")
+
+
 def engine_agreement(vllm: pd.DataFrame, cpu: pd.DataFrame, tolerance: float = AGREEMENT_TOLERANCE,
                      baseline: str = BASELINE, min_baseline: float = TARGET_MIN_BASELINE,
                      min_variant_baseline: float = MIN_BASELINE_ACCURACY) -> pd.DataFrame:
@@ -609,7 +697,7 @@ def load_vllm_results(path: str = VLLM_RESULTS) -> dict:
 
     ``path`` is the ``vllm_accuracy.csv`` (relative to the repo root or absolute); ``vllm_sanity.csv`` and
     ``vllm_accuracy.json`` are read from the same folder when present. The label names the file, the
-    GPU and the measurement date (from the rows).
+    GPU and the span of the rows' measurement times (``kvrepro.replay.time_span``).
 
     Raises:
         FileNotFoundError: no such file.
@@ -629,9 +717,10 @@ def load_vllm_results(path: str = VLLM_RESULTS) -> dict:
     if os.path.isfile(os.path.join(d, "vllm_accuracy.json")):
         with open(os.path.join(d, "vllm_accuracy.json")) as f:
             meta = json.load(f)
+    from kvrepro.replay import time_span
+
     gpu = ", ".join(sorted(set(rows["gpu"].astype(str))))
-    date = min(rows["date"].astype(str))
-    return {"rows": rows, "sanity": sanity, "meta": meta, "label": replay_label(path, gpu, date)}
+    return {"rows": rows, "sanity": sanity, "meta": meta, "label": replay_label(path, gpu, time_span(rows["date"]))}
 
 
 def load_cpu_results(paths=CPU_RESULTS) -> dict:
@@ -654,6 +743,21 @@ def load_cpu_results(paths=CPU_RESULTS) -> dict:
     return {"rows": rows, "labels": labels, "missing": missing}
 
 
+def load_cpu_sanity(path: str = CPU_SANITY) -> tuple[pd.DataFrame | None, str]:
+    """Committed CPU sanity continuations (``run_sanity`` CSV + ``.json`` provenance): ``(rows, label)``, or
+    ``(None, "no committed CPU sanity results")`` when the file is absent."""
+    full = resolve_path(path)
+    if not os.path.isfile(full):
+        return None, "no committed CPU sanity results"
+    rows = pd.read_csv(full, dtype={"output_ids": str})
+    prov = {}
+    if os.path.isfile(full + ".json"):
+        with open(full + ".json") as f:
+            prov = json.load(f).get("provenance", {})
+    return rows, replay_label(path, f"CPU ({prov.get('hostname', '?')}, {prov.get('cpu_count', '?')} cores)",
+                              prov.get("date_utc", "?"))
+
+
 def format_order(formats) -> list[str]:
     """``formats`` (any iterable of names) in display order: ``FORMAT_NAMES`` order first, then the others
     (e.g. a vLLM control such as ``bf16-triton_attn``) sorted by name."""
@@ -674,29 +778,6 @@ def replayed_grid(df: pd.DataFrame) -> pd.DataFrame:
                          keys_per_cell=int(g.groupby(["context_length", "depth"])["key"].nunique().max()),
                          runs=len(g)))
     return pd.DataFrame(rows).set_index("variant")
-
-
-def failed_vllm_attempts(root: str = "results/accuracy") -> list[dict]:
-    """Committed records of vLLM accuracy runs that produced no rows: folders ``<root>/vllm_*_failed``
-    holding a ``vllm_accuracy.json``. Per folder: ``path``, ``started_utc``, ``gpu`` (nvidia-smi line)
-    and ``errors`` ("mode: phase, error" per failed mode)."""
-    out = []
-    base = resolve_path(root)
-    if not os.path.isdir(base):
-        return out
-    for name in sorted(os.listdir(base)):
-        meta = os.path.join(base, name, "vllm_accuracy.json")
-        if name.startswith("vllm_") and name.endswith("_failed") and os.path.isfile(meta):
-            try:
-                with open(meta) as f:
-                    m = json.load(f)
-            except (OSError, ValueError):
-                m = {}
-            errs = [f"{mode}: {st.get('phase', '?')}, {st.get('error', '?')}" for mode, st in
-                    (m.get("status") or {}).items() if isinstance(st, dict) and st.get("status") != "ok"]
-            out.append(dict(path=f"{root}/{name}/", started_utc=m.get("started_utc", "?"),
-                            gpu=m.get("nvidia_smi", "?"), errors=errs, weights_note=m.get("weights_note", "")))
-    return out
 
 
 def measure_vllm(out_dir: str, modes=None, timeout_s: float = 600.0) -> str:

@@ -64,10 +64,11 @@ def _nonneg_int(name: str, value) -> int:
 
 
 def _number(name: str, value, *, positive: bool = False, lo: float | None = None, hi: float | None = None) -> float:
+    kind = "a positive finite number" if positive else "a finite number"
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
+        raise ValueError(f"{name} must be {kind}, got {value!r}")
     if positive and value <= 0:
-        raise ValueError(f"{name} must be > 0, got {value!r}")
+        raise ValueError(f"{name} must be {kind}, got {value!r}")
     if lo is not None and value < lo:
         raise ValueError(f"{name} must be >= {lo}, got {value!r}")
     if hi is not None and value > hi:
@@ -324,6 +325,19 @@ def check_workload(context_tokens: int, decode_tokens: int, max_users: int | Non
     _positive_int("block_size", block_size)
     if max_users is not None:
         _positive_int("max_users", max_users)
+
+
+def check_memory(gpu_memory_gb, gpu_memory_utilization=DEFAULT_GPU_MEMORY_UTILIZATION,
+                 overhead_gb=DEFAULT_OVERHEAD_GB) -> None:
+    """Validate the memory parameters before any work is done (GiB; the utilization is a fraction).
+
+    Raises:
+        ValueError: ``gpu_memory_gb`` not a positive finite number, ``gpu_memory_utilization`` not in (0, 1],
+            ``overhead_gb`` negative or not finite (the message names the parameter and the value).
+    """
+    _number("gpu_memory_gb", gpu_memory_gb, positive=True)
+    _number("gpu_memory_utilization", gpu_memory_utilization, positive=True, hi=1.0)
+    _number("overhead_gb", overhead_gb, lo=0.0)
 
 
 def kv_demand(formats, max_users: int, context_tokens: int, decode_tokens: int,

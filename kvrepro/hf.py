@@ -27,9 +27,15 @@ import importlib.util
 import io
 import os
 import sys
+import warnings
 
 import torch
-from transformers.cache_utils import Cache, DynamicLayer
+
+with warnings.catch_warnings():
+    # transformers imports tqdm.auto, which warns in a Jupyter kernel without ipywidgets; that warning would be
+    # the first thing notebook 03's report shows, and kvrepro draws no notebook progress bars.
+    warnings.filterwarnings("ignore", message="IProgress not found")
+    from transformers.cache_utils import Cache, DynamicLayer
 
 from kvrepro.formats import KVFormat, get_format
 

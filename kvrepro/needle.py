@@ -19,7 +19,7 @@ hard distractors (one digit apart) instead of random ones.
 Sanity prompts (``build_sanity_prompts``): a few fixed chat prompts whose greedy continuations are
 compared across KV modes (``kvrepro.accuracy.sanity_metrics``).
 
-Rules every prompt obeys (``check_prompt``; field-faults.md row 11):
+Rules every prompt obeys (``check_prompt``):
 - the needle's token ids occur exactly once, and the key's digit ids occur only inside it;
 - no special token (BOS/EOS/any ``all_special_ids``) inside the user content: the tokenizer's
   BOS id occurs only where the chat template opens a turn (SmolLM2's BOS *is* ``<|im_start|>``);

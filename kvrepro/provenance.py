@@ -1,9 +1,11 @@
 """Provenance of a notebook run or a measured figure: parameters, interpreter, library versions, machine, date.
 
-Every reported figure in kvrepro carries provenance (STYLE: GPU, memory budget, versions, parameters, date,
-measured vs replayed).  :func:`collect` gathers it as a plain dict (JSON-serialisable), :func:`show` renders it
-at the top of a notebook report, and :func:`require_parameters_cell` guards against field-faults row 12
-(papermill injecting parameters into a notebook whose defaults cell is not tagged ``parameters``).
+Every reported figure in kvrepro carries provenance (GPU, memory budget, versions, parameters, date, measured vs
+replayed). :func:`collect` gathers it as a plain dict (JSON-serialisable), :func:`headline` says it in one line and
+:func:`show` renders it as a table in a notebook report. Parameters are guarded twice: :func:`require_parameters_cell`
+refuses a notebook without exactly one literal-only ``parameters`` cell (papermill would inject values that the
+untagged defaults then silently override), and :func:`parameters`, called by each notebook's first cell, refuses any
+parameter the notebook does not declare, however it was run (papermill's CLI or API, nbconvert, interactively).
 """
 from __future__ import annotations
 
@@ -116,14 +118,23 @@ def to_frame(info: dict[str, Any]):
     return pd.DataFrame(rows, columns=["item", "value"])
 
 
-def show(params: dict | None = None) -> dict[str, Any]:
+def headline(info: dict[str, Any]) -> str:
+    """One line of a :func:`collect` dict: date, host, GPU (or CPU cores), and the kvrepro / torch / vLLM versions."""
+    gpu = info.get("gpu", "none")
+    where = f"{gpu} ({info.get('gpu_total_memory_gib', 0):g} GiB)" if gpu != "none" else f"no GPU, {info.get('cpu_count')} CPU cores"
+    return (f"Run {info.get('date_utc')} on {info.get('hostname')} ({where}); kvrepro {info.get('kvrepro_version')}, "
+            f"torch {info.get('torch_version')}, vLLM {info.get('vllm_version')}, Python {info.get('python_version')}")
+
+
+def show(params: dict | None = None, info: dict[str, Any] | None = None) -> dict[str, Any]:
     """Display the provenance table (parameters, versions, machine, date) in a notebook; return the dict.
 
+    ``info``: an earlier :func:`collect` result to show (default: collect now with ``params``).
     In IPython it emits one output holding an HTML table (what the nbconvert report shows), a plain-text
     table, and the dict itself as ``application/json`` (what tests read back from an executed notebook).
     Outside IPython it prints the plain-text table. Raises ValueError like :func:`collect`.
     """
-    info = collect(params)
+    info = collect(params) if info is None else info
     frame = to_frame(info)
     text = frame.to_string(index=False)
     try:
@@ -138,6 +149,84 @@ def show(params: dict | None = None) -> dict[str, Any]:
     display({"text/html": html, "text/plain": text, "application/json": json.loads(json.dumps(info, default=str))},
             raw=True)
     return info
+
+
+_LITERAL_TYPES = (str, int, float, bool, type(None), list, tuple, dict)
+
+
+def _is_parameter_value(node) -> bool:
+    """A literal, or ``float('nan')`` / ``float('inf')`` / ``float('-inf')`` (how papermill writes those floats)."""
+    import ast
+
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "float"
+            and len(node.args) == 1 and not node.keywords and isinstance(node.args[0], ast.Constant)
+            and str(node.args[0].value).lower() in ("nan", "inf", "-inf", "+inf")):
+        return True
+    try:
+        ast.literal_eval(node)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return False
+    return True
+
+
+def _literal_cell_names(src: str) -> list[str] | None:
+    """Names a cell assigns when every statement is ``name = <literal>`` (papermill's injected cell, the
+    parameters cell, one typed interactively), else None."""
+    import ast
+
+    try:
+        body = ast.parse(src).body
+    except SyntaxError:
+        return None
+    names = []
+    for node in body:
+        if not (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
+                and _is_parameter_value(node.value)):
+            return None
+        names.append(node.targets[0].id)
+    return names or None
+
+
+def parameters(declared, namespace: dict) -> dict[str, Any]:
+    """The notebook's parameters, refusing any the notebook does not declare (a typo such as
+    ``papermill -p gpu_memroy_gb 40`` would otherwise be injected and silently ignored).
+
+    Called by each notebook's first cell after its ``parameters`` cell as
+    ``params = provenance.parameters([<the parameters cell's names>], globals())``. A parameter is a name set by a
+    cell of literal assignments only: the ``parameters`` cell, the cell papermill injects (``-p``, ``-y``, ``-f``,
+    ``parameters=``), or such a cell typed in an interactive session. In IPython the cells executed so far (its
+    ``In`` history) are read for them; without that history, every public name of ``namespace`` holding a plain
+    literal value (str, number, bool, None, list, tuple, dict) counts.
+
+    Args:
+        declared: the parameter names the notebook declares (the names of its ``parameters`` cell).
+        namespace: the notebook's globals().
+
+    Returns:
+        dict name -> value for the declared names, in their order.
+
+    Raises:
+        ValueError: an undeclared parameter (names it and the allowed ones), or a declared name missing from
+            ``namespace`` (the parameters cell was not run).
+    """
+    declared = list(declared)
+    history = namespace.get("In")
+    if isinstance(history, list) and history:
+        seen = []
+        for src in history[:-1]:                       # the last entry is the calling cell itself
+            for name in _literal_cell_names(src) or ():
+                if name in namespace and name not in seen:
+                    seen.append(name)
+    else:
+        seen = [k for k, v in namespace.items() if not k.startswith("_") and isinstance(v, _LITERAL_TYPES)]
+    unknown = [n for n in seen if n not in declared]
+    if unknown:
+        raise ValueError(f"unknown parameter(s) {', '.join(unknown)}: this notebook declares "
+                         f"{', '.join(declared)}")
+    missing = [n for n in declared if n not in namespace]
+    if missing:
+        raise ValueError(f"parameter(s) {', '.join(missing)} not set: run the parameters cell first")
+    return {n: namespace[n] for n in declared}
 
 
 def parameters_cell_names(nb_path: str | os.PathLike) -> list[str]:
@@ -177,10 +266,10 @@ def check_parameters(nb_path: str | os.PathLike, params: dict) -> None:
 
 
 def require_parameters_cell(nb_path: str | os.PathLike) -> None:
-    """Fail unless the notebook has exactly one code cell tagged ``parameters`` (field-faults row 12).
+    """Fail unless the notebook has exactly one code cell tagged ``parameters``.
 
-    Without that tag papermill appends injected values *after* nothing in particular and an untagged
-    ``kv_mode = "fp16"`` cell silently overrides ``-p kv_mode fp8``; this check refuses such a notebook.
+    Without that tag papermill injects its values at the top and an untagged ``kv_mode = "fp16"`` cell
+    silently overrides ``-p kv_mode fp8``; this check refuses such a notebook.
 
     Returns:
         the source of the tagged cell.
@@ -199,8 +288,8 @@ def require_parameters_cell(nb_path: str | os.PathLike) -> None:
     if len(tagged) != 1:
         raise ValueError(
             f"{path}: expected exactly one code cell tagged 'parameters', found {len(tagged)}; "
-            "papermill would inject parameters without overriding the notebook's defaults "
-            "(field-faults row 12). Tag the defaults cell with 'parameters'."
+            "papermill would inject parameters without overriding the notebook's defaults. "
+            "Tag the defaults cell with 'parameters'."
         )
     src = nb["cells"][tagged[0]]["source"]
     return "".join(src) if isinstance(src, list) else src

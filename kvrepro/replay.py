@@ -39,6 +39,8 @@ _REFERENCE = [
     ("fp8", 6, 174.5, CARD_SOURCE, True),  # 6 = all that fit, 0 preemptions
     ("turboquant_4bit_nc", 3, 35.0, CARD_SOURCE, False),  # 10 fit, only 3 were run
 ]
+# The seed's published points (mode, users at max clean capacity, aggregate decode tok/s there).
+SEED_POINTS = tuple((m, u, t) for m, u, t, src, _ in _REFERENCE if src == SEED_SOURCE)
 
 
 def repo_root() -> Path:
@@ -125,28 +127,58 @@ def load_results(results_dir: str | Path = DEFAULT_RESULTS_DIR):
     return pd.concat([load_jsonl(f) for f in files], ignore_index=True)
 
 
+def run_keys(df) -> list[str]:
+    """Per row, the key of its engine run: ``engine_run_id`` where the row has one, else "<file>|<run_id>|<mode>"
+    (rows written before the sweep recorded engine runs: one file, run and mode = one engine run)."""
+    import pandas as pd
+
+    eng = df["engine_run_id"] if "engine_run_id" in df.columns else pd.Series([None] * len(df), index=df.index)
+    return [str(e) if isinstance(e, str) and e else f"{f}|{r}|{m}"
+            for e, f, r, m in zip(eng, df["source_file"], df["run_id"], df["mode"])]
+
+
+def utc_times(values):
+    """Row ``date`` strings (ISO 8601, a day or a time; without offset taken as UTC) as a Series of UTC timestamps."""
+    import pandas as pd
+
+    return pd.to_datetime(pd.Series(list(values), dtype=object).astype(str), utc=True, format="mixed")
+
+
+def time_span(dates) -> str:
+    """The UTC span of some rows' ``date`` values: "2026-11-30 09:41-09:46 UTC"; one minute: "2026-11-30 09:41 UTC";
+    two days: "2026-11-30 23:58 - 2026-12-01 00:03 UTC"; rows dated by day only: "2026-11-29"."""
+    vals = [str(d) for d in dates]
+    t = utc_times(vals)
+    a, b = t.min(), t.max()
+    if all(len(v) == 10 for v in vals):
+        return a.strftime("%Y-%m-%d") if a == b else f"{a:%Y-%m-%d} - {b:%Y-%m-%d}"
+    if a.strftime("%Y-%m-%d") != b.strftime("%Y-%m-%d"):
+        return f"{a:%Y-%m-%d %H:%M} - {b:%Y-%m-%d %H:%M} UTC"
+    return f"{a:%Y-%m-%d %H:%M} UTC" if a.strftime("%H:%M") == b.strftime("%H:%M") else f"{a:%Y-%m-%d %H:%M}-{b:%H:%M} UTC"
+
+
 def replay_labels(df, measured_now=()) -> list[str]:
-    """One label per source file: ``"replayed from <file>, measured on <GPU> <date> (<workload>)"``
-    (file relative to the repo root when inside it; date = the UTC day; several GPUs/days are joined
-    with "/"; workload = the rows' prompt + decode tokens and memory budget, which may differ from the
-    notebook's parameters: replayed rows are shown as measured). Files in ``measured_now`` (paths
-    written by this run's ``measure``) are labelled ``"measured now, written to <file>, on ..."``."""
+    """One label per engine run (:func:`run_keys`), in row order: ``"<mode>: replayed from <file>, measured on
+    <GPU> <span> (<workload>)"`` (file relative to the repo root when inside it; span = :func:`time_span` of that
+    run's own rows; workload = the rows' prompt + decode tokens and memory budget, which may differ from the
+    notebook's parameters: replayed rows are shown as measured). Runs in a file of ``measured_now`` (paths written
+    by this run's ``measure``) are labelled ``"<mode>: measured now, written to <file>, on ..."``."""
     labels = []
     root = repo_root()
     now = {str(Path(m).resolve()) for m in measured_now}
-    for src, g in df.groupby("source_file", sort=True):
-        p = Path(src)
+    d = df.assign(_run=run_keys(df))
+    for _, g in d.groupby("_run", sort=False):
+        p = Path(str(g["source_file"].iloc[0]))
         fresh = str(p.resolve()) in now
         try:
             p = p.resolve().relative_to(root)
         except ValueError:
             pass
         gpus = "/".join(sorted(set(g["gpu"])))
-        dates = "/".join(sorted({str(d)[:10] for d in g["date"]}))  # the day (UTC); rows carry full times
         work = "/".join(sorted({f"{int(r.prompt_tokens)}+{int(r.decode_tokens)} tokens per user, "
                                 f"{float(r.gpu_memory_gb):g} GiB budget" for r in g.itertuples()}))
-        labels.append(f"{'measured now, written to' if fresh else 'replayed from'} {p}, measured on {gpus} "
-                      f"{dates} ({work})")
+        labels.append(f"{g['mode'].iloc[0]}: {'measured now, written to' if fresh else 'replayed from'} {p}, "
+                      f"measured on {gpus} {time_span(g['date'])} ({work})")
     return labels
 
 
@@ -183,8 +215,8 @@ def _source_column(df) -> str | None:
 def decode_kernel(mode: str, settings) -> str:
     """Which decode kernel a result row's mode ran: vLLM's own for non-kvrepro modes; for kvrepro modes the
     ``decode_impl`` its ``kvrepro_settings`` recorded (``"cuda"``, ``"triton"``), or ``"triton (not recorded)"``
-    for rows measured before the field existed (before the CUDA kernel, 2026-11-30 ~09:30 UTC, every kvrepro row
-    decoded with the Triton kernel)."""
+    for rows without the field (the sweep recorded it from the CUDA kernel on; before it, the Triton kernel was
+    the only one)."""
     if not str(mode).startswith("kvrepro:"):
         return "vLLM"
     impl = settings.get("decode_impl") if isinstance(settings, dict) else None
@@ -380,64 +412,6 @@ def side_by_side(table, context_tokens: int, decode_tokens: int, block_size: int
     df = pd.DataFrame(list(rows.values())).reindex(columns=cols)
     ints = ["users_arithmetic", "seed_users", "card_kv_tokens", "card_users_fit", "card_users_run"]
     return df.astype({c: "Int64" for c in ints})
-
-
-def plot_throughput(df, ax=None, title: str = "Aggregate decode tok/s vs concurrent users", reference=None):
-    """The seed-style chart: aggregate decode tok/s (y) vs concurrent users (x), one line per mode
-    (marker style = source, or the sweep's ``measured_by`` window, when several), the max-clean-capacity
-    point of each mode marked with a large star in the mode's colour and annotated.
-
-    Args:
-        df: runs (measured: clean/preemptions columns; reference: max_clean column).
-        ax: matplotlib Axes (default: a new figure).
-        reference: optional points drawn for comparison as grey hollow diamonds, each annotated
-            with its mode (e.g. the seed's published A100 points: ``reference_points()`` rows of one
-            source); columns mode, num_users, aggregate_decode_tok_s.
-
-    Returns:
-        the Axes.
-    """
-    import matplotlib.pyplot as plt
-    import seaborn as sns
-
-    if ax is None:
-        _, ax = plt.subplots(figsize=(9, 4.5))
-    modes = list(dict.fromkeys(df["mode"]))
-    palette = dict(zip(modes, sns.color_palette("tab10", len(modes))))
-    style = None
-    for col in ("source", "measured_by"):  # marker style tells the sources / the sweep's windows apart
-        if col in df.columns and df[col].nunique() > 1:
-            style = col
-            break
-    data = df[(df["num_users"] > 0) & df["aggregate_decode_tok_s"].notna()].sort_values("num_users")
-    line_style = style if style == "source" else None  # one line per mode across the sweep's windows
-    sns.lineplot(data=data, x="num_users", y="aggregate_decode_tok_s", hue="mode", palette=palette,
-                 style=line_style, dashes=False, legend=False, errorbar=None, ax=ax)
-    sns.scatterplot(data=data, x="num_users", y="aggregate_decode_tok_s", hue="mode", palette=palette,
-                    style=style, s=50, ax=ax)
-    cap = max_clean_capacity(df)
-    cap = cap[cap["max_clean_users"].fillna(0) > 0]
-    for _, r in cap.iterrows():
-        ax.scatter([r["max_clean_users"]], [r["aggregate_decode_tok_s"]], marker="*", s=300,
-                   color=palette[r["mode"]], edgecolor="black", zorder=5)
-        ax.annotate(f"{r['max_clean_users']} users, {r['aggregate_decode_tok_s']:.1f} tok/s",
-                    (r["max_clean_users"], r["aggregate_decode_tok_s"]), textcoords="offset points",
-                    xytext=(8, -3), fontsize=8)
-    ax.scatter([], [], marker="*", s=150, color="white", edgecolor="black", label="max clean capacity")
-    if reference is not None and len(reference):
-        ax.scatter(reference["num_users"], reference["aggregate_decode_tok_s"], marker="D", s=60,
-                   facecolor="none", edgecolor="grey", zorder=4, label="seed, published (A100 80GB)")
-        for _, r in reference.iterrows():
-            ax.annotate(str(r["mode"]), (r["num_users"], r["aggregate_decode_tok_s"]), textcoords="offset points",
-                        xytext=(6, 4), fontsize=7, color="grey")
-    ax.set_xlabel("concurrent users")
-    ax.set_ylabel("aggregate decode tok/s")
-    ax.set_title(title)
-    ax.margins(y=0.12)
-    if len(data):
-        ax.set_xlim(0.5, data["num_users"].max() * 1.2 + 0.5)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    return ax
 
 
 def require_gpu_and_vllm() -> dict:

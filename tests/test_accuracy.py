@@ -1,6 +1,6 @@
 """kvrepro.accuracy: parameter validation (fail fast, naming the parameter), the per-format
-summary against hand-computed values, a tiny real run of SmolLM2 in two formats, and notebook 03's
-parameters (field-faults row 12)."""
+summary against hand-computed values, a tiny real run of SmolLM2 in two formats, notebook 03's
+parameters, and what its report shows first (the verdict table)."""
 import math
 import pathlib
 
@@ -104,7 +104,7 @@ def test_notebook_parameters_match_the_runner():
 
 
 def test_notebook_bad_parameter_fails_naming_it(tmp_path):
-    papermill = pytest.importorskip("papermill")
+    import papermill
     with pytest.raises(papermill.PapermillExecutionError, match="int3"):
         papermill.execute_notebook(str(NB), str(tmp_path / "out.ipynb"), kernel_name="python3",
                                    parameters=dict(formats=["bf16", "int3"]), cwd=str(NB.parent),
@@ -211,7 +211,7 @@ def test_load_vllm_results_labels_replay(tmp_path):
         mode="bf16", gpu="NVIDIA H200", date="2026-11-30T01:02:03Z", vllm_version="0.20.2")
     rows.to_csv(tmp_path / "vllm_accuracy.csv", index=False)
     r = accuracy.load_vllm_results(str(tmp_path / "vllm_accuracy.csv"))
-    assert r["label"] == f"replayed from {tmp_path / 'vllm_accuracy.csv'}, measured on NVIDIA H200 2026-11-30T01:02:03Z"
+    assert r["label"] == f"replayed from {tmp_path / 'vllm_accuracy.csv'}, measured on NVIDIA H200 2026-11-30 01:02 UTC"
     assert r["sanity"] is None and len(r["rows"]) == 1
     rows.drop(columns=["gpu"]).to_csv(tmp_path / "bad.csv", index=False)
     with pytest.raises(ValueError, match="gpu"):
@@ -223,7 +223,7 @@ def test_load_vllm_results_labels_replay(tmp_path):
 def test_notebook_replays_vllm_results_labelled_when_vllm_is_not_runnable(tmp_path):
     """engine="vllm" on a machine without GPU/vLLM: the committed vLLM results (here: a synthetic file in
     the committed format) and the committed CPU results are replayed, labelled, and compared."""
-    papermill = pytest.importorskip("papermill")
+    import papermill
     from kvrepro.sweep import measurement_blockers
 
     if not measurement_blockers():
@@ -244,7 +244,7 @@ def test_notebook_replays_vllm_results_labelled_when_vllm_is_not_runnable(tmp_pa
                                progress_bar=False)
     text = out.read_text()
     assert "engine=&#x27;vllm&#x27; is not runnable here" in text or "engine='vllm' is not runnable here" in text
-    assert f"replayed from {path}, measured on NVIDIA H200 2026-11-30T01:00:00Z" in text
+    assert f"replayed from {path}, measured on NVIDIA H200 2026-11-30 01:00 UTC" in text
     assert "replayed from results/accuracy/03_default.csv, measured on CPU" in text
     assert "run_agreement" in text and "k4v4 target" in text and "NOT MET" in text
     # the provenance table lists the requested grid (512 tokens); the replayed rows' own grid is tabled too
@@ -255,7 +255,7 @@ def test_notebook_replays_vllm_results_labelled_when_vllm_is_not_runnable(tmp_pa
 
 
 def _run_ci_notebook(tmp_path, **over):
-    papermill = pytest.importorskip("papermill")
+    import papermill
     params = yaml.safe_load((ROOT / "notebooks" / "params" / "03_ci.yaml").read_text()) | over
     out = tmp_path / "out.ipynb"
     papermill.execute_notebook(str(NB), str(out), kernel_name="python3", parameters=params, cwd=str(NB.parent),
@@ -284,14 +284,11 @@ def test_notebook_without_committed_vllm_results_says_so_once(tmp_path):
     text = _run_ci_notebook(tmp_path, engine="vllm", vllm_results=str(tmp_path / "none.csv"), sanity_tokens=0)
     assert "replayed** from committed results" not in text and "Every vLLM figure" not in text
     assert text.count("No vLLM results") == 1 and text.count(f"committed at `{tmp_path / 'none.csv'}`") == 1
-    failed = accuracy.failed_vllm_attempts()
-    for f in failed:  # e.g. results/accuracy/vllm_h200_20261130_failed/: named with its errors
-        assert f"Failed attempt recorded** in `{f['path']}`" in text
     assert "Grid of the replayed CPU rows" in text
 
 
 def test_notebook_refuses_to_overwrite_a_committed_result_before_running(tmp_path):
-    papermill = pytest.importorskip("papermill")
+    import papermill
     before = (ROOT / "results" / "accuracy" / "03_default.csv").read_bytes()
     with pytest.raises(papermill.PapermillExecutionError, match="results_path 'results/accuracy/03_default.csv'"):
         _run_ci_notebook(tmp_path, results_path="results/accuracy/03_default.csv")
@@ -369,3 +366,46 @@ def test_format_order_and_replayed_grid_keep_formats_outside_format_names():
     assert accuracy.replayed_grid(df).loc["single", "formats"] == "bf16, k4v4, bf16-triton_attn"
     t = accuracy.target_check(df)
     assert t.loc[("bf16-triton_attn", "single"), "verdict"] == "NOT MET"
+
+
+def test_verdict_table_against_hand_values():
+    """Per format: bytes at head_dim 64, correct / runs per engine and variant, sanity, the per-engine verdicts."""
+    cells = {(1024, 0.0): [1, 1], (2048, 0.0): [1, 1]}
+    cpu = pd.DataFrame(_cells("bf16", cells) + _cells("k4v4", cells) + _cells("k4v2", {(1024, 0.0): [1, 1],
+                                                                                       (2048, 0.0): [0, 1]}))
+    vllm = pd.DataFrame(_cells("bf16", cells, engine="vllm") + _cells("k4v4", {(1024, 0.0): [1, 1], (2048, 0.0): [1, 0]},
+                                                                      engine="vllm")
+                        + _cells("bf16-triton_attn", cells, engine="vllm"))
+    san = _sanity_rows().replace({"format": {"good": "k4v4", "loop": "k4v2"}})
+    t = accuracy.verdict_table(cpu, vllm, san[san["format"].isin(["bf16", "k4v4", "k4v2"])], None)
+    assert list(t.index) == ["bf16", "k4v4", "k4v2"]                     # FORMAT_NAMES order, no vLLM control
+    # 64-dim heads: bf16 2 x 64 x 2 B; k4v4 32 + 32 B of 4-bit codes + 4 B K scale/zero + 2 B V scale
+    assert t.loc["bf16", "B/token/head"] == 2 * 64 * 2 and t.loc["k4v4", "B/token/head"] == 32 + 32 + 4 + 2
+    assert t.loc["k4v2", "CPU single"] == f"{1 + 1 + 0 + 1}/4" and t.loc["k4v4", "vLLM single"] == "3/4"
+    assert t.loc["k4v2", "vLLM single"] == ""                            # not run through vLLM
+    assert (t.loc["k4v4", "CPU sanity"], t.loc["k4v2", "CPU sanity"], t.loc["k4v4", "vLLM sanity"]) == ("pass", "FAIL", "")
+    assert t.loc["bf16", "verdict"] == "baseline"
+    assert t.loc["k4v4", "verdict"] == "CPU: single MET · vLLM: single NOT MET (2048/0.0)"
+    assert t.loc["k4v2", "verdict"] == "CPU: single NOT MET (2048/0.0); sanity FAIL"
+
+
+@pytest.mark.filterwarnings("ignore:FigureCanvasAgg is non-interactive")
+def test_heatmap_labels_do_not_overlap_on_the_vllm_grid():
+    """5 context lengths x 7 depths x 6 formats (the committed vLLM grid): tick labels keep apart."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lengths, depths = [1024, 2048, 4096, 6144, 8184], [0.0, 0.17, 0.33, 0.5, 0.67, 0.83, 1.0]
+    rows = [dict(format=f, context_length=n, depth=d, correct=1.0) for f in ("bf16", "fp8", "k4v4", "k8v4", "k4v2", "ctl")
+            for n in lengths for d in depths]
+    fig = accuracy.plot_heatmaps(pd.DataFrame(rows), "correct", "t", vmin=0, vmax=1)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    for ax in [a for a in fig.axes if a.get_visible()]:
+        for labels in (ax.get_yticklabels(), ax.get_xticklabels()):
+            boxes = [t.get_window_extent(renderer) for t in labels if t.get_text()]
+            assert len(boxes) in (len(lengths), len(depths))
+            assert not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1:])
+    assert fig.get_figwidth() <= 14                                      # fits a 1400 px page at 100 dpi
+    plt.close(fig)

@@ -1,6 +1,7 @@
 """Capacity arithmetic against hand-computed cases (numbers written out here, not recomputed by the
 function under test) and against vLLM's measured KV-token counts in REPRODUCTION-CARD.md."""
 import math
+import re
 
 import pytest
 
@@ -120,3 +121,17 @@ def test_bad_lists_name_the_parameter():
         cap.kv_demand(["bf16"], 0, 1024, 0)
     with pytest.raises(ValueError, match="model='nope'"):
         cap.load_model_config("nope")
+
+
+@pytest.mark.parametrize("kwargs,needle", [
+    (dict(gpu_memory_gb=-1), "gpu_memory_gb must be a positive finite number, got -1"),
+    (dict(gpu_memory_gb=0.0), "gpu_memory_gb must be a positive finite number, got 0.0"),
+    (dict(gpu_memory_gb=float("nan")), "gpu_memory_gb must be a positive finite number, got nan"),
+    (dict(gpu_memory_gb="80"), "gpu_memory_gb must be a positive finite number, got '80'"),
+    (dict(gpu_memory_gb=80, gpu_memory_utilization=1.2), "gpu_memory_utilization must be <= 1.0"),
+    (dict(gpu_memory_gb=80, overhead_gb=-0.5), "overhead_gb must be >= 0.0"),
+])
+def test_check_memory_names_the_parameter(kwargs, needle):
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        cap.check_memory(**kwargs)
+    cap.check_memory(80.0, 0.9, 1.968)

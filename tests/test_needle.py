@@ -1,4 +1,4 @@
-"""Needle prompt builder and scorer (field-faults.md row 11), with SmolLM2's real tokenizer."""
+"""Needle prompt builder and scorer (the prompt rules of kvrepro.needle), with SmolLM2's real tokenizer."""
 import hashlib
 import itertools
 import re

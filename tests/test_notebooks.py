@@ -1,7 +1,11 @@
 """Every notebook executed with its tiny CI parameters (notebooks/params/NN_ci.yaml) through papermill,
-failing on any cell error; bad parameters fail with a message naming them; field-faults row 12."""
+failing on any cell error; bad or undeclared parameters fail with a message naming them, also through the
+papermill CLI; an untagged parameters cell is refused; reports open with their answer and carry no progress
+dumps."""
+import ast
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -67,6 +71,10 @@ def ci_params(nb: Path) -> dict:
     return yaml.safe_load(path.read_text())
 
 
+def stderr_of(nb: dict) -> str:
+    return "".join("".join(o.get("text", "")) for o in outputs(nb) if o.get("name") == "stderr")
+
+
 def test_notebooks_exist():
     assert [p.name[:2] for p in NOTEBOOKS][:2] == ["01", "02"]
 
@@ -82,9 +90,24 @@ def test_shipped_notebook_structure(nb):
 
 
 @pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.stem)
+def test_first_cell_after_parameters_refuses_undeclared_names(nb):
+    """The first code cell after the parameters cell calls provenance.parameters with exactly the declared names."""
+    cells = [c for c in json.loads(nb.read_text())["cells"] if c["cell_type"] == "code"]
+    i = next(i for i, c in enumerate(cells) if "parameters" in c.get("metadata", {}).get("tags", []))
+    src = "".join(cells[i + 1]["source"])
+    calls = [n for n in ast.walk(ast.parse(src)) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+             and n.func.attr == "parameters" and getattr(n.func.value, "id", "") == "provenance"]
+    assert len(calls) == 1, f"{nb.name}: the cell after the parameters cell must call provenance.parameters once"
+    assert ast.literal_eval(calls[0].args[0]) == provenance.parameters_cell_names(nb)
+    assert ast.unparse(calls[0].args[1]) == "globals()"
+
+
+@pytest.mark.parametrize("nb", [pytest.param(p, marks=pytest.mark.slow) if p.name.startswith("03_") else p
+                                for p in NOTEBOOKS], ids=lambda p: p.stem)
 def test_notebook_runs_with_ci_params_and_echoes_them(nb, tmp_path):
     params = ci_params(nb)
     done = run(nb, params, tmp_path / nb.name)
+    assert not stderr_of(done), f"{nb.name}: stderr in the report (progress bars, warnings): {stderr_of(done)[:500]}"
     infos = [o["data"]["application/json"] for o in outputs(done)
              if "application/json" in o.get("data", {}) and "python" in o["data"]["application/json"]]
     assert infos, f"{nb.name}: no provenance (kvrepro.provenance.show) output"
@@ -105,14 +128,31 @@ def test_02_replays_committed_results(tmp_path):
     nb = NB_DIR / "02_capacity.ipynb"
     done = run(nb, ci_params(nb) | {"results_dir": str(results)}, tmp_path / "out.ipynb")
     text = text_of(done)
-    assert f"replayed from {results / 'h200.jsonl'}, measured on NVIDIA H200 2026-11-29" in text
+    assert f"bf16: replayed from {results / 'h200.jsonl'}, measured on NVIDIA H200 2026-11-29" in text
     assert "No committed measured results" not in text
+    # the answer first: the verdict and the summary table come before the chart and the details
+    assert text.index("**Verdict**") < text.index("| mode | KV B/token/head") < text.index("bf16: replayed from")
+    assert text.index("bf16: replayed from") < text.index("Arithmetic")
+    assert "| bf16 | 512 | 2 (66.6 tok/s) | 3 | 150.0 |" in text           # the synthetic file's bf16 capacity
+
+
+def test_02_opens_with_the_readme_rows(tmp_path):
+    """With the committed results, 02's summary table has the README's rows (same selection, same figures)."""
+    from kvrepro import summary
+
+    nb = NB_DIR / "02_capacity.ipynb"
+    text = text_of(run(nb, ci_params(nb), tmp_path / "out.ipynb"))
+    rows = summary.summary_rows(summary.load_capacity(), summary.needle_counts())
+    assert summary.markdown_table(rows, compact=True) in text
+    assert summary.verdict(rows) in text
 
 
 @pytest.mark.parametrize("stem,bad,needle", [
     ("02_capacity", {"formats": ["bf16", "bf17"]}, "formats: unknown KV format 'bf17'"),
     ("02_capacity", {"context_tokens": -1024}, "context_tokens must be a positive integer, got -1024"),
     ("02_capacity", {"max_users": 0}, "max_users must be a positive integer, got 0"),
+    ("02_capacity", {"gpu_memory_gb": -40.0}, "gpu_memory_gb must be a positive finite number, got -40.0"),
+    ("02_capacity", {"gpu_memory_gb": "80"}, "gpu_memory_gb must be a positive finite number, got '80'"),
     ("01_setup", {"num_tokens": -3}, "num_tokens must be a positive integer, got -3"),
 ])
 def test_bad_parameter_fails_naming_it(stem, bad, needle, tmp_path):
@@ -143,7 +183,7 @@ def _tiny_nb(path: Path, tagged: bool) -> Path:
     return path
 
 
-def test_row12_untagged_parameters_cell(tmp_path):
+def test_untagged_parameters_cell_is_refused(tmp_path):
     untagged = _tiny_nb(tmp_path / "untagged.ipynb", tagged=False)
     # The fault: papermill alone injects at the top and the untagged default silently wins.
     pm.execute_notebook(str(untagged), str(tmp_path / "raw.ipynb"), parameters={"kv_mode": "fp8"},
@@ -155,3 +195,23 @@ def test_row12_untagged_parameters_cell(tmp_path):
     # With the tag, the injected value is the one used.
     tagged = _tiny_nb(tmp_path / "tagged.ipynb", tagged=True)
     assert "kv_mode used: fp8" in text_of(run(tagged, {"kv_mode": "fp8"}, tmp_path / "ok.ipynb"))
+
+
+@pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.stem)
+def test_papermill_api_with_an_undeclared_parameter_fails_naming_it(nb, tmp_path):
+    """papermill itself injects any name; the notebook's first cell refuses it (no provenance.check first)."""
+    with pytest.raises(pm.PapermillExecutionError) as err:
+        pm.execute_notebook(str(nb), str(tmp_path / "out.ipynb"), parameters=ci_params(nb) | {"typo_name": 1},
+                            kernel_name=KERNEL, cwd=str(nb.parent), progress_bar=False, log_output=False)
+    assert err.value.ename == "ValueError"
+    assert "unknown parameter(s) typo_name: this notebook declares" in err.value.evalue
+    assert ", ".join(provenance.parameters_cell_names(nb)) in err.value.evalue
+
+
+def test_papermill_cli_with_an_undeclared_parameter_fails_naming_it(tmp_path):
+    nb = NB_DIR / "01_setup.ipynb"
+    r = subprocess.run([sys.executable, "-m", "papermill", str(nb), str(tmp_path / "out.ipynb"), "-p", "typo_name", "1",
+                        "-k", KERNEL, "--cwd", str(NB_DIR), "--no-progress-bar"], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode != 0
+    assert "unknown parameter(s) typo_name: this notebook declares model, formats" in r.stdout + r.stderr

@@ -1,4 +1,4 @@
-"""kvrepro.provenance: what a report echoes, and the parameters-cell guard (field-faults row 12)."""
+"""kvrepro.provenance: what a report echoes, the parameters-cell guard, and the refusal of undeclared parameters."""
 import datetime as dt
 import importlib.util
 import json
@@ -94,3 +94,41 @@ def test_cli_check(tmp_path):
     assert provenance._main(["check", str(good), str(params)]) == 1
     params.write_text("kv_mode: [fp8\n")                       # malformed YAML: a message, not a traceback
     assert provenance._main(["check", str(good), str(params)]) == 1
+
+
+def test_parameters_refuses_names_set_by_literal_cells_it_does_not_declare():
+    """The IPython history (``In``) holds the parameters cell, papermill's injected cell and the calling cell."""
+    ns = {"In": ["", 'kv_mode = "fp16"\nusers = 4', '# Parameters\nkv_mode = "fp8"\nusres = 8\n', "check()"],
+          "kv_mode": "fp8", "users": 4, "usres": 8}
+    with pytest.raises(ValueError, match=r"unknown parameter\(s\) usres: this notebook declares kv_mode, users"):
+        provenance.parameters(["kv_mode", "users"], ns)
+    ns["In"][2] = '# Parameters\nkv_mode = "fp8"\n'
+    del ns["usres"]
+    assert provenance.parameters(["kv_mode", "users"], ns) == {"kv_mode": "fp8", "users": 4}
+    # papermill writes a NaN as float('nan'): still a parameters cell, its unknown names still refused
+    ns["In"][2] = "# Parameters\nusers = float('nan')\ntypo = 1\n"
+    ns.update(users=float("nan"), typo=1)
+    with pytest.raises(ValueError, match="typo"):
+        provenance.parameters(["kv_mode", "users"], ns)
+
+
+def test_parameters_ignores_computed_names_and_needs_declared_ones():
+    ns = {"In": ["", "a = 1", "import os\nb = os.sep", "c = f(a)", "check()"], "a": 1, "b": "/", "c": 2,
+          "os": os}
+    assert provenance.parameters(["a"], ns) == {"a": 1}        # b, c come from cells that compute: not parameters
+    with pytest.raises(ValueError, match="parameter\\(s\\) z not set"):
+        provenance.parameters(["a", "z"], ns)
+
+
+def test_parameters_without_history_checks_literal_globals():
+    ns = {"a": 1, "b": [1, 2], "typo": "x", "os": os, "_private": 3, "f": print}
+    with pytest.raises(ValueError, match="unknown parameter\\(s\\) typo"):
+        provenance.parameters(["a", "b"], ns)
+    del ns["typo"]
+    assert provenance.parameters(["a", "b"], ns) == {"a": 1, "b": [1, 2]}
+
+
+def test_headline_is_one_line():
+    info = provenance.collect({})
+    line = provenance.headline(info)
+    assert "\n" not in line and info["date_utc"] in line and f"torch {torch.__version__}" in line

@@ -42,8 +42,8 @@ def test_load_and_max_clean_capacity(tmp_path):
     assert r.loc["fp8", "users_vs_bf16"] == 2.0
     assert r.loc["fp8", "tok_s_vs_bf16"] == pytest.approx(240 / 150)
     assert r.loc["bf16", "tok_s_vs_fp8"] == pytest.approx(150 / 240)
-    assert replay.replay_labels(df) == [f"replayed from {tmp_path / 'a.jsonl'}, measured on NVIDIA H200 2026-11-29 "
-                                           "(131072+1024 tokens per user, 80 GiB budget)"]
+    assert replay.replay_labels(df) == [f"{m}: replayed from {tmp_path / 'a.jsonl'}, measured on NVIDIA H200 2026-11-29 "
+                                        "(131072+1024 tokens per user, 80 GiB budget)" for m in ("bf16", "fp8")]
 
 
 def test_no_clean_run_and_nullable_timings(tmp_path):
@@ -102,15 +102,6 @@ def test_measure_without_gpu_or_vllm_fails_clearly():
         replay.require_gpu_and_vllm()
 
 
-def test_plot_marks_max_clean(tmp_path):
-    import matplotlib
-    matplotlib.use("Agg")
-    write(tmp_path / "a.jsonl", sweep_rows())
-    ax = replay.plot_throughput(replay.load_results(tmp_path))
-    stars = [(tuple(c.get_offsets()[0])) for c in ax.collections if len(c.get_offsets()) == 1]
-    assert (3.0, 150.0) in stars and (6.0, 240.0) in stars
-
-
 def test_sizing_rows_are_kept_out_of_capacity(tmp_path):
     import pandas as pd
     rows = sweep_rows() + [row("k4v4", 0, None, measured_by="sizing", kv_cache_tokens=1_740_032,
@@ -164,8 +155,18 @@ def test_two_result_files_are_never_merged(tmp_path):
     assert got[(str(tmp_path / "a.jsonl"), "bf16")] == 150.0 and got[(str(tmp_path / "b.jsonl"), "bf16")] == 300.0
     assert cap.set_index("mode").loc["fp8", "tok_s_vs_bf16"].tolist() == pytest.approx([240 / 150] * 2)  # within a file
     labels = replay.replay_labels(df, measured_now=[tmp_path / "b.jsonl"])
-    assert labels[0].startswith(f"replayed from {tmp_path / 'a.jsonl'}, measured on")
-    assert labels[1].startswith(f"measured now, written to {tmp_path / 'b.jsonl'}, measured on")
+    assert labels[0].startswith(f"bf16: replayed from {tmp_path / 'a.jsonl'}, measured on")
+    assert labels[2].startswith(f"bf16: measured now, written to {tmp_path / 'b.jsonl'}, measured on")
+
+
+def test_each_label_shows_its_own_runs_time_span(tmp_path):
+    """A label gives the first-last time of its own engine run's rows, not the earliest date of all rows."""
+    write(tmp_path / "a.jsonl", [row("bf16", 1, 60.0, date="2026-11-30T09:43:04+00:00"),
+                                 row("bf16", 2, 90.0, date="2026-11-30T09:44:59+00:00"),
+                                 row("fp8", 1, 70.0, date="2026-12-01T06:49:35+00:00")])
+    labels = replay.replay_labels(replay.load_results(tmp_path))
+    assert "measured on NVIDIA H200 2026-11-30 09:43-09:44 UTC" in labels[0] and labels[0].startswith("bf16:")
+    assert "measured on NVIDIA H200 2026-12-01 06:49 UTC" in labels[1] and labels[1].startswith("fp8:")
 
 
 def test_empty_and_reference_capacity():
@@ -178,18 +179,6 @@ def test_empty_and_reference_capacity():
     # the card ran TurboQuant at 3 users without finding its capacity: not measured, not "0 clean"
     assert ref.loc["turboquant_4bit_nc", "max_clean_users"] is pd.NA
     assert ref.loc["fp8", "max_clean_users"].max() >= 5
-
-
-def test_plot_overlays_reference_points(tmp_path):
-    import matplotlib
-    matplotlib.use("Agg")
-    write(tmp_path / "a.jsonl", sweep_rows())
-    ref = replay.reference_points()
-    seed = ref[ref["source"].str.startswith("seed")]
-    ax = replay.plot_throughput(replay.load_results(tmp_path), reference=seed)
-    pts = [c for c in ax.collections if c.get_label() == "seed, published (A100 80GB)"]
-    assert len(pts) == 1 and sorted(map(tuple, pts[0].get_offsets().tolist())) == [(2.0, 66.6), (5.0, 105.0), (6.0, 140.9)]
-    assert {t.get_text() for t in ax.texts} >= {"fp16", "fp8", "compressed (seed)"}
 
 
 def test_baseline_borrowed_only_from_a_matching_workload_and_labelled(tmp_path):

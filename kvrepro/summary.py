@@ -1,0 +1,673 @@
+"""One source for every published figure: the README's results block, ``docs/capacity.png`` and the index
+``results/capacity/README.md``, generated from committed result files only.
+
+    python -m kvrepro.summary --write   # rewrite the three outputs (each atomically: write, then rename)
+    python -m kvrepro.summary --check   # exit 1, with a diff, when README.md or the index differ from the results
+    python -m kvrepro.summary           # print the README block
+
+Inputs: ``results/capacity/*.jsonl`` (``kvrepro.sweep`` rows, read by :func:`kvrepro.replay.load_jsonl`) and
+``results/accuracy/vllm_h200/vllm_accuracy.csv`` (``scripts/vllm_accuracy.py``: needle retrieval through vLLM).
+
+Selection: one *current run* per mode = the newest engine run of that mode for the seed's workload
+(:data:`SEED_WORKLOAD`). An engine run is the rows sharing an ``engine_run_id``; rows without one are grouped by
+(file, ``run_id``, mode). Newest = latest ``date`` among its rows. Ratios "vs fp8" use fp8's current run, selected
+the same way; the table says when that run is in another file than the mode's own.
+"""
+from __future__ import annotations
+
+import argparse
+import difflib
+import math
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from kvrepro.formats import get_format
+from kvrepro.replay import (SEED_POINTS, WORKLOAD_KEYS, find_result_files, load_jsonl, repo_root, run_keys,
+                            time_span, utc_times)
+
+# Modes of the README table, in its order: (result-file mode, display name, KV format).
+MODES = (
+    ("bf16", "bf16", "bf16"),
+    ("fp8", "fp8", "fp8"),
+    ("kvrepro:k8v4", "kvrepro k8v4", "k8v4"),
+    ("kvrepro:k4v4", "kvrepro k4v4 (default)", "k4v4"),
+    ("kvrepro:k4v2", "kvrepro k4v2", "k4v2"),
+)
+MODE_NAMES = tuple(m for m, _, _ in MODES)
+DISPLAY = {m: d for m, d, _ in MODES}
+FORMAT_OF = {m: f for m, _, f in MODES}
+BASELINE = "fp8"
+HEAD_DIM = 128  # Qwen3-4B's head_dim: the bytes column is per token and KV head at this size
+
+# The seed's published points (kvrepro.replay's reference data), keyed by the kvrepro mode they sit beside.
+# The seed's compressed format is not kvrepro's: it sits on the default preset's row, with a footnote.
+_SEED_MODE = {"fp16": "bf16", "fp8": "fp8", "compressed (seed)": "kvrepro:k4v4"}
+SEED = {_SEED_MODE[m]: (u, t) for m, u, t in SEED_POINTS}
+
+# The seed's workload: 128K prompt + 1024 decode tokens per user on an 80 GiB card.
+SEED_WORKLOAD = {"prompt_tokens": 131_072, "decode_tokens": 1_024, "gpu_memory_gb": 80.0}
+
+README = "README.md"
+BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
+SETTINGS_BEGIN, SETTINGS_END = "<!-- settings:begin -->", "<!-- settings:end -->"
+CHART = "docs/capacity.png"
+CAPACITY_DIR = "results/capacity"
+CAPACITY_INDEX = "results/capacity/README.md"
+VLLM_ACCURACY = "results/accuracy/vllm_h200/vllm_accuracy.csv"
+NEEDLE_MODEL = "SmolLM2-135M-Instruct"
+
+# Per mode: colour and marker, so modes differ in both (print, colour-blind readers).
+STYLE = {
+    "bf16": ("#4c72b0", "o"), "fp8": ("#dd8452", "s"), "kvrepro:k8v4": ("#55a868", "^"),
+    "kvrepro:k4v4": ("#c44e52", "D"), "kvrepro:k4v2": ("#8172b3", "v"),
+}
+_EXTRA_STYLES = [("#937860", "P"), ("#da8bc3", "X"), ("#8c8c8c", "h"), ("#ccb974", "p"), ("#64b5cd", "<")]
+
+
+# ---------------------------------------------------------------- selection
+
+def engine_runs(df):
+    """The engine runs in result rows, one row per run.
+
+    Args:
+        df: rows of :func:`kvrepro.replay.load_jsonl` (columns mode, run_id, date, source_file; optional
+            ``engine_run_id``, ``measured_by``).
+
+    Returns:
+        DataFrame: run (the run's key: its ``engine_run_id``, else "<file>|<run_id>|<mode>"), mode, source_file,
+        run_id, first, last (UTC timestamps of its earliest and latest row), rows (count), sizing_only (bool:
+        every row is a ``measured_by == "sizing"`` row, i.e. no users were run). Sorted by mode, then last.
+    """
+    import pandas as pd
+
+    d = df.assign(_run=run_keys(df), _t=utc_times(df["date"]).to_numpy())
+    out = []
+    for key, g in d.groupby("_run", sort=False):
+        sizing = "measured_by" in g.columns and bool((g["measured_by"] == "sizing").all())
+        out.append(dict(run=key, mode=str(g["mode"].iloc[0]), source_file=str(g["source_file"].iloc[0]),
+                        run_id=str(g["run_id"].iloc[0]), first=g["_t"].min(), last=g["_t"].max(), rows=len(g),
+                        sizing_only=sizing))
+    cols = ["run", "mode", "source_file", "run_id", "first", "last", "rows", "sizing_only"]
+    if not out:
+        return pd.DataFrame(columns=cols)
+    return pd.DataFrame(out, columns=cols).sort_values(["mode", "last", "source_file"], kind="stable") \
+        .reset_index(drop=True)
+
+
+def _matches(df, workload: dict | None):
+    import pandas as pd
+
+    ok = pd.Series(True, index=df.index)
+    for col, want in (workload or {}).items():
+        ok &= df[col].map(lambda v: v == want)
+    return ok
+
+
+def select_current(df, modes=None, workload: dict | None = SEED_WORKLOAD) -> dict:
+    """One current run per mode: the newest engine run (latest row ``date``; ties: the later file name) among
+    the rows whose columns equal ``workload`` (None: every row), leaving out runs of sizing rows only.
+
+    Args:
+        df: result rows (:func:`kvrepro.replay.load_jsonl`, concatenated), or None.
+        modes: modes to select, in order (None: every mode present, :data:`MODE_NAMES` first, then by name).
+        workload: column -> required value (default :data:`SEED_WORKLOAD`).
+
+    Returns:
+        dict mode -> DataFrame of that run's rows (sorted by num_users), for the modes that have a run.
+    """
+    if df is None or not len(df):
+        return {}
+    d = df[_matches(df, workload)]
+    d = d.assign(_run=run_keys(d))
+    runs = engine_runs(d) if len(d) else None
+    out = {}
+    present = set(d["mode"])
+    order = [m for m in MODE_NAMES if m in present] + sorted(present - set(MODE_NAMES))
+    for mode in (modes if modes is not None else order):
+        cand = runs[(runs["mode"] == mode) & ~runs["sizing_only"]] if runs is not None else []
+        if not len(cand):
+            continue
+        best = cand.sort_values(["last", "source_file", "run"], kind="stable").iloc[-1]
+        rows = d[d["_run"] == best["run"]].drop(columns="_run").sort_values("num_users", kind="stable")
+        out[mode] = rows.reset_index(drop=True)
+    return out
+
+
+def clean_rows(rows):
+    """Rows of one run that count for capacity: clean, no preemption, users > 0, a measured tok/s."""
+    ok = rows["clean"].astype(bool) & (rows["preemptions"] == 0) & (rows["num_users"] > 0)
+    return rows[ok & rows["aggregate_decode_tok_s"].notna()]
+
+
+def max_clean(rows) -> tuple[int, float] | None:
+    """(users, aggregate decode tok/s) at the largest clean ``num_users`` of one run; None when none is clean."""
+    good = clean_rows(rows)
+    if not len(good):
+        return None
+    best = good.loc[good["num_users"].idxmax()]
+    return int(best["num_users"]), float(best["aggregate_decode_tok_s"])
+
+
+def best_clean(rows) -> tuple[int, float] | None:
+    """(users, tok/s) of the clean point with the highest aggregate decode tok/s of one run (ties: fewer users)."""
+    good = clean_rows(rows)
+    if not len(good):
+        return None
+    top = good["aggregate_decode_tok_s"].max()
+    users = int(good.loc[good["aggregate_decode_tok_s"] == top, "num_users"].min())
+    return users, float(top)
+
+
+def when(rows) -> str:
+    """The UTC span of one run's rows (:func:`kvrepro.replay.time_span`)."""
+    return time_span(rows["date"])
+
+
+def _rel(path) -> str:
+    p = Path(str(path))
+    try:
+        return p.resolve().relative_to(repo_root()).as_posix()
+    except ValueError:
+        return p.as_posix()
+
+
+def _same_setup(a, b) -> list[str]:
+    """WORKLOAD_KEYS on which two runs' first rows differ (both present); [] = a like-for-like ratio."""
+    out = []
+    for c in WORKLOAD_KEYS:
+        if c in a.columns and c in b.columns:
+            x, y = a[c].iloc[0], b[c].iloc[0]
+            if not ((x is None or (isinstance(x, float) and math.isnan(x))) and
+                    (y is None or (isinstance(y, float) and math.isnan(y)))) and x != y:
+                out.append(c)
+    return out
+
+
+def _ratio(num: float | None, den: float | None) -> float | None:
+    if num is None or den is None or not den:
+        return None
+    return num / den
+
+
+def summary_rows(df, needle=None, modes=MODE_NAMES, workload: dict | None = SEED_WORKLOAD) -> list[dict]:
+    """The README table as plain values, one dict per mode of ``modes`` (in that order).
+
+    Args:
+        df: result rows (None: no measured runs).
+        needle: :func:`needle_counts` output (None: no needle column values).
+        modes, workload: as :func:`select_current`.
+
+    Returns:
+        list of dicts: mode, name, bytes_per_token_head (int, head_dim 128), seed_users / seed_tok_s (None off the
+        seed's modes), users / tok_s (max clean capacity of the current run; None without a run or a clean point),
+        vs_fp8_max / vs_fp8_best (float ratios of tok_s to fp8's tok/s at its max clean capacity / at its best
+        clean point; None when either is missing or the setups differ), fp8_max / fp8_best ((users, tok/s) of
+        fp8's current run), source_file, run_id, when (UTC span), fp8_source_file / fp8_when (when fp8's run is in
+        another file), setup_differs (WORKLOAD_KEYS that differ from fp8's run), needle / needle_bf16
+        ((correct, prompts) single-needle through vLLM).
+    """
+    runs = select_current(df, list(dict.fromkeys([*modes, BASELINE])), workload)
+    base = runs.get(BASELINE)
+    fp8_max = max_clean(base) if base is not None else None
+    fp8_best = best_clean(base) if base is not None else None
+    needle = needle or {}
+    out = []
+    for mode in modes:
+        fmt = FORMAT_OF.get(mode, mode.split(":")[-1])
+        try:
+            nbytes = get_format(fmt).bytes_per_token_per_head(HEAD_DIM)
+        except ValueError:
+            nbytes = None
+        seed = SEED.get(mode, (None, None))
+        r = dict(mode=mode, name=DISPLAY.get(mode, mode), bytes_per_token_head=nbytes, seed_users=seed[0],
+                 seed_tok_s=seed[1], users=None, tok_s=None, vs_fp8_max=None, vs_fp8_best=None, fp8_max=fp8_max,
+                 fp8_best=fp8_best, source_file=None, run_id=None, when=None, fp8_source_file=None, fp8_when=None,
+                 setup_differs=[], needle=needle.get(fmt), needle_bf16=needle.get("bf16"))
+        rows = runs.get(mode)
+        if rows is not None:
+            cap = max_clean(rows)
+            r.update(source_file=_rel(rows["source_file"].iloc[0]), run_id=str(rows["run_id"].iloc[0]),
+                     when=when(rows))
+            if cap is not None:
+                r.update(users=cap[0], tok_s=cap[1])
+            if base is not None:
+                differs = _same_setup(rows, base)
+                r["setup_differs"] = differs
+                if rows["source_file"].iloc[0] != base["source_file"].iloc[0]:
+                    r.update(fp8_source_file=_rel(base["source_file"].iloc[0]), fp8_when=when(base))
+                if not differs and cap is not None:
+                    r.update(vs_fp8_max=_ratio(cap[1], fp8_max and fp8_max[1]),
+                             vs_fp8_best=_ratio(cap[1], fp8_best and fp8_best[1]))
+        out.append(r)
+    return out
+
+
+def needle_counts(path: str | os.PathLike = VLLM_ACCURACY, variant: str = "single") -> dict:
+    """Needle retrieval through vLLM: format -> (correct, prompts) for ``variant``; {} when the file is absent.
+
+    Also returns, under the key ``"_meta"``, a dict: gpu, vllm_version, first / last (UTC measurement times),
+    context_lengths (sorted ints), file (relative path)."""
+    import pandas as pd
+
+    p = Path(path)
+    p = p if p.is_absolute() else repo_root() / p
+    if not p.is_file():
+        return {}
+    d = pd.read_csv(p, usecols=lambda c: c in {"format", "variant", "correct", "gpu", "vllm_version", "date",
+                                               "context_length"})
+    if "variant" in d.columns:
+        d = d[d["variant"] == variant]
+    out = {str(f): (int(g["correct"].sum()), int(len(g))) for f, g in d.groupby("format", sort=True)}
+    t = utc_times(d["date"]) if "date" in d.columns else None
+    out["_meta"] = dict(gpu=", ".join(sorted(set(map(str, d.get("gpu", []))))),
+                        vllm_version=", ".join(sorted(set(map(str, d.get("vllm_version", []))))),
+                        first=t.min() if t is not None else None, last=t.max() if t is not None else None,
+                        context_lengths=sorted(set(int(x) for x in d.get("context_length", []))),
+                        file=_rel(p))
+    return out
+
+
+def load_capacity(results_dir: str | os.PathLike = CAPACITY_DIR):
+    """Result rows of every ``*.jsonl`` in ``results_dir`` (relative to the repo root), or None when none."""
+    import pandas as pd
+
+    files = find_result_files(results_dir)
+    return pd.concat([load_jsonl(f) for f in files], ignore_index=True) if files else None
+
+
+# ---------------------------------------------------------------- rendering
+
+def _x(v: float | None) -> str:
+    return "" if v is None else f"{v:.2f}x"
+
+
+def _frac(c) -> str:
+    return "" if c is None else f"{c[0]}/{c[1]}"
+
+
+def _link(path: str | None, readme_dir: str = "") -> str:
+    if not path:
+        return ""
+    name = Path(path).name
+    return f"[{name}]({os.path.relpath(path, readme_dir or '.')})" if readme_dir else f"[{name}]({path})"
+
+
+def _measured_cell(r: dict, compact: bool = False) -> str:
+    if r["source_file"] is None:
+        return "no run for this workload"
+    file = Path(r["source_file"]).name if compact else _link(r["source_file"])
+    text = f"{r['when']}, {file}"
+    if r["fp8_source_file"] and r["mode"] != BASELINE:
+        text += (f"; fp8 from another run: {Path(r['fp8_source_file']).name}, {r['fp8_when']}")
+    if r["setup_differs"]:
+        text += f"; no ratio: setup differs from fp8's run ({', '.join(r['setup_differs'])})"
+    return text
+
+
+def _needle_cell(r: dict) -> str:
+    if r["needle"] is None:
+        return ""
+    if r["mode"] == "bf16" or r["needle_bf16"] is None:
+        return _frac(r["needle"])
+    return f"{_frac(r['needle'])} (bf16 {_frac(r['needle_bf16'])})"
+
+
+def markdown_table(rows: list[dict], compact: bool = False) -> str:
+    """The summary rows as a markdown table. ``compact``: short headers and file names (notebook 02's top,
+    which must fit 1400 px); else the README's headers and file links."""
+    fp8_max = rows[0]["fp8_max"] if rows else None
+    fp8_best = rows[0]["fp8_best"] if rows else None
+    at = (lambda p: f" ({p[0]} users, {p[1]:.1f} tok/s)" if p else "")
+    if compact:
+        head = ["mode", "KV B/token/head", "users, seed A100", "users, H200 @80 GiB", "tok/s at those users",
+                f"vs fp8 max clean{at(fp8_max)}", f"vs fp8 best{at(fp8_best)}", "needle vLLM (single)", "measured"]
+    else:
+        head = ["mode", f"KV bytes per token and KV head (head_dim {HEAD_DIM})", "users, seed (A100, published)",
+                "users, kvrepro (H200 at 80 GiB)", "aggregate decode tok/s at those users",
+                f"vs fp8 at its max clean capacity{at(fp8_max)}", f"vs fp8's best clean point{at(fp8_best)}",
+                "needle retrieval through vLLM (single-needle correct / prompts)", "measured (date, file)"]
+    lines = ["| " + " | ".join(head) + " |", "| --- | " + " | ".join(["---:"] * 6) + " | --- | --- |"]
+    for r in rows:
+        seed = ""
+        if r["seed_users"] is not None:
+            first = r["mode"] == "bf16"
+            seed = f"{r['seed_users']} ({r['seed_tok_s']:.1f}{' tok/s' if first else ''})"
+            if r["mode"] == "kvrepro:k4v4":
+                seed += " \\*"
+        name = f"**{r['name']}**" if r["mode"] == "kvrepro:k4v4" else r["name"]
+        cells = [name, "" if r["bytes_per_token_head"] is None else str(r["bytes_per_token_head"]), seed,
+                 "" if r["users"] is None else str(r["users"]),
+                 "" if r["tok_s"] is None else f"{r['tok_s']:.1f}",
+                 _x(r["vs_fp8_max"]), _x(r["vs_fp8_best"]), _needle_cell(r), _measured_cell(r, compact)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _setup_words(df) -> dict:
+    """Model, load format, vLLM version, GPU(s) of the seed-workload rows, as display strings."""
+    d = df[_matches(df, SEED_WORKLOAD)] if df is not None else None
+    if d is None or not len(d):
+        return dict(model="?", load="", vllm="?", gpu="?")
+    load = sorted(set(map(str, d["load_format"])))
+    return dict(model=", ".join(sorted(set(map(str, d["model"])))),
+                load=" (dummy weights: capacity and speed only)" if load == ["dummy"] else f" (load format {', '.join(load)})",
+                vllm=", ".join(sorted(set(map(str, d["vllm_version"])))),
+                gpu=", ".join(sorted(set(map(str, d["gpu"])))))
+
+
+def notes_lines(df, needle: dict, chart: bool = True) -> list[str]:
+    """The lines under the table: the seed footnote, the workload, the GPU / ratios rule, the needle source, and
+    (``chart``) the chart image."""
+    s = _setup_words(df)
+    w = SEED_WORKLOAD
+    lines = [
+        "\\* The seed's compressed KV format is not kvrepro's: its point sits on the default preset's row for "
+        "comparison only.",
+        f"Workload: {s['model']}{s['load']} on vLLM {s['vllm']}, each user {w['prompt_tokens']:,} prompt + "
+        f"{w['decode_tokens']:,} decode tokens; users = max clean capacity (most concurrent users with no "
+        "preemption); one current run per mode (the newest in `results/capacity/`).",
+        f"GPU: the seed ran on one A100 80GB; kvrepro on one {s['gpu']} emulating an {w['gpu_memory_gb']:g} GiB card "
+        "(vLLM's memory budget scaled to it), "
+        "so user counts compare with the seed's directly, tok/s do not: compare them as ratios to fp8 of the same "
+        "setup.",
+    ]
+    meta = needle.get("_meta") if needle else None
+    if meta:
+        lens = meta["context_lengths"]
+        span = f"{lens[0]:,}-{lens[-1]:,} tokens" if lens else "?"
+        lines.append(f"Needle: {NEEDLE_MODEL} through vLLM {meta['vllm_version']} on {meta['gpu']} "
+                     f"({meta['first']:%Y-%m-%d}), single needle at {span}, `{meta['file']}`.")
+    if chart:
+        lines.append(f"![Aggregate decode tok/s vs concurrent users, one current run per mode, with the seed's "
+                     f"A100 points]({CHART})")
+    return lines
+
+
+def readme_block(df=None, needle=None) -> str:
+    """The README's results block, markers included (inputs default to the committed result files)."""
+    if df is None:
+        df = load_capacity()
+    if needle is None:
+        needle = needle_counts()
+    rows = summary_rows(df, needle)
+    body = [BEGIN, "<!-- generated by `python -m kvrepro.summary --write` from results/capacity/*.jsonl and "
+                   f"{VLLM_ACCURACY}: edit those, not this block -->",
+            markdown_table(rows)]
+    for line in notes_lines(df, needle):
+        body += ["", line]
+    body.append(END)
+    return "\n".join(body)
+
+
+def verdict(rows: list[dict], default: str = "kvrepro:k4v4") -> str:
+    """One line: the default preset's users and tok/s against fp8 here and the seed's points."""
+    by = {r["mode"]: r for r in rows}
+    k, f = by.get(default), by.get(BASELINE)
+    if not k or k["users"] is None:
+        return f"No measured run of {DISPLAY.get(default, default)} for the seed's workload in the committed results."
+    parts = [f"**{k['name']}** serves **{k['users']} users** at {SEED_WORKLOAD['gpu_memory_gb']:g} GiB "
+             f"({k['tok_s']:.1f} tok/s)"]
+    if f and f["users"] is not None:
+        parts.append(f"fp8 serves {f['users']} here")
+    if k["seed_users"] is not None and SEED.get(BASELINE):
+        parts.append(f"the seed's compressed KV {k['seed_users']} and fp8 {SEED[BASELINE][0]} on its A100")
+    line = "; ".join(parts)
+    if k["vs_fp8_max"] is not None:
+        line += (f". Aggregate decode: **{k['vs_fp8_max']:.2f}x fp8** at fp8's max clean capacity, "
+                 f"{k['vs_fp8_best']:.2f}x fp8's best clean point")
+        if k["fp8_source_file"]:
+            line += f" (fp8 from another run: {Path(k['fp8_source_file']).name})"
+    return line + "."
+
+
+# ---------------------------------------------------------------- chart
+
+def _style(mode: str, i: int):
+    return STYLE.get(mode) or _EXTRA_STYLES[i % len(_EXTRA_STYLES)]
+
+
+def caption(runs: dict, width: int = 150) -> str:
+    """Provenance under the chart: GPU, budget, vLLM version, workload, and per run its file and dates."""
+    import textwrap
+
+    if not runs:
+        return "No measured runs."
+    rows = next(iter(runs.values()))
+    first = rows.iloc[0]
+    by_file: dict[str, list[str]] = {}
+    for mode, r in runs.items():
+        by_file.setdefault(Path(str(r["source_file"].iloc[0])).name, []).append(f"{DISPLAY.get(mode, mode)} {when(r)}")
+    files = "; ".join(f"{f}: {', '.join(m)}" for f, m in by_file.items())
+    text = (f"Measured on {first['gpu']} emulating an {float(first['gpu_memory_gb']):g} GiB card, vLLM "
+            f"{first['vllm_version']}, {first['model']}, {int(first['prompt_tokens']):,} + "
+            f"{int(first['decode_tokens']):,} tokens per user; one current run per mode, from results/capacity/ "
+            f"({files}). Stars: max clean capacity. Grey: the seed's published A100 80GB points, reference data "
+            "(compare users directly, tok/s only as ratios to fp8).")
+    return "\n".join(textwrap.wrap(text, width))
+
+
+def plot_capacity(runs: dict, seed: bool = True, title: str = "Aggregate decode tok/s vs concurrent users"):
+    """The seed-style chart: aggregate decode tok/s vs concurrent users, one line per current run (distinct colour
+    and marker per mode; clean points only), each run's max clean capacity as a star and in its legend entry,
+    the seed's A100 points as labelled grey hollow markers, integer user ticks, and :func:`caption` under the axes.
+
+    Args:
+        runs: :func:`select_current` output (mode -> rows of one run).
+        seed: draw the seed's published points.
+
+    Returns:
+        the matplotlib Figure.
+    """
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    fig, ax = plt.subplots(figsize=(11, 6.2))
+    top_users = 1
+    for i, (mode, rows) in enumerate(runs.items()):
+        colour, marker = _style(mode, i)
+        good = clean_rows(rows).sort_values("num_users")
+        cap = max_clean(rows)
+        label = DISPLAY.get(mode, mode) + (f": {cap[0]} users, {cap[1]:.1f} tok/s" if cap else ": no clean point")
+        ax.plot(good["num_users"], good["aggregate_decode_tok_s"], color=colour, marker=marker, markersize=6,
+                linewidth=1.8, label=label)
+        if cap:
+            ax.scatter([cap[0]], [cap[1]], marker="*", s=300, color=colour, edgecolor="black", linewidth=0.8,
+                       zorder=5)
+            top_users = max(top_users, cap[0])
+        if len(good):
+            top_users = max(top_users, int(good["num_users"].max()))
+    if seed:
+        pts = list(SEED_POINTS)
+        ax.scatter([u for _, u, _ in pts], [t for _, _, t in pts], marker="o", s=70, facecolor="white",
+                   edgecolor="dimgrey", linewidth=1.5, zorder=6, label="seed, A100 (published)")
+        for k, (m, u, t) in enumerate(pts):
+            last = k == len(pts) - 1       # the rightmost point's label goes right, the others below
+            ax.annotate(f"seed {m.replace(' (seed)', '')}: {u} users", (u, t), textcoords="offset points",
+                        xytext=(9, 0) if last else (0, -9), ha="left" if last else "center",
+                        va="center" if last else "top", fontsize=8.5, color="dimgrey")
+        top_users = max(top_users, max(u for _, u, _ in pts))
+    ax.scatter([], [], marker="*", s=160, color="white", edgecolor="black", label="max clean capacity")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xticks(range(1, top_users + 2))
+    ax.set_xlim(0.5, top_users + 1.5)
+    ax.set_ylim(bottom=0)
+    ax.margins(y=0.08)
+    ax.grid(True, alpha=0.3)
+    ax.set_xlabel("concurrent users (each 128K context + 1024 decode tokens)"
+                  if runs and int(next(iter(runs.values()))["prompt_tokens"].iloc[0]) == 131_072 else "concurrent users",
+                  fontsize=11)
+    ax.set_ylabel("aggregate decode tok/s", fontsize=11)
+    ax.set_title(title, fontsize=13)
+    ax.legend(loc="lower right", fontsize=9.5, frameon=True, framealpha=0.95)
+    fig.text(0.01, 0.01, caption(runs), fontsize=8.5, ha="left", va="bottom", color="#333333")
+    n_lines = caption(runs).count("\n") + 1
+    fig.tight_layout(rect=(0, 0.015 + 0.024 * n_lines, 1, 1))
+    return fig
+
+
+# ---------------------------------------------------------------- results/capacity/README.md
+
+def capacity_index(df, results_dir: str | os.PathLike = CAPACITY_DIR) -> str:
+    """``results/capacity/README.md``: one line per result file (modes, GPU, budget, workload, measured span,
+    kvrepro source / commit where recorded, logs beside it, which modes' current run it holds). No figures:
+    they live in the rows."""
+    d = Path(results_dir)
+    d = d if d.is_absolute() else repo_root() / d
+    current = select_current(df, None) if df is not None else {}
+    cur_files: dict[str, list[str]] = {}
+    for mode, rows in current.items():
+        cur_files.setdefault(str(rows["source_file"].iloc[0]), []).append(mode)
+    lines = [
+        "# Measured capacity sweeps",
+        "",
+        "Generated by `python -m kvrepro.summary --write` from the files in this folder (do not edit by hand).",
+        "Each `*.jsonl` holds one JSON object per (mode, users) measurement, written by `kvrepro.sweep` (protocol:",
+        "its module docstring; required fields: `kvrepro.replay.REQUIRED_FIELDS`). Every figure lives in those rows:",
+        "notebook 02 replays them, and the README's results table and `docs/capacity.png` are generated from the",
+        "current run of each mode (the newest engine run for the seed's workload: 131,072 + 1,024 tokens per user,",
+        "80 GiB).",
+        "",
+        "| file | modes | GPU | budget | tokens per user | measured (UTC) | kvrepro source | logs | current run of |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    if df is not None:
+        for src, g in df.groupby("source_file", sort=True):
+            name = Path(str(src)).name
+            modes = ", ".join(dict.fromkeys(map(str, g["mode"])))
+            per_mode: dict[str, list[str]] = {}
+            for m, p_, n_ in zip(g["mode"], g["prompt_tokens"], g["decode_tokens"]):
+                w = f"{int(p_):,} + {int(n_):,}"
+                if m not in per_mode.setdefault(w, []):
+                    per_mode[w].append(str(m))
+            ws = sorted(per_mode, key=lambda w: -len(per_mode[w]))
+            work = ws[0] + "".join(f" ({', '.join(per_mode[w])}: {w})" for w in ws[1:])
+            budget = ", ".join(sorted({f"{float(x):g} GiB" for x in g["gpu_memory_gb"]}))
+            commits = sorted({str(v) for c in ("kvrepro_commit", "git_commit", "code_commit") if c in g.columns
+                              for v in g[c].dropna()})
+            srcs = sorted({str(v)[:8] for v in g.get("kvrepro_src_sha256", []) if isinstance(v, str) and v})
+            code = ", ".join([f"commit {c}" for c in commits] + [f"sha256 {s}" for s in srcs]) or "not recorded"
+            stem = name[:-len(".jsonl")]
+            logs = ", ".join(f"`{p.name}`" for p in sorted(d.glob(stem + ".*")) if p.suffix != ".jsonl") or "-"
+            cur = ", ".join(cur_files.get(str(src), [])) or "-"
+            lines.append(f"| `{name}` | {modes} | {', '.join(sorted(set(map(str, g['gpu']))))} | {budget} | {work} | "
+                         f"{when(g)} | {code} | {logs} | {cur} |")
+    lines += ["", "`kvrepro source`: the first 8 hex digits of `kvrepro_src_sha256` (the SHA-256 of the kvrepro "
+                  "sources that ran; `kvrepro.provenance`)."]
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------- CLI
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def replace_block(text: str, block: str, where: str = README, begin: str = BEGIN, end: str = END) -> str:
+    """``text`` with the part from ``begin`` to ``end`` (markers included) replaced by ``block``.
+
+    Raises:
+        ValueError: the markers are missing, repeated, or out of order (the message names ``where`` and them).
+    """
+    a, b = text.count(begin), text.count(end)
+    if a != 1 or b != 1 or text.index(begin) > text.index(end):
+        raise ValueError(f"{where}: expected one '{begin}' line followed by one '{end}' line (found {a} and {b}); "
+                         "add them where the block goes")
+    i, j = text.index(begin), text.index(end) + len(end)
+    return text[:i] + block + text[j:]
+
+
+def current_block(text: str, where: str = README, begin: str = BEGIN, end: str = END) -> str:
+    """The block of ``text`` between the markers, markers included. Raises ValueError as :func:`replace_block`."""
+    replace_block(text, "", where, begin, end)
+    return text[text.index(begin):text.index(end) + len(end)]
+
+
+def settings_block() -> str:
+    """The README's settings table, generated from the declarations in :mod:`kvrepro.settings`, with its markers."""
+    from kvrepro import settings
+
+    return f"{SETTINGS_BEGIN}\n{settings.markdown_table()}\n{SETTINGS_END}"
+
+
+def chart_png(runs: dict) -> bytes:
+    """:func:`plot_capacity` of ``runs`` as PNG bytes (no timestamp or version metadata)."""
+    import io
+
+    import matplotlib
+    import matplotlib.pyplot as plt
+
+    with matplotlib.rc_context({"backend": "Agg"}):
+        fig = plot_capacity(runs)
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png", dpi=110, metadata={"Software": None})
+        plt.close(fig)
+    return buf.getvalue()
+
+
+def _diff(old: str, new: str, name: str) -> str:
+    return "".join(difflib.unified_diff(old.splitlines(True), new.splitlines(True), f"{name} (committed)",
+                                        f"{name} (from the results)"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m kvrepro.summary [--write | --check]``; returns the exit status (see the module docstring)."""
+    ap = argparse.ArgumentParser(prog="python -m kvrepro.summary", description=__doc__.split("\n\n")[0])
+    g = ap.add_mutually_exclusive_group()
+    g.add_argument("--write", action="store_true", help=f"rewrite {README}'s block, {CHART} and {CAPACITY_INDEX}")
+    g.add_argument("--check", action="store_true", help=f"exit 1 when {README}'s block or {CAPACITY_INDEX} differ")
+    args = ap.parse_args(argv)
+    root = repo_root()
+    df = load_capacity()
+    needle = needle_counts()
+    block = readme_block(df, needle)
+    index = capacity_index(df)
+    readme = root / README
+    if not (args.write or args.check):
+        print(block)
+        return 0
+    try:
+        text = readme.read_text(encoding="utf-8")
+        new_text = replace_block(text, block, README)
+        new_text = replace_block(new_text, settings_block(), README, SETTINGS_BEGIN, SETTINGS_END)
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    index_path = root / CAPACITY_INDEX
+    if args.write:
+        _atomic_write(root / CHART, chart_png(select_current(df, MODE_NAMES)))
+        _atomic_write(index_path, index.encode())
+        if new_text != text:
+            _atomic_write(readme, new_text.encode())
+        print(f"wrote {README} (results and settings blocks), {CHART}, {CAPACITY_INDEX}")
+        return 0
+    problems = []
+    if new_text != text:
+        problems.append(_diff(current_block(text), block, README))
+        problems.append(_diff(current_block(text, README, SETTINGS_BEGIN, SETTINGS_END), settings_block(), README))
+    old_index = index_path.read_text(encoding="utf-8") if index_path.is_file() else ""
+    if old_index != index:
+        problems.append(_diff(old_index, index, CAPACITY_INDEX))
+    if not (root / CHART).is_file():
+        problems.append(f"{CHART} is missing\n")
+    if problems:
+        sys.stdout.write("".join(problems))
+        print("error: out of date with the results; run `python -m kvrepro.summary --write`", file=sys.stderr)
+        return 1
+    print(f"{README} results and settings blocks and {CAPACITY_INDEX} match the results and kvrepro.settings")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

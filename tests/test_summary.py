@@ -1,0 +1,264 @@
+"""kvrepro.summary: the README's results block is what the committed results give, and the selection of one
+current run per mode, its max clean capacity and its ratios, checked on small synthetic rows against values
+computed here in plain Python (float64)."""
+import json
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from kvrepro import replay, summary
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def row(mode, users, tok_s, *, date, run_id="r1", clean=True, preemptions=0, **kw):
+    r = {"mode": mode, "kv_cache_dtype": "auto", "num_users": users, "clean": clean, "preemptions": preemptions,
+         "aggregate_decode_tok_s": tok_s, "ttft_s_mean": 1.0, "ttft_s_max": 2.0, "tpot_ms_mean": 20.0,
+         "kv_cache_tokens": 1_000_000, "users_fit_arithmetic": 8, "prompt_tokens": 131_072, "decode_tokens": 1_024,
+         "gpu": "NVIDIA H200", "gpu_memory_gb": 80.0, "gpu_memory_utilization": 0.515, "vllm_version": "0.20.2",
+         "torch_version": "2.11.0", "kvrepro_version": "0.1.0", "model": "Qwen/Qwen3-4B-Instruct-2507",
+         "load_format": "dummy", "date": date, "run_id": run_id, "measured": True}
+    r.update(kw)
+    return r
+
+
+def write(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def sweep(mode, points, date, **kw):
+    """Rows of one engine run: points = [(users, tok/s or None, clean)], dated one second apart from ``date``."""
+    base = pd.Timestamp(date)
+    return [row(mode, u, t, clean=c, date=(base + pd.Timedelta(seconds=i)).isoformat(), **kw)
+            for i, (u, t, c) in enumerate(points)]
+
+
+FP8 = [(6, 160.0, True), (5, 250.0, True), (4, 240.0, True), (3, 210.0, True), (7, None, False)]
+BF16 = [(3, 170.0, True), (2, 150.0, True), (1, 120.0, True)]
+
+
+def load(tmp_path):
+    return replay.load_results(tmp_path)
+
+
+# ---------------------------------------------------------------- the README agrees with the results
+
+def test_readme_block_is_generated_from_the_committed_results():
+    """README.md's results block is exactly what the committed result files give (run `make summary` /
+    `python -m kvrepro.summary --write` after changing results)."""
+    text = (ROOT / summary.README).read_text(encoding="utf-8")
+    assert summary.current_block(text) == summary.readme_block(), \
+        "README.md's results block differs from the results: run python -m kvrepro.summary --write"
+
+
+def test_readme_settings_table_is_generated_from_the_declarations():
+    """README.md's settings table is exactly kvrepro.settings' declarations (one source for names and defaults)."""
+    text = (ROOT / summary.README).read_text(encoding="utf-8")
+    block = summary.current_block(text, summary.README, summary.SETTINGS_BEGIN, summary.SETTINGS_END)
+    assert block == summary.settings_block(), "README.md's settings table differs: run python -m kvrepro.summary --write"
+    from kvrepro import settings
+    for d in settings.SETTINGS:
+        assert f"| `{d.env}` |" in block
+
+
+def test_capacity_index_is_generated_from_the_committed_results():
+    assert (ROOT / summary.CAPACITY_INDEX).read_text(encoding="utf-8") == summary.capacity_index(summary.load_capacity())
+
+
+def test_committed_block_names_every_mode_once_and_the_seed():
+    block = summary.readme_block()
+    table = [ln for ln in block.splitlines() if ln.startswith("| ")][1:]
+    names = [ln.split("|")[1].strip().strip("*") for ln in table[1:]]
+    assert names == [d for _, d, _ in summary.MODES]
+    assert "2 (66.6 tok/s)" in table[1] and "5 (105.0)" in table[2] and "6 (140.9)" in table[4]
+    assert "![" in block and summary.CHART in block and "not kvrepro's" in block
+
+
+# ---------------------------------------------------------------- selection on synthetic rows
+
+def test_newest_engine_run_per_mode_wins_across_files(tmp_path):
+    write(tmp_path / "a.jsonl", sweep("fp8", FP8, "2026-11-30T09:00:00+00:00", run_id="a")
+          + sweep("kvrepro:k4v4", [(13, 500.0, True), (12, 490.0, True)], "2026-11-30T09:10:00+00:00", run_id="a"))
+    write(tmp_path / "b.jsonl", sweep("kvrepro:k4v4", [(13, 540.0, True), (14, None, False)],
+                                      "2026-11-30T18:00:00+00:00", run_id="b"))
+    write(tmp_path / "c.jsonl", sweep("kvrepro:k4v4", [(13, 999.0, True)], "2026-11-30T12:00:00+00:00", run_id="c"))
+    runs = summary.select_current(load(tmp_path), ["fp8", "kvrepro:k4v4"])
+    assert Path(runs["kvrepro:k4v4"]["source_file"].iloc[0]).name == "b.jsonl"      # 18:00 beats 09:10 and 12:00
+    assert Path(runs["fp8"]["source_file"].iloc[0]).name == "a.jsonl"
+    assert sorted(runs["kvrepro:k4v4"]["num_users"]) == [13, 14]                    # only that run's rows
+
+
+def test_engine_run_id_splits_runs_within_one_file(tmp_path):
+    old = sweep("kvrepro:k4v4", [(13, 500.0, True)], "2026-11-30T09:00:00+00:00", engine_run_id="e1")
+    new = sweep("kvrepro:k4v4", [(12, 520.0, True), (13, None, False)], "2026-11-30T10:00:00+00:00",
+                engine_run_id="e2")
+    write(tmp_path / "a.jsonl", old + new)
+    runs = summary.select_current(load(tmp_path), ["kvrepro:k4v4"])
+    assert set(runs["kvrepro:k4v4"]["engine_run_id"]) == {"e2"}
+    assert summary.max_clean(runs["kvrepro:k4v4"]) == (12, 520.0)                   # 13 was not clean in e2
+    keys = replay.run_keys(load(tmp_path))
+    assert len(set(keys)) == 2
+
+
+def test_rows_without_engine_run_id_group_by_file_run_and_mode(tmp_path):
+    write(tmp_path / "a.jsonl", sweep("fp8", FP8, "2026-11-30T09:00:00+00:00", run_id="x")
+          + sweep("bf16", BF16, "2026-11-30T09:05:00+00:00", run_id="x"))
+    runs = summary.engine_runs(load(tmp_path))
+    assert sorted(runs["mode"]) == ["bf16", "fp8"] and list(runs["rows"].sort_values()) == [3, 5]
+
+
+def test_sizing_only_runs_and_other_workloads_are_not_current(tmp_path):
+    write(tmp_path / "a.jsonl", sweep("fp8", FP8, "2026-11-30T09:00:00+00:00"))
+    write(tmp_path / "b.jsonl", [row("fp8", 0, None, date="2026-12-01T00:00:00+00:00", measured_by="sizing",
+                                     run_id="s")]
+          + sweep("fp8", [(2, 99.0, True)], "2026-12-02T00:00:00+00:00", run_id="w", gpu_memory_gb=40.0))
+    runs = summary.select_current(load(tmp_path), ["fp8"])
+    assert Path(runs["fp8"]["source_file"].iloc[0]).name == "a.jsonl"
+    anywhere = summary.select_current(load(tmp_path), ["fp8"], workload=None)
+    assert float(anywhere["fp8"]["gpu_memory_gb"].iloc[0]) == 40.0                    # newest of any workload
+
+
+def test_max_clean_and_best_clean_against_plain_python(tmp_path):
+    write(tmp_path / "a.jsonl", sweep("fp8", FP8 + [(8, 300.0, True)], "2026-11-30T09:00:00+00:00"))
+    rows = load(tmp_path)
+    rows.loc[rows["num_users"] == 8, "preemptions"] = 2                              # "clean" but preempted
+    pts = [(u, t) for u, t, c in FP8 if c and t is not None]
+    want_max = max(pts, key=lambda p: p[0])
+    want_best = max(pts, key=lambda p: (p[1], -p[0]))
+    assert summary.max_clean(rows) == want_max == (6, 160.0)
+    assert summary.best_clean(rows) == want_best == (5, 250.0)
+    assert summary.max_clean(rows.iloc[:0]) is None
+
+
+def test_ratios_and_cross_file_note_against_plain_python(tmp_path):
+    write(tmp_path / "a.jsonl", sweep("fp8", FP8, "2026-11-30T09:00:00+00:00", run_id="a")
+          + sweep("bf16", BF16, "2026-11-30T08:00:00+00:00", run_id="a"))
+    write(tmp_path / "b.jsonl", sweep("kvrepro:k4v4", [(13, 540.0, True), (12, 530.0, True)],
+                                      "2026-11-30T18:00:00+00:00", run_id="b"))
+    write(tmp_path / "c.jsonl", sweep("kvrepro:k4v2", [(17, 700.0, True)], "2026-12-01T06:00:00+00:00", run_id="c",
+                                      vllm_version="0.21.0"))
+    rows = {r["mode"]: r for r in summary.summary_rows(load(tmp_path), modes=summary.MODE_NAMES)}
+    fp8_max, fp8_best = 160.0, 250.0                                                 # FP8: 6 users / 5 users
+    k = rows["kvrepro:k4v4"]
+    assert (k["users"], k["tok_s"]) == (13, 540.0)
+    assert k["vs_fp8_max"] == pytest.approx(540.0 / fp8_max, rel=1e-15)
+    assert k["vs_fp8_best"] == pytest.approx(540.0 / fp8_best, rel=1e-15)
+    assert Path(k["fp8_source_file"]).name == "a.jsonl" and k["fp8_when"] == "2026-11-30 09:00 UTC"
+    assert rows["bf16"]["vs_fp8_max"] == pytest.approx(170.0 / fp8_max) and rows["bf16"]["fp8_source_file"] is None
+    assert rows["fp8"]["vs_fp8_max"] == 1.0 and rows["fp8"]["vs_fp8_best"] == pytest.approx(fp8_max / fp8_best)
+    k2 = rows["kvrepro:k4v2"]                                                        # another vLLM: no ratio
+    assert k2["users"] == 17 and k2["vs_fp8_max"] is None and k2["setup_differs"] == ["vllm_version"]
+    assert rows["kvrepro:k8v4"]["users"] is None and rows["kvrepro:k8v4"]["source_file"] is None
+    table = summary.markdown_table(list(rows.values()))
+    lines = table.splitlines()
+    assert "fp8 from another run: a.jsonl" in lines[5] and "setup differs from fp8's run (vllm_version)" in lines[6]
+    assert f"{540.0 / fp8_max:.2f}x" in lines[5] and "no run for this workload" in lines[4]
+    assert "(6 users, 160.0 tok/s)" in lines[0] and "(5 users, 250.0 tok/s)" in lines[0]
+
+
+def test_bytes_column_and_seed_points():
+    rows = {r["mode"]: r for r in summary.summary_rows(None)}
+    # head_dim 128: bf16 = 2 x 128 x 2 B, fp8 = 2 x 128 x 1 B; k4v4 = 64 B K codes + 64 B V codes + 2 x 2 B K
+    # scale/zero + 2 B V scale
+    assert rows["bf16"]["bytes_per_token_head"] == 2 * 128 * 2
+    assert rows["fp8"]["bytes_per_token_head"] == 2 * 128
+    assert rows["kvrepro:k4v4"]["bytes_per_token_head"] == 64 + 64 + 4 + 2
+    assert (rows["bf16"]["seed_users"], rows["fp8"]["seed_users"], rows["kvrepro:k4v4"]["seed_users"]) == (2, 5, 6)
+    assert rows["kvrepro:k8v4"]["seed_users"] is None and rows["kvrepro:k4v2"]["seed_users"] is None
+
+
+def test_needle_counts_single_variant(tmp_path):
+    d = pd.DataFrame({"format": ["bf16"] * 4 + ["k4v4"] * 4, "variant": ["single", "single", "single", "multi"] * 2,
+                      "correct": [1, 1, 0, 0, 1, 0, 0, 1], "gpu": "NVIDIA H200", "vllm_version": "0.20.2",
+                      "date": "2026-11-30T02:42:41Z", "context_length": [1024, 2048, 8184, 1024] * 2})
+    d.to_csv(tmp_path / "v.csv", index=False)
+    n = summary.needle_counts(tmp_path / "v.csv")
+    assert n["bf16"] == (2, 3) and n["k4v4"] == (1, 3)
+    assert n["_meta"]["context_lengths"] == [1024, 2048, 8184]
+    assert summary.needle_counts(tmp_path / "none.csv") == {}
+
+
+def test_time_span():
+    assert replay.time_span(["2026-11-30T09:41:13+00:00", "2026-11-30T09:46:12+00:00"]) == "2026-11-30 09:41-09:46 UTC"
+    assert replay.time_span(["2026-11-30T09:41:13+00:00"]) == "2026-11-30 09:41 UTC"
+    assert replay.time_span(["2026-11-30T23:59:00Z", "2026-12-01T00:01:00Z"]) == "2026-11-30 23:59 - 2026-12-01 00:01 UTC"
+    assert replay.time_span(["2026-11-29", "2026-11-29"]) == "2026-11-29"
+
+
+# ---------------------------------------------------------------- the chart
+
+@pytest.mark.filterwarnings("ignore:FigureCanvasAgg is non-interactive")
+def test_chart_marks_max_clean_seed_points_and_integer_ticks(tmp_path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    write(tmp_path / "a.jsonl", sweep("fp8", FP8, "2026-11-30T09:00:00+00:00")
+          + sweep("bf16", BF16, "2026-11-30T08:00:00+00:00"))
+    runs = summary.select_current(load(tmp_path), summary.MODE_NAMES)
+    fig = summary.plot_capacity(runs)
+    ax = fig.axes[0]
+    stars = {tuple(c.get_offsets()[0]) for c in ax.collections if len(c.get_offsets()) == 1}
+    assert (6.0, 160.0) in stars and (3.0, 170.0) in stars
+    seed = [c for c in ax.collections if c.get_label() == "seed, A100 (published)"]
+    assert sorted(map(tuple, seed[0].get_offsets().tolist())) == [(2.0, 66.6), (5.0, 105.0), (6.0, 140.9)]
+    assert {t.get_text() for t in ax.texts} >= {"seed fp16: 2 users", "seed fp8: 5 users", "seed compressed: 6 users"}
+    assert all(float(t).is_integer() for t in ax.get_xticks())
+    lines = [ln for ln in ax.get_lines() if not ln.get_label().startswith("_")]
+    assert len({ln.get_color() for ln in lines}) == len({ln.get_marker() for ln in lines}) == len(lines) == 2
+    assert "\n" not in ax.get_title()
+    assert "NVIDIA H200" in fig.texts[0].get_text() and "a.jsonl" in fig.texts[0].get_text()
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------- CLI
+
+@pytest.fixture
+def repo(tmp_path, monkeypatch):
+    """A tiny repository: results/capacity with one run per mode of a synthetic sweep, a README with markers."""
+    cap = tmp_path / "results" / "capacity"
+    cap.mkdir(parents=True)
+    write(cap / "r.jsonl", sweep("fp8", FP8, "2026-11-30T09:00:00+00:00") + sweep("bf16", BF16, "2026-11-30T08:00:00Z"))
+    (tmp_path / "README.md").write_text(f"# x\n\n{summary.BEGIN}\nold\n{summary.END}\n\nafter\n"
+                                        f"{summary.SETTINGS_BEGIN}\n{summary.SETTINGS_END}\n")
+    monkeypatch.setattr(replay, "repo_root", lambda: tmp_path)
+    monkeypatch.setattr(summary, "repo_root", lambda: tmp_path)
+    return tmp_path
+
+
+@pytest.mark.filterwarnings("ignore:FigureCanvasAgg is non-interactive")
+def test_cli_write_then_check(repo, capsys):
+    assert summary.main(["--check"]) == 1
+    out = capsys.readouterr()
+    assert "-old" in out.out and "run `python -m kvrepro.summary --write`" in out.err
+    assert summary.main(["--write"]) == 0
+    text = (repo / "README.md").read_text()
+    assert text.startswith("# x\n\n" + summary.BEGIN) and text.endswith(summary.SETTINGS_END + "\n")
+    assert "| `KVREPRO_PRESET` | k4v4, k8v4, k4v2 | k4v4 |" in text                # the settings table too
+    assert "| bf16 | 512 | 2 (66.6 tok/s) | 3 | 170.0 |" in text
+    assert (repo / summary.CHART).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "`r.jsonl`" in (repo / summary.CAPACITY_INDEX).read_text()
+    assert not list(repo.rglob("*.tmp"))                                             # atomic: no temp left
+    assert summary.main(["--check"]) == 0
+    (repo / "README.md").write_text(text.replace("| 170.0 |", "| 171.0 |"))         # README and results disagree
+    assert summary.main(["--check"]) == 1
+    assert "+| bf16 | 512 | 2 (66.6 tok/s) | 3 | 170.0 |" in capsys.readouterr().out
+
+
+def test_cli_write_without_markers_fails_clearly(repo, capsys):
+    (repo / "README.md").write_text("# no markers\n")
+    assert summary.main(["--write"]) == 1
+    assert "README.md: expected one '<!-- results:begin -->' line" in capsys.readouterr().err
+    assert (repo / "README.md").read_text() == "# no markers\n" and not (repo / summary.CHART).exists()
+    with pytest.raises(ValueError, match="found 2 and 1"):
+        summary.replace_block(f"{summary.BEGIN}\n{summary.BEGIN}\n{summary.END}\n", "x")
+
+
+def test_verdict_line(tmp_path):
+    write(tmp_path / "a.jsonl", sweep("fp8", FP8, "2026-11-30T09:00:00+00:00")
+          + sweep("kvrepro:k4v4", [(13, 480.0, True)], "2026-11-30T10:00:00+00:00"))
+    line = summary.verdict(summary.summary_rows(load(tmp_path)))
+    assert "**13 users**" in line and "fp8 serves 6 here" in line and f"**{480 / 160:.2f}x fp8**" in line
+    assert "No measured run" in summary.verdict(summary.summary_rows(None))
