@@ -47,21 +47,22 @@ env:
 endif
 
 # Refuse a notebook without exactly one literal-only `parameters` cell, or a params file naming an
-# undeclared parameter (field-faults row 12), before anything runs.
+# undeclared parameter, before anything runs (the notebooks refuse undeclared names themselves too).
 check-notebooks: env
 	@set -e; for nb in $(NOTEBOOKS); do \
 	  $(PY) -m kvrepro.provenance check notebooks/$$nb.ipynb notebooks/params/$${nb%%_*}_default.yaml; \
 	done
 
 # Each notebook: papermill (fails on any cell error) -> executed notebook and HTML under temp names
-# -> renamed into place only when both succeeded.
+# -> renamed into place only when both succeeded. The HTML hides code cells (a report opens with its answer);
+# the executed notebook beside it keeps them.
 report: check-notebooks
 	@mkdir -p reports
 	@set -e; for nb in $(NOTEBOOKS); do \
 	  params=notebooks/params/$${nb%%_*}_default.yaml; \
 	  echo "== $$nb ($$params)"; \
 	  $(PY) -m papermill notebooks/$$nb.ipynb reports/.$$nb.tmp.ipynb -f $$params -k $(KERNEL) --cwd notebooks; \
-	  $(PY) -m nbconvert --to html reports/.$$nb.tmp.ipynb --output .$$nb.tmp --output-dir reports; \
+	  $(PY) -m nbconvert --to html --no-input reports/.$$nb.tmp.ipynb --output .$$nb.tmp --output-dir reports; \
 	  mv reports/.$$nb.tmp.ipynb reports/$$nb.ipynb; \
 	  mv reports/.$$nb.tmp.html reports/$$nb.html; \
 	  echo "   wrote reports/$$nb.html"; \
