@@ -3,6 +3,8 @@
 #          `make test-gpu` (the tests marked gpu, on a machine with a CUDA device)
 #          `make lab`      (JupyterLab on the notebooks, kernel "Python (kvrepro)")
 #          `make summary`  (regenerate the README results block and docs/capacity.png from results/)
+#          `make sweep SWEEP=<name>` (a notebook over a grid of parameters: notebooks/sweeps/<name>.yaml ->
+#                          reports/sweeps/<name>/index.html)
 #
 # CPU path (default): a virtual environment in .venv with the CPU torch and Triton (interpreter).
 # GPU/conda path: `conda env create -f environment.yml && conda activate kvrepro`, then
@@ -23,7 +25,7 @@ STAMP := $(VENV)/.kvrepro-env-stamp
 # 2-core machine (notes/accuracy.md).
 export OMP_WAIT_POLICY ?= PASSIVE
 
-.PHONY: env report test test-gpu lab summary check-notebooks clean-reports
+.PHONY: env report test test-gpu lab summary sweep check-notebooks clean-reports
 
 ifeq ($(PY),$(VENV)/bin/python)
 env: $(STAMP)
@@ -86,6 +88,14 @@ test-gpu: env
 lab: env
 	@$(PY) -c "import jupyterlab" 2>/dev/null || $(PY) -m pip install -e '.[lab]'
 	$(PY) -m jupyter lab --notebook-dir=notebooks
+
+SWEEP ?=
+JOBS ?= 2
+
+# A papermill parameter sweep (notebooks/sweeps/$(SWEEP).yaml): every point into reports/sweeps/$(SWEEP)/ (executed
+# notebook, HTML, JSON sidecar; up-to-date points reused), then index.html; exits non-zero if any point failed.
+sweep: env
+	$(PY) -m kvrepro.nbsweep $(SWEEP) --jobs $(JOBS) --kernel $(KERNEL)
 
 # README results block and docs/capacity.png, generated from the committed result files.
 summary: env

@@ -808,3 +808,17 @@ def measure_vllm(out_dir: str, modes=None, timeout_s: float = 600.0) -> str:
         raise RuntimeError(f"scripts/vllm_accuracy.py wrote no results (exit {r.returncode}): {(r.stdout + r.stderr)[-2000:]}")
     print(r.stdout[-3000:])
     return csv
+
+
+def headline(df: pd.DataFrame, measured: bool = True) -> dict:
+    """Notebook 03's headline figures for ``kvrepro.nbsweep`` (recorded by ``nbsweep.record_headline``): runs, whether
+    the CPU rows were measured now or replayed, and per (format, variant) the retrieval accuracy and the
+    :func:`target_check` verdict (not for bf16, the baseline)."""
+    t = target_check(df)
+    fmts, order = format_order(t.index.get_level_values(0)), {v: i for i, v in enumerate(VARIANTS)}
+    ranked = sorted(t.iterrows(), key=lambda fr: (fmts.index(str(fr[0][0])), order.get(fr[0][1], len(order))))
+    rows = [{"format": str(f), "variant": str(v), "accuracy": round(float(r["accuracy"]), 3),
+             **({} if str(f) == BASELINE else {"target": r["verdict"]})}       # bf16 is the baseline, never judged
+            for (f, v), r in ranked]
+    return {"figures": {"runs": int(len(df)), "cpu_rows": "measured now" if measured else "replayed"},
+            "by": ["format", "variant"], "rows": rows}

@@ -361,3 +361,11 @@ def kv_demand(formats, max_users: int, context_tokens: int, decode_tokens: int,
         for f in formats for n in range(1, max_users + 1)
     ]
     return pd.DataFrame(rows)
+
+
+def headline(table) -> dict:
+    """Notebook 02's headline figures for ``kvrepro.nbsweep`` (recorded by ``nbsweep.record_headline``): the
+    memory left for the KV cache (GiB) and, per format, the users that fit, from a :func:`capacity_table`."""
+    return {"figures": {"kv_cache_gib": round(float(table["kv_cache_gib"].iloc[0]), 3)},
+            "by": ["format"],
+            "rows": [{"format": str(r.format), "users_fit": int(r.users_fit)} for r in table.itertuples()]}
