@@ -6,7 +6,6 @@ import datetime
 import json
 import os
 import platform
-import tempfile
 
 import torch
 
@@ -42,12 +41,9 @@ def provenance(extra: dict | None = None) -> dict:
 
 def write_json(path: str, obj) -> None:
     """Write ``obj`` as JSON to a temp file in the same folder, then rename (atomic)."""
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(obj, f, indent=1, default=str)
-    os.replace(tmp, path)
+    from kvrepro.fileio import atomic_write
+
+    atomic_write(path, lambda f: json.dump(obj, f, indent=1, default=str))
 
 
 def random_pool(preset: str, num_blocks: int, num_kv_heads: int, head_dim: int, block_size: int,

@@ -13,13 +13,13 @@ import dataclasses
 import json
 import os
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 
 import pandas as pd
 import torch
 
+from kvrepro.fileio import atomic_write
 from kvrepro.formats import FORMAT_NAMES, get_format
 from kvrepro.hf import greedy_generate, kv_bytes, load_smollm2, make_cache, prefill, teacher_forced_logprobs
 from kvrepro.needle import (VARIANTS, answer_decided, answer_kind, build_prompt, build_sanity_prompts,
@@ -364,11 +364,7 @@ def save_results(df: pd.DataFrame, params: AccuracyParams, path: str, provenance
     meta = {"params": params.as_dict(), "provenance": provenance, "measured": True}
     for target, write in ((path, lambda f: df.to_csv(f, index=False)),
                           (path + ".json", lambda f: json.dump(meta, f, indent=1, default=str))):
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(target)), suffix=".tmp")
-        with os.fdopen(fd, "w") as fh:
-            write(fh)
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600
-        os.replace(tmp, target)
+        atomic_write(target, write)
     return path
 
 

@@ -51,6 +51,7 @@ import time
 import traceback
 from dataclasses import dataclass
 
+from kvrepro.fileio import atomic_write
 from kvrepro.needle import (VARIANTS, answer_kind, build_prompt, build_sanity_prompts, check_needle_grid, ids_sha256,
                             is_int, make_keys, score_answer)
 from kvrepro.provenance import src_sha256
@@ -190,26 +191,10 @@ def build_bundle(tokenizer, grid: VllmGrid, model_path: str | None = None) -> di
             "token_table": token_table(tokenizer), "meta": meta}
 
 
-def _atomic_write(path: str, write, mode: str = "w") -> str:
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=d, suffix=".tmp")
-    try:
-        with os.fdopen(fd, mode) as fh:
-            write(fh)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return path
-
-
 def save_bundle(bundle: dict, path: str) -> str:
     """Write ``bundle`` as gzip JSON (temp file, then rename); returns ``path``."""
     data = gzip.compress(json.dumps(bundle, separators=(",", ":")).encode(), mtime=0)
-    return _atomic_write(path, lambda f: f.write(data), "wb")
+    return atomic_write(path, lambda f: f.write(data), "wb")
 
 
 def load_bundle(path: str) -> dict:
@@ -376,7 +361,7 @@ def run_worker(mode: str, bundle_path: str, model: str, out_path: str, factory: 
     state = {"mode": mode, "phase": "engine", "rows": [], "sanity": [], "info": {}, "provenance": prov, "errors": []}
 
     def dump():
-        _atomic_write(out_path, lambda f: json.dump(state, f))
+        atomic_write(out_path, lambda f: json.dump(state, f))
 
     dump()
     check_weights_model(weights, model)

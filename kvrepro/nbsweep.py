@@ -50,13 +50,13 @@ import math
 import os
 import re
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import kvrepro
+from kvrepro.fileio import atomic_write_bytes
 from kvrepro import provenance
 
 ROOT = Path(kvrepro.__file__).resolve().parents[1]
@@ -405,22 +405,8 @@ def _headline_order(records: list[dict]) -> list[tuple]:
 
 # ---------------------------------------------------------------- running
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def _write_json(path: Path, obj) -> None:
-    _atomic_write(path, (json.dumps(obj, indent=1, allow_nan=True) + "\n").encode())
+    atomic_write_bytes(path, (json.dumps(obj, indent=1, allow_nan=True) + "\n").encode())
 
 
 def file_sha256(path: Path) -> str:
@@ -748,8 +734,8 @@ def write_index(sweep: Sweep, points: list[Point], records: list[dict], out_dir:
                 err = "no point succeeded with headline figures"
         except Exception as ex:  # noqa: BLE001 - the table is still worth writing
             err = f"{type(ex).__name__}: {ex}"
-    _atomic_write(out / "index.csv", index_frame(points, records).to_csv(index=False).encode())
-    _atomic_write(out / "index.html", index_html(sweep, points, records, png, err).encode())
+    atomic_write_bytes(out / "index.csv", index_frame(points, records).to_csv(index=False).encode())
+    atomic_write_bytes(out / "index.html", index_html(sweep, points, records, png, err).encode())
     return out / "index.html"
 
 

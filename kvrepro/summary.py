@@ -20,9 +20,9 @@ import difflib
 import math
 import os
 import sys
-import tempfile
 from pathlib import Path
 
+from kvrepro.fileio import atomic_write_bytes
 from kvrepro.formats import get_format
 from kvrepro.replay import (SEED_POINTS, WORKLOAD_KEYS, find_result_files, load_jsonl, repo_root, run_keys,
                             time_span, utc_times)
@@ -560,20 +560,6 @@ def capacity_index(df, results_dir: str | os.PathLike = CAPACITY_DIR) -> str:
 
 # ---------------------------------------------------------------- CLI
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def replace_block(text: str, block: str, where: str = README, begin: str = BEGIN, end: str = END) -> str:
     """``text`` with the part from ``begin`` to ``end`` (markers included) replaced by ``block``.
 
@@ -646,10 +632,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     index_path = root / CAPACITY_INDEX
     if args.write:
-        _atomic_write(root / CHART, chart_png(select_current(df, MODE_NAMES)))
-        _atomic_write(index_path, index.encode())
+        atomic_write_bytes(root / CHART, chart_png(select_current(df, MODE_NAMES)))
+        atomic_write_bytes(index_path, index.encode())
         if new_text != text:
-            _atomic_write(readme, new_text.encode())
+            atomic_write_bytes(readme, new_text.encode())
         print(f"wrote {README} (results and settings blocks), {CHART}, {CAPACITY_INDEX}")
         return 0
     problems = []

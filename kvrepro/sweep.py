@@ -172,10 +172,9 @@ def _read_jsonl(path: Path) -> list[dict]:
 
 def _write_jsonl(path: Path, rows: list[dict]) -> None:
     """Write ``rows`` to ``path`` through a temp file + rename (never a torn file)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in rows), encoding="utf-8")
-    os.replace(tmp, path)
+    from kvrepro.fileio import atomic_write_text
+
+    atomic_write_text(path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows))
 
 
 class ResultsFile:

@@ -33,7 +33,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kvrepro import accuracy_vllm as av  # noqa: E402
+from kvrepro import accuracy_vllm as av  # noqa
+from kvrepro.fileio import atomic_write  # noqa: E402
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODE_ORDER = ("bf16", "kvrepro:k4v4", "fp8", "kvrepro:k8v4", "kvrepro:k4v2")  # baseline and target first
@@ -115,17 +116,17 @@ def write_outputs(res: dict, out: str, meta: dict) -> None:
 
     if res["rows"]:
         df = pd.DataFrame(res["rows"])
-        av._atomic_write(os.path.join(out, "vllm_accuracy.csv"), lambda f: df.to_csv(f, index=False))
+        atomic_write(os.path.join(out, "vllm_accuracy.csv"), lambda f: df.to_csv(f, index=False))
     if res["sanity"]:
         sd = pd.DataFrame(res["sanity"])
-        av._atomic_write(os.path.join(out, "vllm_sanity.csv"), lambda f: sd.to_csv(f, index=False))
+        atomic_write(os.path.join(out, "vllm_sanity.csv"), lambda f: sd.to_csv(f, index=False))
     doc = dict(meta, status=res["status"], weights=res["weights"], weights_note=res["weights_note"],
                model_used=res["model"], finished_utc=dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"))
     try:
         doc["summary"] = summarize(res)
     except Exception as e:  # the rows are written already; a summary bug must not lose them
         doc["summary_error"] = repr(e)
-    av._atomic_write(os.path.join(out, "vllm_accuracy.json"), lambda f: json.dump(doc, f, indent=1, default=str))
+    atomic_write(os.path.join(out, "vllm_accuracy.json"), lambda f: json.dump(doc, f, indent=1, default=str))
 
 
 def summarize(res: dict) -> dict:

@@ -171,11 +171,11 @@ def main():
     ap.add_argument("--compare", default=None)
     a = ap.parse_args()
     res = {"case": a.case, **globals()[f"case_{a.case}"](a)}
-    from kvrepro.accuracy_vllm import _atomic_write
+    from kvrepro.fileio import atomic_write
     from kvrepro.vllm_backend.config import settings_for_engine
 
     res["kvrepro_settings"] = settings_for_engine().as_dict()   # what the case's engine resolved (and logged)
-    _atomic_write(a.out, lambda f: json.dump(res, f))   # write, then rename: no half-written result file
+    atomic_write(a.out, lambda f: json.dump(res, f))   # write, then rename: no half-written result file
     print("SMOKE " + json.dumps({k: v for k, v in res.items() if k not in ("greedy",)}), flush=True)
 
 

@@ -69,9 +69,9 @@ def page_layout_header() -> str:
 
 
 def _write_atomic(path: str, text: str) -> None:
-    with open(path + ".tmp", "w") as f:
-        f.write(text)
-    os.replace(path + ".tmp", path)
+    from kvrepro.fileio import atomic_write_text
+
+    atomic_write_text(path, text)
 
 
 def write_header(path: str = HEADER) -> bool:
