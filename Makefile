@@ -63,8 +63,9 @@ report: check-notebooks
 	@set -e; for nb in $(NOTEBOOKS); do \
 	  params=notebooks/params/$${nb%%_*}_default.yaml; \
 	  echo "== $$nb ($$params)"; \
-	  $(PY) -m papermill notebooks/$$nb.ipynb reports/.$$nb.tmp.ipynb -f $$params -k $(KERNEL) --cwd notebooks; \
-	  $(PY) -m nbconvert --to html --no-input reports/.$$nb.tmp.ipynb --output .$$nb.tmp --output-dir reports; \
+	  $(PY) -m papermill notebooks/$$nb.ipynb reports/.$$nb.tmp.ipynb -f $$params -k $(KERNEL) --cwd notebooks \
+	    && $(PY) -m nbconvert --to html --no-input reports/.$$nb.tmp.ipynb --output .$$nb.tmp --output-dir reports \
+	    || { rm -f reports/.$$nb.tmp.ipynb reports/.$$nb.tmp.html; echo "error: $$nb failed; reports/$$nb.* left as they were" >&2; exit 1; }; \
 	  mv reports/.$$nb.tmp.ipynb reports/$$nb.ipynb; \
 	  mv reports/.$$nb.tmp.html reports/$$nb.html; \
 	  echo "   wrote reports/$$nb.html"; \

@@ -5,6 +5,7 @@ from test_ops_helpers import DEV, block_tables, fill, make_pool, relerr  # noqa:
 
 import filecmp
 import hashlib
+import json
 import shutil
 
 import numpy as np
@@ -230,6 +231,10 @@ def test_committed_page_layout_header_is_generated_from_the_formats(tmp_path):
     assert cuda_build.check(header=str(stale), manifest=str(man)) == []
     assert cuda_build.check(header=str(stale), manifest=str(man), fatbin=str(man)) == [
         f"{man} is not the fatbin the manifest names (fatbin_sha256)"]
+    info = json.loads(man.read_text())                                 # a build setting changed, no rebuild
+    man.write_text(json.dumps(info | {"gencode": info["gencode"][1:]}))
+    assert cuda_build.check(header=str(stale), manifest=str(man)) == [
+        f"the fatbin was built with gencode {info['gencode'][1:]}, this module asks for {info['gencode']}"]
 
 
 def test_build_reports_nvcc_failure(tmp_path):

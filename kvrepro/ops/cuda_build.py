@@ -196,8 +196,9 @@ def build(nvcc: str | None = None, out: str = FATBIN, manifest: str = MANIFEST) 
 
 def check(header: str = HEADER, manifest: str = MANIFEST, fatbin: str = FATBIN) -> list[str]:
     """What is out of date, without nvcc: ``header`` differs from ``page_layout_header()``, the manifest's
-    ``source_sha256_comments_stripped`` differs from the sources' (``decode.cu`` changed other than in comments), or
-    its ``fatbin_sha256`` from ``fatbin``'s. Returns one line per problem (empty: all in order)."""
+    ``source_sha256_comments_stripped`` differs from the sources' (``decode.cu`` changed other than in comments),
+    its ``fatbin_sha256`` from ``fatbin``'s, or its ``gencode`` / ``nvcc_flags`` / ``kernels`` from this module's
+    (a build setting changed without a rebuild). Returns one line per problem (empty: all in order)."""
     problems = []
     try:
         with open(header) as f:
@@ -215,6 +216,9 @@ def check(header: str = HEADER, manifest: str = MANIFEST, fatbin: str = FATBIN) 
                         f"was built from ({CODE_HASH_FIELD} in {os.path.basename(manifest)})")
     if not os.path.isfile(fatbin) or info.get("fatbin_sha256") != _sha256(fatbin):
         problems.append(f"{fatbin} is not the fatbin the manifest names (fatbin_sha256)")
+    for field, want in (("gencode", list(GENCODE)), ("nvcc_flags", list(NVCC_FLAGS)), ("kernels", list(KERNELS.values()))):
+        if info.get(field) != want:
+            problems.append(f"the fatbin was built with {field} {info.get(field)}, this module asks for {want}")
     return problems
 
 
