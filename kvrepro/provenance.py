@@ -70,7 +70,8 @@ def collect(params: dict | None = None) -> dict[str, Any]:
         dict with keys ``parameters`` (dict), ``python`` (executable path), ``python_version``,
         ``<pkg>_version`` for torch, triton, transformers, vllm, kvrepro (``"not installed"`` if absent),
         ``gpu`` (name or ``"none"``), ``gpu_total_memory_gib`` (float, GiB), ``gpu_count``, ``cpu_count``,
-        ``hostname``, ``platform``, ``date_utc`` (ISO 8601, seconds).
+        ``hostname``, ``platform``, ``date_utc`` (ISO 8601, seconds), ``kvrepro_src_sha256`` (:func:`src_sha256`:
+        the code that ran, also off a git checkout).
 
     Raises:
         ValueError: if ``params`` is not a dict (or None).
@@ -91,6 +92,7 @@ def collect(params: dict | None = None) -> dict[str, Any]:
     info["hostname"] = socket.gethostname()
     info["platform"] = platform.platform()
     info["date_utc"] = _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat()
+    info["kvrepro_src_sha256"] = src_sha256()
     return info
 
 
