@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -71,6 +72,8 @@ def _switch(env: str):
     def parse(value: Any) -> bool:
         if isinstance(value, bool):
             return value
+        if isinstance(value, int) and value in (0, 1):      # Settings(warmup=1), as the variable's text says
+            return value == 1
         v = value.strip() if isinstance(value, str) else value
         if v not in ("0", "1"):
             raise ValueError(f"{env}={v!r}; allowed: 0, 1")
@@ -254,12 +257,13 @@ def markdown_table() -> str:
 
 
 def _main() -> int:
-    print(markdown_table())
     try:
-        print("\n" + Settings.from_env().describe())
+        resolved = Settings.from_env().describe()
     except ValueError as e:
-        print(f"\nerror: {e}")
+        print(f"error: {e}", file=sys.stderr)
         return 1
+    print(markdown_table())
+    print("\n" + resolved)
     unknown = unknown_variables()
     if unknown:
         print(f"unknown KVREPRO_ variables (ignored): {', '.join(unknown)}")

@@ -87,6 +87,9 @@ def check_modes(modes) -> tuple[str, ...]:
     bad = [m for m in modes if m not in ALL_MODES]
     if bad:
         raise ValueError(f"modes: unknown {bad}; allowed: {', '.join(ALL_MODES)}")
+    dup = sorted({m for m in modes if list(modes).count(m) > 1})
+    if dup:
+        raise ValueError(f"modes: {dup} named more than once; name each mode once")
     return tuple(modes)
 
 
@@ -503,6 +506,10 @@ def check_cli_values(results_path, run_id, timeout_s, budget_s=None, modes=(), c
         extra = [m for m in sel if m not in modes]
         if extra:
             raise ValueError(f"{name}: {extra} not among the modes run ({', '.join(modes)})")
+    both = sorted(set(confirm_edge) & set(sizing_only))
+    if both:
+        raise ValueError(f"confirm_edge and sizing_only both name {both}: a sized-only mode runs no users, so no edge "
+                         "check; name each mode in at most one of them")
     for m, v in (min_start_s or {}).items():
         if m not in ALL_MODES:
             raise ValueError(f"min_start_s: unknown mode {m!r}; allowed: {', '.join(ALL_MODES)}")
@@ -614,7 +621,7 @@ def run_sweep(modes, results_path: str | os.PathLike, run_id: str, params: dict 
 def main(argv=None) -> int:
     import argparse
 
-    ap = argparse.ArgumentParser(description="Measured capacity sweep (see module docstring).")
+    ap = argparse.ArgumentParser(prog="python -m kvrepro.sweep", description="Measured capacity sweep (see module docstring).")
     ap.add_argument("--modes", nargs="+", default=list(ALL_MODES),
                     help=f"modes, space- or comma-separated; allowed: {', '.join(ALL_MODES)}")
     ap.add_argument("--results", required=True, help="JSONL file of this run (resumed if it exists)")

@@ -228,3 +228,11 @@ def test_resume_supersedes_incomplete_and_mixed_modes_and_skips_complete_ones(tm
     moved = [json.loads(x) for x in (tmp_path / "r.jsonl.superseded").read_text().splitlines()]
     assert [(r["mode"], r["engine_run_id"]) for r in moved] == [("fp8", "e1"), ("fp8", "e1"), ("fp8", "e0"),
                                                                  ("bf16", "b1"), ("bf16", "b1")]
+
+
+def test_modes_named_twice_and_edge_with_sizing_only_are_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"modes: \['fp8'\] named more than once"):
+        sweep.check_modes(["fp8", "bf16", "fp8"])
+    with pytest.raises(ValueError, match=r"confirm_edge and sizing_only both name \['fp8'\]"):
+        sweep.check_cli_values(tmp_path / "r.jsonl", "r", 60.0, modes=("fp8",), confirm_edge=("fp8",),
+                               sizing_only=("fp8",))
