@@ -15,8 +15,11 @@ vLLM calls :func:`register` in every process it starts, through the entry point:
 It binds vLLM's ``AttentionBackendEnum.CUSTOM`` slot to
 ``kvrepro.vllm_backend.backend.KVReproAttentionBackend`` and installs the one patch
 (``spec_patch``) through which vLLM sizes each layer's cache from the compressed page size.
-Nothing changes for engines that do not select ``CUSTOM``. Unsupported configurations are refused
-at engine start (``config.unsupported_reasons`` / ``config.check_layer``).
+Engines that do not select ``CUSTOM`` run as before, with one exception: a bad ``KVREPRO_*`` value fails
+:func:`register`, so it fails every engine of a process where kvrepro is installed (a typo is never ignored).
+Unsupported configurations are refused at engine start (``config.unsupported_reasons`` / ``config.check_layer``).
+The backend is built and tested against vLLM 0.20.2 (``spec_patch`` wraps an internal of that version); another
+version gets a warning at plugin load.
 
 The pure parts (``config``, ``runtime``, ``fa_prefill``, ``spec_patch``) import without vLLM; ``backend`` needs it.
 The capacity sweep's GPU worker is ``kvrepro.sweep_worker`` (outside this package: vLLM loads only the backend).
@@ -24,6 +27,7 @@ The capacity sweep's GPU worker is ``kvrepro.sweep_worker`` (outside this packag
 from __future__ import annotations
 
 BACKEND_CLASS = "kvrepro.vllm_backend.backend.KVReproAttentionBackend"
+VLLM_VERSION = "0.20.2"  # the version spec_patch and the backend were written and measured against
 
 
 def register() -> None:
@@ -40,5 +44,13 @@ def register() -> None:
     from kvrepro.vllm_backend import spec_patch
 
     Settings.from_env()
+    import vllm
+
+    if getattr(vllm, "__version__", None) != VLLM_VERSION:
+        import logging
+
+        logging.getLogger("vllm.kvrepro").warning(
+            "kvrepro's attention backend is built for vLLM %s, this is vLLM %s: --attention-backend CUSTOM may "
+            "fail or mis-size the KV cache", VLLM_VERSION, getattr(vllm, "__version__", "unknown"))
     register_backend(AttentionBackendEnum.CUSTOM, BACKEND_CLASS)
     spec_patch.install()
