@@ -136,3 +136,45 @@ def test_spec_patch_sizes_pages_exactly(monkeypatch):
     assert spec_patch.compressed_spec(cls(FakeBackend), 16, FakeTQSpec, vllm_config=other).tq_slot_size == 198
     with pytest.raises(ValueError, match="KVREPRO_PRESET='int3' is not a kvrepro compressed preset"):
         cfg.page_layout("int3", 128, 16)
+
+
+def _fake_vllm(monkeypatch, version):
+    """Just enough of vLLM for ``register``: the package with a version and the backend registry."""
+    import enum
+    import sys
+    import types
+
+    from kvrepro.vllm_backend import spec_patch
+
+    registered = []
+    vllm = types.ModuleType("vllm")
+    vllm.__version__ = version
+    registry = types.ModuleType("vllm.v1.attention.backends.registry")
+    registry.AttentionBackendEnum = enum.Enum("AttentionBackendEnum", ["CUSTOM"])
+    registry.register_backend = lambda slot, cls: registered.append((slot.name, cls))
+    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    monkeypatch.setitem(sys.modules, "vllm.v1.attention.backends.registry", registry)
+    monkeypatch.setattr(spec_patch, "install", lambda: None)
+    return registered
+
+
+@pytest.mark.parametrize("version, warned", [("0.20.2", False), ("0.21.0", True)])
+def test_register_warns_on_another_vllm_version(monkeypatch, caplog, version, warned):
+    from kvrepro import vllm_backend
+
+    registered = _fake_vllm(monkeypatch, version)
+    monkeypatch.delenv("KVREPRO_PRESET", raising=False)
+    with caplog.at_level("WARNING", logger="vllm.kvrepro"):
+        vllm_backend.register()
+    assert registered == [("CUSTOM", vllm_backend.BACKEND_CLASS)]
+    assert ("built for vLLM 0.20.2, this is vLLM 0.21.0" in caplog.text) == warned
+
+
+def test_register_refuses_a_bad_setting_before_registering(monkeypatch):
+    from kvrepro import vllm_backend
+
+    registered = _fake_vllm(monkeypatch, "0.20.2")
+    monkeypatch.setenv("KVREPRO_PRESET", "k5v5")
+    with pytest.raises(ValueError, match="KVREPRO_PRESET='k5v5' is not a kvrepro compressed preset"):
+        vllm_backend.register()
+    assert registered == []
