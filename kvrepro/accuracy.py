@@ -374,12 +374,17 @@ def plot_cost(df: pd.DataFrame):
     import matplotlib.pyplot as plt
     import seaborn as sns
 
-    d = df.assign(kv_bytes_per_token=df["kv_bytes"] / df["n_tokens"])
+    from kvrepro.style import palette  # the one palette per format of every chart
+
+    d = df.assign(kv_bytes_per_token=df["kv_bytes"] / df["n_tokens"], format=df["format"].astype(str))
+    order = list(dict.fromkeys(d["format"]))
+    pal = palette(order)
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.2))
-    sns.barplot(d, x="context_length", y="prefill_s", hue="format", ax=axes[0], errorbar=None)
+    sns.barplot(d, x="context_length", y="prefill_s", hue="format", hue_order=order, palette=pal, ax=axes[0],
+                errorbar=None)
     axes[0].set(title="prefill wall-clock (s), CPU", xlabel="context tokens", ylabel="seconds")
-    sns.barplot(d, x="format", y="kv_bytes_per_token", ax=axes[1], errorbar=None, hue="format", legend=False,
-                dodge=False)
+    sns.barplot(d, x="format", y="kv_bytes_per_token", ax=axes[1], errorbar=None, hue="format", hue_order=order,
+                order=order, palette=pal, legend=False, dodge=False)
     axes[1].set(title="stored KV bytes per token (30 layers, whole pages)", xlabel="", ylabel="bytes")
     fig.tight_layout()
     return fig
@@ -818,3 +823,53 @@ def headline(df: pd.DataFrame, measured: bool = True) -> dict:
             for (f, v), r in ranked]
     return {"figures": {"runs": int(len(df)), "cpu_rows": "measured now" if measured else "replayed"},
             "by": ["format", "variant"], "rows": rows}
+
+
+def sanity_texts(sanity: pd.DataFrame, formats=None, max_chars: int = 90) -> pd.DataFrame:
+    """The sanity continuations, one row per prompt and one column per format in the order of ``formats`` (the
+    notebook's parameter; default: the rows' order), each cut to ``max_chars`` with newlines shown as ⏎."""
+    from kvrepro.summary import cell_text
+
+    t = sanity.assign(format=sanity["format"].astype(str)).pivot_table(
+        index="name", columns="format", values="text", aggfunc="first")
+    order = [str(f) for f in (formats if formats is not None else dict.fromkeys(sanity["format"].astype(str)))]
+    t = t[[f for f in order if f in t.columns] + [c for c in t.columns if c not in order]]
+    t.columns.name = None
+
+    def cut(x):
+        s = cell_text(x)
+        return s if len(s) <= max_chars else s[:max_chars - 1] + "…"
+
+    return t.map(cut).reset_index().rename(columns={"name": "prompt"})
+
+
+MISS_COLUMNS = ["format", "variant", "context_length", "depth", "key", "answer", "answer_kind", "key_logprob_mean"]
+
+
+def misses(df: pd.DataFrame, formats=None) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Runs that missed the key: (single-needle misses in full, multi-needle misses counted per format and
+    ``answer_kind``: ``format``, ``distractor``, ``other``, ``misses``, ``runs``), formats in the order of
+    ``formats``. Multi-needle misses are mostly distractor answers (another vault's key): counts keep them short."""
+    d = df.assign(format=df["format"].astype(str))
+    order = [str(f) for f in (formats if formats is not None else dict.fromkeys(d["format"]))]
+    rank = {f: i for i, f in enumerate(order)}
+    miss = d[d["correct"] == 0]
+    single = miss[miss["variant"] != "multi"][[c for c in MISS_COLUMNS if c in miss.columns]]
+    single = single.sort_values(["format", "context_length", "depth"], key=lambda s: s.map(rank) if s.name == "format"
+                                else s).reset_index(drop=True)
+    multi = d[d["variant"] == "multi"]
+    rows = []
+    for f in [f for f in order if f in set(multi["format"])]:
+        m = multi[multi["format"] == f]
+        mm = m[m["correct"] == 0]
+        kinds = mm["answer_kind"].astype(str) if "answer_kind" in mm.columns else pd.Series(dtype=str)
+        rows.append(dict(format=f, misses=len(mm), runs=len(m), distractor=int((kinds == "distractor").sum()),
+                         other=int((kinds != "distractor").sum())))
+    return single, pd.DataFrame(rows, columns=["format", "misses", "runs", "distractor", "other"])
+
+
+def in_order(t: pd.DataFrame, formats) -> pd.DataFrame:
+    """``t`` (indexed by format) with its rows in the order of ``formats``, formats not listed last."""
+    order = [str(f) for f in formats]
+    idx = [str(i) for i in t.index]
+    return t.iloc[[idx.index(f) for f in order if f in idx] + [i for i, f in enumerate(idx) if f not in order]]

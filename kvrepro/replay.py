@@ -436,6 +436,16 @@ def require_gpu_and_vllm() -> dict:
     return info
 
 
+# The line under 02's "All rows" table (what kvrepro.sweep.window_stats puts in tpot_ms_mean).
+TPOT_NOTE = (
+    "`tpot_ms_mean` (`kvrepro.sweep.window_stats`): per request, the row's window duration divided by the tokens that "
+    "request received in the window (ms), averaged over the requests; the window is the same one as the row's "
+    "`aggregate_decode_tok_s` (*full*: from the last request's first token until every request has `decode_tokens` "
+    "tokens; *abort-window*: `window_steps` steps). In a *full* row the requests prefilled first made many of their "
+    "tokens while the others prefilled, so they receive few in the window and raise the mean: it is not "
+    "`1000 x num_users / aggregate_decode_tok_s`; compare it only across *full* rows.")
+
+
 def plot_kv_demand(demand, kv_budget_gib: float, ax=None, title: str = "KV cache needed vs concurrent users"):
     """Line per format of ``kvrepro.capacity.kv_demand`` output, with the KV budget as a horizontal line;
     the users that fit are the points under it. Returns the Axes."""
@@ -444,7 +454,11 @@ def plot_kv_demand(demand, kv_budget_gib: float, ax=None, title: str = "KV cache
 
     if ax is None:
         _, ax = plt.subplots(figsize=(9, 4.5))
-    sns.lineplot(data=demand, x="users", y="kv_gib_needed", hue="format", marker="o", ax=ax)
+    from kvrepro.style import markers, palette  # the one palette + marker per format / mode
+
+    names = list(dict.fromkeys(map(str, demand["format"])))
+    sns.lineplot(data=demand, x="users", y="kv_gib_needed", hue="format", hue_order=names, style="format",
+                 style_order=names, palette=palette(names), markers=markers(names), dashes=False, ax=ax)
     ax.axhline(kv_budget_gib, color="black", ls="--", label=f"KV budget {kv_budget_gib:.1f} GiB")
     ax.set_xlabel("concurrent users")
     ax.set_ylabel("KV cache needed (GiB, whole blocks)")

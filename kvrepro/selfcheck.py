@@ -131,3 +131,36 @@ def paths_markdown(paths=None) -> str:
     lines = ["| execution path | here | needs |", "| --- | --- | --- |"]
     lines += [f"| {r.path} | {'**yes**' if r.available else 'no'} | {r.needs} |" for r in paths.itertuples()]
     return "\n".join(lines)
+
+
+def plot_check(check, head_dim: int):
+    """01's two bar charts: stored bytes per token and KV head, and the round-trip error of K (solid) and V
+    (hatched), each format in its colour of :func:`kvrepro.summary.style_of` (the palette of every chart).
+    Returns the Figure."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from kvrepro.style import palette
+
+    names = [str(f) for f in check["format"]]
+    pal = palette(names)
+    colours = [pal[n] for n in names]
+    x = np.arange(len(names))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 3.8))
+    axes[0].bar(x, check["bytes_per_token_per_head"], color=colours)
+    axes[0].set_title(f"bytes per token per KV head (head_dim {head_dim})")
+    axes[0].set_ylabel("bytes")
+    w = 0.38
+    axes[1].bar(x - w / 2, check["k_rel_err"], w, color=colours, edgecolor="black", linewidth=0.5, label="K")
+    axes[1].bar(x + w / 2, check["v_rel_err"], w, color=colours, edgecolor="black", linewidth=0.5, hatch="//",
+                label="V")
+    axes[1].set_title("round-trip relative error vs bf16 input")
+    axes[1].set_ylabel("relative error")
+    leg = axes[1].legend(title="tensor")
+    for h in leg.legend_handles:
+        h.set_facecolor("white")
+    for ax in axes:
+        ax.set_xticks(x, names)
+        ax.set_xlabel("format")
+    fig.tight_layout()
+    return fig

@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 
 from kvrepro.fileio import atomic_write_bytes
+from kvrepro.style import STYLE, _style, markers, palette, style_of  # noqa: F401 (re-exported)
 from kvrepro.formats import get_format
 from kvrepro.replay import (SEED_POINTS, WORKLOAD_KEYS, find_result_files, load_jsonl, repo_root, run_keys,
                             time_span, utc_times)
@@ -59,11 +60,6 @@ VLLM_ACCURACY = "results/accuracy/vllm_h200/vllm_accuracy.csv"
 NEEDLE_MODEL = "SmolLM2-135M-Instruct"
 
 # Per mode: colour and marker, so modes differ in both (print, colour-blind readers).
-STYLE = {
-    "bf16": ("#4c72b0", "o"), "fp8": ("#dd8452", "s"), "kvrepro:k8v4": ("#55a868", "^"),
-    "kvrepro:k4v4": ("#c44e52", "D"), "kvrepro:k4v2": ("#8172b3", "v"),
-}
-_EXTRA_STYLES = [("#937860", "P"), ("#da8bc3", "X"), ("#8c8c8c", "h"), ("#ccb974", "p"), ("#64b5cd", "<")]
 
 
 # ---------------------------------------------------------------- selection
@@ -422,11 +418,62 @@ def verdict(rows: list[dict], default: str = "kvrepro:k4v4") -> str:
     return line + "."
 
 
+# ---------------------------------------------------------------- notebook tables
+
+MISSING = "–"  # the one marker of a missing value in the notebooks' tables
+
+
+def cell_text(v, digits: int = 3) -> str:
+    """One table cell as text: integers (and integer-valued floats) without decimals, other floats to ``digits``
+    decimals without trailing zeros, every missing value (None, NaN, pd.NA, NaT) as :data:`MISSING`, newlines in
+    text as a visible ⏎."""
+    import numbers
+
+    try:
+        import pandas as pd
+        if not isinstance(v, (list, tuple, dict)) and pd.isna(v):
+            return MISSING
+    except (TypeError, ValueError):
+        pass
+    if isinstance(v, bool):
+        return str(v)
+    if isinstance(v, numbers.Integral):
+        return f"{int(v):d}"
+    if isinstance(v, numbers.Real):
+        f = float(v)
+        if f.is_integer() and abs(f) < 1e15:
+            return f"{int(f):d}"
+        return f"{f:.{digits}f}".rstrip("0").rstrip(".")
+    return str(v).replace("\r\n", "\n").replace("\n", " ⏎ ")
+
+
+def styled(df, digits: int = 3, index: bool = False, max_chars: int | None = None):
+    """``df`` for ``display``: cells as :func:`cell_text` (integers as integers, one missing marker, ⏎ for
+    newlines), text left-aligned, and the index hidden unless ``index`` (a meaningful index, e.g. a format
+    column or a MultiIndex, is kept with ``index=True``). ``max_chars`` cuts long text cells."""
+    def fmt(v):
+        t = cell_text(v, digits)
+        return t if max_chars is None or len(t) <= max_chars else t[:max_chars - 1] + "…"
+
+    st = df.style.format(fmt)
+    if not index:
+        st = st.hide(axis="index")
+    from pandas.api.types import is_bool_dtype, is_numeric_dtype
+
+    def is_text(c, t):  # text columns go left; a transposed table's object columns of numbers stay right
+        if is_numeric_dtype(t) or is_bool_dtype(t):
+            return False
+        col = df[c]
+        vals = col.stack() if hasattr(col, "columns") else col
+        return any(isinstance(v, str) for v in vals)
+
+    text_cols = list(dict.fromkeys(c for c, t in df.dtypes.items() if is_text(c, t)))
+    if text_cols:
+        st = st.set_properties(subset=text_cols, **{"text-align": "left"})
+    return st
+
+
 # ---------------------------------------------------------------- chart
-
-def _style(mode: str, i: int):
-    return STYLE.get(mode) or _EXTRA_STYLES[i % len(_EXTRA_STYLES)]
-
 
 def caption(runs: dict, width: int = 150) -> str:
     """Provenance under the chart: GPU, budget, vLLM version, workload, and per run its file and dates."""
@@ -443,7 +490,8 @@ def caption(runs: dict, width: int = 150) -> str:
     text = (f"Measured on {first['gpu']} emulating an {float(first['gpu_memory_gb']):g} GiB card, vLLM "
             f"{first['vllm_version']}, {first['model']}, {int(first['prompt_tokens']):,} + "
             f"{int(first['decode_tokens']):,} tokens per user; one current run per mode, from results/capacity/ "
-            f"({files}). Stars: max clean capacity. Grey: the seed's published A100 80GB points, reference data "
+            f"({files}). Stars: max clean capacity. Grey hollow markers: the seed's published A100 80GB points "
+            "(named in the legend), reference data "
             "(compare users directly, tok/s only as ratios to fp8).")
     return "\n".join(textwrap.wrap(text, width))
 
@@ -479,14 +527,14 @@ def plot_capacity(runs: dict, seed: bool = True, title: str = "Aggregate decode 
         if len(good):
             top_users = max(top_users, int(good["num_users"].max()))
     if seed:
+        # Distinct grey hollow markers per seed point, named in the legend (not as labels beside the points, which
+        # sat on measured stars at the same user count and read as theirs).
+        seed_markers = {"fp16": "o", "fp8": "s", "compressed (seed)": "D"}
         pts = list(SEED_POINTS)
-        ax.scatter([u for _, u, _ in pts], [t for _, _, t in pts], marker="o", s=70, facecolor="white",
-                   edgecolor="dimgrey", linewidth=1.5, zorder=6, label="seed, A100 (published)")
-        for k, (m, u, t) in enumerate(pts):
-            last = k == len(pts) - 1       # the rightmost point's label goes right, the others below
-            ax.annotate(f"seed {m.replace(' (seed)', '')}: {u} users", (u, t), textcoords="offset points",
-                        xytext=(9, 0) if last else (0, -9), ha="left" if last else "center",
-                        va="center" if last else "top", fontsize=8.5, color="dimgrey")
+        for m, u, t in pts:
+            ax.scatter([u], [t], marker=seed_markers.get(m, "h"), s=80, facecolor="white", edgecolor="dimgrey",
+                       linewidth=1.6, zorder=6,
+                       label=f"seed A100 (published), {m.replace(' (seed)', '')}: {u} users, {t:.1f} tok/s")
         top_users = max(top_users, max(u for _, u, _ in pts))
     ax.scatter([], [], marker="*", s=160, color="white", edgecolor="black", label="max clean capacity")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))

@@ -202,9 +202,12 @@ def test_chart_marks_max_clean_seed_points_and_integer_ticks(tmp_path):
     ax = fig.axes[0]
     stars = {tuple(c.get_offsets()[0]) for c in ax.collections if len(c.get_offsets()) == 1}
     assert (6.0, 160.0) in stars and (3.0, 170.0) in stars
-    seed = [c for c in ax.collections if c.get_label() == "seed, A100 (published)"]
-    assert sorted(map(tuple, seed[0].get_offsets().tolist())) == [(2.0, 66.6), (5.0, 105.0), (6.0, 140.9)]
-    assert {t.get_text() for t in ax.texts} >= {"seed fp16: 2 users", "seed fp8: 5 users", "seed compressed: 6 users"}
+    seed = {c.get_label(): tuple(c.get_offsets()[0]) for c in ax.collections
+            if c.get_label().startswith("seed A100 (published)")}
+    assert sorted(seed.values()) == [(2.0, 66.6), (5.0, 105.0), (6.0, 140.9)]
+    assert {lb.split(", ", 1)[1].split(",")[0] for lb in seed} == {"fp16: 2 users", "fp8: 5 users",
+                                                                    "compressed: 6 users"}
+    assert not ax.texts  # seed points are named in the legend, not by labels that could sit on a measured star
     assert all(float(t).is_integer() for t in ax.get_xticks())
     lines = [ln for ln in ax.get_lines() if not ln.get_label().startswith("_")]
     assert len({ln.get_color() for ln in lines}) == len({ln.get_marker() for ln in lines}) == len(lines) == 2
@@ -262,3 +265,20 @@ def test_verdict_line(tmp_path):
     line = summary.verdict(summary.summary_rows(load(tmp_path)))
     assert "**13 users**" in line and "fp8 serves 6 here" in line and f"**{480 / 160:.2f}x fp8**" in line
     assert "No measured run" in summary.verdict(summary.summary_rows(None))
+
+
+def test_one_palette_for_formats_and_modes():
+    for fmt in ("bf16", "fp8", "k4v4", "k8v4", "k4v2"):
+        mode = fmt if fmt in ("bf16", "fp8") else f"kvrepro:{fmt}"
+        assert summary.style_of(fmt) == summary.style_of(mode) == summary.STYLE[mode]
+    pal = summary.palette(["bf16", "fp8", "k4v4", "k8v4", "k4v2"])
+    assert len(set(pal.values())) == 5 and pal["k4v4"] == summary.STYLE["kvrepro:k4v4"][0]
+
+
+def test_styled_tables_hide_index_and_show_integers_and_one_missing_marker():
+    import pandas as pd
+
+    assert [summary.cell_text(v) for v in (12.0, 23051.3, float("nan"), pd.NA, None, "a\nb", 0.12345)] == [
+        "12", "23051.3", summary.MISSING, summary.MISSING, summary.MISSING, "a ⏎ b", "0.123"]
+    html = summary.styled(pd.DataFrame({"mode": ["fp8"], "users": [6.0]})).to_html()
+    assert ">6<" in html and "text-align: left" in html and "row_heading" not in html

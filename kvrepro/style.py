@@ -1,0 +1,43 @@
+"""One colour and marker per KV format / mode, for every chart of the notebooks and ``docs/capacity.png``.
+
+Formats (``'bf16'``, ``'fp8'``, ``'k4v4'``, ...) and the vLLM modes that serve them (``'kvrepro:k4v4'``, ...) map to
+the same style, so a format looks the same in 01's bar charts, 02's capacity chart and 03's plots. Colours are
+seaborn's "deep" palette.
+"""
+from __future__ import annotations
+
+STYLE = {
+    "bf16": ("#4c72b0", "o"), "fp8": ("#dd8452", "s"), "kvrepro:k8v4": ("#55a868", "^"),
+    "kvrepro:k4v4": ("#c44e52", "D"), "kvrepro:k4v2": ("#8172b3", "v"),
+}
+_EXTRA_STYLES = [("#937860", "P"), ("#da8bc3", "X"), ("#8c8c8c", "h"), ("#ccb974", "p"), ("#64b5cd", "<")]
+
+
+def _style(mode: str, i: int):
+    return STYLE.get(mode) or _EXTRA_STYLES[i % len(_EXTRA_STYLES)]
+
+
+def _mode_of(name: str) -> str:
+    """The mode key of :data:`STYLE` for a format or mode name: 'k4v4' and 'kvrepro:k4v4' -> 'kvrepro:k4v4'."""
+    name = str(name)
+    if name in STYLE:
+        return name
+    if f"kvrepro:{name}" in STYLE:
+        return f"kvrepro:{name}"
+    return name
+
+
+def style_of(name: str, i: int = 0) -> tuple[str, str]:
+    """(colour, marker) of a format ('bf16', 'fp8', 'k4v4', ...) or mode ('kvrepro:k4v4', ...): the one palette of
+    every chart in the notebooks and docs/capacity.png; unknown names take extra styles by position ``i``."""
+    return _style(_mode_of(name), i)
+
+
+def palette(names) -> dict:
+    """{name: colour} for seaborn's ``palette=`` over formats or modes (see :func:`style_of`)."""
+    return {n: style_of(n, i)[0] for i, n in enumerate(dict.fromkeys(map(str, names)))}
+
+
+def markers(names) -> dict:
+    """{name: marker} for seaborn's ``markers=`` over formats or modes (see :func:`style_of`)."""
+    return {n: style_of(n, i)[1] for i, n in enumerate(dict.fromkeys(map(str, names)))}
