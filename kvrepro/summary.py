@@ -366,8 +366,8 @@ def notes_lines(df, needle: dict, chart: bool = True) -> list[str]:
         "preemption); one current run per mode (the newest in `results/capacity/`).",
         f"GPU: the seed ran on one A100 80GB; kvrepro on one {s['gpu']} emulating an {w['gpu_memory_gb']:g} GiB card "
         "(vLLM's memory budget scaled to it), "
-        "so user counts compare with the seed's directly, tok/s do not: compare them as ratios to fp8 of the same "
-        "setup.",
+        "so user counts are for the same memory budget (the seed's own non-KV memory is not published) and tok/s "
+        "are not comparable across GPUs: compare kvrepro with fp8 of the same run.",
     ]
     meta = needle.get("_meta") if needle else None
     if meta:
@@ -492,7 +492,7 @@ def caption(runs: dict, width: int = 150) -> str:
             f"{int(first['decode_tokens']):,} tokens per user; one current run per mode, from results/capacity/ "
             f"({files}). Stars: max clean capacity. Grey hollow markers: the seed's published A100 80GB points "
             "(named in the legend), reference data "
-            "(compare users directly, tok/s only as ratios to fp8).")
+            "(users for the same memory budget; tok/s compare only as ratios to fp8 of one run).")
     return "\n".join(textwrap.wrap(text, width))
 
 
