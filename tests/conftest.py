@@ -13,7 +13,9 @@ must be set before torch / triton are imported.
 """
 import collections
 import importlib.util
+import json
 import os
+import sys
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
@@ -30,6 +32,28 @@ SKIP_REASONS = {
     "gpu": None if HAS_CUDA else "needs a CUDA GPU (torch.cuda.is_available() is False); run `make test-gpu` on one",
     "vllm": None if HAS_VLLM else "needs vLLM 0.20.2 (not installed; GPU path: conda env from environment.yml)",
 }
+
+
+NOTEBOOK_KERNEL = "kvrepro-pytest"
+
+
+@pytest.fixture(scope="session")
+def notebook_kernel(tmp_path_factory):
+    """The name of a kernelspec that runs this very interpreter, first on JUPYTER_PATH, so that no user-level
+    'python3' kernel runs the notebooks with another Python (tests that execute notebooks through papermill)."""
+    d = tmp_path_factory.mktemp("jupyter")
+    spec = d / "kernels" / NOTEBOOK_KERNEL
+    spec.mkdir(parents=True)
+    (spec / "kernel.json").write_text(json.dumps({
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": NOTEBOOK_KERNEL, "language": "python"}))
+    old = os.environ.get("JUPYTER_PATH")
+    os.environ["JUPYTER_PATH"] = str(d) + (os.pathsep + old if old else "")
+    yield NOTEBOOK_KERNEL
+    if old is None:
+        os.environ.pop("JUPYTER_PATH")
+    else:
+        os.environ["JUPYTER_PATH"] = old
 
 
 def pytest_collection_modifyitems(config, items):

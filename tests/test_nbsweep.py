@@ -3,7 +3,6 @@ points whose report is up to date; a failing point is listed with the notebook's
 the CI sweep end to end through the command `make sweep` runs, into a temporary folder."""
 import hashlib
 import json
-import os
 import re
 import subprocess
 import sys
@@ -19,21 +18,9 @@ KERNEL = "kvrepro-pytest"
 
 
 @pytest.fixture(scope="module", autouse=True)
-def kernel_of_this_interpreter(tmp_path_factory):
-    """A kernelspec running this very interpreter, first on JUPYTER_PATH (as in test_notebooks.py)."""
-    d = tmp_path_factory.mktemp("jupyter")
-    spec = d / "kernels" / KERNEL
-    spec.mkdir(parents=True)
-    (spec / "kernel.json").write_text(json.dumps({
-        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
-        "display_name": KERNEL, "language": "python"}))
-    old = os.environ.get("JUPYTER_PATH")
-    os.environ["JUPYTER_PATH"] = str(d) + (os.pathsep + old if old else "")
-    yield
-    if old is None:
-        os.environ.pop("JUPYTER_PATH")
-    else:
-        os.environ["JUPYTER_PATH"] = old
+def kernel_of_this_interpreter(notebook_kernel):
+    """Every notebook of this module runs on the kernelspec of this interpreter (conftest.notebook_kernel)."""
+    assert notebook_kernel == KERNEL
 
 
 def write_sweep(path: Path, spec: dict) -> Path:

@@ -4,7 +4,6 @@ papermill CLI; an untagged parameters cell is refused; reports open with their a
 dumps."""
 import ast
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -23,22 +22,9 @@ KERNEL = "kvrepro-pytest"
 
 
 @pytest.fixture(scope="module", autouse=True)
-def kernel_of_this_interpreter(tmp_path_factory):
-    """A kernelspec running this very interpreter, first on JUPYTER_PATH (so no user-level 'python3'
-    kernel can run the notebooks with another Python)."""
-    d = tmp_path_factory.mktemp("jupyter")
-    spec = d / "kernels" / KERNEL
-    spec.mkdir(parents=True)
-    (spec / "kernel.json").write_text(json.dumps({
-        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
-        "display_name": KERNEL, "language": "python"}))
-    old = os.environ.get("JUPYTER_PATH")
-    os.environ["JUPYTER_PATH"] = str(d) + (os.pathsep + old if old else "")
-    yield
-    if old is None:
-        os.environ.pop("JUPYTER_PATH")
-    else:
-        os.environ["JUPYTER_PATH"] = old
+def kernel_of_this_interpreter(notebook_kernel):
+    """Every notebook of this module runs on the kernelspec of this interpreter (conftest.notebook_kernel)."""
+    assert notebook_kernel == KERNEL
 
 
 def run(nb: Path, params: dict, out: Path):
