@@ -25,7 +25,7 @@ PREFIX = "KVREPRO_"
 PRESETS = ("k4v4", "k8v4", "k4v2")          # = kvrepro.formats.COMPRESSED_PRESETS
 DEFAULT_PRESET = "k4v4"                     # = kvrepro.formats.DEFAULT_PRESET
 DECODE_IMPLS = ("auto", "cuda", "triton")
-PREFILL_PATHS = ("fa", "fa-sliced", "dequant", "triton")
+PREFILL_PATHS = ("fa", "fa-sliced", "fa-pages", "dequant", "triton")
 STORE_ROTATE_MODES = ("torch", "kernel")
 MAX_NUM_SPLITS = 256
 # KVREPRO_* variables that are not runtime settings (read by the test harness only), so not reported as unknown.
@@ -130,7 +130,9 @@ SETTINGS: tuple[Declaration, ...] = (
     Declaration(
         "prefill", "KVREPRO_PREFILL", ", ".join(PREFILL_PATHS), "fa",
         "Prefill path. fa: dequantize the context, then vLLM's FlashAttention (measured, the default); fa-sliced: "
-        "the same slice by slice with a log-sum-exp merge (bounded temporaries); dequant: the context dequantized "
+        "the same slice by slice with a log-sum-exp merge (bounded temporaries); fa-pages: as fa, but the chunk's "
+        "own K/V are also read back from the pages, so every prompt position attends to the compressed KV as decode "
+        "does (for fidelity measurement: kvrepro.fidelity); dequant: the context dequantized "
         "in the rotated space by a Triton kernel, one FlashAttention call (fa_prefill.RotatedDequantPrefill); "
         "triton: kvrepro's direct-read prefill kernel (correct, but ~3x bf16 at 128K: notes/kernels.md, Prefill).",
         _choice("KVREPRO_PREFILL", PREFILL_PATHS)),
@@ -177,7 +179,7 @@ class Settings:
         preset: ``"k4v4"`` | ``"k8v4"`` | ``"k4v2"``.
         decode_impl: ``"auto"`` | ``"cuda"`` | ``"triton"``.
         num_splits: int in 1..256, or None (the decode kernel's shape-only rule).
-        prefill: ``"fa"`` | ``"fa-sliced"`` | ``"dequant"`` | ``"triton"``.
+        prefill: ``"fa"`` | ``"fa-sliced"`` | ``"fa-pages"`` | ``"dequant"`` | ``"triton"``.
         store_rotate: ``"torch"`` | ``"kernel"``.
         warmup: compile the decode kernels before vLLM's memory profiling.
         debug_check: compare every eager attention call with the reference (slow).

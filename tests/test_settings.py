@@ -52,7 +52,7 @@ def test_preset(monkeypatch):
 
 def test_prefill_path_and_decode_impl():
     assert Settings.from_env({"KVREPRO_PREFILL": "fa-sliced"}).prefill == "fa-sliced"
-    with pytest.raises(ValueError, match="KVREPRO_PREFILL='sdpa'; allowed: fa, fa-sliced, dequant, triton"):
+    with pytest.raises(ValueError, match="KVREPRO_PREFILL='sdpa'; allowed: fa, fa-sliced, fa-pages, dequant, triton"):
         Settings.from_env({"KVREPRO_PREFILL": "sdpa"})
     assert Settings.from_env({"KVREPRO_DECODE_IMPL": " CUDA "}).decode_impl == "cuda"
     assert Settings(decode_impl="triton").decode_impl == "triton"

@@ -38,7 +38,7 @@ def test_settings_for_engine_resolves_once_per_engine_and_logs_once(caplog):
     warns = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warns) == 1 and "KVREPRO_RECENT_WINDOW set but not a kvrepro setting (ignored)" in warns[0]
     assert cfg.settings_for_engine() is t          # outside an engine build: the last engine's settings
-    with pytest.raises(ValueError, match="KVREPRO_PREFILL='sdpa'; allowed: fa, fa-sliced, dequant, triton"):
+    with pytest.raises(ValueError, match="KVREPRO_PREFILL='sdpa'; allowed: fa, fa-sliced, fa-pages, dequant, triton"):
         cfg.settings_for_engine(Engine(), {"KVREPRO_PREFILL": "sdpa"})
 
 

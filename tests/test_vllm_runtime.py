@@ -114,6 +114,39 @@ def test_flash_prefill_path_matches_reference(monkeypatch):
     assert ((out[:t].double() - ref).abs().max() / ref.abs().max()) < 2e-2
 
 
+def test_fa_pages_prefill_reads_the_chunk_from_the_pages(monkeypatch):
+    """KVREPRO_PREFILL=fa-pages: every prompt position attends to the compressed K/V, its own chunk included
+    (reference: attention over the format's round trip of history + chunk), and differs from ``fa`` (chunk exact)."""
+    from kvrepro.vllm_backend import fa_prefill
+    from kvrepro.vllm_backend.fa_prefill import FlashPrefill
+
+    hq, hkv, d, bs = 8, 2, 64, 16
+    seq, ql = [30, 21], [12, 21]
+    rt, pool, bt, sl, qsl, q, k, v, t, hist = _batch(6, hq, hkv, d, bs, seq, ql)
+    monkeypatch.setattr(fa_prefill, "SLICE_TOKENS", 16)
+    outs = {}
+    for name, pages in (("fa", False), ("fa-pages", True)):
+        rt.prefill = FlashPrefill(rt.fmt, hkv, d, fa=_fa_standin, chunk_from_pages=pages)
+        outs[name] = torch.full((t, hq, d), float("nan"), dtype=torch.bfloat16)
+        rt.attend(q, k, v, pool, bt, sl, qsl, t, 0, 0, outs[name], max_query_len=max(ql))
+    start = 0
+    for b, s in enumerate(seq):
+        chunk_k = k[start:start + ql[b]].view(ql[b], hkv, d)
+        chunk_v = v[start:start + ql[b]].view(ql[b], hkv, d)
+        kk = torch.cat([hist[b][0], chunk_k]) if b in hist else chunk_k
+        vv = torch.cat([hist[b][1], chunk_v]) if b in hist else chunk_v
+        kq, vq = get_format("k4v4").roundtrip(kk.float(), vv.float(), bs)
+        want = attention_ref(q[start:start + ql[b]].view(ql[b], hq, d), kq.double(), vq.double(), d ** -0.5,
+                             torch.float64)
+        got = outs["fa-pages"][start:start + ql[b]].double()
+        assert ((got - want).abs().max() / want.abs().max()) < 1e-2
+        other = outs["fa"][start:start + ql[b]].double()
+        assert ((other - want).abs().max() / want.abs().max()) > 2e-2  # fa attends to the exact chunk
+        start += ql[b]
+    with pytest.raises(ValueError, match="sliced and chunk_from_pages"):
+        FlashPrefill(rt.fmt, hkv, d, fa=_fa_standin, sliced=True, chunk_from_pages=True)
+
+
 def test_record_check_reports_error_of_a_wrong_output():
     from kvrepro.vllm_backend import runtime
 

@@ -200,11 +200,12 @@ class KVReproAttentionImpl(AttentionImpl[KVReproMetadata]):
         preset = s.preset
         prefill = None
         path = s.prefill
-        if path in ("fa", "fa-sliced"):
+        if path in ("fa", "fa-sliced", "fa-pages"):
             from kvrepro.formats import get_format
             from kvrepro.vllm_backend.fa_prefill import FlashPrefill
 
-            prefill = FlashPrefill(get_format(preset), num_kv_heads, head_size, sliced=path == "fa-sliced")
+            prefill = FlashPrefill(get_format(preset), num_kv_heads, head_size, sliced=path == "fa-sliced",
+                                  chunk_from_pages=path == "fa-pages")
         elif path == "dequant":
             from kvrepro.vllm_backend.fa_prefill import RotatedDequantPrefill
 

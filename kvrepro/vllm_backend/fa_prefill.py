@@ -53,8 +53,16 @@ def dequant_context(pool_obj, block_row: torch.Tensor, ctx: int, rotation: torch
 class FlashPrefill:
     """Callable with the signature of ``kvrepro.ops.prefill_attention`` (the kwargs it needs)."""
 
-    def __init__(self, fmt, num_kv_heads: int, head_size: int, fa=None, sliced: bool = False):
-        """``fa``: a ``flash_attn_varlen_func`` stand-in (tests); default vLLM's FlashAttention."""
+    def __init__(self, fmt, num_kv_heads: int, head_size: int, fa=None, sliced: bool = False,
+                 chunk_from_pages: bool = False):
+        """``fa``: a ``flash_attn_varlen_func`` stand-in (tests); default vLLM's FlashAttention.
+        ``chunk_from_pages`` (``KVREPRO_PREFILL=fa-pages``): the chunk's own K/V are read back from the pages
+        (vLLM stores them before attention runs) instead of used fresh, so every prompt position attends to the
+        compressed KV exactly as a decode step would; vLLM's own FlashAttention backend does the same for
+        bf16/fp8 (it attends over its paged cache). Needed for prompt log-probs that measure the format
+        (kvrepro.fidelity); slower than ``fa`` by the chunk's dequantization."""
+        if sliced and chunk_from_pages:
+            raise ValueError("sliced and chunk_from_pages cannot both be set (KVREPRO_PREFILL is one path)")
         if fa is None:
             from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func, get_flash_attn_version
 
@@ -63,6 +71,7 @@ class FlashPrefill:
             self.fa_version = None
         self.fa = fa
         self.sliced = sliced
+        self.chunk_from_pages = chunk_from_pages
         self.fmt, self.num_kv_heads, self.head_size = fmt, num_kv_heads, head_size
         self._pool = None
 
@@ -91,7 +100,11 @@ class FlashPrefill:
                 out[qs:qe] = self._sliced(query[qs:qe], key[qs:qe], value[qs:qe], pool_obj, block_tables[b], ctx,
                                           rotation, scale)
                 continue
-            if ctx:
+            if self.chunk_from_pages:
+                k = torch.empty(s, self.num_kv_heads, self.head_size, dtype=key.dtype, device=dev)
+                v = torch.empty_like(k)
+                dequant_context(pool_obj, block_tables[b], s, rotation, key.dtype, k, v)
+            elif ctx:
                 k = torch.empty(s, self.num_kv_heads, self.head_size, dtype=key.dtype, device=dev)
                 v = torch.empty_like(k)
                 dequant_context(pool_obj, block_tables[b], ctx, rotation, key.dtype, k, v)
