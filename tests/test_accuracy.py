@@ -368,25 +368,211 @@ def test_format_order_and_replayed_grid_keep_formats_outside_format_names():
     assert t.loc[("bf16-triton_attn", "single"), "verdict"] == "NOT MET"
 
 
+def _pairs(fmt, n, lost=0, gained=0, base_right=None, variant="single", engine="vllm", prefix=""):
+    """``n`` paired rows of ``fmt`` and their bf16 partners (rows of bf16 only once per prompt, by the caller):
+    bf16 is right on the first ``base_right`` prompts (default all but ``gained``); the format loses the first
+    ``lost`` of those and gains the last ``gained`` prompts (where bf16 is wrong)."""
+    base_right = n - gained if base_right is None else base_right
+    base = [1] * base_right + [0] * (n - base_right)
+    mine = list(base)
+    for i in range(lost):
+        mine[i] = 0
+    for i in range(n - gained, n):
+        mine[i] = 1
+    rows = [dict(format=fmt, variant=variant, engine=engine, correct=c, prompt_sha256=f"{prefix}{variant}-{i}",
+                 context_length=1024, depth=0.0, key=str(10000 + i)) for i, c in enumerate(mine)]
+    return rows, [dict(r, format="bf16", correct=c) for r, c in zip(rows, base)]
+
+
+def _verdict_rows():
+    """vLLM-like rows: 1,000 single-needle pairs (bf16 right on 990) and 400 multi-needle pairs (bf16 right on 200)."""
+    rows = []
+    k4v4, base = _pairs("k4v4", 1000, lost=1, base_right=990)
+    rows += k4v4 + base
+    rows += _pairs("k4v2", 1000, lost=12, gained=2, base_right=990)[0]
+    rows += _pairs("fp8", 1000, base_right=990)[0]
+    rows += _pairs("bf16-triton_attn", 1000, lost=2, gained=2, base_right=990)[0]
+    for f in ("k4v4", "k4v2", "fp8", "bf16-triton_attn"):
+        m, mb = _pairs(f, 400, lost=20, gained=20, base_right=200, variant="multi")
+        rows += m + (mb if f == "k4v4" else [])
+    df = pd.DataFrame(rows).sample(frac=1.0, random_state=0)        # order must not matter: pairs by prompt_sha256
+    san = _sanity_rows().replace({"format": {"good": "k4v4", "loop": "k4v2", "stutter": "fp8"}})
+    return df, san[san["format"].isin(["bf16", "k4v4", "k4v2", "fp8"])]   # no sanity rows for the control
+
+
+def test_mode_verdicts_against_hand_counts():
+    from kvrepro import stats
+
+    df, san = _verdict_rows()
+    t = accuracy.mode_verdicts(df, san)
+    assert list(dict.fromkeys(t.index.get_level_values(0))) == ["bf16", "fp8", "k4v4", "k4v2", "bf16-triton_attn"]
+    k = t.loc[("k4v4", "single")]
+    assert (k["pairs"], k["lost"], k["gained"]) == (1000, 1, 0) and k["accuracy"] == 989 / 1000
+    assert k["bound_pp"] == pytest.approx(100 * stats.noninferiority_bound(1, 0, 1000))
+    # all discordant pairs are losses: the bound is the one on the discordant rate
+    assert k["bound_pp"] == pytest.approx(100 * stats.clopper_pearson_upper(1, 1000, 0.025))
+    assert k["loss_pp"] == pytest.approx(0.1) and k["retrieval"] == "NON-INFERIOR" and k["verdict"] == "NON-INFERIOR"
+    assert k["text"] == f"NON-INFERIOR (bound {k['bound_pp']:.2f} pp <= 1 pp)"
+    m = t.loc[("k4v4", "multi")]     # bf16 50%: near-chance answers flip, the data cannot decide
+    assert (m["pairs"], m["lost"], m["gained"], m["verdict"]) == (400, 20, 20, "NOT JUDGED")
+    assert m["reason"] == "bf16 50% < 90%: near-chance answers flip on any numerical difference"
+    o = t.loc[("k4v4", "overall")]
+    assert (o["pairs"], o["lost"], o["gained"], o["verdict"], o["sanity"]) == (1400, 21, 20, "NON-INFERIOR", "pass")
+    assert o["bound_pp"] == k["bound_pp"] and o["text"].startswith("NON-INFERIOR (single: lost 1, gained 0 of 1000")
+    # k4v2: 12 lost, 2 gained -> INFERIOR by its bound; it also loops (sanity FAIL): FAIL decides, visibly
+    r = t.loc[("k4v2", "single")]
+    assert r["retrieval"] == "INFERIOR"
+    assert r["bound_pp"] == pytest.approx(100 * stats.noninferiority_bound(12, 2, 1000))
+    assert r["bound_pp"] > 1.0 and (t.loc["k4v2", "verdict"] == "FAIL").all()
+    assert t.loc[("k4v2", "overall"), "text"] == "FAIL: output sanity (70% repeated 3-grams vs bf16 0% on 'a')"
+    # fp8: retrieves as bf16 does (NON-INFERIOR) but stutters: FAIL with the rates that failed
+    f = t.loc[("fp8", "overall")]
+    assert f["retrieval"] == "NON-INFERIOR" and f["verdict"] == "FAIL" and f["sanity"] == "FAIL"
+    assert f["text"] == (f"FAIL: output sanity ({12 / 31:.0%} adjacent duplicates vs bf16 0% on 'a'; "
+                         f"{18 / 30:.0%} repeated 3-grams vs bf16 0% on 'a')")
+    # the control: balanced flips, NON-INFERIOR on retrieval, but no sanity rows -> NOT JUDGED overall, saying why
+    c = t.loc[("bf16-triton_attn", "overall")]
+    assert t.loc[("bf16-triton_attn", "single"), "verdict"] == "NON-INFERIOR"
+    assert c["verdict"] == "NOT JUDGED" and c["reason"].startswith("no output-sanity rows; retrieval NON-INFERIOR")
+    assert (t.loc["bf16", "verdict"] == "baseline").all()
+    # few pairs: NOT JUDGED with the number needed; a prompt answered twice is refused
+    few = accuracy.mode_verdicts(df[df["prompt_sha256"].isin([f"single-{i}" for i in range(100)])], san)
+    assert few.loc[("k4v4", "single"), "reason"] == "100 pairs < 368 needed for a 1 pp margin"
+    assert few.loc[("k4v4", "overall"), "verdict"] == "NOT JUDGED"
+    with pytest.raises(ValueError, match="format k4v4: 1 prompts answered more than once"):
+        accuracy.mode_verdicts(pd.concat([df, df[df["format"] == "k4v4"].iloc[:1]]))
+    with pytest.raises(ValueError, match="no 'bf16' baseline"):
+        accuracy.mode_verdicts(df[df["format"] != "bf16"])
+
+
 def test_verdict_table_against_hand_values():
-    """Per format: bytes at head_dim 64, correct / runs per engine and variant, sanity, the per-engine verdicts."""
+    """Per mode: bytes at head_dim 64, correct / runs per engine and variant, sanity, and each engine's overall
+    verdict from mode_verdicts (the same function for both engines)."""
+    vllm, san = _verdict_rows()
     cells = {(1024, 0.0): [1, 1], (2048, 0.0): [1, 1]}
     cpu = pd.DataFrame(_cells("bf16", cells) + _cells("k4v4", cells) + _cells("k4v2", {(1024, 0.0): [1, 1],
                                                                                        (2048, 0.0): [0, 1]}))
-    vllm = pd.DataFrame(_cells("bf16", cells, engine="vllm") + _cells("k4v4", {(1024, 0.0): [1, 1], (2048, 0.0): [1, 0]},
-                                                                      engine="vllm")
-                        + _cells("bf16-triton_attn", cells, engine="vllm"))
-    san = _sanity_rows().replace({"format": {"good": "k4v4", "loop": "k4v2"}})
-    t = accuracy.verdict_table(cpu, vllm, san[san["format"].isin(["bf16", "k4v4", "k4v2"])], None)
-    assert list(t.index) == ["bf16", "k4v4", "k4v2"]                     # FORMAT_NAMES order, no vLLM control
+    t = accuracy.verdict_table(cpu, vllm, san, san)
+    assert list(t.index) == ["bf16", "fp8", "k4v4", "k4v2", "bf16-triton_attn"]   # KV formats, then the control
     # 64-dim heads: bf16 2 x 64 x 2 B; k4v4 32 + 32 B of 4-bit codes + 4 B K scale/zero + 2 B V scale
     assert t.loc["bf16", "B/token/head"] == 2 * 64 * 2 and t.loc["k4v4", "B/token/head"] == 32 + 32 + 4 + 2
-    assert t.loc["k4v2", "CPU single"] == f"{1 + 1 + 0 + 1}/4" and t.loc["k4v4", "vLLM single"] == "3/4"
-    assert t.loc["k4v2", "vLLM single"] == ""                            # not run through vLLM
-    assert (t.loc["k4v4", "CPU sanity"], t.loc["k4v2", "CPU sanity"], t.loc["k4v4", "vLLM sanity"]) == ("pass", "FAIL", "")
+    assert t.loc["bf16-triton_attn", "B/token/head"] == 2 * 64 * 2              # the control keeps bf16 KV
+    assert t.loc["k4v2", "CPU single"] == f"{1 + 1 + 0 + 1}/4" and t.loc["k4v4", "vLLM single"] == "989/1000"
+    assert t.loc["fp8", "CPU single"] == "" and t.loc["k4v4", "vLLM multi"] == "200/400"
+    assert (t.loc["k4v4", "CPU sanity"], t.loc["k4v2", "CPU sanity"], t.loc["fp8", "vLLM sanity"]) == \
+        ("pass", "FAIL", "FAIL")
     assert t.loc["bf16", "verdict"] == "baseline"
-    assert t.loc["k4v4", "verdict"] == "CPU: single MET · vLLM: single NOT MET (2048/0.0)"
-    assert t.loc["k4v2", "verdict"] == "CPU: single NOT MET (2048/0.0); sanity FAIL"
+    mv = accuracy.mode_verdicts(vllm, san)
+    assert t.loc["k4v4", "verdict"] == ("CPU: NOT JUDGED (single: NOT JUDGED (4 pairs < 368 needed for a 1 pp "
+                                        f"margin)) · vLLM: {mv.loc[('k4v4', 'overall'), 'text']}")
+    assert t.loc["k4v2", "verdict"] == ("CPU: FAIL: output sanity (70% repeated 3-grams vs bf16 0% on 'a') · "
+                                        "vLLM: FAIL: output sanity (70% repeated 3-grams vs bf16 0% on 'a')")
+    assert t.loc["fp8", "verdict"].startswith("vLLM: FAIL: output sanity (39% adjacent duplicates")
+
+
+def test_save_results_writes_the_verdict(tmp_path):
+    """With the run's sanity rows the CPU result files carry the verdict: a mode_verdict column and .verdict.csv."""
+    df, san = _verdict_rows()
+    p = AccuracyParams(formats=("bf16", "fp8", "k4v4", "k4v2"))
+    out = accuracy.save_results(df[df["format"] != "bf16-triton_attn"], p, str(tmp_path / "r.csv"), {}, sanity=san)
+    rows = pd.read_csv(out)
+    v = pd.read_csv(out + ".verdict.csv")
+    assert set(rows[rows["format"] == "k4v2"]["mode_verdict"]) == {"FAIL: output sanity (70% repeated 3-grams vs "
+                                                                   "bf16 0% on 'a')"}
+    assert set(rows[rows["format"] == "bf16"]["mode_verdict"]) == {"baseline"}
+    assert v.set_index(["format", "variant"]).loc[("k4v4", "overall"), "verdict"] == "NON-INFERIOR"
+    assert len(pd.read_csv(out + ".sanity.csv")) == len(san)
+    out2 = accuracy.save_results(df, p, str(tmp_path / "plain.csv"), {})     # no sanity: rows only, as before
+    assert "mode_verdict" not in pd.read_csv(out2) and not (tmp_path / "plain.csv.verdict.csv").exists()
+
+
+# ---------------------------------------------------------------- kvrepro.stats against independent references
+
+def _tail_le(x, n, p):
+    """P(X <= x), X ~ Binomial(n, p), exactly: rational arithmetic on math.comb (p taken as the exact float)."""
+    from fractions import Fraction
+    from math import comb
+
+    P = Fraction(p)
+    return sum(comb(n, k) * P ** k * (1 - P) ** (n - k) for k in range(x + 1))
+
+
+@pytest.mark.parametrize("x,n", [(0, 1), (1, 1), (0, 10), (3, 10), (9, 10), (10, 10), (1, 368), (5, 1000),
+                                 (20, 40), (37, 40), (2, 3)])
+def test_clopper_pearson_against_exact_tail_sums(x, n):
+    from kvrepro import stats
+
+    for a in (0.05, 0.025):
+        up, lo = stats.clopper_pearson_upper(x, n, a), stats.clopper_pearson_lower(x, n, a)
+        if x == n:
+            assert up == 1.0
+        else:   # the smallest p whose lower tail is alpha: at the bound exactly alpha, just below it more
+            assert float(_tail_le(x, n, up)) == pytest.approx(a, rel=1e-9)
+            assert _tail_le(x, n, up - 1e-7) > a
+        if x == 0:
+            assert lo == 0.0
+        else:   # the upper tail P(X >= x) at the lower bound
+            assert float(1 - _tail_le(x - 1, n, lo)) == pytest.approx(a, rel=1e-9)
+            assert 1 - _tail_le(x - 1, n, lo + 1e-7) > a
+        assert lo <= x / n <= up
+    for p in (0.001, 0.3, 0.97):
+        assert stats.binom_cdf(x, n, p) == pytest.approx(float(_tail_le(x, n, p)), rel=1e-11, abs=1e-300)
+
+
+def test_noninferiority_bound_covers_the_true_loss():
+    """Exact coverage, by enumerating every outcome (b, c) of N = 40 pairs: the bound is >= the true loss
+    p_b - p_c with probability >= 95% for each (p_b, p_c) tried, among them the case the plug-in bound
+    (2 pi_U - 1) n / N misses (a mode that only loses)."""
+    from fractions import Fraction
+    from math import comb, factorial
+
+    from kvrepro import stats
+
+    N = 40
+    bound = {(b, c): stats.noninferiority_bound(b, c, N) for b in range(N + 1) for c in range(N + 1 - b)}
+    plug = {(b, c): (2 * stats.clopper_pearson_upper(b, b + c) - 1) * (b + c) / N if b + c else 0.0
+            for b, c in bound}
+
+    def coverage(pb, pc, bounds):
+        pb, pc = Fraction(pb), Fraction(pc)
+        total = Fraction(0)
+        for (b, c), v in bounds.items():
+            if v >= float(pb - pc) - 1e-12:
+                total += (Fraction(factorial(N), factorial(b) * factorial(c) * factorial(N - b - c))
+                          * pb ** b * pc ** c * (1 - pb - pc) ** (N - b - c))
+        return float(total)
+
+    for pb, pc in [("0.05", "0"), ("0.02", "0"), ("0.1", "0.02"), ("0.1", "0.1"), ("0.2", "0.05"), ("0", "0.1"),
+                   ("0.3", "0.3")]:
+        assert coverage(pb, pc, bound) >= 0.95, (pb, pc)
+    assert coverage("0.05", "0", plug) < 0.9        # why the discordant rate is bounded, not plugged in
+    assert sum(comb(N, k) for k in range(N + 1)) == 2 ** N   # the enumeration's own sanity
+
+
+def test_mcnemar_noninferiority_hand_values():
+    from math import comb
+
+    from kvrepro import stats
+
+    s = stats.mcnemar_noninferiority(0, 0, 1000)
+    assert s["bound_pp"] == pytest.approx(100 * (1 - 0.025 ** (1 / 1000))) and s["non_inferior"] and s["p_worse"] == 1.0
+    assert stats.min_pairs() == 368
+    assert stats.mcnemar_noninferiority(0, 0, 368)["non_inferior"]
+    assert not stats.mcnemar_noninferiority(0, 0, 367)["non_inferior"]
+    assert stats.min_pairs(2.0, 0.1) == min(n for n in range(1, 1000) if 1 - 0.05 ** (1 / n) <= 0.02)
+    s = stats.mcnemar_noninferiority(3, 1, 1000)
+    assert (s["lost"], s["gained"], s["discordant"], s["loss_pp"]) == (3, 1, 4, pytest.approx(0.2))
+    assert s["p_worse"] == pytest.approx(sum(comb(4, k) for k in (3, 4)) / 16)      # 5/16
+    k = 2 * stats.clopper_pearson_upper(3, 4, 0.025) - 1
+    assert s["bound_pp"] == pytest.approx(100 * k * stats.clopper_pearson_upper(4, 1000, 0.025))
+    g = stats.mcnemar_noninferiority(0, 10, 1000)   # only gains: a negative bound, from the lower bound on d
+    k = 2 * (1 - 0.025 ** (1 / 10)) - 1
+    assert k < 0 and g["bound_pp"] == pytest.approx(100 * k * stats.clopper_pearson_lower(10, 1000, 0.025))
+    assert stats.mcnemar_noninferiority(12, 2, 1000, margin_pp=5.0)["non_inferior"]
+    for args, match in [((3, 1, 3), "pairs must be >= 1 and >= b \\+ c"), ((0, 0, 0), "pairs"), ((-1, 0, 5), "b must"),
+                        ((1, 0, 5, 0), "margin_pp"), ((1, 0, 5, 1.0, 1.5), "alpha")]:
+        with pytest.raises(ValueError, match=match):
+            stats.mcnemar_noninferiority(*args)
 
 
 @pytest.mark.filterwarnings("ignore:FigureCanvasAgg is non-interactive")
