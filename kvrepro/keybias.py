@@ -1,0 +1,106 @@
+"""Key-bias stress test: how a large key-projection bias, added before RoPE as models do, changes a KV format's
+attention-output error.
+
+Field fault (../shared/cases/field-faults.md, rows 1-2): Qwen2/2.5-family models carry a key-projection bias of norm
+~300-1000 in a few channels of some layers. The bias is added before RoPE, so after RoPE it turns with the position
+in its channel pair; a per-token quantizer then spends its range on the bias and the small per-token part of the
+key, the part that decides attention, is lost.
+
+``stress(fmt, shape, bias_norm, channels)`` builds keys ``RoPE(b + N(0, 1))`` (NeoX half-split RoPE, base 1e6 as
+Qwen2.5), values N(0, 1) and queries ``RoPE(N(0, 1))`` at the last position, stores K/V through the format
+(``KVFormat.roundtrip``: the page bytes every kernel reads, so the reference path stands for them) and returns the
+attention output's relative error against exact attention in float64, and the share of queries whose top-1 key
+matches. ``bias_table`` runs the grid and divides each error by the same format's error without the bias: the
+robustness bar of issue 21 is a ratio <= 1.5.
+
+Channel placements: ``high`` = the first 4 channels (RoPE's fastest-turning pairs; each pair turns by ~1 rad per
+position), ``low`` = the last 2 channels of each half (the slowest pairs: nearly constant over the context; where
+models' massive key values sit, Jin et al. 2025, arXiv:2502.01563).
+"""
+from __future__ import annotations
+
+import pandas as pd
+import torch
+
+from kvrepro.formats import get_format
+
+SHAPES = ((32, 8, 128), (28, 4, 128), (16, 2, 128), (48, 2, 128), (32, 8, 64), (9, 3, 64), (32, 32, 80),
+          (16, 4, 192))   # field-faults row 2: (q_heads, kv_heads, head_dim)
+PLACEMENTS = ("high", "low")
+BAR = 1.5
+
+
+def rope(x: torch.Tensor, pos: torch.Tensor, base: float = 1e6) -> torch.Tensor:
+    """NeoX-style (half-split) rotary embedding of ``x [..., n, D]`` at integer positions ``pos [n]``, float64."""
+    half = x.shape[-1] // 2
+    inv = base ** (-torch.arange(half, dtype=torch.float64) / half)
+    ang = pos[:, None].double() * inv[None]
+    c, s = ang.cos(), ang.sin()
+    x1, x2 = x[..., :half].double(), x[..., half:].double()
+    return torch.cat([x1 * c - x2 * s, x1 * s + x2 * c], -1)
+
+
+def bias_channels(head_dim: int, placement: str) -> list[int]:
+    """4 channels of ``placement`` (``PLACEMENTS``); ValueError otherwise."""
+    half = head_dim // 2
+    if placement == "high":
+        return [0, 1, 2, 3]
+    if placement == "low":
+        return [half - 2, half - 1, head_dim - 2, head_dim - 1]
+    raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
+
+
+def stress(fmt: str, shape: tuple, bias_norm: float, placement: str = "high", tokens: int = 2048,
+           seed: int = 0) -> dict:
+    """One case: ``shape = (q_heads, kv_heads, head_dim)``; bias of norm ``bias_norm`` spread evenly over the 4
+    channels of ``placement``. Returns ``{"rel_err", "top1"}`` (attention output relative error vs exact float64
+    attention, all heads; share of queries whose top-1 key is unchanged).
+
+    Raises:
+        ValueError: an unknown format or placement; a head_dim the format does not support (the format's own
+            message names head_dim and the supported values).
+    """
+    hq, hkv, d = shape
+    f = get_format(fmt)
+    g = torch.Generator().manual_seed(seed)
+    b = torch.zeros(d, dtype=torch.float64)
+    b[bias_channels(d, placement)] = bias_norm / 2.0       # 4 channels: norm = 2 x per-channel value
+    pos = torch.arange(tokens)
+    k = rope(b + torch.randn(hkv, tokens, d, generator=g, dtype=torch.float64), pos).transpose(0, 1)  # [n, Hkv, D]
+    v = torch.randn(tokens, hkv, d, generator=g, dtype=torch.float64)
+    q = rope(torch.randn(hq, 1, d, generator=g, dtype=torch.float64), pos[-1:])[:, 0]                  # [Hq, D]
+    k16, v16 = k.to(torch.bfloat16), v.to(torch.bfloat16)
+    kh, vh = f.roundtrip(k16.float(), v16.float())
+    grp = hq // hkv
+    kk, kq = k16.double().repeat_interleave(grp, 1), kh.double().repeat_interleave(grp, 1)
+    vv, vq = v16.double().repeat_interleave(grp, 1), vh.double().repeat_interleave(grp, 1)
+    scale = d ** -0.5
+    ref_logits = torch.einsum("hd,nhd->hn", q, kk) * scale
+    logits = torch.einsum("hd,nhd->hn", q, kq) * scale
+    ref = torch.einsum("hn,nhd->hd", torch.softmax(ref_logits, -1), vv)
+    out = torch.einsum("hn,nhd->hd", torch.softmax(logits, -1), vq)
+    return {"rel_err": float((out - ref).norm() / ref.norm()),
+            "top1": float((logits.argmax(-1) == ref_logits.argmax(-1)).double().mean())}
+
+
+def bias_table(formats=("fp8", "k8v4", "k5v4", "k4v4", "k4v2"), shapes=SHAPES, bias_norms=(300.0, 600.0, 1000.0),
+               placements=PLACEMENTS, tokens: int = 2048, seed: int = 0) -> pd.DataFrame:
+    """The grid: one row per (format, shape, placement, bias norm) with the error, the error without the bias, their
+    ratio and ``meets`` (ratio <= ``BAR``). A shape the format does not support gets ``supported=False`` and the
+    refusal message in ``note`` (the bar counts it as not met)."""
+    rows = []
+    for fmt in formats:
+        for shape in shapes:
+            try:
+                base = stress(fmt, shape, 0.0, "high", tokens, seed)
+            except ValueError as e:
+                rows.append({"format": fmt, "shape": str(shape), "supported": False, "note": str(e).split(";")[0]})
+                continue
+            for placement in placements:
+                for bn in bias_norms:
+                    r = stress(fmt, shape, bn, placement, tokens, seed)
+                    ratio = r["rel_err"] / base["rel_err"]
+                    rows.append({"format": fmt, "shape": str(shape), "supported": True, "placement": placement,
+                                 "bias_norm": bn, "rel_err": r["rel_err"], "rel_err_no_bias": base["rel_err"],
+                                 "ratio": ratio, "top1": r["top1"], "meets": ratio <= BAR, "note": ""})
+    return pd.DataFrame(rows)
