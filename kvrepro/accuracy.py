@@ -363,8 +363,9 @@ def save_results(df: pd.DataFrame, params: AccuracyParams, path: str, provenance
     as ``<path>.json`` beside it; each through a temp file then rename. Returns the CSV path.
 
     With ``sanity`` (the ``run_sanity`` rows of the same run): the verdict too, as decided by
-    :func:`mode_verdicts`: a ``mode_verdict`` column in the CSV (each row its format's overall verdict line),
-    ``<path>.verdict.csv`` (per format and variant), and the sanity rows as ``<path>.sanity.csv``.
+    :func:`mode_verdicts`: a ``mode_verdict`` column in the CSV (each row its format's overall verdict: FAIL,
+    NON-INFERIOR, INFERIOR, NOT JUDGED or baseline), ``<path>.verdict.csv`` (per format and variant, with the
+    reasons), and the sanity rows as ``<path>.sanity.csv``.
 
     Raises:
         ValueError: ``path`` exists and holds another grid (``check_overwrite``), unless ``params.overwrite``.
@@ -376,7 +377,7 @@ def save_results(df: pd.DataFrame, params: AccuracyParams, path: str, provenance
     files = []
     if sanity is not None and (df["format"].astype(str) == BASELINE).any():
         v = mode_verdicts(df, sanity).reset_index()
-        overall = v[v["variant"] == OVERALL].set_index("format")["text"]
+        overall = v[v["variant"] == OVERALL].set_index("format")["verdict"]
         df = df.assign(mode_verdict=df["format"].astype(str).map(overall))
         files += [(path + ".verdict.csv", lambda f: v.to_csv(f, index=False)),
                   (path + ".sanity.csv", lambda f: sanity.to_csv(f, index=False))]
@@ -683,7 +684,9 @@ def mode_verdicts(rows: pd.DataFrame, sanity: pd.DataFrame | None = None, baseli
         DataFrame indexed by (format, variant), formats in ``format_order``, variants in ``VARIANTS`` order then
         "overall"; columns pairs, lost, gained, accuracy, baseline_accuracy, loss_pp, bound_pp, p_worse, retrieval,
         sanity ("pass" / "FAIL" / "" not measured), verdict (one of ``VERDICTS``, "baseline" for the baseline),
-        reason, text (one line: ``verdict_text``).
+        reason (in full: counts, loss, bound), text (one short line: "FAIL: output sanity (22% adjacent duplicates
+        vs bf16 3% on 'story')", "NON-INFERIOR (bound 0.42 pp <= 1 pp)", "NOT JUDGED (...)"; for the overall row
+        each variant's bound or why it is not judged; "baseline").
 
     Raises:
         ValueError: no baseline rows.
@@ -740,44 +743,28 @@ def mode_verdicts(rows: pd.DataFrame, sanity: pd.DataFrame | None = None, baseli
                 total.update(retrieval="NON-INFERIOR", reason=parts)
             else:
                 total.update(retrieval="NOT JUDGED", reason=parts)
+        for p in per:   # the short form of each variant's result, before the reasons change
+            p["text"] = (f"bound {p['bound_pp']:.2f} pp {'<=' if p['retrieval'] == 'NON-INFERIOR' else '>'} "
+                         f"{margin_pp:g} pp" if p["retrieval"] in ("NON-INFERIOR", "INFERIOR") else p["reason"])
+        briefs = "; ".join(f"{p['variant']}: {'' if p['retrieval'] != 'NOT JUDGED' else 'NOT JUDGED, '}{p['text']}"
+                           for p in per)
         for p in per + [total]:
             p.update(format=fmt, sanity="" if fmt == baseline else sane)
             if fmt == baseline:
-                p["verdict"] = "baseline"
+                p["verdict"] = p["text"] = "baseline"
             elif sane == "FAIL":
-                p["verdict"] = "FAIL"
+                p["verdict"], p["text"] = "FAIL", f"FAIL: output sanity ({sane_why})"
                 p["reason"] = f"output sanity ({sane_why}); retrieval {p['retrieval']}: {p['reason']}"
             elif p is total and sane == "" and p["retrieval"] == "NON-INFERIOR":
-                p["verdict"] = "NOT JUDGED"
+                p["verdict"], p["text"] = "NOT JUDGED", f"NOT JUDGED (no output-sanity rows; {briefs})"
                 p["reason"] = f"no output-sanity rows; retrieval NON-INFERIOR: {p['reason']}"
             else:
                 p["verdict"] = p["retrieval"]
+                p["text"] = f"{p['verdict']} ({briefs if p is total else p['text']})"
             out.append(p)
     cols = ["format", "variant", "pairs", "lost", "gained", "accuracy", "baseline_accuracy", "loss_pp", "bound_pp",
-            "p_worse", "retrieval", "sanity", "verdict", "reason"]
-    t = pd.DataFrame(out, columns=cols)
-    t["text"] = [verdict_text(r, margin_pp) for _, r in t.iterrows()]
-    return t.set_index(["format", "variant"])
-
-
-def verdict_text(r, margin_pp: float | None = None) -> str:
-    """One line of a ``mode_verdicts`` row: "FAIL: output sanity (22% adjacent duplicates vs bf16 3% on
-    'story')", "NON-INFERIOR (bound 0.42 pp <= 1 pp)", "INFERIOR (bound 2.31 pp > 1 pp)", "NOT JUDGED (...)",
-    "baseline". For the overall row the bound is each judged variant's."""
-    from kvrepro.stats import MARGIN_PP
-
-    margin_pp = MARGIN_PP if margin_pp is None else margin_pp
-    v = r["verdict"]
-    if v == "baseline":
-        return v
-    if v == "FAIL":
-        return "FAIL: " + r["reason"].split("; retrieval ")[0]
-    if v == "NOT JUDGED":
-        return f"NOT JUDGED ({r['reason']})"
-    variant = r["variant"] if "variant" in r.index else r.name[1]
-    if variant == OVERALL:
-        return f"{v} ({r['reason']})"
-    return f"{v} (bound {r['bound_pp']:.2f} pp {'<=' if v == 'NON-INFERIOR' else '>'} {margin_pp:g} pp)"
+            "p_worse", "retrieval", "sanity", "verdict", "reason", "text"]
+    return pd.DataFrame(out, columns=cols).set_index(["format", "variant"])
 
 
 def _bytes_per_head(fmt: str, head_dim: int):
@@ -807,7 +794,7 @@ def verdict_table(cpu: pd.DataFrame, vllm: pd.DataFrame | None = None, cpu_sanit
         DataFrame indexed by ``mode``: ``B/token/head`` (stored KV bytes per token and KV head at ``head_dim``),
         per engine and needle variant the correct / runs (e.g. "CPU single", "vLLM multi"), per engine the
         sanity result ("pass" / "FAIL", blank without rows), and ``verdict``: "baseline" for bf16, else per engine
-        its overall ``verdict_text`` (FAIL with the sanity reason, NON-INFERIOR / INFERIOR with the bounds, NOT
+        its overall ``mode_verdicts`` text (FAIL with the sanity reason, NON-INFERIOR / INFERIOR with the bounds, NOT
         JUDGED with why).
     """
     engines = [("CPU", cpu, cpu_sanity)] + ([("vLLM", vllm, vllm_sanity)] if vllm is not None else [])

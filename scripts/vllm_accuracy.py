@@ -18,15 +18,15 @@ fp8, the other presets of ``kvrepro.formats``, the bf16:triton_attn control) eac
 (``kvrepro.accuracy_vllm.run_modes``), one at a time or one per GPU (``--gpus 0,1``); a failing mode is recorded
 with its error and the others still run; modes not started within ``--deadline-s`` are recorded as skipped.
 
-Writes under ``--out`` (5 files): ``vllm_accuracy.csv`` (one row per prompt and mode, with the mode's verdict in
-``mode_verdict``), ``vllm_sanity.csv`` (one row per sanity prompt and mode), ``vllm_verdict.csv`` (per mode and
-needle variant: paired counts against bf16, the loss and its exact 95% bound, output sanity, the verdict:
-``kvrepro.accuracy.mode_verdicts``), ``vllm_accuracy.json`` (grid, provenance, per-mode status/errors/engine
-info, summary, verdicts), ``vllm_accuracy.log`` (worker logs). The files are rewritten (temp file + rename)
-after every mode. ``--merge-from DIR`` (an earlier output
-folder of the same prompt bundle, e.g. the committed results/accuracy/vllm_h200) keeps that folder's rows
-and status for the modes not run now, so re-running some modes gives one complete table (each row keeps
-its own date and provenance; the JSON records ``merged_from``).
+Writes under ``--out`` (5 files): ``vllm_accuracy.csv`` (one row per prompt and mode, with the mode's overall
+verdict in ``mode_verdict``: FAIL, NON-INFERIOR, INFERIOR, NOT JUDGED or baseline), ``vllm_sanity.csv`` (one row
+per sanity prompt and mode), ``vllm_verdict.csv`` (per mode and needle variant: paired counts against bf16, the
+loss and its exact 95% bound, output sanity, the verdict with its reason: ``kvrepro.accuracy.mode_verdicts``),
+``vllm_accuracy.json`` (grid, provenance, per-mode status/errors/engine info, summary, verdicts),
+``vllm_accuracy.log`` (worker logs). The files are rewritten (temp file + rename) after every mode.
+``--merge-from DIR`` (an earlier output folder of the same prompt bundle, e.g. the committed
+results/accuracy/vllm_h200) keeps that folder's rows and status for the modes not run now, so re-running some
+modes gives one complete table (each row keeps its own date and provenance; the JSON records ``merged_from``).
 """
 from __future__ import annotations
 
@@ -153,7 +153,7 @@ def write_outputs(res: dict, out: str, meta: dict) -> None:
     if res["rows"]:
         df = pd.DataFrame(res["rows"])
         if v is not None:
-            overall = v[v["variant"] == "overall"].set_index("format")["text"]
+            overall = v[v["variant"] == "overall"].set_index("format")["verdict"]   # the line: vllm_verdict.csv
             df["mode_verdict"] = df["format"].astype(str).map(overall)
         atomic_write(os.path.join(out, "vllm_accuracy.csv"), lambda f: df.to_csv(f, index=False))
     if res["sanity"]:
