@@ -233,8 +233,10 @@ def main(argv=None) -> int:
                          "(degenerate output on the H200); auto: gguf, then dequant if it fails")
     ap.add_argument("--compile", default="decode-graphs", choices=av.COMPILE)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.35)
-    ap.add_argument("--deadline-s", type=float, default=330.0, help="no mode starts after this many seconds")
-    ap.add_argument("--mode-timeout-s", type=float, default=110.0)
+    ap.add_argument("--deadline-s", type=float, default=540.0,
+                    help="seconds from the start: no mode runs past it (a 10-minute device call keeps a margin)")
+    ap.add_argument("--mode-timeout-s", type=float, default=300.0,
+                    help="seconds per mode (the stat bundle: ~1-2.5 min per mode on an H200, estimated)")
     ap.add_argument("--gpus", default="", help="GPU indices to run modes on in parallel, one mode per GPU (e.g. 0,1); "
                     "default: one mode at a time")
     ap.add_argument("--key-logprobs", default="all", choices=av.KEY_LOGPROBS,
