@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 PREFIX = "KVREPRO_"
-PRESETS = ("k4v4", "k8v4", "k4v2")          # = kvrepro.formats.COMPRESSED_PRESETS
+PRESETS = ("k4v4", "k8v4", "k4v2", "k5v4")  # = kvrepro.formats.COMPRESSED_PRESETS
 DEFAULT_PRESET = "k4v4"                     # = kvrepro.formats.DEFAULT_PRESET
 DECODE_IMPLS = ("auto", "cuda", "triton")
 PREFILL_PATHS = ("fa", "fa-sliced", "fa-pages", "dequant", "triton")
@@ -113,14 +113,16 @@ class Declaration:
 SETTINGS: tuple[Declaration, ...] = (
     Declaration(
         "preset", "KVREPRO_PRESET", ", ".join(PRESETS), DEFAULT_PRESET,
-        "The compressed KV format of every layer (bits per key / value element; kvrepro.formats). vLLM runs with "
-        "kv_cache_dtype='auto' and --attention-backend CUSTOM: the compression is the KV dtype.",
+        "The compressed KV format of every layer (bits per key / value element; kvrepro.formats; k5v4: 5-bit "
+        "symmetric keys, 4-bit values with a one-byte log2 scale, 147 B per token and KV head at head_dim 128). "
+        "vLLM runs with kv_cache_dtype='auto' and --attention-backend CUSTOM: the compression is the KV dtype.",
         _preset),
     Declaration(
         "decode_impl", "KVREPRO_DECODE_IMPL", ", ".join(DECODE_IMPLS), "auto",
         "Decode kernel. cuda: kvrepro's CUDA kernels (k4v4, k8v4, k4v2; head_dim 128, block 16, GQA group <= 8, "
-        "compute capability >= 8.0; anything else is refused at engine start); triton: every preset and shape; "
-        "auto: cuda where it applies, else triton (kvrepro.ops.decode.resolve_impl).",
+        "compute capability >= 8.0; anything else, k5v4 included, is refused at engine start); triton: every "
+        "preset and shape; auto: cuda where it applies, else triton (k5v4 always; "
+        "kvrepro.ops.decode.resolve_impl).",
         _choice("KVREPRO_DECODE_IMPL", DECODE_IMPLS)),
     Declaration(
         "num_splits", "KVREPRO_NUM_SPLITS", f"1..{MAX_NUM_SPLITS}", "",
@@ -176,7 +178,7 @@ class Settings:
     construction (``Settings(preset=" K8V4 ")`` has ``preset == "k8v4"``); see :data:`SETTINGS` for each.
 
     Attributes:
-        preset: ``"k4v4"`` | ``"k8v4"`` | ``"k4v2"``.
+        preset: ``"k4v4"`` | ``"k8v4"`` | ``"k4v2"`` | ``"k5v4"``.
         decode_impl: ``"auto"`` | ``"cuda"`` | ``"triton"``.
         num_splits: int in 1..256, or None (the decode kernel's shape-only rule).
         prefill: ``"fa"`` | ``"fa-sliced"`` | ``"fa-pages"`` | ``"dequant"`` | ``"triton"``.

@@ -35,7 +35,7 @@ def test_bytes_per_token_by_hand(fmt, expected):
 
 
 def test_compressed_page_is_the_layout_page():
-    for name in ("k4v4", "k8v4", "k4v2"):
+    for name in ("k4v4", "k8v4", "k4v2", "k5v4"):
         page = get_format(name).layout(128, 16).page_bytes
         assert cap.page_bytes_all_layers(name, QWEN, 16) == 36 * 8 * page
 
@@ -73,6 +73,21 @@ def test_seed_workload_80gib_by_hand():
     assert r["users_fit"] == 3
     r = cap.users_that_fit("fp8", 131_072, 1_024, cfg=QWEN)
     assert (r["num_gpu_blocks"], r["users_fit"]) == (fp8_blocks, 6)
+
+
+def test_k5v4_users_at_the_defaults_by_hand():
+    # k5v4: 128 x 5/8 = 80 B K codes + 64 B V codes + 2 B float16 K scale + 1 B uint8 log2 V scale = 147 B per token
+    # and KV head; a block = 16 tokens x 8 KV heads x 36 layers x 147 B.
+    per_head = 128 * 5 // 8 + 128 * 4 // 8 + 2 + 1
+    assert per_head == 147 and cap.bytes_per_token("k5v4", QWEN) == 36 * 8 * 147
+    page = 16 * 8 * 36 * per_head
+    assert page == 677_376 and cap.page_bytes_all_layers("k5v4", QWEN, 16) == page
+    kv = math.floor(0.9 * 80 * 2**30 - 8_044_936_192 - 1.968 * 2**30)
+    blocks = kv // page
+    users = (blocks - 1) // 8_256             # one null block; 131,072 + 1,024 tokens = 8,256 blocks per user
+    r = cap.users_that_fit("k5v4", 131_072, 1_024, cfg=QWEN)
+    assert (r["num_gpu_blocks"], r["users_fit"]) == (blocks, users)
+    assert users == 12                        # k4v4 (134 B) fits 13, k8v4 (198 B) 8
 
 
 def test_measured_anchors_and_card_users():

@@ -2,19 +2,21 @@
 paged scatter/gather with padding and shuffled blocks, fp8 scales (field-faults row 3),
 shapes (row 2), outlier keys (row 1), and bad input."""
 import math
+from fractions import Fraction
 
 import numpy as np
 import pytest
 import torch
 
 from kvrepro.formats import FORMAT_NAMES, get_format
-from kvrepro.formats.compressed import pack_codes, unpack_codes
+from kvrepro.formats.compressed import (CompressedFormat, log_scale_code, log_scale_value, pack_codes,
+                                        quantize_rotated, unpack_codes)
 from kvrepro.formats.hadamard import rotation_matrix
 from kvrepro.formats.layout import PageLayout
 from kvrepro.reference import attention_ref
 
-COMPRESSED = ("k4v4", "k8v4", "k4v2")
-BITS = {"k4v4": (4, 4), "k8v4": (8, 4), "k4v2": (4, 2)}
+COMPRESSED = ("k4v4", "k8v4", "k4v2", "k5v4")
+BITS = {"k4v4": (4, 4), "k8v4": (8, 4), "k4v2": (4, 2), "k5v4": (5, 4)}
 
 
 def _kv(n, h, d, seed, dtype=torch.bfloat16):
@@ -22,8 +24,9 @@ def _kv(n, h, d, seed, dtype=torch.bfloat16):
     return (torch.randn(n, h, d, generator=g).to(dtype), torch.randn(n, h, d, generator=g).to(dtype))
 
 
-@pytest.mark.parametrize("d,expected", [(128, {"bf16": 512, "fp8": 256, "k4v4": 134, "k8v4": 198, "k4v2": 102}),
-                                        (64, {"bf16": 256, "fp8": 128, "k4v4": 70, "k8v4": 102, "k4v2": 54})])
+@pytest.mark.parametrize("d,expected", [
+    (128, {"bf16": 512, "fp8": 256, "k4v4": 134, "k8v4": 198, "k4v2": 102, "k5v4": 128 * 9 // 8 + 3}),
+    (64, {"bf16": 256, "fp8": 128, "k4v4": 70, "k8v4": 102, "k4v2": 54, "k5v4": 64 * 9 // 8 + 3})])
 def test_bytes_per_token_per_head(d, expected):
     for name, b in expected.items():
         fmt = get_format(name)
@@ -77,15 +80,21 @@ def test_rotation_is_orthogonal_and_deterministic():
 @pytest.mark.parametrize("name", COMPRESSED)
 @pytest.mark.parametrize("d", [64, 128])
 def test_compressed_matches_float64_reference(name, d):
-    """Independent numpy float64 implementation of the documented method."""
+    """Independent numpy float64 implementation of the documented method (k5v4: the spec of its keys and of its
+    uint8 log2 value scale, u = clamp(ceil(8 log2(s) + 128), 0, 255), s_hat = 2**((u - 128) / 8))."""
     kb, vb = BITS[name]
     k, v = _kv(37, 3, d, seed=d + kb)
     kh, vh = get_format(name).roundtrip(k, v)
     r = _np_rotation(d)
-    for x, xh, bits, sym in ((k, kh, kb, False), (v, vh, vb, True)):
+    for x, xh, bits, sym in ((k, kh, kb, kb == 5), (v, vh, vb, True)):
         xr = x.double().numpy() @ r
         lo, hi = xr.min(-1, keepdims=True), xr.max(-1, keepdims=True)
-        if sym:  # values: mid-rise symmetric, scale only
+        if sym and x is v and name == "k5v4":  # values: mid-rise symmetric, one-byte log2 scale
+            c = ((1 << bits) - 1) / 2
+            u = np.clip(np.ceil(8 * np.log2(np.maximum(-lo, hi) / c) + 128), 0, 255)
+            s = 2.0 ** ((u - 128) / 8)
+            z = -c * s
+        elif sym:  # values, 5-bit keys: mid-rise symmetric, float16 scale only
             c = ((1 << bits) - 1) / 2
             s = (np.maximum(-lo, hi) / c).astype(np.float16).astype(np.float64)
             z = -c * s
@@ -111,6 +120,8 @@ def test_quantization_error_within_half_step(name):
     kr, _ = pool.gather_rotated(torch.arange(4), 64)
     xr = k.float() @ rotation_matrix(128)
     step = (xr.amax(-1, keepdim=True) - xr.amin(-1, keepdim=True)) / ((1 << kb) - 1)
+    if kb == 5:                                  # symmetric keys: levels over [-max|x|, max|x|]
+        step = 2 * xr.abs().amax(-1, keepdim=True) / 31
     assert ((kr - xr).abs() <= step / 2 + 2e-3 * xr.abs().amax(-1, keepdim=True)).all()
 
 
@@ -140,7 +151,8 @@ def test_paged_scatter_gather_with_padding_and_shuffled_blocks(name):
 # Bounds: relative L2 error of the attention output on N(0,1) K/V (diffuse attention, the hard case for
 # relative error). Measured on these inputs (CPU): fp8 0.037-0.039, k8v4 0.101-0.110,
 # k4v4 0.132-0.148, k4v2 0.51-0.56; bounds are ~1.4x the worst.
-ATTN_BOUND = {"bf16": 1e-6, "fp8": 0.06, "k8v4": 0.15, "k4v4": 0.21, "k4v2": 0.78}
+# k5v4 0.117-0.127.
+ATTN_BOUND = {"bf16": 1e-6, "fp8": 0.06, "k8v4": 0.15, "k4v4": 0.21, "k4v2": 0.78, "k5v4": 0.18}
 
 
 @pytest.mark.parametrize("name", FORMAT_NAMES)
@@ -236,11 +248,154 @@ def test_bad_input_messages():
 def test_page_layout_offsets_aligned():
     for d in (64, 128):
         for bs in (16, 32, 64):
-            for kb, vb in BITS.values():
-                L = PageLayout(d, bs, kb, vb)
+            for name in COMPRESSED:
+                L = get_format(name).layout(d, bs)
                 offs = [L.k_code_offset, L.v_code_offset, L.k_meta_offset, L.v_meta_offset, L.page_bytes]
                 assert all(o % 16 == 0 for o in offs)
                 assert L.page_bytes == bs * L.bytes_per_token
+
+
+# (v_code_offset, k_meta_offset, v_meta_offset, page_bytes) of the existing presets, as they were before k5v4.
+EXISTING_OFFSETS = {
+    ("k4v4", 64, 16): (512, 1024, 1088, 1120), ("k4v4", 64, 32): (1024, 2048, 2176, 2240),
+    ("k4v4", 64, 64): (2048, 4096, 4352, 4480), ("k4v4", 128, 16): (1024, 2048, 2112, 2144),
+    ("k4v4", 128, 32): (2048, 4096, 4224, 4288), ("k4v4", 128, 64): (4096, 8192, 8448, 8576),
+    ("k8v4", 64, 16): (1024, 1536, 1600, 1632), ("k8v4", 64, 32): (2048, 3072, 3200, 3264),
+    ("k8v4", 64, 64): (4096, 6144, 6400, 6528), ("k8v4", 128, 16): (2048, 3072, 3136, 3168),
+    ("k8v4", 128, 32): (4096, 6144, 6272, 6336), ("k8v4", 128, 64): (8192, 12288, 12544, 12672),
+    ("k4v2", 64, 16): (512, 768, 832, 864), ("k4v2", 64, 32): (1024, 1536, 1664, 1728),
+    ("k4v2", 64, 64): (2048, 3072, 3328, 3456), ("k4v2", 128, 16): (1024, 1536, 1600, 1632),
+    ("k4v2", 128, 32): (2048, 3072, 3200, 3264), ("k4v2", 128, 64): (4096, 6144, 6400, 6528),
+}
+
+
+def test_existing_presets_keep_their_layouts_and_bytes():
+    """k4v4, k8v4, k4v2: the same offsets and, for a fixed input, the same stored bytes as before k5v4 (SHA-256
+    recorded then, ``test_ops_helpers.EXISTING_PRESET_SHA256``)."""
+    from test_ops_helpers import EXISTING_PRESET_SHA256, fixed_kv, sha256_16
+
+    for (name, d, bs), offs in EXISTING_OFFSETS.items():
+        L = get_format(name).layout(d, bs)
+        assert (L.v_code_offset, L.k_meta_offset, L.v_meta_offset, L.page_bytes) == offs
+        assert L == PageLayout(d, bs, *BITS[name]) and not (L.key_symmetric or L.value_log_scale)
+    for (name, d), digest in EXISTING_PRESET_SHA256.items():
+        k, v = fixed_kv(d)
+        pool = get_format(name).new_pool(3, 2, d, 16)
+        pool.write(k, v, torch.arange(k.shape[0]))
+        assert sha256_16(pool.data) == digest, (name, d)
+
+
+def test_k5v4_layout():
+    """147 B per token and head at head_dim 128 (75 at 64): K codes 5 D / 8, V codes D / 2, K meta 2, V meta 1."""
+    for d, bs in ((128, 16), (128, 32), (64, 16), (64, 64)):
+        L = get_format("k5v4").layout(d, bs)
+        assert (L.key_bits, L.value_bits, L.key_symmetric, L.value_log_scale) == (5, 4, True, True)
+        assert (L.k_code_bytes, L.v_code_bytes, L.k_meta_bytes, L.v_meta_bytes) == (d * 5 // 8, d // 2, 2, 1)
+        assert L.v_code_offset == bs * d * 5 // 8
+        assert L.k_meta_offset == L.v_code_offset + bs * d // 2
+        assert L.v_meta_offset == L.k_meta_offset + 2 * bs
+        assert L.page_bytes == L.v_meta_offset + bs == bs * (d * 9 // 8 + 3)
+    assert get_format("k5v4").layout(128, 16).page_bytes == 2352
+    assert "k5v4" in get_format("k5v4").describe() and "log2" in get_format("k5v4").describe()
+
+
+def test_bad_bit_and_scheme_combinations_name_the_parameter():
+    with pytest.raises(ValueError, match=r"key_bits=5 is not supported.*key_symmetric=True"):
+        PageLayout(128, 16, 5, 4)
+    with pytest.raises(ValueError, match=r"key_bits=4 is not supported with key_symmetric=True; allowed: \(5,\)"):
+        PageLayout(128, 16, 4, 4, key_symmetric=True)
+    with pytest.raises(ValueError, match=r"value_bits=5 is not supported; allowed: \(2, 4, 8\)"):
+        PageLayout(128, 16, 5, 5, key_symmetric=True)
+    with pytest.raises(ValueError, match=r"value_bits=2 is not supported with value_log_scale=True; allowed: \(4,\)"):
+        PageLayout(128, 16, 4, 2, value_log_scale=True)
+    with pytest.raises(ValueError, match="key_symmetric must be True or False, got 1"):
+        PageLayout(128, 16, 5, 4, key_symmetric=1)
+    with pytest.raises(ValueError, match=r"key_bits=5 is not supported.*key_symmetric=True"):
+        CompressedFormat("k5v4-asym", 5, 4)
+    with pytest.raises(ValueError, match="need symmetric=True"):
+        quantize_rotated(torch.zeros(2, 64), 5)
+
+
+def test_pack_5_bit_planes_match_the_byte_definition():
+    """5-bit codes: first the high plane code >> 1 as 4-bit split-plane (byte j = hi[j] | hi[j + D/2] << 4), then the
+    low plane code & 1, 8 per byte (byte j bit i = lo[j + i D/8])."""
+    for d in (64, 128):
+        codes = torch.randint(0, 32, (7, d), generator=torch.Generator().manual_seed(d))
+        packed = pack_codes(codes, 5)
+        assert packed.shape == (7, d * 5 // 8) and packed.dtype == torch.uint8
+        c = codes.numpy()
+        for t in range(7):
+            for j in range(d // 2):
+                assert int(packed[t, j]) == (c[t, j] >> 1) | ((c[t, j + d // 2] >> 1) << 4)
+            for j in range(d // 8):
+                assert int(packed[t, d // 2 + j]) == sum((int(c[t, j + i * d // 8]) & 1) << i for i in range(8))
+        assert torch.equal(unpack_codes(packed, 5), codes.to(torch.int32))
+    ones = torch.randint(0, 2, (3, 64), generator=torch.Generator().manual_seed(1))
+    assert torch.equal(unpack_codes(pack_codes(ones, 1), 1), ones.to(torch.int32))
+
+
+def _exact_log_code(s: float) -> int:
+    """clamp(ceil(8 log2(s) + 128), 0, 255), exactly: the smallest u with s**8 <= 2**(u - 128) (Fractions)."""
+    if s == 0:
+        return 0
+    fs = Fraction(s) ** 8
+    u = min(255, max(0, math.ceil(8 * math.log2(s) + 128) - 2))
+    while u < 255 and fs > Fraction(2) ** (u - 128):
+        u += 1
+    while u > 0 and fs <= Fraction(2) ** (u - 1 - 128):
+        u -= 1
+    return u
+
+
+def test_log_scale_code_is_the_exact_ceiling():
+    """The uint8 log2 value scale: u = clamp(ceil(8 log2(s) + 128), 0, 255) for random s over the whole range and
+    for s at, one float32 step below and above every threshold 2**((u - 128) / 8); s_hat = 2**((u - 128) / 8) is the
+    float32 nearest it, s_hat >= s and s_hat < s * 2**(1/8) inside the range."""
+    g = np.random.default_rng(0)
+    s = np.concatenate([2.0 ** g.uniform(-18, 17, 4000), [0.0, 2.0**-20, 2.0**-16, 2.0**15.875, 2.0**16, 1.0, 0.1]])
+    t = np.float32(2.0 ** ((np.arange(256) - 128) / 8))
+    s = np.concatenate([s, t, np.nextafter(t, np.float32(0)), np.nextafter(t, np.float32(np.inf))]).astype(np.float32)
+    u = log_scale_code(torch.from_numpy(s)).numpy().astype(int)
+    ref = np.array([_exact_log_code(float(x)) for x in s])
+    assert (u == ref).all(), s[u != ref]
+    s_hat = log_scale_value(torch.arange(256)).numpy()
+    assert s_hat.dtype == np.float32 and (s_hat == t).all()
+    inside = (s >= 2.0**-16) & (s <= np.float64(t[-1]))
+    sh = s_hat[u].astype(np.float64)
+    exact = 2.0 ** ((u - 128) / 8)                     # the real 2**((u - 128) / 8), to float64 precision
+    assert (sh[inside] >= s[inside]).all()             # the stored float32 scale: no code clips
+    assert (exact[inside] < s[inside].astype(np.float64) * 2 ** (1 / 8)).all()
+    assert (sh[inside] < s[inside].astype(np.float64) * 2 ** (1 / 8) * (1 + 2**-24)).all()
+    assert (sh[s < 2.0**-16] == 2.0**-16).all()
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_k5v4_quantization_error_and_no_clipped_codes(d):
+    """k5v4 round trip in the rotated space vs the spec in float64: keys within half a step of the float16 scale
+    (the largest element may sit 2**-11 of a step past the top level, the float16 rounding of the scale), values
+    within half a step of s_hat and no value code clipped (|x| / s_hat <= 7.5)."""
+    k, v = _kv(300, 2, d, seed=d)
+    k = k * torch.logspace(-4, 3, 300)[:, None, None].to(k.dtype)      # scales over 7 decades
+    v = v * torch.logspace(-3, 3, 300)[:, None, None].to(v.dtype)
+    pool = get_format("k5v4").new_pool(-(-300 // 16), 2, d, 16)
+    pool.write(k, v, torch.arange(300))
+    kr, vr = pool.gather_rotated(torch.arange(pool.num_blocks), 300)
+    r = torch.from_numpy(_np_rotation(d))
+    for x, xr_hat, c in ((k, kr, 15.5), (v, vr, 7.5)):
+        xr = x.double() @ r
+        amax = xr.abs().amax(-1, keepdim=True)
+        if c == 15.5:
+            step = (amax / c).to(torch.float16).double()
+            assert ((xr_hat.double() - xr).abs() <= step * (0.5 + 2**-10) + 1e-6 * amax).all()
+        else:
+            s = amax / c
+            u = torch.clamp(torch.ceil(8 * torch.log2(s) + 128), 0, 255)
+            s_hat = 2.0 ** ((u - 128) / 8)
+            assert (s_hat >= s * (1 - 1e-6)).all() and (s_hat < s * 2 ** (1 / 8) * (1 + 1e-6)).all()
+            assert (xr.abs() / s_hat <= 7.5 * (1 + 1e-6)).all()                       # no code clips
+            assert ((xr_hat.double() - xr).abs() <= s_hat * (0.5 + 1e-5)).all()
+            kc, vc, km, vm = pool.regions()
+            assert vm.dtype == torch.uint8 and vm.shape[-1] == 1 and km.shape[-1] == 2
 
 
 def _rope(x, pos, base=1e6):

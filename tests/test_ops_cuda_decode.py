@@ -47,6 +47,7 @@ def test_auto_picks_cuda_only_where_the_kernel_applies(capability):
     assert resolve_impl(None, get_format("k8v4").layout(128, 16), 4, CUDA) == "cuda"       # k8v4: its own kernel
     assert resolve_impl(None, get_format("k4v2").layout(128, 16), 4, CUDA) == "cuda"       # k4v2: its own kernel
     assert resolve_impl(None, PageLayout(128, 16, 8, 8), 4, CUDA) == "triton"              # no kernel for k8v8
+    assert resolve_impl(None, get_format("k5v4").layout(128, 16), 4, CUDA) == "triton"     # nor for k5v4
     assert resolve_impl(None, get_format("k4v4").layout(64, 16), 3, CUDA) == "triton"      # SmolLM2 head_dim
     assert resolve_impl(None, get_format("k4v4").layout(128, 32), 4, CUDA) == "triton"     # other block size
     assert resolve_impl(None, K4V4, 4, torch.device("cpu")) == "triton"
@@ -62,6 +63,7 @@ def test_explicit_cuda_is_refused_with_the_reason(capability):
     for layout, group, dev, match in [
         (PageLayout(128, 16, 2, 4), 4, CUDA,
          "k4v4, k8v4 and k4v2 pages with head_dim 128 and block_size 16.*key_bits=2, value_bits=4"),
+        (get_format("k5v4").layout(128, 16), 4, CUDA, "has no kernel for k5v4 pages: it has k4v4, k8v4 and k4v2 only"),
         (get_format("k4v4").layout(64, 16), 3, CUDA, "head_dim=64"),
         (K4V4, 16, CUDA, "GQA groups of 1..8 query heads, got 16"),
         (K4V4, 4, torch.device("cpu"), "needs a CUDA device, got cpu"),

@@ -29,13 +29,15 @@ def _ref(q, pool, bt, sl):
     return paged_attention_ref(q, pool, bt, sl, qsl, q.shape[-1] ** -0.5, torch.float64)
 
 
-@pytest.mark.parametrize("key_mma", [None, "f16"])   # None: the default (int8 keys for 4- and 8-bit keys)
+@pytest.mark.parametrize("key_mma", [None, "f16"])   # None: the default (int8 keys for 4-, 5- and 8-bit keys)
 @pytest.mark.parametrize("preset,hq,hkv,d,bs", [
     ("k4v4", 32, 8, 128, 16),     # Qwen3-4B
     ("k4v4", 9, 3, 64, 16),       # SmolLM2-135M
     ("k8v4", 28, 4, 128, 32),     # group 7 (padded to 8 rows)
     ("k4v2", 48, 2, 128, 16),     # group 24 (padded to 32 rows)
     ("k4v2", 16, 2, 64, 64),
+    ("k5v4", 32, 8, 128, 16),     # Qwen3-4B
+    ("k5v4", 12, 2, 64, 32),      # group 6 (padded to 8 rows)
 ])
 def test_decode_matches_dequantized_reference(key_mma, preset, hq, hkv, d, bs):
     pool, bt, sl, q, _ = _setup(preset, hq, hkv, d, bs, LENS, torch.float16, seed=hq * d + bs)
@@ -106,11 +108,12 @@ def test_decode_high_block_ids_identical():
     assert torch.equal(oa, ob)
 
 
-@pytest.mark.parametrize("preset,bound", [("k8v4", 0.15), ("k4v4", 0.2), ("k4v2", 0.7)])
+@pytest.mark.parametrize("preset,bound", [("k8v4", 0.15), ("k4v4", 0.2), ("k4v2", 0.7), ("k5v4", 0.18)])
 def test_decode_compression_error_vs_bf16(preset, bound):
     """Looser bound: attention over compressed pages vs float64 attention over the raw bf16 K/V
     (random Gaussian K/V, 200 and 97 tokens; near-uniform attention, so the output is small and
-    the relative error large: measured 0.11 k8v4, 0.15 k4v4, 0.55 k4v2, see notes/kernels.md, "Page format")."""
+    the relative error large: measured 0.11 k8v4, 0.15 k4v4, 0.55 k4v2, 0.13 k5v4, see notes/kernels.md,
+    "Page format")."""
     pool, bt, sl, q, raw = _setup(preset, 8, 2, 128, 16, [200, 97], torch.bfloat16, seed=9)
     out = decode_attention(q.float().to(torch.float16), pool.data, bt, sl, pool.layout, pool.rotation, 128 ** -0.5)
     errs = []
@@ -157,6 +160,8 @@ def test_decode_refuses_unsupported_shapes():
     ("k4v4", 9, 3, 64, 16, 16),       # group 3 (padded to 4 rows of 16); 16 splits: empty ones
     ("k8v4", 8, 2, 128, 32, 2),
     ("k4v2", 8, 2, 64, 16, 1),
+    ("k5v4", 10, 2, 64, 64, 2),       # group 5 (padded to 8 rows), block 64
+    ("k5v4", 12, 3, 128, 32, 16),     # 16 splits: empty ones
 ])
 def test_decode_key_mma_int8(preset, hq, hkv, d, bs, splits):
     """key_mma='int8' (int8 tensor-core keys, q as two int8 digits) vs float64 attention over the
@@ -269,7 +274,19 @@ def test_decode_key_mma_int8_needs_4_or_8_bit_keys():
     q = torch.randn(2, 4, 64, generator=gen).to(DEV, torch.float16)
     out = decode_attention(q, pool.data, bt, sl, pool.layout, pool.rotation, 0.125)
     assert relerr(out, _ref(q, pool, bt, sl)) < 5e-4
-    with pytest.raises(ValueError, match=r"key_mma='int8' needs key_bits in \(4, 8\), got key_bits=2"):
+    with pytest.raises(ValueError, match=r"key_mma='int8' needs key_bits in \(4, 5, 8\), got key_bits=2"):
         decode_attention(q, pool.data, bt, sl, pool.layout, pool.rotation, 0.125, key_mma="int8")
     with pytest.raises(ValueError, match="block_n=16.0; allowed"):
         decode_attention(q, pool.data, bt, sl, pool.layout, pool.rotation, 0.125, block_n=16.0)
+
+
+def test_decode_k5v4_auto_is_triton_and_cuda_is_refused_by_name():
+    """k5v4 has no CUDA kernel: the default (auto) runs the Triton kernel, impl='cuda' is refused naming k5v4 and the
+    presets the CUDA kernel has (on any device, before anything runs)."""
+    from kvrepro.ops.decode import resolve_impl
+
+    pool, bt, sl, q, _ = _setup("k5v4", 8, 2, 128, 16, [40, 17], torch.float16, seed=2)
+    assert resolve_impl(None, pool.layout, 4, pool.data.device) == "triton"
+    with pytest.raises(ValueError, match=r"impl='cuda': the CUDA decode kernel has no kernel for k5v4 pages: "
+                                         r"it has k4v4, k8v4 and k4v2 only.*use impl='triton'"):
+        decode_attention(q, pool.data, bt, sl, pool.layout, pool.rotation, 128 ** -0.5, impl="cuda")

@@ -48,7 +48,8 @@ _dense64_br.bottom_right_causal = True
 
 
 @pytest.mark.parametrize("preset,hq,hkv,d,bs,rows", [
-    ("k4v4", 32, 8, 128, 16, 64), ("k4v2", 9, 3, 64, 32, 16), ("k8v4", 28, 4, 128, 16, 32)])
+    ("k4v4", 32, 8, 128, 16, 64), ("k4v2", 9, 3, 64, 32, 16), ("k8v4", 28, 4, 128, 16, 32),
+    ("k5v4", 12, 2, 128, 16, 32), ("k5v4", 9, 3, 64, 64, 16)])   # k5v4: groups 6 and 3
 def test_prefill_paged_matches_reference(preset, hq, hkv, d, bs, rows):
     pool, bt, sl, qsl, q, k, v, ref = _batch(preset, hq, hkv, d, bs, seed=hq + d)
     out = torch.full_like(q, float("nan"))
@@ -73,11 +74,12 @@ def test_prefill_paged_nan_query_stays_nan():
     assert relerr(out[ok], ref[ok]) < 2e-3
 
 
-@pytest.mark.parametrize("piece_tokens,bottom_right", [(32, True), (4096, True), (4096, False)])
-def test_prefill_dequant_impl_matches_reference(piece_tokens, bottom_right):
+@pytest.mark.parametrize("piece_tokens,bottom_right,preset", [(32, True, "k4v4"), (4096, True, "k4v4"),
+                                                               (4096, False, "k4v4"), (32, True, "k5v4")])
+def test_prefill_dequant_impl_matches_reference(piece_tokens, bottom_right, preset):
     """impl="dequant" (rotated space): context in pieces of 32 tokens through a dense attention
     + LSE merge, or (4096, bottom-right causal attention) context and chunk in one causal call."""
-    pool, bt, sl, qsl, q, k, v, ref = _batch("k4v4", 8, 2, 64, 16, seed=3)
+    pool, bt, sl, qsl, q, k, v, ref = _batch(preset, 8, 2, 64, 16, seed=3)
     calls = []
 
     def top_left_only(q_, k_, v_, scale, causal):
@@ -96,12 +98,13 @@ def test_prefill_dequant_impl_matches_reference(piece_tokens, bottom_right):
 
 
 @pytest.mark.parametrize("rotated", [False, True])
-def test_dequantize_context_matches_pool_dequantization(rotated):
+@pytest.mark.parametrize("preset,d,bs", [("k4v2", 64, 32), ("k5v4", 64, 32), ("k5v4", 128, 16)])
+def test_dequantize_context_matches_pool_dequantization(rotated, preset, d, bs):
     """The Triton dequantization pass vs the PyTorch reference of the format (float64)."""
     from kvrepro.ops import dequantize_context
-    pool, bt, sl, qsl, q, k, v, ref = _batch("k4v2", 9, 3, 64, 32, seed=4)
+    pool, bt, sl, qsl, q, k, v, ref = _batch(preset, 9, 3, d, bs, seed=4)
     n = CTXS[-1]
-    kd = torch.full((n, 3, 64), float("nan"), dtype=torch.float16, device=DEV)
+    kd = torch.full((n, 3, d), float("nan"), dtype=torch.float16, device=DEV)
     vd = torch.full_like(kd, float("nan"))
     dequantize_context(pool.data, bt[-1], 0, n, pool.layout, pool.rotation, kd, vd, rotated=rotated)
     k_rot, v_rot = pool.gather_rotated(bt[-1], n)

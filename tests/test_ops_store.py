@@ -1,15 +1,16 @@
 """store_kv (Triton) vs the PyTorch reference write (kvrepro.formats.compressed)."""
-from test_ops_helpers import DEV, make_pool  # noqa: I001  (sets TRITON_INTERPRET first)
+from test_ops_helpers import DEV, EXISTING_PRESET_SHA256, fixed_kv, make_pool, sha256_16  # noqa: I001
 
 import pytest
 import torch
 
+from kvrepro.formats import get_format
 from kvrepro.formats.compressed import unpack_codes
 from kvrepro.ops import store_kv
 
 
 @pytest.mark.parametrize("rotate", ["kernel", "torch"])
-@pytest.mark.parametrize("preset", ["k4v4", "k8v4", "k4v2"])
+@pytest.mark.parametrize("preset", ["k4v4", "k8v4", "k4v2", "k5v4"])
 @pytest.mark.parametrize("d,bs,dtype", [(128, 16, torch.bfloat16), (64, 32, torch.float16), (64, 64, torch.bfloat16)])
 def test_store_matches_reference_bytes(preset, d, bs, dtype, rotate):
     gen = torch.Generator().manual_seed(hash((preset, d, bs)) % 2**31)
@@ -39,6 +40,36 @@ def test_store_matches_reference_bytes(preset, d, bs, dtype, rotate):
     untouched = ~written.to(DEV)
     for region_now, region_before in zip(mine.regions(), mine.regions(before)):
         assert torch.equal(region_now.permute(0, 2, 1, 3)[untouched], region_before.permute(0, 2, 1, 3)[untouched])
+
+
+@pytest.mark.parametrize("rotate", ["torch", "kernel"])
+def test_store_bytes_of_existing_presets_unchanged(rotate):
+    """k4v4, k8v4, k4v2 through the store kernel: the page bytes recorded before k5v4 was added."""
+    for (name, d), digest in EXISTING_PRESET_SHA256.items():
+        k, v = fixed_kv(d)
+        pool = get_format(name).new_pool(3, 2, d, 16, device=DEV)
+        store_kv(k.to(DEV), v.to(DEV), pool.data, torch.arange(k.shape[0], dtype=torch.int32, device=DEV),
+                 pool.layout, pool.rotation, rotate=rotate)
+        assert sha256_16(pool.data) == digest, (name, d)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_store_k5v4_bytes_equal_the_reference(d):
+    """k5v4 through the store kernel: the reference's bytes exactly (rotation in PyTorch, one piece), zero vectors
+    and 7 decades of scale included: 5-bit codes in two planes, float16 key scale, uint8 log2 value scale."""
+    gen = torch.Generator().manual_seed(d)
+    n = 70
+    k = (torch.randn(n, 2, d, generator=gen) * torch.logspace(-4, 3, n)[:, None, None]).to(torch.bfloat16)
+    v = (torch.randn(n, 2, d, generator=gen) * torch.logspace(-3, 4, n)[:, None, None]).to(torch.bfloat16)
+    k[3], v[5, 1] = 0, 0
+    ref = get_format("k5v4").new_pool(5, 2, d, 16)
+    ref.write(k, v, torch.arange(n))
+    mine = get_format("k5v4").new_pool(5, 2, d, 16, device=DEV)
+    store_kv(k.to(DEV), v.to(DEV), mine.data, torch.arange(n, dtype=torch.int32, device=DEV), mine.layout,
+             mine.rotation)
+    assert torch.equal(mine.data.cpu(), ref.data)
+    u = ref.regions()[3][:, :, :, 0].permute(0, 2, 1).reshape(-1, 2)[:n]
+    assert int(u[5, 1]) == 0 and int(u.max()) > 160 and int(u[u > 0].min()) < 60      # codes over the range
 
 
 def test_store_int64_slots_and_empty():

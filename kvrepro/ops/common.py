@@ -81,11 +81,14 @@ def check_int(name: str, x: torch.Tensor, dim: int, device: torch.device) -> Non
 
 
 def page_constexprs(layout: PageLayout, num_kv_heads: int) -> dict:
-    """The page geometry every kernel over compressed pages takes as constexprs (``PageLayout``)."""
+    """The page geometry every kernel over compressed pages takes as constexprs (``PageLayout``): sizes, bits,
+    region offsets and the metadata scheme, ``KSYM`` (``key_symmetric``: 5-bit keys, a float16 scale of 2 bytes per
+    token) and ``VLOG`` (``value_log_scale``: a uint8 log2 value scale of 1 byte per token); both False for k4v4,
+    k8v4 and k4v2 (float16 scale and zero for keys, 4 bytes; float16 value scale, 2 bytes)."""
     return dict(NUM_KV_HEADS=num_kv_heads, D=layout.head_dim, BS=layout.block_size,
                 PAGE_BYTES=layout.page_bytes, KBITS=layout.key_bits, VBITS=layout.value_bits,
                 V_CODE_OFF=layout.v_code_offset, K_META_OFF=layout.k_meta_offset,
-                V_META_OFF=layout.v_meta_offset)
+                V_META_OFF=layout.v_meta_offset, KSYM=layout.key_symmetric, VLOG=layout.value_log_scale)
 
 
 def check_launch(num_warps, num_stages, max_registers=None) -> None:

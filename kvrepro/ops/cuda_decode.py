@@ -33,7 +33,7 @@ import weakref
 
 import torch
 
-from kvrepro.formats import COMPRESSED_PRESETS, get_format
+from kvrepro.formats import COMPRESSED_PRESETS, get_format, preset_of
 from kvrepro.formats.layout import PageLayout
 from kvrepro.ops.common import sm_count
 
@@ -69,7 +69,7 @@ def unsupported_reason(layout, group: int, device: torch.device) -> str | None:
 
     Args:
         layout: the pool's ``PageLayout``; the kernels hard-code ``LAYOUTS`` (k4v4, k8v4 or k4v2, head_dim 128,
-            block 16).
+            block 16); another preset's pages (k5v4) are refused by name.
         group: GQA group size (query heads per KV head); the kernel takes 1..``MAX_GROUP``.
         device: the pool's device; a CUDA device of compute capability >= ``MIN_CAPABILITY``.
     """
@@ -77,7 +77,13 @@ def unsupported_reason(layout, group: int, device: torch.device) -> str | None:
     if not isinstance(layout, PageLayout):
         raise ValueError(f"layout must be a kvrepro PageLayout (kvrepro.formats.layout), got {type(layout).__name__}")
     if layout not in LAYOUTS.values():
-        return (f"the CUDA decode kernel supports k4v4, k8v4 and k4v2 pages with head_dim 128 and block_size 16 only, "
+        names = list(PRESETS.values())
+        has = f"{', '.join(names[:-1])} and {names[-1]}"
+        preset = preset_of(layout)
+        if preset is not None and preset not in names:        # a preset with no CUDA kernel (k5v4)
+            return (f"the CUDA decode kernel has no kernel for {preset} pages: it has {has} only (head_dim 128, "
+                    f"block_size 16); {preset} decodes with the Triton kernel")
+        return (f"the CUDA decode kernel supports {has} pages with head_dim 128 and block_size 16 only, "
                 f"got key_bits={layout.key_bits}, value_bits={layout.value_bits}, head_dim={layout.head_dim}, "
                 f"block_size={layout.block_size}")
     if not _is_int(group) or not 1 <= group <= MAX_GROUP:

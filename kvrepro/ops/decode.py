@@ -28,8 +28,9 @@ DEFAULT_KEY_MMA = "int8"
 # Launch (block_n, num_warps) of the int8 key path per key width, from launch sweeps on the H200:
 # 4-bit keys: block_n 256 with 4 warps, 0.90x the time of 2 warps at 128K x 13 and 0.955x at 128K x 3;
 # 8-bit keys (k8v4): block_n 256 spills 160 B of stack, block_n 128 with 2 warps was 14-18% faster
-# than 256 and 6% faster than 128 with 4 warps.
-DECODE_LAUNCH_I8 = {4: (256, 4), 8: (128, 2)}
+# than 256 and 6% faster than 128 with 4 warps. 5-bit keys (k5v4, 128K x 1 / 3 / 12, CUDA graphs): block_n 128 with
+# 2 warps 5-8% faster than 4-bit keys' 256 / 4, as fast as 64 / 1 (within 2%), 256 / 8 and 64 / 2 15-50% slower.
+DECODE_LAUNCH_I8 = {4: (256, 4), 5: (128, 2), 8: (128, 2)}
 
 
 def default_dequant(device: torch.device) -> str:
@@ -51,11 +52,11 @@ def resolve_dequant(dequant: str | None, device: torch.device) -> str:
     return dequant
 
 
-I8_KEY_BITS = (4, 8)   # key code widths the int8 key path implements
+I8_KEY_BITS = (4, 5, 8)   # key code widths the int8 key path implements
 
 
 def resolve_key_mma(key_mma: str | None, key_bits: int) -> str:
-    """``key_mma``, or the default: ``DEFAULT_KEY_MMA`` for 4- or 8-bit keys, else "f16"."""
+    """``key_mma``, or the default: ``DEFAULT_KEY_MMA`` for 4-, 5- or 8-bit keys, else "f16"."""
     if key_mma is not None:
         return key_mma
     return DEFAULT_KEY_MMA if key_bits in I8_KEY_BITS else "f16"
@@ -82,7 +83,7 @@ def decode_constexprs(layout: PageLayout, num_kv_heads: int, group: int, block_n
                       key_mma: str | None = None) -> dict:
     """The constexprs ``decode_attention`` launches ``paged_attn_kernel`` with, besides ``DEQ_ASM``: one query
     token per sequence, the GQA group padded to a power of two and to >= 16 rows for ``tl.dot``, split output, and
-    ``KEY_I8`` for ``key_mma="int8"``. ``key_mma`` None = ``resolve_key_mma`` (int8 for 4- and 8-bit keys, else
+    ``KEY_I8`` for ``key_mma="int8"``. ``key_mma`` None = ``resolve_key_mma`` (int8 for 4-, 5- and 8-bit keys, else
     f16). Raises ValueError as ``check_key_mma``."""
     key_mma = resolve_key_mma(key_mma, layout.key_bits)
     check_key_mma(key_mma, layout.key_bits)
@@ -105,6 +106,9 @@ def resolve_impl(impl: str | None, layout: PageLayout, group: int, device: torch
     (``cuda_decode.load_error``), else ``"triton"``; when only the load fails, a RuntimeWarning says why, once per
     device (e.g. a driver older than the fatbin's CUDA 13.0). ``impl="cuda"`` never falls back: a load failure is a
     RuntimeError at the launch (or at engine start in the vLLM backend).
+
+    k5v4 has no CUDA kernel: ``"auto"`` resolves to ``"triton"`` for it on every device and shape, and
+    ``impl="cuda"`` is refused with a ValueError naming k5v4 and the presets the CUDA kernel has.
 
     Why ``"cuda"`` by default there: on the H200 at 128K context it takes about half the Triton kernel's time or less
     at every batch and preset, with the same error vs float64 (relerr 2.3e-4 with float16 queries, 1.7e-3 with
@@ -237,14 +241,14 @@ def decode_attention(query: torch.Tensor, pool, block_tables: torch.Tensor, seq_
             for resident warps: 128 lets 4 programs of 4 warps share an H200 SM instead of 3
             (the default launch measured 2.7-3.4% slower for k4v4 and 37-39% slower for k8v4 at 128K
             on the H200; no cap is the default).
-        key_mma: ``"int8"`` (default for 4- or 8-bit keys: key codes stay integers and go through int8
+        key_mma: ``"int8"`` (default for 4-, 5- or 8-bit keys: key codes stay integers and go through int8
             tensor cores, IMMA, int32 sums) or ``"f16"`` (key codes -> float16, HMMA; the default for
             2-bit keys). For ``"int8"`` each program
             quantizes its rotated, scaled float16 query rows ``[M, D]`` to ``qi = round(q / S_q)``,
             ``S_q = max|q| / 16255`` per query head (and sequence and split), held as two int8 digits
             ``qi = 128 qh + ql``; the keys are their exact centred codes (4-bit: ``16 (code - 8)``,
-            8-bit: ``code - 128``), so the int32 logits are exact for the ~14-bit query (absolute
-            error per q element <= 2**-15 of that head's max |q|; float16 rounds each element to
+            5-bit: ``8 (code - 16)``, 8-bit: ``code - 128``), so the int32 logits are exact for the ~14-bit
+            query (absolute error per q element <= 2**-15 of that head's max |q|; float16 rounds each element to
             2**-11 of itself, so elements below ~1/16 of the head's max keep fewer bits than in
             float16). Method: SageAttention (Zhang et al. 2024, 2025) quantizes Q and K to int8 for
             attention; here only q is quantized. Values are unchanged.
@@ -270,7 +274,8 @@ def decode_attention(query: torch.Tensor, pool, block_tables: torch.Tensor, seq_
         ValueError: wrong shapes/dtypes/devices, unsupported head_dim or GQA group size, a scale
             that is not finite and positive; with ``validate``, bad seq_lens or block ids;
             ``dequant`` not in ``DEQUANT_MODES`` (or ``"asm"`` off CUDA); ``key_mma`` not in ``KEY_MMAS``,
-            or ``"int8"`` with keys other than 4 / 8 bits; ``max_registers`` not None or a multiple of 8 in [32, 248];
+            or ``"int8"`` with keys other than 4 / 5 / 8 bits; ``max_registers`` not None or a multiple of 8 in
+            [32, 248];
             ``impl`` as ``resolve_impl``; with ``impl="cuda"``: ``num_splits x group > cuda_decode.MERGE_MAX`` or a
             rotation that is not ``diag(s) H / sqrt(D)``.
         RuntimeError: ``impl="cuda"`` and the CUDA driver cannot load the kernel's fatbin (the message says

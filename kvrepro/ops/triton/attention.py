@@ -20,7 +20,7 @@ dequantization is folded in (per token ``k = code * s + z``, ``v = (code - c) * 
 Accumulation is float32 (online softmax, Milakov & Gimelshein 2018; FlashAttention, Dao et al.
 2022); the split-K merge follows FlashDecoding (Dao et al. 2023).
 
-``KEY_I8`` (decode only; the default of ``decode_attention`` for 4- and 8-bit keys): the key dot
+``KEY_I8`` (decode only; the default of ``decode_attention`` for 4-, 5- and 8-bit keys): the key dot
 products run on int8 tensor cores instead (SageAttention, Zhang et al. 2024/2025, quantizes Q and K
 to int8 for attention; here the keys are their exact codes and q is two int8 digits, ~14 bits). Per
 query row (one query head) ``S_q = max|q| / 16255``, ``qi = round(q / S_q)`` = ``128 qh + ql``
@@ -29,9 +29,18 @@ query row (one query head) ``S_q = max|q| / 16255``, ``qi = round(q / S_q)`` = `
 ``acc = 128 qh.P + ql.P = m qi.code - m c sum(qi)`` is exact, and with ``q^ = S_q qi``::
 
     q^ . k = (S_q / m) s acc + S_q sum(qi) (c s + z)
+
+5-bit keys (``k5v4``: ``KSYM``, symmetric, ``k = (code - 15.5) s``) are read as two planes of ``D / 2`` channels like
+4-bit keys: ``code = (hi << 1) | lo`` from the 4-bit high plane and the low bit plane (byte ``j`` bit ``i`` =
+channel ``j + i D / 8``, loaded once per plane channel, so each low byte four times). Both key paths use centred
+codes: int8 ``8 (code - 16)`` (the 4-bit int8 plane ``16 (hi - 8)`` with the low bit as bit 3; m 8, c 16), float16
+``code - 16`` (query planes undivided); with ``z = -15.5 s`` the zero term is ``(16 - 15.5) s sum(q)``.
+``VLOG`` (``k5v4``): the value scale is ``2**((u - 128) / 8)`` of a uint8 ``u`` (``kvrepro.ops.triton.scales``).
 """
 import triton
 import triton.language as tl
+
+from kvrepro.ops.triton.scales import log_scale_value
 
 
 @triton.jit
@@ -119,6 +128,62 @@ _I8_PLANES4_ASM = tl.constexpr("""
         }
         """)
 _I8_PLANE8_ASM = tl.constexpr("xor.b32 $0, $1, 0x80808080;")
+# 5-bit keys: the 4-bit int8 planes of the high-plane bytes ($2) with bit 3 = the code's low bit: 8 (code - 16).
+# $3: the low-plane byte of each channel, $4: its bit mask 1 << i for plane 0 (bit i + 4 for plane 1, hence the
+# shr by 4). Per byte, (lo & mask) is 0 or the mask (1..8), + 7 sets bit 3 exactly when it is not 0 (no carry leaves
+# the byte); lop3 immLut 0xF8 = a | (b & c).
+_I8_PLANES5_ASM = tl.constexpr("""
+        {
+        .reg .b32 a, p0, p1, t0, t1;
+        shl.b32 a, $2, 4;
+        lop3.b32 p0, a, 0xF0F0F0F0, 0x80808080, 0x6A;
+        lop3.b32 p1, $2, 0xF0F0F0F0, 0x80808080, 0x6A;
+        and.b32 t0, $3, $4;
+        shr.b32 t1, $3, 4;
+        and.b32 t1, t1, $4;
+        add.u32 t0, t0, 0x07070707;
+        add.u32 t1, t1, 0x07070707;
+        lop3.b32 $0, p0, t0, 0x08080808, 0xF8;
+        lop3.b32 $1, p1, t1, 0x08080808, 0xF8;
+        }
+        """)
+
+
+@triton.jit
+def _low_bit_masks(kl):
+    """For a tile ``kl`` [N, KP] of low-plane bytes loaded per channel (column ``j`` = byte ``j % (KP / 4)``): the
+    uint8 mask ``1 << (j // (KP / 4))`` of plane 0's bit of each column, broadcast to ``kl``'s shape (plane 1: the
+    same mask on ``kl >> 4``)."""
+    KP: tl.constexpr = kl.shape[1]
+    j = tl.arange(0, KP)
+    return tl.broadcast_to((1 << (j // (KP // 4))).to(tl.uint8)[None, :], kl.shape)
+
+
+@triton.jit
+def _key_planes5_i8(kc, kl, ASM: tl.constexpr):
+    """5-bit keys: high-plane bytes ``kc`` and low-plane bytes ``kl`` [N, KP] -> int8 planes ``8 (code - 16)`` of
+    channels ``[0, KP)`` and ``[KP, 2 KP)``. Exact."""
+    m = _low_bit_masks(kl)
+    if ASM:
+        p0, p1 = tl.inline_asm_elementwise(asm=_I8_PLANES5_ASM, constraints="=r,=r,r,r,r", args=[kc, kl, m],
+                                           dtype=(tl.int8, tl.int8), is_pure=True, pack=4)
+    else:
+        b0 = ((kl & m) != 0).to(tl.uint8) << 3
+        b1 = (((kl >> 4) & m) != 0).to(tl.uint8) << 3
+        p0 = ((((kc << 4) & 0xF0) | b0) ^ 0x80).to(tl.int8, bitcast=True)
+        p1 = (((kc & 0xF0) | b1) ^ 0x80).to(tl.int8, bitcast=True)
+    return p0, p1
+
+
+@triton.jit
+def _key_planes5_f16(kc, kl):
+    """5-bit keys: float16 planes ``code - 16`` (exact) of channels ``[0, KP)`` and ``[KP, 2 KP)``."""
+    m = _low_bit_masks(kl)
+    c0 = ((kc & 0xF).to(tl.int16) << 1) | ((kl & m) != 0).to(tl.int16)
+    c1 = ((kc >> 4).to(tl.int16) << 1) | (((kl >> 4) & m) != 0).to(tl.int16)
+    k0 = (c0 | 0x6400).to(tl.float16, bitcast=True) - 1040.0
+    k1 = (c1 | 0x6400).to(tl.float16, bitcast=True) - 1040.0
+    return k0, k1
 
 
 @triton.jit
@@ -150,8 +215,8 @@ def _query_digits(qrow, qmask, dk, KP: tl.constexpr, KBITS: tl.constexpr):
     ``qi = 128 qh + ql`` with ``qh = floor((qi + 64) / 128)`` in [-127, 127] and ``ql`` in [-64, 63].
     Returns ``(qh0, qh1, ql0, ql1, qsum, s_q)``: int8 [M, KP] per key plane (plane 1 = plane 0 for
     8-bit keys), ``qsum = S_q sum(qi)`` float32 [M] and ``S_q`` float32 [M]."""
-    NPK: tl.constexpr = 8 // KBITS
-    tl.static_assert(NPK <= 2, "KEY_I8 supports 4- and 8-bit keys")
+    NPK: tl.constexpr = 2 if KBITS == 5 else 8 // KBITS
+    tl.static_assert(NPK <= 2, "KEY_I8 supports 4-, 5- and 8-bit keys")
     q0 = tl.load(qrow + dk[None, :], mask=qmask, other=0.0).to(tl.float32)
     amax = tl.max(tl.abs(q0), axis=1)
     q1 = q0
@@ -182,17 +247,21 @@ def _query_digits(qrow, qmask, dk, KP: tl.constexpr, KBITS: tl.constexpr):
 
 
 @triton.jit
-def _qk_i8(kc, qh0, qh1, ql0, ql1, KBITS: tl.constexpr, ASM: tl.constexpr):
+def _qk_i8(kc, kl, qh0, qh1, ql0, ql1, KBITS: tl.constexpr, ASM: tl.constexpr):
     """``qi . P`` = ``m qi.code - m c sum(qi)`` [M, N] int32 (exact) for a packed key tile ``kc``
-    ``[N, KP]`` u8: two independent int32 tensor-core chains (high and low digits; two chains let
+    ``[N, KP]`` u8 (5-bit keys: with its low-plane bytes ``kl``, else ``kl`` is unused): two independent int32
+    tensor-core chains (high and low digits; two chains let
     the IMMAs of one fill the other's dependency stalls), combined as ``128 hi + lo``.
     Bound: |qh|, |P| <= 128 over D <= 128 channels: |qh.P| <= 2^21, x 128 <= 2^28; |ql.P| <= 2^20;
     |acc| < 2^28.1 < 2^31 (Triton 3.6 emits ``mma ... .satfinite.s32``, which would clip, not wrap,
     past that)."""
-    p0, p1 = _key_planes_i8(kc, KBITS, ASM)
+    if KBITS == 5:
+        p0, p1 = _key_planes5_i8(kc, kl, ASM)
+    else:
+        p0, p1 = _key_planes_i8(kc, KBITS, ASM)
     hi = tl.dot(qh0, tl.trans(p0), out_dtype=tl.int32)
     lo = tl.dot(ql0, tl.trans(p0), out_dtype=tl.int32)
-    if KBITS == 4:
+    if KBITS == 4 or KBITS == 5:
         hi = tl.dot(qh1, tl.trans(p1), hi, out_dtype=tl.int32)
         lo = tl.dot(ql1, tl.trans(p1), lo, out_dtype=tl.int32)
     return hi * 128 + lo
@@ -246,9 +315,9 @@ def _acc_dot(a, b, acc, alpha, SCALE: tl.constexpr = 1):
 @triton.jit
 def _query_planes(qrow, qmask, dk, KP: tl.constexpr, KBITS: tl.constexpr):
     """Query planes for split-plane keys: plane ``i`` (channels ``[i*KP, (i+1)*KP)``) divided by
-    ``m_i = 2**(i*KBITS)`` (exact in float16), and the row sums of q (float32) for the zero points.
-    ``qrow`` [M, 1] row pointers, ``qmask`` [M, 1]. Unused planes are returned as plane 0."""
-    NPK: tl.constexpr = 8 // KBITS
+    ``m_i = 2**(i*KBITS)`` (exact in float16; 5-bit keys: two planes, undivided), and the row sums of q (float32)
+    for the zero points. ``qrow`` [M, 1] row pointers, ``qmask`` [M, 1]. Unused planes are returned as plane 0."""
+    NPK: tl.constexpr = 2 if KBITS == 5 else 8 // KBITS
     q0 = tl.load(qrow + dk[None, :], mask=qmask, other=0.0)
     qsum = tl.sum(q0.to(tl.float32), axis=1)
     q1 = q0
@@ -257,7 +326,8 @@ def _query_planes(qrow, qmask, dk, KP: tl.constexpr, KBITS: tl.constexpr):
     if NPK > 1:
         q1 = tl.load(qrow + KP + dk[None, :], mask=qmask, other=0.0)
         qsum += tl.sum(q1.to(tl.float32), axis=1)
-        q1 = (q1.to(tl.float32) * (1.0 / (1 << KBITS))).to(tl.float16)
+        if KBITS != 5:
+            q1 = (q1.to(tl.float32) * (1.0 / (1 << KBITS))).to(tl.float16)
     if NPK > 2:
         q2 = tl.load(qrow + 2 * KP + dk[None, :], mask=qmask, other=0.0)
         q3 = tl.load(qrow + 3 * KP + dk[None, :], mask=qmask, other=0.0)
@@ -268,11 +338,17 @@ def _query_planes(qrow, qmask, dk, KP: tl.constexpr, KBITS: tl.constexpr):
 
 
 @triton.jit
-def _qk_planes(kc, q0, q1, q2, q3, KBITS: tl.constexpr, ASM: tl.constexpr):
+def _qk_planes(kc, kl, q0, q1, q2, q3, KBITS: tl.constexpr, ASM: tl.constexpr):
     """``sum_i (q_i / m_i) . (m_i code_i)`` over the key planes of a packed tile ``kc``
-    ``[N, KP]`` u8: ``[M, N]`` float32 (logits are ``qk * scale_k + sum(q) * zero_k``)."""
-    NPK: tl.constexpr = 8 // KBITS
-    k0, k1, k2, k3 = _planes(kc, KBITS, ASM)
+    ``[N, KP]`` u8: ``[M, N]`` float32 (logits are ``qk * scale_k + sum(q) * zero_k``). 5-bit keys (with their
+    low-plane bytes ``kl``; else unused): ``sum_i q_i . (code_i - 16)``."""
+    NPK: tl.constexpr = 2 if KBITS == 5 else 8 // KBITS
+    if KBITS == 5:
+        k0, k1 = _key_planes5_f16(kc, kl)
+        k2 = k0
+        k3 = k0
+    else:
+        k0, k1, k2, k3 = _planes(kc, KBITS, ASM)
     qk = tl.dot(q0, tl.trans(k0))
     if NPK > 1:
         qk = tl.dot(q1, tl.trans(k1), qk)
@@ -356,6 +432,7 @@ def paged_attn_kernel(
     NUM_KV_HEADS: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
     BS: tl.constexpr, PAGE_BYTES: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
     V_CODE_OFF: tl.constexpr, K_META_OFF: tl.constexpr, V_META_OFF: tl.constexpr,
+    KSYM: tl.constexpr, VLOG: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_FRESH: tl.constexpr, SPLIT_OUT: tl.constexpr, IS_DECODE: tl.constexpr,
     DEQ_ASM: tl.constexpr, KEY_I8: tl.constexpr = False,
@@ -365,10 +442,13 @@ def paged_attn_kernel(
     kvh = tl.program_id(2) // NUM_SPLITS
     split = tl.program_id(2) % NUM_SPLITS
     HQ: tl.constexpr = NUM_KV_HEADS * G
-    NPK: tl.constexpr = 8 // KBITS
+    NPK: tl.constexpr = 2 if KBITS == 5 else 8 // KBITS     # key planes (5-bit: 4-bit high plane + low bits)
     NPV: tl.constexpr = 8 // VBITS
-    KP: tl.constexpr = D // NPK
+    KP: tl.constexpr = D // NPK                              # channels per key plane
     VP: tl.constexpr = D // NPV
+    KCB: tl.constexpr = D * KBITS // 8                       # key code bytes per token (KP but for 5-bit keys)
+    QM1: tl.constexpr = 1 if KBITS == 5 else (1 << KBITS)    # query plane 1's divisor (_query_planes)
+    KMB: tl.constexpr = 2 if KSYM else 4                     # key meta bytes per token: scale (, zero)
 
     seq_len = tl.load(seq_lens_ptr + b)
     if IS_DECODE:                            # one query token per sequence, row b
@@ -399,8 +479,8 @@ def paged_attn_kernel(
     if KEY_I8:                               # int8 digits of q (decode only, no fresh keys)
         tl.static_assert(IS_DECODE and not HAS_FRESH, "KEY_I8 is a decode-only path")
         qh0, qh1, ql0, ql1, qsum, s_q = _query_digits(qrow, qmask, dk, KP, KBITS)
-        KM: tl.constexpr = 16 if KBITS == 4 else 1            # key plane multiplier m
-        KC: tl.constexpr = 8.0 if KBITS == 4 else 128.0       # key code centre c
+        KM: tl.constexpr = 16 if KBITS == 4 else (8 if KBITS == 5 else 1)     # key plane multiplier m
+        KC: tl.constexpr = 8.0 if KBITS == 4 else 128.0       # key code centre c (5-bit keys: 16, below)
         k_mul = s_q * (1.0 / KM)
     else:
         q0, q1, q2, q3, qsum = _query_planes(qrow, qmask, dk, KP, KBITS)
@@ -418,24 +498,39 @@ def paged_attn_kernel(
         blk = tl.load(bt_row + n // BS, mask=n_ok, other=0).to(tl.int64)
         page = pool_ptr + (blk * NUM_KV_HEADS + kvh) * PAGE_BYTES
         t_in = n % BS
-        kc = tl.load(page[:, None] + (t_in * KP)[:, None] + dk[None, :], mask=n_ok[:, None], other=0)
+        kc = tl.load(page[:, None] + (t_in * KCB)[:, None] + dk[None, :], mask=n_ok[:, None], other=0)
+        if KBITS == 5:                       # low-plane byte of each plane-0 channel j: byte j % (D / 8)
+            kl = tl.load(page[:, None] + (t_in * KCB + D // 2)[:, None] + (dk % (D // 8))[None, :],
+                         mask=n_ok[:, None], other=0)
+        else:
+            kl = kc
         if KEY_I8:
-            qk = _qk_i8(kc, qh0, qh1, ql0, ql1, KBITS, DEQ_ASM).to(tl.float32)
+            qk = _qk_i8(kc, kl, qh0, qh1, ql0, ql1, KBITS, DEQ_ASM).to(tl.float32)
         else:
-            qk = _qk_planes(kc, q0, q1, q2, q3, KBITS, DEQ_ASM)
-        km = (page + K_META_OFF + t_in * 4).to(tl.pointer_type(tl.float16))
+            qk = _qk_planes(kc, kl, q0, q1, q2, q3, KBITS, DEQ_ASM)
+        km = (page + K_META_OFF + t_in * KMB).to(tl.pointer_type(tl.float16))
         ks = tl.load(km, mask=n_ok, other=0.0).to(tl.float32)
-        kz = tl.load(km + 1, mask=n_ok, other=0.0).to(tl.float32)
-        if KEY_I8:                           # s = (S_q/m) ks acc + S_q sum(qi) (c ks + kz), S_q per row
-            kz = kz + KC * ks
-            s = qk * k_mul[:, None] * ks[None, :] + qsum[:, None] * kz[None, :]
+        if KSYM:                             # z = -15.5 ks; codes centred on 16 on both key paths
+            kz = 0.5 * ks
+            if KEY_I8:
+                s = qk * k_mul[:, None] * ks[None, :] + qsum[:, None] * kz[None, :]
+            else:
+                s = qk * ks[None, :] + qsum[:, None] * kz[None, :]
         else:
-            s = qk * ks[None, :] + qsum[:, None] * kz[None, :]
+            kz = tl.load(km + 1, mask=n_ok, other=0.0).to(tl.float32)
+            if KEY_I8:                       # s = (S_q/m) ks acc + S_q sum(qi) (c ks + kz), S_q per row
+                kz = kz + KC * ks
+                s = qk * k_mul[:, None] * ks[None, :] + qsum[:, None] * kz[None, :]
+            else:
+                s = qk * ks[None, :] + qsum[:, None] * kz[None, :]
         vis = n_ok[None, :] & (n[None, :] <= qpos[:, None])
         s = tl.where(vis, s, float("-inf"))
         m_new, alpha, p = _online_softmax(s, m_i)
-        vm = (page + V_META_OFF + t_in * 2).to(tl.pointer_type(tl.float16))
-        vs = tl.load(vm, mask=n_ok, other=0.0).to(tl.float32)
+        if VLOG:
+            vs = log_scale_value(tl.load(page + V_META_OFF + t_in, mask=n_ok, other=0))
+        else:
+            vm = (page + V_META_OFF + t_in * 2).to(tl.pointer_type(tl.float16))
+            vs = tl.load(vm, mask=n_ok, other=0.0).to(tl.float32)
         pvs = p * vs[None, :]
         pv16 = pvs.to(tl.float16)
         vc = tl.load(page[:, None] + V_CODE_OFF + (t_in * VP)[:, None] + dv[None, :], mask=n_ok[:, None], other=0)
@@ -455,7 +550,7 @@ def paged_attn_kernel(
             fk = fk_ptr + frow[:, None]
             s = tl.dot(q0, tl.trans(tl.load(fk + dk[None, :], mask=j_ok[:, None], other=0.0)))
             if NPK > 1:
-                s += (1 << KBITS) * tl.dot(q1, tl.trans(tl.load(fk + KP + dk[None, :], mask=j_ok[:, None], other=0.0)))
+                s += QM1 * tl.dot(q1, tl.trans(tl.load(fk + KP + dk[None, :], mask=j_ok[:, None], other=0.0)))
             if NPK > 2:
                 s += (1 << (2 * KBITS)) * tl.dot(q2, tl.trans(tl.load(fk + 2 * KP + dk[None, :], mask=j_ok[:, None], other=0.0)))
                 s += (1 << (3 * KBITS)) * tl.dot(q3, tl.trans(tl.load(fk + 3 * KP + dk[None, :], mask=j_ok[:, None], other=0.0)))

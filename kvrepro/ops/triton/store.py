@@ -1,30 +1,47 @@
 """Store kernel: rotate, quantize and pack new K/V into compressed pages (``PageLayout``).
 
 Matches ``kvrepro.formats.compressed.quantize_rotated`` (keys asymmetric min/max with float16
-scale and zero; values symmetric mid-rise with a float16 scale; round-to-nearest-even conversions), ``round((x - zero) / scale)`` with round-half-even
-(the 2**23 trick, exact for 0 <= v < 2**22) and correctly rounded division (``div_rn``).
+scale and zero, or 5-bit symmetric with a float16 scale; values symmetric mid-rise with a float16 scale or a one-byte
+log2 scale; round-to-nearest-even conversions), ``round((x - zero) / scale)`` (5-bit keys:
+``round(x / scale + 15.5)``) with round-half-even (the 2**23 trick, exact for 0 <= v < 2**22) and correctly rounded
+division (``div_rn``).
 Only the rotation ``x @ R`` may differ from the reference in the last float32 bit (summation
 order), which can move a code by one at an exact tie.
 """
 import triton
 import triton.language as tl
 
+from kvrepro.ops.triton.scales import log_scale_code, log_scale_value
+
+
+@triton.jit
+def _pack_split_plane(codes, BITS: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr):
+    """int32 codes [BLOCK_T, D] (< 2**BITS, BITS in 1, 2, 4, 8) -> split-plane bytes [BLOCK_T, D * BITS / 8] int32."""
+    NPL: tl.constexpr = 8 // BITS
+    P: tl.constexpr = D // NPL
+    planes = tl.reshape(codes, (BLOCK_T, NPL, P))
+    sh = tl.arange(0, NPL) * BITS
+    return tl.sum(planes << sh[None, :, None], axis=1)  # disjoint bits: sum == or
+
 
 @triton.jit
 def _quant_pack_store(x, page_base, off, keep, pool_ptr, CODE_OFF, META_OFF,
                       BITS: tl.constexpr, SYMMETRIC: tl.constexpr, D: tl.constexpr,
-                      BLOCK_T: tl.constexpr):
+                      BLOCK_T: tl.constexpr, LOG_SCALE: tl.constexpr = False):
     """x: [BLOCK_T, D] float32 rotated rows; page_base/off: [BLOCK_T] int64; keep: [BLOCK_T].
-    Asymmetric (keys): meta (scale, zero) float16 x 2; symmetric (values): meta scale float16."""
+    Asymmetric (keys): meta (scale, zero) float16 x 2; symmetric (values, 5-bit keys): meta scale float16;
+    ``LOG_SCALE`` (symmetric): meta one uint8 log2 code."""
     QMAX: tl.constexpr = (1 << BITS) - 1
-    NPL: tl.constexpr = 8 // BITS
-    P: tl.constexpr = D // NPL
     lo = tl.min(x, axis=1)
     hi = tl.max(x, axis=1)
     if SYMMETRIC:
         amax = tl.maximum(tl.abs(hi), tl.abs(lo))
-        scale16 = tl.math.div_rn(amax, tl.full([BLOCK_T], QMAX / 2, tl.float32)).to(tl.float16)
-        s = scale16.to(tl.float32)
+        if LOG_SCALE:
+            u = log_scale_code(tl.math.div_rn(amax, tl.full([BLOCK_T], QMAX / 2, tl.float32)))
+            s = log_scale_value(u)
+        else:
+            scale16 = tl.math.div_rn(amax, tl.full([BLOCK_T], QMAX / 2, tl.float32)).to(tl.float16)
+            s = scale16.to(tl.float32)
         z = -(QMAX / 2) * s
     else:
         scale16 = tl.math.div_rn(hi - lo, tl.full([BLOCK_T], QMAX, tl.float32)).to(tl.float16)
@@ -32,17 +49,32 @@ def _quant_pack_store(x, page_base, off, keep, pool_ptr, CODE_OFF, META_OFF,
         s = scale16.to(tl.float32)
         z = zero16.to(tl.float32)
     safe = tl.where(s > 0, s, 1.0)
-    v = tl.math.div_rn(x - z[:, None], tl.broadcast_to(safe[:, None], (BLOCK_T, D)))
+    if BITS == 5:       # 5-bit keys: x / scale + c, as the reference
+        v = tl.math.div_rn(x, tl.broadcast_to(safe[:, None], (BLOCK_T, D))) + QMAX / 2
+    else:
+        v = tl.math.div_rn(x - z[:, None], tl.broadcast_to(safe[:, None], (BLOCK_T, D)))
     v = tl.minimum(tl.maximum(v, 0.0), QMAX * 1.0)
     r = (v + 8388608.0) - 8388608.0  # round half to even, as torch.round
     codes = r.to(tl.int32)
-    planes = tl.reshape(codes, (BLOCK_T, NPL, P))
-    sh = tl.arange(0, NPL) * BITS
-    packed = tl.sum(planes << sh[None, :, None], axis=1)  # disjoint bits: sum == or
-    pcols = tl.arange(0, P)
-    tl.store(pool_ptr + page_base[:, None] + CODE_OFF + off[:, None] * P + pcols[None, :],
-             packed.to(tl.uint8), mask=keep[:, None])
-    if SYMMETRIC:
+    if BITS == 5:       # high plane (4-bit split-plane, D / 2 bytes), then low plane (1-bit, D / 8 bytes)
+        TOK: tl.constexpr = D * 5 // 8
+        hi_p = _pack_split_plane(codes >> 1, 4, D, BLOCK_T)
+        lo_p = _pack_split_plane(codes & 1, 1, D, BLOCK_T)
+        hcols = tl.arange(0, D // 2)
+        lcols = tl.arange(0, D // 8)
+        row = pool_ptr + page_base[:, None] + CODE_OFF + off[:, None] * TOK
+        tl.store(row + hcols[None, :], hi_p.to(tl.uint8), mask=keep[:, None])
+        tl.store(row + D // 2 + lcols[None, :], lo_p.to(tl.uint8), mask=keep[:, None])
+    else:
+        NPL: tl.constexpr = 8 // BITS
+        P: tl.constexpr = D // NPL
+        packed = _pack_split_plane(codes, BITS, D, BLOCK_T)
+        pcols = tl.arange(0, P)
+        tl.store(pool_ptr + page_base[:, None] + CODE_OFF + off[:, None] * P + pcols[None, :],
+                 packed.to(tl.uint8), mask=keep[:, None])
+    if LOG_SCALE:
+        tl.store(pool_ptr + page_base + META_OFF + off, u.to(tl.uint8), mask=keep)
+    elif SYMMETRIC:
         meta = (pool_ptr + page_base + META_OFF + off * 2).to(tl.pointer_type(tl.float16))
         tl.store(meta, scale16, mask=keep)
     else:
@@ -57,9 +89,11 @@ def store_kv_kernel(key_ptr, value_ptr, pool_ptr, slot_ptr, rot_ptr, num_tokens,
                     NUM_KV_HEADS: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                     PAGE_BYTES: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
                     V_CODE_OFF: tl.constexpr, K_META_OFF: tl.constexpr, V_META_OFF: tl.constexpr,
+                    KSYM: tl.constexpr, VLOG: tl.constexpr,
                     BLOCK_T: tl.constexpr, ROTATE: tl.constexpr):
     """Grid ``(cdiv(num_tokens, BLOCK_T), NUM_KV_HEADS)``. K/V last dim contiguous. ``ROTATE``:
-    multiply by ``rot`` here; else K/V arrive already rotated (float32)."""
+    multiply by ``rot`` here; else K/V arrive already rotated (float32). ``KSYM`` / ``VLOG``: the layout's
+    ``key_symmetric`` / ``value_log_scale``."""
     pid_t = tl.program_id(0)
     h = tl.program_id(1)
     t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -77,10 +111,10 @@ def store_kv_kernel(key_ptr, value_ptr, pool_ptr, slot_ptr, rot_ptr, num_tokens,
     if ROTATE:
         rot = tl.load(rot_ptr + d[:, None] * D + d[None, :])
         xk = tl.dot(xk, rot, input_precision="ieee")
-    _quant_pack_store(xk, page_base, off, keep, pool_ptr, 0, K_META_OFF, KBITS, False, D, BLOCK_T)
+    _quant_pack_store(xk, page_base, off, keep, pool_ptr, 0, K_META_OFF, KBITS, KSYM, D, BLOCK_T)
     xv = tl.load(value_ptr + t64[:, None] * stride_vt + h * stride_vh + d[None, :],
                  mask=keep[:, None], other=0.0).to(tl.float32)
     if ROTATE:
         xv = tl.dot(xv, rot, input_precision="ieee")
     _quant_pack_store(xv, page_base, off, keep, pool_ptr, V_CODE_OFF, V_META_OFF, VBITS, True, D,
-                      BLOCK_T)
+                      BLOCK_T, VLOG)
