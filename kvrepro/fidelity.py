@@ -126,8 +126,9 @@ class FidelityParams:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
 
     def key(self) -> str:
-        """Hash of what a row depends on (not the format list): rows with the same key are interchangeable."""
-        d = {k: v for k, v in self.as_dict().items() if k != "formats"}
+        """Hash of what a row depends on (not the format list, not the window count: window i is the same for any
+        ``num_windows`` > i): rows with the same key are interchangeable, so a longer run resumes a shorter one."""
+        d = {k: v for k, v in self.as_dict().items() if k not in ("formats", "num_windows")}
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
     @classmethod
@@ -201,15 +202,17 @@ def summarize(rows: pd.DataFrame) -> pd.DataFrame:
     """Per format: scored tokens, windows, mean KL (nats/token; NaN where only top-k was measured), mean top-k KL,
     top-1 agreement %, perplexity and its change against bf16 on the same windows (%).
 
-    Only windows that every format of ``rows`` measured are used, so formats are compared on the same tokens.
+    Each format is compared with bf16 on the windows both measured (``windows``, ``scored_tokens``), so a
+    format measured on fewer windows is still compared on the same tokens as its baseline.
     """
-    if rows.empty:
+    if rows.empty or BASELINE not in set(rows["format"]):
         return pd.DataFrame()
-    n_fmt = rows["format"].nunique()
-    common = rows.groupby("window")["format"].nunique()
-    keep = rows[rows["window"].isin(common[common == n_fmt].index)]
+    base_windows = set(rows.loc[rows["format"] == BASELINE, "window"])
     out = []
-    for fmt, g in keep.groupby("format", sort=False):
+    for fmt, g in rows.groupby("format", sort=False):
+        g = g[g["window"].isin(base_windows)]
+        if g.empty:
+            continue
         n = g["scored"].sum()
         ppl, ref_ppl = math.exp(g["nll_sum"].sum() / n), math.exp(g["ref_nll_sum"].sum() / n)
         out.append({"format": fmt, "scored_tokens": int(n), "windows": int(g["window"].nunique()),
@@ -269,10 +272,32 @@ def write_rows(df: pd.DataFrame, path: str) -> str:
 # ---------------------------------------------------------------- CPU reference path
 
 def corpus_windows(tokenizer, params: FidelityParams) -> list[list[int]]:
-    """The ``num_windows`` consecutive windows of ``params.corpus`` (ValueError if the corpus is too short)."""
+    """The ``num_windows`` consecutive windows of ``params.corpus`` (ValueError if the corpus is too short).
+
+    With ``KVREPRO_FIDELITY_WINDOWS_FILE`` unset this tokenizes the corpus (needs ``datasets``); a machine without
+    it (a GPU box without network) reads the windows saved by ``save_windows`` on another machine instead, after
+    checking they were made for the same corpus, window length and count."""
+    path = os.environ.get("FIDELITY_WINDOWS_FILE", "")
+    if path:
+        d = torch.load(path)
+        want = {"corpus": params.corpus, "window_tokens": params.window_tokens, "num_windows": params.num_windows}
+        got = {k: d.get(k) for k in want}
+        if got != want:
+            raise ValueError(f"FIDELITY_WINDOWS_FILE {path} holds windows for {got}, not {want}")
+        return d["windows"]
     from kvrepro.corpus import token_windows
 
     return token_windows(tokenizer, params.corpus, params.window_tokens, params.num_windows)
+
+
+def save_windows(tokenizer, params: FidelityParams, path: str) -> str:
+    """Save the corpus windows of ``params`` for a machine without ``datasets`` (``FIDELITY_WINDOWS_FILE``)."""
+    from kvrepro.corpus import load_text
+
+    _, prov = load_text(params.corpus)
+    d = {"corpus": params.corpus, "window_tokens": params.window_tokens, "num_windows": params.num_windows,
+         "corpus_provenance": prov, "windows": corpus_windows(tokenizer, params)}
+    return atomic_write(path, lambda f: torch.save(d, f), "wb")
 
 
 @torch.inference_mode()
@@ -281,8 +306,10 @@ def _cpu_logprobs(model, window: list[int], fmt: str, params: FidelityParams) ->
 
     cache = make_cache(fmt, model.config.num_hidden_layers, params.block_size)
     keep = params.window_tokens - params.score_from + 1  # logits of positions score_from - 1 .. window - 1
+    from kvrepro.hf import forward
+
     dev = next(model.parameters()).device
-    out = model(input_ids=torch.tensor([window], device=dev), cache=cache, use_cache=True, logits_to_keep=keep)
+    out = forward(model, torch.tensor([window], device=dev), cache, logits_to_keep=keep)
     return torch.log_softmax(out.logits[0, :-1].float(), -1).cpu()
 
 
@@ -427,6 +454,9 @@ def run_vllm(params: FidelityParams | dict, path: str, model: str, work_dir: str
         modes = [f if f in ("bf16", "fp8") else f"kvrepro:{f}" for f in params.formats]
     _, tok = load_smollm2()
     windows = corpus_windows(tok, params)
+    if modes[0] != "bf16":
+        raise ValueError(f"modes must start with the baseline 'bf16', got {list(modes)}")
+    prov = _provenance("vllm", params)
     os.makedirs(work_dir, exist_ok=True)
     wpath = os.path.join(work_dir, "windows.pt")
     atomic_write(wpath, lambda f: torch.save(windows, f), "wb")
@@ -448,20 +478,17 @@ def run_vllm(params: FidelityParams | dict, path: str, model: str, work_dir: str
             continue
         outs[mode] = torch.load(out)
         infos[mode] = outs[mode]["info"]
-    if "bf16" not in outs:
-        raise RuntimeError("the bf16 baseline did not run through vLLM; no rows written (see the logs in work_dir)")
-    prov = _provenance("vllm", params)
-    rows = []
-    for mode, res in outs.items():
+        if "bf16" not in outs:
+            raise RuntimeError("the bf16 baseline did not run through vLLM; no rows written (see work_dir's logs)")
         fmt = mode.split(":", 1)[-1]
-        for r in vllm_rows(outs["bf16"], res, fmt, params.top_k):
-            rows.append({**r, **prov, "mode": mode, "engine_info": json.dumps(infos[mode], sort_keys=True)})
-    df = read_rows(path)
-    if not df.empty and "params_key" in df:
-        df = df[df["params_key"] != params.key()]
-    df = pd.concat([df, pd.DataFrame(rows)], ignore_index=True) if not df.empty else pd.DataFrame(rows)
-    write_rows(df, path)
-    return pd.DataFrame(rows)
+        rows = [{**r, **prov, "mode": mode, "engine_info": json.dumps(infos[mode], sort_keys=True)}
+                for r in vllm_rows(outs["bf16"], outs[mode], fmt, params.top_k)]
+        df = read_rows(path)          # written after every mode: a timeout keeps the modes already measured
+        if not df.empty and "params_key" in df:
+            df = df[~((df["params_key"] == params.key()) & (df["format"] == fmt))]
+        df = pd.concat([df, pd.DataFrame(rows)], ignore_index=True) if not df.empty else pd.DataFrame(rows)
+        write_rows(df, path)
+    return read_rows(path)
 
 
 def main(argv=None) -> int:

@@ -181,7 +181,8 @@ class PagedKVLayer(DynamicLayer):
 def make_cache(fmt: KVFormat | str, num_layers: int, block_size: int = 16) -> Cache:
     """A transformers ``Cache`` of ``num_layers`` ``PagedKVLayer`` in format ``fmt`` (name or object).
 
-    Pass it as ``model(..., cache=cache, use_cache=True)``.
+    Run the model with ``forward(model, input_ids, cache)`` (the cache argument's name differs across transformers
+    versions).
 
     Raises:
         ValueError: unknown format name (lists the allowed ones), ``num_layers`` < 1.
@@ -191,6 +192,36 @@ def make_cache(fmt: KVFormat | str, num_layers: int, block_size: int = 16) -> Ca
     if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
         raise ValueError(f"num_layers must be a positive integer, got {num_layers!r}")
     return Cache(layers=[PagedKVLayer(fmt, block_size) for _ in range(num_layers)])
+
+
+@functools.lru_cache(maxsize=8)
+def _cache_kwarg(model_cls) -> str:
+    """Name of the forward argument that takes the cache: ``cache`` (transformers >= 5.2x) or ``past_key_values``."""
+    import inspect
+
+    params = inspect.signature(model_cls.forward).parameters
+    for name in ("cache", "past_key_values"):
+        if name in params:
+            return name
+    raise RuntimeError(f"{model_cls.__name__}.forward takes neither `cache` nor `past_key_values`; this transformers "
+                       "version is not supported by kvrepro.hf")
+
+
+def forward(model, input_ids: torch.Tensor, cache: Cache, **kw):
+    """``model(input_ids, <cache>=cache, use_cache=True, **kw)`` under the cache argument name of the installed
+    transformers, then a check that every paged layer stored the new tokens.
+
+    Raises:
+        RuntimeError: the model did not write its K/V into ``cache`` (an argument it silently ignored would
+            otherwise give exact-attention results for every format).
+    """
+    before = [layer.seq_len for layer in cache.layers]
+    out = model(input_ids=input_ids, use_cache=True, **{_cache_kwarg(type(model)): cache}, **kw)
+    n = input_ids.shape[-1]
+    if any(layer.seq_len != b + n for layer, b in zip(cache.layers, before)):
+        raise RuntimeError("the model did not store its K/V in the paged cache (transformers ignored the cache "
+                           "argument?); refusing results that would not measure the KV format")
+    return out
 
 
 def kv_bytes(cache: Cache) -> int:
@@ -210,7 +241,7 @@ def prefill(model, input_ids: torch.Tensor, cache: Cache) -> torch.Tensor:
     Returns the float32 log-probabilities of the next token, ``[vocab]`` (only the last
     position's logits are computed: ``logits_to_keep=1``).
     """
-    out = model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1)
+    out = forward(model, input_ids, cache, logits_to_keep=1)
     return torch.log_softmax(out.logits[0, -1].float(), dim=-1)
 
 
@@ -229,7 +260,7 @@ def teacher_forced_logprobs(model, first_logprobs: torch.Tensor, target_ids: lis
     lps = [first_logprobs[target_ids[0]]]
     if len(target_ids) > 1:
         ids = torch.tensor([target_ids[:-1]], dtype=torch.long)
-        out = model(input_ids=ids, cache=cache, use_cache=True)
+        out = forward(model, ids, cache)
         lp = torch.log_softmax(out.logits[0].float(), dim=-1)
         lps += [lp[i, target_ids[i + 1]] for i in range(len(target_ids) - 1)]
         cache.crop(-(len(target_ids) - 1))
@@ -247,6 +278,6 @@ def greedy_generate(model, first_logprobs: torch.Tensor, cache: Cache, max_new_t
     tokens = [int(first_logprobs.argmax())]
     while (len(tokens) < max_new_tokens and tokens[-1] not in stop_ids
            and not (stop_when is not None and stop_when(tokens))):
-        out = model(input_ids=torch.tensor([[tokens[-1]]]), cache=cache, use_cache=True)
+        out = forward(model, torch.tensor([[tokens[-1]]]), cache)
         tokens.append(int(out.logits[0, -1].argmax()))
     return tokens

@@ -7,11 +7,11 @@ import torch
 
 from kvrepro.formats import FORMAT_NAMES, get_format
 from kvrepro.formats.hadamard import rotation_matrix
-from kvrepro.hf import PagedKVLayer, make_cache, prefill, teacher_forced_logprobs
+from kvrepro.hf import PagedKVLayer, forward, make_cache, prefill, teacher_forced_logprobs
 
 H, D = 3, 64  # SmolLM2-135M: 3 KV heads, head_dim 64
 STORED_DTYPE = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "k4v4": torch.uint8,
-                "k8v4": torch.uint8, "k4v2": torch.uint8}
+                "k8v4": torch.uint8, "k4v2": torch.uint8, "k5v4": torch.uint8}
 
 
 def _unpack(page_bytes: np.ndarray, bits: int) -> np.ndarray:
@@ -44,11 +44,20 @@ def decode_pages_independently(pool, seq_len: int) -> tuple[np.ndarray, np.ndarr
         b, o = divmod(t, bs)
         for h in range(pool.num_kv_heads):
             page = raw[b, h]
-            kc = _unpack(page[L.k_code_offset + o * L.k_code_bytes:][:L.k_code_bytes], L.key_bits)
+            kb = page[L.k_code_offset + o * L.k_code_bytes:][:L.k_code_bytes]
             vc = _unpack(page[L.v_code_offset + o * L.v_code_bytes:][:L.v_code_bytes], L.value_bits)
-            k_scale, k_zero = page[L.k_meta_offset + 4 * o:][:4].view(np.float16).astype(np.float64)
-            v_scale = float(page[L.v_meta_offset + 2 * o:][:2].view(np.float16)[0])
-            k[t, h] = (kc * k_scale + k_zero) @ r.T
+            if L.key_symmetric:  # k5v4: 4-bit high plane (D/2 bytes), then the low bit plane; float16 scale
+                kc = 2 * _unpack(kb[:pool.head_dim // 2], 4) + _unpack(kb[pool.head_dim // 2:], 1)
+                k_scale = float(page[L.k_meta_offset + 2 * o:][:2].view(np.float16)[0])
+                k[t, h] = (kc - 15.5) * k_scale @ r.T
+            else:
+                kc = _unpack(kb, L.key_bits)
+                k_scale, k_zero = page[L.k_meta_offset + 4 * o:][:4].view(np.float16).astype(np.float64)
+                k[t, h] = (kc * k_scale + k_zero) @ r.T
+            if L.value_log_scale:  # k5v4: one byte u, scale 2**((u - 128) / 8)
+                v_scale = 2.0 ** ((int(page[L.v_meta_offset + o]) - 128) / 8)
+            else:
+                v_scale = float(page[L.v_meta_offset + 2 * o:][:2].view(np.float16)[0])
             v[t, h] = (vc - ((1 << L.value_bits) - 1) / 2) * v_scale @ r.T
     return k, v
 
@@ -83,7 +92,7 @@ def test_layer_stores_page_bytes_and_attends_over_them(name):
     # relative error vs the input, K and V: quantized for real (not a bf16 copy), and not broken
     bounds = {"bf16": ((0, 0), (0, 0)), "fp8": ((0.01, 0.05), (0.01, 0.05)),
               "k8v4": ((0.002, 0.01), (0.05, 0.15)), "k4v4": ((0.05, 0.13), (0.05, 0.15)),
-              "k4v2": ((0.05, 0.13), (0.3, 0.7))}[name]
+              "k4v2": ((0.05, 0.13), (0.3, 0.7)), "k5v4": ((0.02, 0.08), (0.05, 0.15))}[name]
     for j, (lo, hi) in enumerate(bounds):
         x_in = torch.cat([c[j] for c in chunks], dim=2)
         err = float((returned[j] - x_in).norm() / x_in.norm())
@@ -132,7 +141,7 @@ def test_model_served_from_pages(model_tok, short_prompt):
     cache = make_cache("bf16", n_layers)
     prefill(model, ids[:, :-1], cache)
     with torch.inference_mode():
-        step = torch.log_softmax(model(input_ids=ids[:, -1:], cache=cache, use_cache=True).logits[0, -1], -1)
+        step = torch.log_softmax(forward(model, ids[:, -1:], cache).logits[0, -1], -1)
     # same pages read at decode as at prefill (bf16 rounding flips from sdpa's different blocking stay tiny)
     assert float((step.exp() - bf16.exp()).abs().max()) < 1e-3
     top = bf16.topk(10).indices
@@ -153,3 +162,14 @@ def test_teacher_forced_logprobs_match_full_forward(model_tok, short_prompt):
     full = _exact_logprobs(model, torch.tensor([p.input_ids + p.answer_ids[:-1]]))
     ref = torch.stack([full[p.n_tokens - 1 + i, t] for i, t in enumerate(p.answer_ids)])
     torch.testing.assert_close(lps, ref, atol=0.05, rtol=0)
+
+
+def test_forward_refuses_a_cache_the_model_ignored(model_tok, short_prompt, monkeypatch):
+    """A transformers version that ignores the cache argument would give exact attention for every format: refused."""
+    from kvrepro import hf
+
+    model, _ = model_tok
+    ids = torch.tensor([short_prompt.input_ids[:8]])
+    monkeypatch.setattr(hf, "_cache_kwarg", lambda cls: "cache_ignored_by_the_model")
+    with pytest.raises(RuntimeError, match="did not store its K/V"):
+        forward(model, ids, make_cache("k4v4", model.config.num_hidden_layers))

@@ -97,7 +97,7 @@ def test_settings_table_is_one_row_per_variable():
     rows = st.settings_table()
     assert [r["variable"] for r in rows] == [d.env for d in st.SETTINGS]
     assert all(set(r) == {"variable", "values", "default", "changes"} and r["changes"] for r in rows)
-    assert rows[0] == {"variable": "KVREPRO_PRESET", "values": "k4v4, k8v4, k4v2", "default": "k4v4",
+    assert rows[0] == {"variable": "KVREPRO_PRESET", "values": "k4v4, k8v4, k4v2, k5v4", "default": "k4v4",
                        "changes": st.SETTINGS[0].doc}
     assert {r["variable"]: r["default"] for r in rows}["KVREPRO_NUM_SPLITS"] == "unset"
     md = st.markdown_table().splitlines()

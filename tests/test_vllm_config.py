@@ -46,7 +46,8 @@ def test_settings_for_engine_resolves_once_per_engine_and_logs_once(caplog):
 @pytest.mark.parametrize("head_dim,block_size", [(128, 16), (64, 32), (128, 64)])
 def test_slot_bytes_match_page_layout(preset, head_dim, block_size):
     kb, vb = COMPRESSED_PRESETS[preset]
-    per_token = head_dim * (kb + vb) // 8 + 6  # codes + fp16 K scale/zero + fp16 V scale
+    # codes + fp16 K scale/zero + fp16 V scale; k5v4: fp16 K scale + one-byte log2 V scale
+    per_token = head_dim * (kb + vb) // 8 + (3 if preset == "k5v4" else 6)
     assert cfg.slot_bytes(preset, head_dim, block_size) == per_token
     assert cfg.kv_cache_shape(7, block_size, 3, head_dim, preset) == (7, 3, per_token * block_size)
 
