@@ -104,3 +104,34 @@ def bias_table(formats=("fp8", "k8v4", "k5v4", "k4v4", "k4v2"), shapes=SHAPES, b
                                  "bias_norm": bn, "rel_err": r["rel_err"], "rel_err_no_bias": base["rel_err"],
                                  "ratio": ratio, "top1": r["top1"], "meets": ratio <= BAR, "note": ""})
     return pd.DataFrame(rows)
+
+
+def main(argv=None) -> int:
+    """``python -m kvrepro.keybias [--out CSV]``: the full grid with provenance columns, written atomically."""
+    import argparse
+    import json
+    import os
+    import time
+
+    from kvrepro.fileio import atomic_write
+    from kvrepro.formats import FORMAT_NAMES
+    from kvrepro.provenance import collect
+
+    ap = argparse.ArgumentParser(prog="python -m kvrepro.keybias", description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="results/keybias/keybias_cpu.csv")
+    ap.add_argument("--tokens", type=int, default=2048)
+    a = ap.parse_args(argv)
+    formats = [f for f in FORMAT_NAMES if f != "bf16"]
+    t = bias_table(formats=formats, tokens=a.tokens)
+    t["tokens"] = a.tokens
+    t["measured_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    t["provenance"] = json.dumps(collect(), sort_keys=True, default=str)
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    atomic_write(a.out, lambda f: t.to_csv(f, index=False))
+    s = t[t["supported"]].groupby("format")["ratio"].agg(["min", "max"])
+    print(s.to_string())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
