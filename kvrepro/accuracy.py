@@ -1042,7 +1042,7 @@ def headline(df: pd.DataFrame, measured: bool = True) -> dict:
 def sanity_texts(sanity: pd.DataFrame, formats=None, max_chars: int = 90) -> pd.DataFrame:
     """The sanity continuations, one row per prompt and one column per format in the order of ``formats`` (the
     notebook's parameter; default: the rows' order), each cut to ``max_chars`` with newlines shown as ⏎."""
-    from kvrepro.summary import cell_text
+    from kvrepro.style import cell_text
 
     t = sanity.assign(format=sanity["format"].astype(str)).pivot_table(
         index="name", columns="format", values="text", aggfunc="first")

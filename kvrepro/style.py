@@ -41,3 +41,30 @@ def palette(names) -> dict:
 def markers(names) -> dict:
     """{name: marker} for seaborn's ``markers=`` over formats or modes (see :func:`style_of`)."""
     return {n: style_of(n, i)[1] for i, n in enumerate(dict.fromkeys(map(str, names)))}
+
+
+MISSING = "–"  # the one marker of a missing value in the notebooks' tables
+
+
+def cell_text(v, digits: int = 3) -> str:
+    """One table cell as text: integers (and integer-valued floats) without decimals, other floats to ``digits``
+    decimals without trailing zeros, every missing value (None, NaN, pd.NA, NaT) as :data:`MISSING`, newlines in
+    text as a visible ⏎."""
+    import numbers
+
+    try:
+        import pandas as pd
+        if not isinstance(v, (list, tuple, dict)) and pd.isna(v):
+            return MISSING
+    except (TypeError, ValueError):
+        pass
+    if isinstance(v, bool):
+        return str(v)
+    if isinstance(v, numbers.Integral):
+        return f"{int(v):d}"
+    if isinstance(v, numbers.Real):
+        f = float(v)
+        if f.is_integer() and abs(f) < 1e15:
+            return f"{int(f):d}"
+        return f"{f:.{digits}f}".rstrip("0").rstrip(".")
+    return str(v).replace("\r\n", "\n").replace("\n", " ⏎ ")
