@@ -92,15 +92,16 @@ def test_tiny_real_run(tmp_path):
 
 
 def test_notebook_parameters_match_the_runner():
-    """One literal-only `parameters` cell declaring exactly AccuracyParams' fields; params files valid."""
-    from kvrepro import provenance
+    """One literal-only `parameters` cell declaring exactly AccuracyParams' fields and notebook 03's own (the live
+    fidelity measurement and the key-bias grid, kvrepro.accuracy_summary.NOTEBOOK_PARAMETERS); params files valid."""
+    from kvrepro import accuracy_summary, provenance
 
     names = provenance.parameters_cell_names(NB)
-    assert sorted(names) == sorted(AccuracyParams().as_dict())
+    assert sorted(names) == sorted([*AccuracyParams().as_dict(), *accuracy_summary.NOTEBOOK_PARAMETERS])
     for f in sorted((ROOT / "notebooks" / "params").glob("03_*.yaml")):
         d = yaml.safe_load(f.read_text())
         provenance.check_parameters(NB, d)
-        AccuracyParams.from_dict(d)
+        accuracy_summary.notebook_params(d)
 
 
 def test_notebook_bad_parameter_fails_naming_it(tmp_path):
@@ -326,8 +327,10 @@ def test_make_report_output_may_be_rewritten_after_a_grid_change(tmp_path, monke
     default = yaml.safe_load((ROOT / "notebooks" / "params" / "03_default.yaml").read_text())
     assert default["results_path"].startswith("reports/")
     df = pd.DataFrame(_cells("bf16", {(1024, 0.0): [1]}))
-    old = AccuracyParams.from_dict(default | dict(num_keys=2))
-    new = AccuracyParams.from_dict(default)
+    from kvrepro.accuracy_summary import notebook_params
+
+    old = notebook_params(default | dict(num_keys=2))[0]
+    new = notebook_params(default)[0]
     for p in (old, new, new):
         accuracy.save_results(df, p, default["results_path"], {})
     accuracy.save_results(df, old, "results/x.csv", {})
@@ -338,7 +341,9 @@ def test_make_report_output_may_be_rewritten_after_a_grid_change(tmp_path, monke
 def test_committed_default_results_are_protected_from_the_ci_grid():
     """The review's case: 03_ci.yaml with results_path = the committed results/accuracy/03_default.csv."""
     ci = yaml.safe_load((ROOT / "notebooks" / "params" / "03_ci.yaml").read_text())
-    p = AccuracyParams.from_dict(ci | dict(results_path="results/accuracy/03_default.csv"))
+    from kvrepro.accuracy_summary import notebook_params
+
+    p = notebook_params(ci | dict(results_path="results/accuracy/03_default.csv"))[0]
     with pytest.raises(ValueError, match="results_path 'results/accuracy/03_default.csv'"):
         accuracy.check_overwrite(p, p.results_path)
 

@@ -36,6 +36,16 @@ def run(nb: Path, params: dict, out: Path):
     return json.loads(out.read_text())
 
 
+_CI_RUNS: dict = {}
+
+
+def run_ci(nb: Path, tmp_path_factory) -> dict:
+    """``nb`` executed once per test session with its CI parameters (03 takes a minute: its tests share one run)."""
+    if nb.name not in _CI_RUNS:
+        _CI_RUNS[nb.name] = run(nb, ci_params(nb), tmp_path_factory.mktemp(nb.stem) / nb.name)
+    return _CI_RUNS[nb.name]
+
+
 def outputs(nb: dict):
     for cell in nb["cells"]:
         yield from cell.get("outputs", [])
@@ -90,9 +100,9 @@ def test_first_cell_after_parameters_refuses_undeclared_names(nb):
 
 @pytest.mark.parametrize("nb", [pytest.param(p, marks=pytest.mark.slow) if p.name.startswith("03_") else p
                                 for p in NOTEBOOKS], ids=lambda p: p.stem)
-def test_notebook_runs_with_ci_params_and_echoes_them(nb, tmp_path):
+def test_notebook_runs_with_ci_params_and_echoes_them(nb, tmp_path_factory):
     params = ci_params(nb)
-    done = run(nb, params, tmp_path / nb.name)
+    done = run_ci(nb, tmp_path_factory)
     assert not stderr_of(done), f"{nb.name}: stderr in the report (progress bars, warnings): {stderr_of(done)[:500]}"
     infos = [o["data"]["application/json"] for o in outputs(done)
              if "application/json" in o.get("data", {}) and "python" in o["data"]["application/json"]]
@@ -103,6 +113,33 @@ def test_notebook_runs_with_ci_params_and_echoes_them(nb, tmp_path):
     assert info["python"] == sys.executable
     assert info["torch_version"] == torch.__version__
     assert "vllm_version" in info and "gpu" in info
+
+
+@pytest.mark.slow
+def test_03_opens_with_the_answer(tmp_path_factory):
+    """03's first output is the summary table: one row per mode of the registry (the default preset marked), the
+    sentence on the closest preset to fp8, the sources (the live fidelity run labelled measured now, missing files
+    "not measured yet"); the key-bias verdicts and the provenance come after it."""
+    from kvrepro import accuracy_summary as acs
+    from kvrepro.formats import DEFAULT_PRESET, FORMAT_NAMES
+
+    done = run_ci(NB_DIR / "03_accuracy.ipynb", tmp_path_factory)
+    cells = [c for c in done["cells"] if c.get("outputs")]
+    first = text_of({"cells": cells[:1]})
+    assert "**Per KV mode**" in first and "KL vs bf16, full vocab" in first and "needle bound" in first
+    for f in FORMAT_NAMES:
+        assert f">{acs.display_name(f)}<" in first, f
+    assert f"{DEFAULT_PRESET} (default)" in first
+    assert "Closest to fp8's fidelity at >= 12 users" in first or "is not known" in first
+    assert "measured now: reference path, CPU" in first
+    for path in (acs.REFERENCE_GPU, acs.VLLM_FIDELITY):
+        if not (ROOT / path).exists():
+            assert f"not measured yet: no <code>{path}</code>" in first or f"not measured yet: no `{path}`" in first
+    texts = [text_of({"cells": [c]}) for c in cells]
+    kb = next(i for i, t in enumerate(texts) if "**Key-bias table**" in t)
+    prov = next(i for i, t in enumerate(texts) if "kvrepro_src_sha256" in t)
+    assert 0 < kb < prov
+    assert "NOT MET" in texts[kb] or ">met<" in texts[kb]
 
 
 def test_02_replays_committed_results(tmp_path):
@@ -140,6 +177,8 @@ def test_02_opens_with_the_readme_rows(tmp_path):
     ("02_capacity", {"gpu_memory_gb": -40.0}, "gpu_memory_gb must be a positive finite number, got -40.0"),
     ("02_capacity", {"gpu_memory_gb": "80"}, "gpu_memory_gb must be a positive finite number, got '80'"),
     ("01_setup", {"num_tokens": -3}, "num_tokens must be a positive integer, got -3"),
+    ("03_accuracy", {"formats": "every"}, "formats must be 'all' or a list of bf16, fp8"),
+    ("03_accuracy", {"fidelity_windows": -1}, "fidelity_windows must be a non-negative integer"),
 ])
 def test_bad_parameter_fails_naming_it(stem, bad, needle, tmp_path):
     nb = NB_DIR / f"{stem}.ipynb"

@@ -224,7 +224,8 @@ def repo(tmp_path, monkeypatch):
     cap = tmp_path / "results" / "capacity"
     cap.mkdir(parents=True)
     write(cap / "r.jsonl", sweep("fp8", FP8, "2026-11-30T09:00:00+00:00") + sweep("bf16", BF16, "2026-11-30T08:00:00Z"))
-    (tmp_path / "README.md").write_text(f"# x\n\n{summary.BEGIN}\nold\n{summary.END}\n\nafter\n"
+    (tmp_path / "README.md").write_text(f"# x\n\n{summary.BEGIN}\nold\n{summary.END}\n\n"
+                                        f"{summary.FIDELITY_BEGIN}\n{summary.FIDELITY_END}\n\nafter\n"
                                         f"{summary.SETTINGS_BEGIN}\n{summary.SETTINGS_END}\n")
     monkeypatch.setattr(replay, "repo_root", lambda: tmp_path)
     monkeypatch.setattr(summary, "repo_root", lambda: tmp_path)
@@ -239,8 +240,10 @@ def test_cli_write_then_check(repo, capsys):
     assert summary.main(["--write"]) == 0
     text = (repo / "README.md").read_text()
     assert text.startswith("# x\n\n" + summary.BEGIN) and text.endswith(summary.SETTINGS_END + "\n")
-    assert "| `KVREPRO_PRESET` | k4v4, k8v4, k4v2 | k4v4 |" in text                # the settings table too
+    from kvrepro.formats import COMPRESSED_PRESETS, DEFAULT_PRESET
+    assert f"| `KVREPRO_PRESET` | {', '.join(COMPRESSED_PRESETS)} | {DEFAULT_PRESET} |" in text   # settings too
     assert "| bf16 | 512 | 2 (66.6 tok/s) | 3 | 170.0 |" in text
+    assert "not measured yet: no `" in text and "| **k4v4 (default)** | 134 | 13 | not measured yet |" in text
     assert (repo / summary.CHART).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "`r.jsonl`" in (repo / summary.CAPACITY_INDEX).read_text()
     assert not list(repo.rglob("*.tmp"))                                             # atomic: no temp left
@@ -248,6 +251,20 @@ def test_cli_write_then_check(repo, capsys):
     (repo / "README.md").write_text(text.replace("| 170.0 |", "| 171.0 |"))         # README and results disagree
     assert summary.main(["--check"]) == 1
     assert "+| bf16 | 512 | 2 (66.6 tok/s) | 3 | 170.0 |" in capsys.readouterr().out
+
+
+@pytest.mark.filterwarnings("ignore:FigureCanvasAgg is non-interactive")
+def test_cli_check_sees_a_new_fidelity_result(repo, capsys):
+    """Committing a fidelity result without regenerating the README fails --check, with the new rows in the diff."""
+    from test_accuracy_summary import fidelity_rows
+
+    assert summary.main(["--write"]) == 0
+    assert summary.main(["--check"]) == 0
+    (repo / "results" / "fidelity").mkdir(parents=True)
+    fidelity_rows().to_csv(repo / "results" / "fidelity" / "reference_h200_smollm2.csv", index=False)
+    capsys.readouterr()
+    assert summary.main(["--check"]) == 1
+    assert "+| fp8 | 256 | 6 | 0.01 |" in capsys.readouterr().out
 
 
 def test_cli_write_without_markers_fails_clearly(repo, capsys):
@@ -282,3 +299,75 @@ def test_styled_tables_hide_index_and_show_integers_and_one_missing_marker():
         "12", "23051.3", summary.MISSING, summary.MISSING, summary.MISSING, "a ⏎ b", "0.123"]
     html = summary.styled(pd.DataFrame({"mode": ["fp8"], "users": [6.0]})).to_html()
     assert ">6<" in html and "text-align: left" in html and "row_heading" not in html
+
+
+# ---------------------------------------------------------------- the fidelity block
+
+def test_readme_fidelity_block_is_generated_from_the_committed_results():
+    """README.md's fidelity block is exactly what the committed fidelity and needle files give."""
+    text = (ROOT / summary.README).read_text(encoding="utf-8")
+    block = summary.current_block(text, summary.README, summary.FIDELITY_BEGIN, summary.FIDELITY_END)
+    assert block == summary.fidelity_block(), \
+        "README.md's fidelity block differs from the results: run python -m kvrepro.summary --write"
+
+
+def _fidelity_repo(root, per_token, lost):
+    from test_accuracy_summary import fidelity_rows, needle_rows
+
+    (root / "results" / "fidelity").mkdir(parents=True)
+    fidelity_rows(per_token).to_csv(root / "results" / "fidelity" / "reference_h200_smollm2.csv", index=False)
+    fidelity_rows(per_token, vllm=True).to_csv(root / "results" / "fidelity" / "vllm_h200_smollm2.csv", index=False)
+    (root / "results" / "accuracy" / "vllm_h200").mkdir(parents=True)
+    needle_rows(root / "results" / "accuracy" / "vllm_h200", lost)
+    return summary.fidelity_sources(root)
+
+
+def test_fidelity_block_from_synthetic_files(tmp_path):
+    """Every figure of the block from small synthetic result files, checked against plain Python."""
+    import math
+
+    from kvrepro import stats
+    from kvrepro.capacity import users_that_fit
+    from kvrepro.formats import COMPRESSED_PRESETS
+    from test_accuracy_summary import PER_TOKEN
+
+    lost = {"fp8": 1, "k5v4": 2, "k4v4": 3, "k4v2": 9}
+    block = summary.fidelity_block(_fidelity_repo(tmp_path, PER_TOKEN, lost))
+    assert block.startswith(summary.FIDELITY_BEGIN) and block.endswith(summary.FIDELITY_END)
+    table = {ln.split("|")[1].strip().strip("*"): [c.strip() for c in ln.split("|")[2:-1]]
+             for ln in block.splitlines() if ln.startswith("| ") and "---" not in ln}
+    assert set(table) - {"mode"} == {"fp8", *(f"{f} (default)" if f == "k4v4" else f for f in COMPRESSED_PRESETS)}
+    fp8_kl, fp8_ppl = PER_TOKEN["fp8"][0], 100 * (math.exp(PER_TOKEN["fp8"][1] - 3.0) - 1)
+    for name, cells in table.items():
+        if name == "mode":
+            continue
+        f = name.split(" ")[0]
+        kl, nll = PER_TOKEN[f]
+        ppl = 100 * (math.exp(nll - 3.0) - 1)
+        bound = stats.mcnemar_noninferiority(lost.get(f, 0), 0, 400)["bound_pp"]
+        assert cells[0] == str(get_bytes(f)) and cells[1] == str(users_that_fit(f, 131_072, 1_024)["users_fit"])
+        assert cells[2] == (f"{kl:.3g}" if f == "fp8" else f"{kl:.3g} ({kl / fp8_kl:.2f}x fp8)")
+        assert cells[3] == f"{0.8 * kl:.3g}" and cells[4] == f"{ppl:+.2f}%"
+        assert cells[5].startswith(f"{bound:.2f} / ")
+        assert cells[6] == ("NON-INFERIOR" if bound <= 1.0 else "INFERIOR")
+    k5_ppl = 100 * (math.exp(PER_TOKEN['k5v4'][1] - 3.0) - 1)
+    assert "**Closest to fp8's fidelity at >= 12 users: k5v4 (12 users): KL 0.021 = " \
+           f"{0.021 / fp8_kl:.2f}x fp8's, perplexity {k5_ppl:+.2f}%**" in block
+    assert f"fp8 (6 users): KL {fp8_kl:.3g}, perplexity {fp8_ppl:+.2f}%" in block
+    assert "replayed: reference path (float32), NVIDIA H200, 2026-12-01 12:00 UTC" in block
+    assert "replayed: vLLM 0.20.2, top-20 log-probs, NVIDIA H200" in block
+    assert "400 single-needle prompts per mode" in block
+
+
+def get_bytes(f):
+    from kvrepro.formats import get_format
+
+    return get_format(f).bytes_per_token_per_head(summary.HEAD_DIM)
+
+
+def test_fidelity_block_says_which_files_are_missing(tmp_path):
+    block = summary.fidelity_block(summary.fidelity_sources(tmp_path))
+    for p in ("results/fidelity/reference_h200_smollm2.csv", "results/fidelity/vllm_h200_smollm2.csv",
+              "results/accuracy/vllm_h200/vllm_accuracy.csv"):
+        assert f"not measured yet: no `{tmp_path / p}`" in block
+    assert "which one is closest to fp8 is not known" in block
