@@ -8,9 +8,9 @@ from __future__ import annotations
 
 STYLE = {
     "bf16": ("#4c72b0", "o"), "fp8": ("#dd8452", "s"), "kvrepro:k8v4": ("#55a868", "^"),
-    "kvrepro:k4v4": ("#c44e52", "D"), "kvrepro:k4v2": ("#8172b3", "v"),
+    "kvrepro:k4v4": ("#c44e52", "D"), "kvrepro:k4v2": ("#8172b3", "v"), "kvrepro:k5v4": ("#937860", "P"),
 }
-_EXTRA_STYLES = [("#937860", "P"), ("#da8bc3", "X"), ("#8c8c8c", "h"), ("#ccb974", "p"), ("#64b5cd", "<")]
+_EXTRA_STYLES = [("#da8bc3", "X"), ("#8c8c8c", "h"), ("#ccb974", "p"), ("#64b5cd", "<")]
 
 
 def _style(mode: str, i: int):
