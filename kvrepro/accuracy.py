@@ -15,7 +15,6 @@ where the data cannot decide (too few pairs, bf16 near chance), saying why.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import sys
@@ -26,6 +25,7 @@ import pandas as pd
 import torch
 
 from kvrepro.fileio import atomic_write
+from kvrepro.provenance import params_as_dict, params_from_dict
 from kvrepro.formats import FORMAT_NAMES, get_format
 from kvrepro.hf import greedy_generate, kv_bytes, load_smollm2, make_cache, prefill, teacher_forced_logprobs
 from kvrepro.needle import (VARIANTS, answer_decided, answer_kind, build_prompt, build_sanity_prompts,
@@ -76,14 +76,7 @@ class AccuracyParams:
     @classmethod
     def from_dict(cls, d: dict) -> "AccuracyParams":
         """Build and validate from a dict (unknown keys raise ``ValueError`` naming them)."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise ValueError(f"unknown parameter(s) {unknown}; allowed: {sorted(names)}")
-        d = {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}
-        p = cls(**d)
-        p.validate()
-        return p
+        return params_from_dict(cls, d)
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad parameter and the allowed values."""
@@ -123,7 +116,7 @@ class AccuracyParams:
             raise ValueError(f"overwrite must be true or false, got {self.overwrite!r}")
 
     def as_dict(self) -> dict:
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
+        return params_as_dict(self)
 
 
 def run_one(model, tokenizer, prompt, fmt_name: str, max_new_tokens: int, block_size: int = 16) -> dict:

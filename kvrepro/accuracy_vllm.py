@@ -45,7 +45,6 @@ of ~60 s with inductor (5 modes in one 6-minute device call); ``full`` = vLLM's 
 """
 from __future__ import annotations
 
-import dataclasses
 import datetime as _dt
 import gzip
 import hashlib
@@ -64,7 +63,7 @@ from kvrepro.fileio import atomic_write
 from kvrepro.needle import (HAYSTACK_FILLER, KEY_DIGITS, MULTI_NEEDLES, VARIANTS, answer_kind, build_prompt,
                             build_sanity_prompts, check_haystack, check_multi, check_needle_grid, ids_sha256, is_int,
                             make_keys, score_answer)
-from kvrepro.provenance import src_sha256
+from kvrepro.provenance import params_as_dict, params_from_dict, src_sha256
 
 MAX_MODEL_LEN = 8192  # SmolLM2's trained window (GGUF llama.context_length); prompt + answer must fit
 VLLM_MODES = {"bf16": "auto", "fp8": "fp8"}   # vLLM's own KV dtypes (kv_cache_dtype)
@@ -206,18 +205,12 @@ class VllmGrid:
                                  f"(prompt + {self.sanity_tokens} sanity tokens must fit {MAX_MODEL_LEN})")
 
     def as_dict(self) -> dict:
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
+        return params_as_dict(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> "VllmGrid":
         """Build and validate from a dict (e.g. a bundle's ``grid``); unknown keys raise ValueError naming them."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise ValueError(f"unknown grid parameter(s) {unknown}; allowed: {sorted(names)}")
-        g = cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
-        g.validate()
-        return g
+        return params_from_dict(cls, d, "grid parameter")
 
 
 ROOMS = ("room 1204", "room 1240", "room 1024", "room 2104")   # near-duplicate key names

@@ -34,7 +34,6 @@ parameters resumes): ``results/fidelity/cpu_*.csv`` and ``results/fidelity/vllm_
 """
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import math
@@ -49,6 +48,8 @@ import torch
 
 from kvrepro.fileio import atomic_write
 from kvrepro.formats import FORMAT_NAMES
+from kvrepro.needle import is_int
+from kvrepro.provenance import params_as_dict, params_from_dict
 
 BASELINE = "bf16"
 ROW_COLUMNS = ("format", "window", "scored", "kl_sum", "kl_topk_sum", "topk_missing", "top1_sum", "nll_sum",
@@ -58,10 +59,6 @@ DEFAULT_VLLM_RESULTS = "results/fidelity/vllm_h200_smollm2.csv"
 # |kl_topk(vLLM) - kl_topk(CPU)| <= AGREEMENT_REL * kl_topk(CPU) + AGREEMENT_ABS, per format (engine_agreement)
 AGREEMENT_REL = 0.35
 AGREEMENT_ABS = 0.002
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 @dataclass(frozen=True)
@@ -102,14 +99,14 @@ class FidelityParams:
             raise ValueError(f"formats has duplicates: {list(self.formats)}")
         if self.corpus not in CORPORA:
             raise ValueError(f"corpus {self.corpus!r} is not known; allowed: {', '.join(CORPORA)}")
-        if not _is_int(self.window_tokens) or not 64 <= self.window_tokens <= 8192:
+        if not is_int(self.window_tokens) or not 64 <= self.window_tokens <= 8192:
             raise ValueError(f"window_tokens must be an integer in [64, 8192], got {self.window_tokens!r}")
-        if not _is_int(self.score_from) or not 1 <= self.score_from < self.window_tokens:
+        if not is_int(self.score_from) or not 1 <= self.score_from < self.window_tokens:
             raise ValueError(f"score_from must be an integer in [1, window_tokens - 1 = {self.window_tokens - 1}], "
                              f"got {self.score_from!r}")
-        if not _is_int(self.num_windows) or self.num_windows < 1:
+        if not is_int(self.num_windows) or self.num_windows < 1:
             raise ValueError(f"num_windows must be a positive integer, got {self.num_windows!r}")
-        if not _is_int(self.top_k) or not 1 <= self.top_k <= 100:
+        if not is_int(self.top_k) or not 1 <= self.top_k <= 100:
             raise ValueError(f"top_k must be an integer in [1, 100], got {self.top_k!r}")
         if self.block_size not in (16, 32, 64):
             raise ValueError(f"block_size must be 16, 32 or 64, got {self.block_size!r}")
@@ -123,7 +120,7 @@ class FidelityParams:
         return self.num_windows * self.scored_per_window
 
     def as_dict(self) -> dict:
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
+        return params_as_dict(self)
 
     def key(self) -> str:
         """Hash of what a row depends on (not the format list, not the window count: window i is the same for any
@@ -133,13 +130,7 @@ class FidelityParams:
 
     @classmethod
     def from_dict(cls, d: dict) -> "FidelityParams":
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise ValueError(f"unknown fidelity parameter(s) {unknown}; allowed: {sorted(names)}")
-        p = cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
-        p.validate()
-        return p
+        return params_from_dict(cls, d, "fidelity parameter")
 
 
 # ---------------------------------------------------------------- metrics (both engines)

@@ -330,3 +330,29 @@ def _main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(_main())
+
+
+def params_as_dict(params) -> dict:
+    """A parameter dataclass (``AccuracyParams``, ``VllmGrid``, ``FidelityParams``) as a JSON-ready dict: tuples
+    become lists."""
+    import dataclasses
+
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(params).items()}
+
+
+def params_from_dict(cls, d: dict, what: str = "parameter"):
+    """Build the parameter dataclass ``cls`` from ``d`` (lists become tuples) and run its ``validate()``.
+
+    Raises:
+        ValueError: keys ``cls`` does not declare (``"unknown <what>(s) [...]; allowed: [...]"``), or what
+            ``validate`` refuses.
+    """
+    import dataclasses
+
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - names)
+    if unknown:
+        raise ValueError(f"unknown {what}(s) {unknown}; allowed: {sorted(names)}")
+    p = cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
+    p.validate()
+    return p

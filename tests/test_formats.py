@@ -13,6 +13,7 @@ from kvrepro.formats.compressed import (CompressedFormat, log_scale_code, log_sc
                                         quantize_rotated, unpack_codes)
 from kvrepro.formats.hadamard import rotation_matrix
 from kvrepro.formats.layout import PageLayout
+from kvrepro.keybias import rope
 from kvrepro.reference import attention_ref
 
 COMPRESSED = ("k4v4", "k8v4", "k4v2", "k5v4")
@@ -398,23 +399,14 @@ def test_k5v4_quantization_error_and_no_clipped_codes(d):
             assert vm.dtype == torch.uint8 and vm.shape[-1] == 1 and km.shape[-1] == 2
 
 
-def _rope(x, pos, base=1e6):
-    half = x.shape[-1] // 2
-    inv = base ** (-torch.arange(half, dtype=torch.float64) / half)
-    ang = pos[:, None].double() * inv[None]
-    c, s = ang.cos(), ang.sin()
-    x1, x2 = x[..., :half].double(), x[..., half:].double()
-    return torch.cat([x1 * c - x2 * s, x1 * s + x2 * c], -1)
-
-
 def _outlier_case(channels):
     """field-faults row 1: pre-RoPE keys b + N(0,1), ||b|| = 600 over 4 channels, RoPE applied."""
     g = torch.Generator().manual_seed(1)
     d, n = 128, 4096
     b = torch.zeros(d)
     b[channels] = 300.0  # 4 x 300^2 = 600^2
-    k = _rope(b + torch.randn(n, d, generator=g), torch.arange(n)).to(torch.bfloat16)
-    q = _rope(torch.randn(64, d, generator=g), torch.full((64,), n - 1)).to(torch.bfloat16)
+    k = rope(b + torch.randn(n, d, generator=g), torch.arange(n)).to(torch.bfloat16)
+    q = rope(torch.randn(64, d, generator=g), torch.full((64,), n - 1)).to(torch.bfloat16)
     return q, k
 
 

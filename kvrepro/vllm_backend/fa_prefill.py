@@ -100,16 +100,14 @@ class FlashPrefill:
                 out[qs:qe] = self._sliced(query[qs:qe], key[qs:qe], value[qs:qe], pool_obj, block_tables[b], ctx,
                                           rotation, scale)
                 continue
-            if self.chunk_from_pages:
+            from_pages = s if self.chunk_from_pages else ctx  # tokens read back from the pages
+            if from_pages:
                 k = torch.empty(s, self.num_kv_heads, self.head_size, dtype=key.dtype, device=dev)
                 v = torch.empty_like(k)
-                dequant_context(pool_obj, block_tables[b], s, rotation, key.dtype, k, v)
-            elif ctx:
-                k = torch.empty(s, self.num_kv_heads, self.head_size, dtype=key.dtype, device=dev)
-                v = torch.empty_like(k)
-                dequant_context(pool_obj, block_tables[b], ctx, rotation, key.dtype, k, v)
-                k[ctx:] = key[qs:qe]
-                v[ctx:] = value[qs:qe]
+                dequant_context(pool_obj, block_tables[b], from_pages, rotation, key.dtype, k, v)
+                if from_pages < s:
+                    k[ctx:] = key[qs:qe]
+                    v[ctx:] = value[qs:qe]
             else:
                 k, v = key[qs:qe], value[qs:qe]
             cu_q = torch.tensor([0, ql], dtype=torch.int32, device=dev)
