@@ -74,6 +74,8 @@ class FidelityParams:
         num_windows: consecutive windows of the corpus, >= 1.
         top_k: k of ``kl_topk``, in [1, 100] (vLLM's ``max_logprobs`` default is 20).
         block_size: tokens per KV page, 16, 32 or 64.
+        key_offset: how the compressed presets store keys (``kvrepro.formats.offset.MODES``): ``"first-prefill"``
+            (the engines' default) or ``"off"``; bf16 and fp8 ignore it.
     """
 
     formats: tuple = ("bf16", "fp8", "k8v4", "k4v4", "k4v2")
@@ -83,6 +85,7 @@ class FidelityParams:
     num_windows: int = 50
     top_k: int = 20
     block_size: int = 16
+    key_offset: str = "first-prefill"
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad parameter and its allowed values."""
@@ -110,6 +113,9 @@ class FidelityParams:
             raise ValueError(f"top_k must be an integer in [1, 100], got {self.top_k!r}")
         if self.block_size not in (16, 32, 64):
             raise ValueError(f"block_size must be 16, 32 or 64, got {self.block_size!r}")
+        from kvrepro.formats.offset import check_mode
+
+        check_mode(self.key_offset)
 
     @property
     def scored_per_window(self) -> int:
@@ -126,6 +132,8 @@ class FidelityParams:
         """Hash of what a row depends on (not the format list, not the window count: window i is the same for any
         ``num_windows`` > i): rows with the same key are interchangeable, so a longer run resumes a shorter one."""
         d = {k: v for k, v in self.as_dict().items() if k not in ("formats", "num_windows")}
+        if d["key_offset"] == "off":   # rows measured before the key offset existed were stored without it
+            del d["key_offset"]
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
     @classmethod
@@ -295,7 +303,11 @@ def save_windows(tokenizer, params: FidelityParams, path: str) -> str:
 def _cpu_logprobs(model, window: list[int], fmt: str, params: FidelityParams) -> torch.Tensor:
     from kvrepro.hf import make_cache
 
-    cache = make_cache(fmt, model.config.num_hidden_layers, params.block_size)
+    from kvrepro.formats import get_format
+
+    f = get_format(fmt)
+    ko = params.key_offset if f.default_key_offset != "off" else "off"
+    cache = make_cache(f, model.config.num_hidden_layers, params.block_size, key_offset=ko)
     keep = params.window_tokens - params.score_from + 1  # logits of positions score_from - 1 .. window - 1
     from kvrepro.hf import forward
 
@@ -457,6 +469,7 @@ def run_vllm(params: FidelityParams | dict, path: str, model: str, work_dir: str
         env = mode_env(mode, dict(os.environ))
         if mode.startswith("kvrepro:"):
             env["KVREPRO_PREFILL"] = "fa-pages"
+            env["KVREPRO_KEY_OFFSET"] = params.key_offset
         cmd = [sys.executable, "-m", "kvrepro.fidelity", "vllm-worker", "--mode", mode, "--windows", wpath,
                "--model", model, "--out", out, "--top-k", str(params.top_k), "--score-from", str(params.score_from)]
         log = os.path.join(work_dir, f"{mode.replace(':', '_')}.log")
@@ -496,6 +509,8 @@ def main(argv=None) -> int:
         p.add_argument("--score-from", type=int, default=FidelityParams.score_from)
         p.add_argument("--num-windows", type=int, default=FidelityParams.num_windows)
         p.add_argument("--top-k", type=int, default=FidelityParams.top_k)
+        p.add_argument("--key-offset", default=FidelityParams.key_offset,
+                       help="how compressed presets store keys: first-prefill (default) or off")
     c.add_argument("--out", default=DEFAULT_CPU_RESULTS)
     c.add_argument("--device", default="cpu", help="cpu, or cuda: the same reference path in float32 on a GPU")
     v.add_argument("--out", default=DEFAULT_VLLM_RESULTS)
@@ -512,7 +527,7 @@ def main(argv=None) -> int:
         return 0
     params = FidelityParams(formats=tuple(f for f in a.formats.split(",") if f), corpus=a.corpus,
                             window_tokens=a.window_tokens, score_from=a.score_from, num_windows=a.num_windows,
-                            top_k=a.top_k)
+                            top_k=a.top_k, key_offset=a.key_offset)
     params.validate()
     if a.cmd == "cpu":
         rows = run_cpu(params, a.out, progress=True, device=a.device)

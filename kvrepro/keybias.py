@@ -51,9 +51,11 @@ def bias_channels(head_dim: int, placement: str) -> list[int]:
 
 
 def stress(fmt: str, shape: tuple, bias_norm: float, placement: str = "high", tokens: int = 2048,
-           seed: int = 0) -> dict:
+           seed: int = 0, key_offset: str | None = None) -> dict:
     """One case: ``shape = (q_heads, kv_heads, head_dim)``; bias of norm ``bias_norm`` spread evenly over the 4
-    channels of ``placement``. Returns ``{"rel_err", "top1"}`` (attention output relative error vs exact float64
+    channels of ``placement``. The keys are stored as the engines store them: with the format's default key offset
+    (``key_offset=None``; ``kvrepro.formats.offset``, calibrated on these keys as one prefill), or as
+    ``key_offset`` says (``"off"``, ``"first-prefill"``). Returns ``{"rel_err", "top1"}`` (attention output relative error vs exact float64
     attention, all heads; share of queries whose top-1 key is unchanged).
 
     Raises:
@@ -70,7 +72,8 @@ def stress(fmt: str, shape: tuple, bias_norm: float, placement: str = "high", to
     v = torch.randn(tokens, hkv, d, generator=g, dtype=torch.float64)
     q = rope(torch.randn(hq, 1, d, generator=g, dtype=torch.float64), pos[-1:])[:, 0]                  # [Hq, D]
     k16, v16 = k.to(torch.bfloat16), v.to(torch.bfloat16)
-    kh, vh = f.roundtrip(k16.float(), v16.float())
+    kh, vh = f.roundtrip(k16.float(), v16.float(),
+                         key_offset=f.default_key_offset if key_offset is None else key_offset)
     grp = hq // hkv
     kk, kq = k16.double().repeat_interleave(grp, 1), kh.double().repeat_interleave(grp, 1)
     vv, vq = v16.double().repeat_interleave(grp, 1), vh.double().repeat_interleave(grp, 1)
@@ -84,25 +87,29 @@ def stress(fmt: str, shape: tuple, bias_norm: float, placement: str = "high", to
 
 
 def bias_table(formats=("fp8", "k8v4", "k5v4", "k4v4", "k4v2"), shapes=SHAPES, bias_norms=(300.0, 600.0, 1000.0),
-               placements=PLACEMENTS, tokens: int = 2048, seed: int = 0) -> pd.DataFrame:
+               placements=PLACEMENTS, tokens: int = 2048, seed: int = 0, key_offset: str | None = None
+               ) -> pd.DataFrame:
     """The grid: one row per (format, shape, placement, bias norm) with the error, the error without the bias, their
-    ratio and ``meets`` (ratio <= ``BAR``). A shape the format does not support gets ``supported=False`` and the
-    refusal message in ``note`` (the bar counts it as not met)."""
+    ratio and ``meets`` (ratio <= ``BAR``), keys stored with ``key_offset`` (``stress``; None = each format's
+    default, recorded in the ``key_offset`` column). A shape the format does not support gets ``supported=False``
+    and the refusal message in ``note`` (the bar counts it as not met)."""
     rows = []
     for fmt in formats:
+        ko = get_format(fmt).default_key_offset if key_offset is None else key_offset
         for shape in shapes:
             try:
-                base = stress(fmt, shape, 0.0, "high", tokens, seed)
+                base = stress(fmt, shape, 0.0, "high", tokens, seed, ko)
             except ValueError as e:
-                rows.append({"format": fmt, "shape": str(shape), "supported": False, "note": str(e).split(";")[0]})
+                rows.append({"format": fmt, "shape": str(shape), "supported": False, "key_offset": ko,
+                             "note": str(e).split(";")[0]})
                 continue
             for placement in placements:
                 for bn in bias_norms:
-                    r = stress(fmt, shape, bn, placement, tokens, seed)
+                    r = stress(fmt, shape, bn, placement, tokens, seed, ko)
                     ratio = r["rel_err"] / base["rel_err"]
                     rows.append({"format": fmt, "shape": str(shape), "supported": True, "placement": placement,
                                  "bias_norm": bn, "rel_err": r["rel_err"], "rel_err_no_bias": base["rel_err"],
-                                 "ratio": ratio, "top1": r["top1"], "meets": ratio <= BAR, "note": ""})
+                                 "ratio": ratio, "top1": r["top1"], "meets": ratio <= BAR, "key_offset": ko, "note": ""})
     return pd.DataFrame(rows)
 
 

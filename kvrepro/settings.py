@@ -27,6 +27,7 @@ DEFAULT_PRESET = "k4v4"                     # = kvrepro.formats.DEFAULT_PRESET
 DECODE_IMPLS = ("auto", "cuda", "triton")
 PREFILL_PATHS = ("fa", "fa-sliced", "fa-pages", "dequant", "triton")
 STORE_ROTATE_MODES = ("torch", "kernel")
+KEY_OFFSET_MODES = ("first-prefill", "off")   # = kvrepro.formats.offset.MODES
 MAX_NUM_SPLITS = 256
 # KVREPRO_* variables that are not runtime settings (read by the test harness only), so not reported as unknown.
 NOT_SETTINGS = ("KVREPRO_SMOKE_FLAGS",)
@@ -147,6 +148,13 @@ SETTINGS: tuple[Declaration, ...] = (
         "counts it twice against the KV cache (notes/vllm.md, 'Memory accounting: what was learned').",
         _choice("KVREPRO_STORE_ROTATE", STORE_ROTATE_MODES)),
     Declaration(
+        "key_offset", "KVREPRO_KEY_OFFSET", ", ".join(KEY_OFFSET_MODES), "first-prefill",
+        "Keys are stored minus a constant per layer and KV head (kvrepro.formats.offset). first-prefill: the mean "
+        "of the keys of the first prefill the engine runs, fixed for its lifetime; attention is unchanged (the "
+        "shift is the same for every key a query sees: softmax-invariant), the quantizer no longer spends its range "
+        "on the keys' mean or a key-projection bias (notes/accuracy.md, 'Key offset'). off: keys stored as they are.",
+        _choice("KVREPRO_KEY_OFFSET", KEY_OFFSET_MODES)),
+    Declaration(
         "warmup", "KVREPRO_WARMUP", "0, 1", "1",
         "1: compile and load every decode-kernel variant before vLLM's memory profiling, so that no compilation "
         "or module load falls inside its CUDA-graph memory estimate; 0: compile on first use.",
@@ -183,6 +191,7 @@ class Settings:
         num_splits: int in 1..256, or None (the decode kernel's shape-only rule).
         prefill: ``"fa"`` | ``"fa-sliced"`` | ``"fa-pages"`` | ``"dequant"`` | ``"triton"``.
         store_rotate: ``"torch"`` | ``"kernel"``.
+        key_offset: ``"first-prefill"`` | ``"off"``.
         warmup: compile the decode kernels before vLLM's memory profiling.
         debug_check: compare every eager attention call with the reference (slow).
 
@@ -195,6 +204,7 @@ class Settings:
     num_splits: int | None = None
     prefill: str = "fa"
     store_rotate: str = "torch"
+    key_offset: str = "first-prefill"
     warmup: bool = True
     debug_check: bool = False
 

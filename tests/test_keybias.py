@@ -27,9 +27,11 @@ def test_stress_without_bias_and_refusals():
     assert not t["supported"].any() and t["note"].str.contains("head_dim=80").all()
 
 
-@pytest.mark.xfail(strict=True, reason="issue 21 item 5, not met: under a 300-1000-norm key bias applied before "
-                   "RoPE, every compressed preset's attention-output error grows far beyond 1.5x its unbiased "
-                   "value (results/keybias/keybias_cpu.csv); the bar stays")
+@pytest.mark.xfail(strict=True, reason="issue 21 item 5, not met for a bias in the fastest-turning RoPE pairs: the "
+                   "default key offset removes a bias that stays constant after RoPE (the slow pairs: "
+                   "test_key_offset), not one that turns by ~1 rad per position; there the 4-bit-key presets stay "
+                   "several times above 1.5x (results/keybias/keybias_cpu.csv); the bar stays")
 def test_default_preset_meets_the_key_bias_bar():
     t = bias_table(formats=("k4v4",), shapes=((32, 8, 128),), bias_norms=(1000.0,), tokens=512)
+    assert (t.loc[t["placement"] == "low", "ratio"] <= BAR).all()   # the slow pairs meet it (test_key_offset)
     assert (t["ratio"] <= BAR).all()

@@ -13,17 +13,28 @@ from kvrepro.settings import Settings
 def test_defaults_and_declarations():
     s = Settings.from_env({})
     assert s == Settings() and s.as_dict() == {"preset": "k4v4", "decode_impl": "auto", "num_splits": None,
-                                               "prefill": "fa", "store_rotate": "torch", "warmup": True,
-                                               "debug_check": False}
+                                               "prefill": "fa", "store_rotate": "torch",
+                                               "key_offset": "first-prefill", "warmup": True, "debug_check": False}
     assert [d.field for d in st.SETTINGS] == list(s.as_dict())
     assert [d.env for d in st.SETTINGS] == ["KVREPRO_PRESET", "KVREPRO_DECODE_IMPL", "KVREPRO_NUM_SPLITS",
-                                            "KVREPRO_PREFILL", "KVREPRO_STORE_ROTATE", "KVREPRO_WARMUP",
+                                            "KVREPRO_PREFILL", "KVREPRO_STORE_ROTATE", "KVREPRO_KEY_OFFSET", "KVREPRO_WARMUP",
                                             "KVREPRO_DEBUG_CHECK"]
     assert s.describe() == ("kvrepro settings: preset=k4v4 decode_impl=auto num_splits=auto prefill=fa "
-                            "store_rotate=torch warmup=1 debug_check=0")
+                            "store_rotate=torch key_offset=first-prefill warmup=1 debug_check=0")
     assert s.decode_impl_arg is None and Settings(decode_impl="cuda").decode_impl_arg == "cuda"
     with pytest.raises(dataclasses.FrozenInstanceError):
         s.preset = "k8v4"
+
+
+def test_key_offset(monkeypatch):
+    from kvrepro.formats.offset import MODES
+
+    assert st.KEY_OFFSET_MODES == MODES
+    monkeypatch.setenv("KVREPRO_KEY_OFFSET", " OFF ")
+    assert Settings.from_env().key_offset == "off"
+    monkeypatch.setenv("KVREPRO_KEY_OFFSET", "mean")
+    with pytest.raises(ValueError, match="KVREPRO_KEY_OFFSET='mean'; allowed: first-prefill, off"):
+        Settings.from_env()
 
 
 def test_presets_are_the_compressed_formats():

@@ -109,6 +109,7 @@ class KVFormat(ABC):
     """A KV-cache storage format. Subclasses document method, shapes, dtypes and source."""
 
     name: str
+    default_key_offset: str = "off"   # kvrepro.formats.offset.MODES: what the engines do unless told otherwise
 
     @abstractmethod
     def bytes_per_token_per_head(self, head_dim: int) -> int:
@@ -122,12 +123,29 @@ class KVFormat(ABC):
     def describe(self) -> str:
         return self.name
 
-    def roundtrip(self, key: torch.Tensor, value: torch.Tensor, block_size: int = 16
+    def roundtrip(self, key: torch.Tensor, value: torch.Tensor, block_size: int = 16, key_offset: str = "off"
                   ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store then read back ``[num_tokens, num_kv_heads, head_dim]`` K/V through a fresh
-        pool; returns float32 K/V of the same shape (what attention would see)."""
+        pool; returns float32 K/V of the same shape (what attention would see).
+
+        ``key_offset="first-prefill"``: the keys are one prefill; store ``key - c`` with ``c`` their mean
+        (``kvrepro.formats.offset``) and return the read-back keys plus ``c`` (attention over them equals attention
+        over the stored keys exactly: the shift is softmax-invariant). ``"off"``: the format alone.
+
+        Raises:
+            ValueError: a bad ``key_offset``.
+        """
+        from kvrepro.formats.offset import KeyOffset, check_mode
+
+        check_mode(key_offset)
         n, h, d = key.shape
+        off = None
+        if key_offset == "first-prefill":
+            off = KeyOffset(h, d, key.device)
+            off.calibrate(key)
+            key = off.apply(key)
         num_blocks = -(-n // block_size)
         pool = self.new_pool(num_blocks, h, d, block_size, device=key.device, dtype=key.dtype)
         pool.write(key, value, torch.arange(n, device=key.device))
-        return pool.gather(torch.arange(num_blocks, device=key.device), n)
+        k, v = pool.gather(torch.arange(num_blocks, device=key.device), n)
+        return (k if off is None else k + off.offset), v

@@ -239,10 +239,15 @@ class CompressedFormat(KVFormat):
         key_symmetric: symmetric keys with a float16 scale only (5-bit keys, ``k5v4``).
         value_log_scale: values with a one-byte log2 scale (4-bit values, ``k5v4``).
 
+    The engines store keys minus a per-layer constant by default (``default_key_offset``,
+    ``kvrepro.formats.offset``); the pool itself stores what it is given.
+
     Raises:
         ValueError: an unsupported bit / scheme combination (``layout.check_bits``, naming the parameter);
             unsupported head_dim/block_size when a pool is made.
     """
+
+    default_key_offset = "first-prefill"
 
     def __init__(self, name: str, key_bits: int, value_bits: int, seed: int = 0, *, key_symmetric: bool = False,
                  value_log_scale: bool = False) -> None:

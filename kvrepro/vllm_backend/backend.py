@@ -214,7 +214,7 @@ class KVReproAttentionImpl(AttentionImpl[KVReproMetadata]):
         self.rt = LayerRuntime(preset, num_heads, num_kv_heads, head_size, self.scale,
                                s.num_splits, prefill=prefill, graph_sizes=shape["graph_sizes"],
                                max_batch=shape["max_batch"], store_rotate=s.store_rotate,
-                               decode_impl=s.decode_impl_arg)
+                               decode_impl=s.decode_impl_arg, key_offset=s.key_offset)
         dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         self.rt.check_decode_impl(shape["block_size"] or 16, dev)
         self._shape = shape
@@ -238,7 +238,21 @@ class KVReproAttentionImpl(AttentionImpl[KVReproMetadata]):
 
     def do_kv_cache_update(self, layer, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                            slot_mapping: torch.Tensor) -> None:
-        self.rt.store(key, value, kv_cache, slot_mapping)
+        self.rt.store(key, value, kv_cache, slot_mapping, calibrate=self._calibration_rows(layer))
+
+    def _calibration_rows(self, layer) -> tuple[int, int] | None:
+        """The prefill rows of this step, while the key offset waits for its calibration; else None. vLLM's dummy
+        runs (memory profiling, CUDA-graph warm-up and capture) never qualify: they have no metadata, or only
+        single-token decode rows (this backend's graphs are uniform decode), or run under capture."""
+        off = self.rt.key_offset
+        if off is None or off.calibrated or torch.cuda.is_current_stream_capturing():
+            return None
+        from vllm.model_executor.layers.attention.attention import get_attention_context
+
+        m = get_attention_context(layer.layer_name)[0]
+        if not isinstance(m, KVReproMetadata) or m.num_decode_tokens >= m.num_actual_tokens:
+            return None
+        return m.num_decode_tokens, m.num_actual_tokens
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: KVReproMetadata, output: torch.Tensor | None = None,
@@ -256,7 +270,7 @@ class KVReproAttentionImpl(AttentionImpl[KVReproMetadata]):
         self.rt.attend(query, key, value, kv_cache, m.block_table, m.seq_lens, m.query_start_loc,
                        m.num_actual_tokens, m.num_decodes, m.num_decode_tokens, out3,
                        max_query_len=m.max_query_len)
-        if self._debug_check and not torch.cuda.is_current_stream_capturing():
+        if self._debug_check and not torch.cuda.is_current_stream_capturing():   # reference_attend offsets the keys
             record_check(self.rt, out3, query, key, value, kv_cache, m.block_table, m.seq_lens,
                          m.query_start_loc, m.num_actual_tokens, m.num_decodes)
         return output

@@ -9,6 +9,7 @@ import torch
 
 from kvrepro.formats import get_format
 from kvrepro.formats.hadamard import rotation_matrix
+from kvrepro.formats.offset import KeyOffset, check_mode
 
 _ROTATIONS: dict[tuple[int, int, str], torch.Tensor] = {}
 # One split-K decode workspace per device, shared by every layer (layers run one after another on
@@ -18,6 +19,8 @@ _WORKSPACES: dict[str, list[torch.Tensor]] = {}
 # The decode kernel each layer geometry resolved to in this process, e.g. {"k4v4 32q/8kv d128 bs16": "cuda"}
 # (kvrepro.ops.decode.resolve_impl), read by settings_record for the provenance of result rows.
 DECODE_IMPL_USED: dict[str, str] = {}
+# Key-offset calibrations seen in this process, one entry per layer: ({"tokens": n}); the first is logged.
+OFFSET_CALIBRATIONS: list[dict] = []
 MIN_TOKENS_PER_SPLIT = 256   # as kvrepro.ops.decode
 MAX_SPLITS = 256
 
@@ -96,6 +99,19 @@ def shared_rotation(head_dim: int, seed: int, device: torch.device) -> torch.Ten
     return _ROTATIONS[key]
 
 
+def log_calibration(rt: "LayerRuntime", tokens: int) -> None:
+    """Record a layer's key-offset calibration; log the first of the process (one line, not one per layer)."""
+    OFFSET_CALIBRATIONS.append({"tokens": int(tokens)})
+    if len(OFFSET_CALIBRATIONS) == 1:
+        import logging
+
+        from kvrepro.vllm_backend.config import LOGGER_NAME
+
+        logging.getLogger(LOGGER_NAME).info(
+            "kvrepro key offset: calibrated on the first prefill (%d tokens; one constant per layer and KV head, "
+            "fixed from now on)", tokens)
+
+
 class LayerRuntime:
     """Per-layer state and calls of the kvrepro backend.
 
@@ -117,15 +133,21 @@ class LayerRuntime:
             see ``KVREPRO_STORE_ROTATE`` in ``kvrepro.settings``; ``"kernel"``).
         decode_impl: ``decode_attention``'s ``impl`` (``"cuda"``, ``"triton"``, or None = its default
             ``kvrepro.ops.decode.resolve_impl``; ``Settings.decode_impl_arg``).
+        key_offset: ``"first-prefill"`` (default: every stored key and every prefill chunk's own keys minus the
+            constant ``kvrepro.formats.offset.KeyOffset`` that the first :meth:`store` with ``calibrate`` sets) or
+            ``"off"``.
 
     Raises:
-        ValueError: a bad ``max_batch``, ``store_rotate`` or ``decode_impl`` (naming it and the allowed values).
+        ValueError: a bad ``max_batch``, ``store_rotate``, ``decode_impl`` or ``key_offset`` (naming it and the
+            allowed values).
     """
 
     def __init__(self, preset: str, num_heads: int, num_kv_heads: int, head_size: int, scale: float,
                  num_splits: int | None = None, ops=None, prefill=None, graph_sizes=(),
-                 max_batch: int | None = None, store_rotate: str = "torch", decode_impl: str | None = None) -> None:
+                 max_batch: int | None = None, store_rotate: str = "torch", decode_impl: str | None = None,
+                 key_offset: str = "first-prefill") -> None:
         self.fmt = get_format(preset)
+        self.key_offset = KeyOffset(num_kv_heads, head_size) if check_mode(key_offset) == "first-prefill" else None
         self.num_heads, self.num_kv_heads, self.head_size = num_heads, num_kv_heads, head_size
         self.scale = scale
         self.num_splits = num_splits
@@ -189,6 +211,8 @@ class LayerRuntime:
         vLLM's memory profiling); returns the rotation."""
         if self.rotation is None or self.rotation.device != torch.device(device):
             self.rotation = shared_rotation(self.head_size, self.fmt.seed, torch.device(device))
+            if self.key_offset is not None and self.key_offset.offset.device != self.rotation.device:
+                self.key_offset.to(self.rotation.device)
             if self.max_batch:
                 decode_workspace(device, self.reserve_numel(device))
         if self.impl_used == "cuda" and self.rotation.is_cuda and self._cuda_ready != self.rotation.device:
@@ -277,16 +301,27 @@ class LayerRuntime:
             self._layouts[page_bytes] = layout
         return self._layouts[page_bytes]
 
-    def store(self, key: torch.Tensor, value: torch.Tensor, pool: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    def store(self, key: torch.Tensor, value: torch.Tensor, pool: torch.Tensor, slot_mapping: torch.Tensor,
+              calibrate: tuple[int, int] | None = None) -> None:
         """Compress this step's K/V (``[>= num_tokens, Hkv * D]`` or ``[.., Hkv, D]``) into ``pool``;
-        ``slot_mapping`` ``[num_tokens]`` (-1 = padding)."""
+        ``slot_mapping`` ``[num_tokens]`` (-1 = padding). ``calibrate = (start, end)``: the token rows of a real
+        prefill in this step; the first such call sets the key offset from them (no host sync)."""
         n = slot_mapping.shape[0]
         if n == 0:
             return
         k = key[:n].view(n, self.num_kv_heads, self.head_size)
         v = value[:n].view(n, self.num_kv_heads, self.head_size)
         rot = self.prepare(pool.device)
+        if self.key_offset is not None:
+            if calibrate is not None and not self.key_offset.calibrated and calibrate[1] > calibrate[0]:
+                self.key_offset.calibrate(k[calibrate[0]:calibrate[1]])
+                log_calibration(self, calibrate[1] - calibrate[0])
+            k = self.key_offset.apply(k)
         self.ops.store_kv(k, v, pool, slot_mapping, self.layout(pool), rot, rotate=self.store_rotate)
+
+    def offset_keys(self, key: torch.Tensor) -> torch.Tensor:
+        """``key`` ``[T, Hkv, D]`` as the pages hold it: minus the key offset (unchanged when it is off)."""
+        return key if self.key_offset is None else self.key_offset.apply(key)
 
     def attend(self, query, key, value, pool, block_table, seq_lens, query_start_loc, num_actual_tokens: int,
                num_decodes: int, num_decode_tokens: int, out: torch.Tensor,
@@ -321,7 +356,7 @@ class LayerRuntime:
             self.ops.decode_attention(q[:nd], pool, block_table[:nd], seq_lens[:nd], layout, rot, self.scale,
                                       out=out[:nd], num_splits=splits, workspace=ws, impl=self.impl_used)
         if ndt < t:
-            k = key[:t].view(t, hkv, d)[ndt:]
+            k = self.offset_keys(key[:t].view(t, hkv, d)[ndt:])
             v = value[:t].view(t, hkv, d)[ndt:]
             qsl = query_start_loc[nd:] - ndt if nd else query_start_loc
             (self.prefill or self.ops.prefill_attention)(q[ndt:], k, v, pool, block_table[nd:], seq_lens[nd:], qsl, layout, rot,
@@ -342,7 +377,7 @@ def reference_attend(rt: LayerRuntime, query, key, value, pool: torch.Tensor, bl
     ref_pool = rt.fmt.new_pool(1, hkv, d, layout.block_size, device=pool.device)
     ref_pool.data = pool
     q = query[:t].reshape(t, hq, d)
-    k = key[:t].reshape(t, hkv, d)
+    k = rt.offset_keys(key[:t].reshape(t, hkv, d))   # the chunk's own keys as the pages hold them
     v = value[:t].reshape(t, hkv, d)
     qsl = query_start_loc.tolist()
     lens = seq_lens.tolist()

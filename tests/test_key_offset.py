@@ -1,0 +1,151 @@
+"""The key offset (kvrepro.formats.offset): calibration, the softmax-invariant shift on both engines' store paths,
+and what it buys under a key bias, against float64 attention."""
+import pytest
+import torch
+
+from kvrepro.formats import COMPRESSED_PRESETS, get_format
+from kvrepro.formats.offset import MODES, KeyOffset, check_mode
+from kvrepro.keybias import BAR, SHAPES, rope, stress
+from kvrepro.reference import attention_ref
+from kvrepro.vllm_backend.runtime import LayerRuntime, reference_attend
+
+
+def _keys(n=96, h=2, d=64, mean=5.0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, h, d, generator=g, dtype=torch.float64) + mean * torch.randn(h, d, generator=g,
+                                                                                       dtype=torch.float64)
+
+
+def test_calibrates_once_to_the_mean_and_refuses_bad_input():
+    k = _keys()
+    off = KeyOffset(2, 64)
+    assert not off.calibrated and off.offset.abs().max() == 0
+    off.calibrate(k.float())
+    assert off.calibrated and off.tokens == 96
+    torch.testing.assert_close(off.offset.double(), k.float().double().mean(0), atol=1e-5, rtol=0)
+    first = off.offset.clone()
+    off.calibrate(_keys(seed=1).float())                 # one constant for the engine's lifetime
+    assert torch.equal(off.offset, first) and off.tokens == 96
+    got = off.apply(k.to(torch.bfloat16))
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.double(), (k.to(torch.bfloat16).double() - first.double()), atol=0.06, rtol=0)
+    with pytest.raises(ValueError, match=r"key must be \[T >= 1, 2, 64\]"):
+        KeyOffset(2, 64).calibrate(torch.zeros(4, 2, 32))
+    with pytest.raises(ValueError, match="num_kv_heads must be a positive int"):
+        KeyOffset(0, 64)
+    with pytest.raises(ValueError, match="key_offset='mean'; allowed: first-prefill, off"):
+        check_mode("mean")
+    assert MODES == ("first-prefill", "off")
+
+
+def test_shift_is_softmax_invariant_so_attention_is_unchanged():
+    """Attention over keys minus any constant equals attention over the keys (float64, to rounding)."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(5, 8, 64, generator=g, dtype=torch.float64)
+    k, v = _keys(mean=40.0), torch.randn(96, 2, 64, generator=g, dtype=torch.float64)
+    c = k.mean(0)
+    a = attention_ref(q, k, v, 0.125, torch.float64)
+    b = attention_ref(q, k - c, v, 0.125, torch.float64)
+    torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("preset", sorted(COMPRESSED_PRESETS))
+def test_roundtrip_with_offset_stores_keys_minus_their_mean(preset):
+    f = get_format(preset)
+    assert f.default_key_offset == "first-prefill"
+    assert get_format("bf16").default_key_offset == get_format("fp8").default_key_offset == "off"
+    k, v = _keys(mean=30.0).float(), torch.randn(96, 2, 64).float()
+    c = k.mean(0)
+    kh, vh = f.roundtrip(k, v, key_offset="first-prefill")
+    want_k, want_v = f.roundtrip(k - c, v)
+    torch.testing.assert_close(kh, want_k + c, atol=1e-5, rtol=0)
+    assert torch.equal(vh, want_v)
+    # the offset is what makes 4-bit keys usable under a large mean: error vs the keys, float64
+    err_on = (kh.double() - k.double()).norm() / k.double().norm()
+    err_off = (f.roundtrip(k, v)[0].double() - k.double()).norm() / k.double().norm()
+    assert err_on < 0.5 * err_off, (err_on, err_off)
+
+
+def test_hf_cache_calibrates_on_the_first_write_and_keeps_the_constant():
+    from kvrepro.hf import PagedKVLayer
+
+    f = get_format("k4v4")
+    layer = PagedKVLayer(f, 16)
+    k1 = _keys(40, mean=20.0).float()
+    v1 = torch.randn(40, 2, 64)
+    got_k, _ = layer.update(k1.transpose(0, 1)[None], v1.transpose(0, 1)[None])
+    c = layer.key_offset.offset
+    torch.testing.assert_close(c, k1.mean(0), atol=1e-5, rtol=0)
+    want = f.roundtrip(k1 - c, v1)[0]
+    torch.testing.assert_close(got_k[0].transpose(0, 1), want, atol=1e-5, rtol=0)
+    k2 = _keys(3, mean=20.0, seed=5).float()                      # a decode step: same constant
+    got_k, _ = layer.update(k2.transpose(0, 1)[None], torch.randn(1, 2, 3, 64))
+    assert torch.equal(layer.key_offset.offset, c)
+    torch.testing.assert_close(got_k[0].transpose(0, 1)[40:], f.roundtrip(k2 - c, torch.zeros(3, 2, 64))[0],
+                               atol=1e-5, rtol=0)
+    layer.reset()
+    assert layer.key_offset is None
+    assert PagedKVLayer(f, 16, key_offset="off").key_offset_mode == "off"
+    with pytest.raises(ValueError, match="key_offset="):
+        PagedKVLayer(f, 16, key_offset="always")
+
+
+def test_vllm_runtime_calibrates_on_the_prefill_rows_and_prefill_matches_reference():
+    """Store a prefill with ``calibrate`` (the backend passes the step's prefill rows), then attend: the pages hold
+    keys minus the offset, and the chunk's own keys are shifted the same way (reference_attend in float64)."""
+    hq, hkv, d, bs, n = 8, 2, 64, 16, 37
+    rt = LayerRuntime("k4v4", hq, hkv, d, d ** -0.5)
+    g = torch.Generator().manual_seed(2)
+    k = (_keys(n, hkv, d, mean=25.0, seed=2)).to(torch.bfloat16)
+    v = torch.randn(n, hkv, d, generator=g).bfloat16()
+    q = torch.randn(n, hq, d, generator=g).bfloat16()
+    pool = torch.zeros(4, hkv, rt.fmt.layout(d, bs).page_bytes, dtype=torch.uint8)
+    rt.store(k.view(n, -1), v.view(n, -1), pool, torch.arange(n), calibrate=(0, n))
+    assert rt.key_offset.calibrated and rt.key_offset.tokens == n
+    c = rt.key_offset.offset
+    torch.testing.assert_close(c, k.float().mean(0), atol=1e-4, rtol=0)
+    ref_pool = rt.fmt.new_pool(1, hkv, d, bs)
+    ref_pool.data = pool
+    got_k, _ = ref_pool.gather(torch.arange(4), n)
+    want_k = rt.fmt.roundtrip(rt.key_offset.apply(k).float(), v.float(), bs)[0]
+    assert torch.isclose(got_k, want_k, atol=1e-3, rtol=1e-3).float().mean() > 0.999
+    bt = torch.arange(4, dtype=torch.int32)[None]
+    sl, qsl = torch.tensor([n], dtype=torch.int32), torch.tensor([0, n], dtype=torch.int32)
+    out = torch.zeros(n, hq, d, dtype=torch.bfloat16)
+    rt.attend(q, k, v, pool, bt, sl, qsl, n, 0, 0, out, max_query_len=n)
+    ref = reference_attend(rt, q, k, v, pool, bt, sl, qsl, n, 0)
+    assert (out.double() - ref).abs().max() / ref.abs().max() < 2e-2
+    # exact attention over the original keys: the shift changes nothing but quantization error
+    exact = attention_ref(q, k.double(), v.double(), d ** -0.5, torch.float64)
+    assert (out.double() - exact).norm() / exact.norm() < 0.2
+    off = LayerRuntime("k4v4", hq, hkv, d, d ** -0.5, key_offset="off")
+    assert off.key_offset is None
+    with pytest.raises(ValueError, match="key_offset="):
+        LayerRuntime("k4v4", hq, hkv, d, d ** -0.5, key_offset="on")
+
+
+@pytest.mark.parametrize("preset", sorted(COMPRESSED_PRESETS))
+def test_low_frequency_key_bias_meets_the_bar_on_every_supported_shape(preset):
+    """Issue 21 item 5 for the placement where models' key biases and massive key values sit (the slowest RoPE
+    pairs): with the default key offset, bias norm 1000 before RoPE leaves the attention-output error within 1.5x
+    of the unbiased one. Head dims the rotation cannot take (80, 192) are refused (test_keybias)."""
+    for shape in SHAPES:
+        if shape[2] not in (64, 128):
+            continue
+        base = stress(preset, shape, 0.0, "low", tokens=512)["rel_err"]
+        r = stress(preset, shape, 1000.0, "low", tokens=512)
+        assert r["rel_err"] / base <= BAR, (shape, r["rel_err"] / base)
+        off = stress(preset, shape, 1000.0, "low", tokens=512, key_offset="off")["rel_err"]
+        assert off / base > BAR, (shape, off / base)      # without the offset the bar is missed: it is what does it
+
+
+def test_rope_keeps_a_low_frequency_bias_nearly_constant():
+    """Why one constant per layer removes such a bias: the slowest pair turns by < 0.01 rad over 4096 positions at
+    base 1e6, the fastest by ~1 rad per position."""
+    b = torch.zeros(1, 1, 128, dtype=torch.float64)
+    b[..., 63] = 1.0
+    r = rope(b.expand(1, 4096, 128), torch.arange(4096))[0]
+    assert (r[:, 63] - 1.0).abs().max() < 1e-4
+    b[..., 63], b[..., 0] = 0.0, 1.0
+    r = rope(b.expand(1, 4096, 128), torch.arange(4096))[0]
+    assert r[:, 0].min() < -0.99
