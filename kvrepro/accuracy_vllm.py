@@ -681,8 +681,8 @@ def run_modes(modes, bundle_path: str, model: str, work_dir: str, factory: str =
             on_mode_done(res)
 
     while queue or running:
-        for slot in slots:
-            while slot not in running and queue:
+        for i, slot in enumerate(slots):
+            while i not in running and queue:
                 mode, attempt = queue.pop(0)
                 left = deadline_s - (time.monotonic() - start)
                 if left < 20:
@@ -701,10 +701,11 @@ def run_modes(modes, bundle_path: str, model: str, work_dir: str, factory: str =
                     env["CUDA_VISIBLE_DEVICES"] = str(slot)
                 lf = open(log, "w")
                 proc = subprocess.Popen(cmd, env=env, stdout=lf, stderr=subprocess.STDOUT, start_new_session=True)
-                running[slot] = dict(mode=mode, attempt=attempt, proc=proc, t0=time.monotonic(), out=out, log=log,
-                                     lf=lf, timeout=min(mode_timeout_s, left))
+                running[i] = dict(mode=mode, attempt=attempt, proc=proc, t0=time.monotonic(), out=out, log=log,
+                                  lf=lf, timeout=min(mode_timeout_s, left), slot=slot)
         time.sleep(0.1)
-        for slot, r in list(running.items()):
+        for i, r in list(running.items()):
+            slot = r["slot"]
             rc = r["proc"].poll()
             wall = time.monotonic() - r["t0"]
             if rc is None and wall <= r["timeout"]:
@@ -720,7 +721,7 @@ def run_modes(modes, bundle_path: str, model: str, work_dir: str, factory: str =
             else:
                 err = "" if rc == 0 else f"exit code {rc}"
             r["lf"].close()
-            del running[slot]
+            del running[i]
             mode, attempt = r["mode"], r["attempt"]
             state = {}
             if os.path.exists(r["out"]):
@@ -767,7 +768,9 @@ def run_modes(modes, bundle_path: str, model: str, work_dir: str, factory: str =
 
 def check_gpus(gpus) -> list:
     """``gpus`` (None, a list of GPU indices or a comma-separated string) as the list of slots modes run on:
-    ``[None]`` (one at a time, CUDA_VISIBLE_DEVICES untouched) for None. ValueError naming ``gpus``."""
+    ``[None]`` (one at a time, CUDA_VISIBLE_DEVICES untouched) for None. An index given n times runs n modes at once
+    on that GPU (each engine takes its own ``gpu_memory_utilization``: keep their sum <= 1). ValueError naming
+    ``gpus``."""
     if gpus is None or gpus == "" or gpus == []:
         return [None]
     if isinstance(gpus, str):
@@ -776,8 +779,8 @@ def check_gpus(gpus) -> list:
         out = [int(g) for g in gpus]
     except (TypeError, ValueError):
         raise ValueError(f"gpus must be GPU indices (e.g. 0,1), got {gpus!r}") from None
-    if any(g < 0 for g in out) or len(set(out)) != len(out):
-        raise ValueError(f"gpus must be distinct non-negative GPU indices, got {gpus!r}")
+    if any(g < 0 for g in out):
+        raise ValueError(f"gpus must be non-negative GPU indices, got {gpus!r}")
     return out
 
 

@@ -273,7 +273,7 @@ def write_rows(df: pd.DataFrame, path: str) -> str:
 def corpus_windows(tokenizer, params: FidelityParams) -> list[list[int]]:
     """The ``num_windows`` consecutive windows of ``params.corpus`` (ValueError if the corpus is too short).
 
-    With ``KVREPRO_FIDELITY_WINDOWS_FILE`` unset this tokenizes the corpus (needs ``datasets``); a machine without
+    With ``FIDELITY_WINDOWS_FILE`` unset this tokenizes the corpus (needs ``datasets``); a machine without
     it (a GPU box without network) reads the windows saved by ``save_windows`` on another machine instead, after
     checking they were made for the same corpus, window length and count."""
     path = os.environ.get("FIDELITY_WINDOWS_FILE", "")
@@ -301,15 +301,13 @@ def save_windows(tokenizer, params: FidelityParams, path: str) -> str:
 
 @torch.inference_mode()
 def _cpu_logprobs(model, window: list[int], fmt: str, params: FidelityParams) -> torch.Tensor:
-    from kvrepro.hf import make_cache
-
     from kvrepro.formats import get_format
+    from kvrepro.hf import forward, make_cache
 
     f = get_format(fmt)
     ko = params.key_offset if f.default_key_offset != "off" else "off"
     cache = make_cache(f, model.config.num_hidden_layers, params.block_size, key_offset=ko)
     keep = params.window_tokens - params.score_from + 1  # logits of positions score_from - 1 .. window - 1
-    from kvrepro.hf import forward
 
     dev = next(model.parameters()).device
     out = forward(model, torch.tensor([window], device=dev), cache, logits_to_keep=keep)
@@ -440,12 +438,18 @@ def vllm_rows(ref: dict, res: dict, fmt: str, top_k: int) -> list[dict]:
 
 
 def run_vllm(params: FidelityParams | dict, path: str, model: str, work_dir: str, modes=None,
-             timeout_s: float = 600.0) -> pd.DataFrame:
+             timeout_s: float = 600.0, parallel: int = 1) -> pd.DataFrame:
     """Measure through vLLM (GPU): each mode in its own subprocess (``vllm_worker``), then rows against bf16.
 
     ``modes`` default: ``bf16``, ``fp8`` and ``kvrepro:<preset>`` for every compressed format of
     ``params.formats``. ``model``: a HF model directory (SmolLM2 de-quantized: ``kvrepro.accuracy_vllm``).
-    Writes ``path`` atomically with all rows (replacing rows of the same parameters key).
+    ``parallel``: modes run at once on the visible GPU (each engine takes ``0.9 / parallel`` of its memory, at most
+    0.3). A mode's rows are written (atomically, replacing rows of the same parameters key and format) as soon as it
+    and bf16 have finished, so a timeout keeps the modes already measured.
+
+    Raises:
+        ValueError: ``modes`` not starting with ``bf16``; ``parallel`` not a positive int.
+        RuntimeError: bf16 failed (no rows can be computed).
     """
     from kvrepro.accuracy_vllm import mode_env
     from kvrepro.hf import load_smollm2
@@ -453,6 +457,8 @@ def run_vllm(params: FidelityParams | dict, path: str, model: str, work_dir: str
     if isinstance(params, dict):
         params = FidelityParams.from_dict(params)
     params.validate()
+    if not is_int(parallel) or parallel < 1:
+        raise ValueError(f"parallel must be a positive integer, got {parallel!r}")
     if modes is None:
         modes = [f if f in ("bf16", "fp8") else f"kvrepro:{f}" for f in params.formats]
     _, tok = load_smollm2()
@@ -463,35 +469,64 @@ def run_vllm(params: FidelityParams | dict, path: str, model: str, work_dir: str
     os.makedirs(work_dir, exist_ok=True)
     wpath = os.path.join(work_dir, "windows.pt")
     atomic_write(wpath, lambda f: torch.save(windows, f), "wb")
-    outs, infos = {}, {}
-    for mode in modes:
-        out = os.path.join(work_dir, f"{mode.replace(':', '_')}.pt")
+    mem = min(0.3, 0.9 / parallel)
+    pending, running, outs, written = list(modes), {}, {}, set()
+
+    def start(mode):
+        tag = mode.replace(":", "_")
+        out, log = os.path.join(work_dir, f"{tag}.pt"), os.path.join(work_dir, f"{tag}.log")
+        if os.path.exists(out):
+            os.remove(out)
         env = mode_env(mode, dict(os.environ))
         if mode.startswith("kvrepro:"):
             env["KVREPRO_PREFILL"] = "fa-pages"
             env["KVREPRO_KEY_OFFSET"] = params.key_offset
         cmd = [sys.executable, "-m", "kvrepro.fidelity", "vllm-worker", "--mode", mode, "--windows", wpath,
-               "--model", model, "--out", out, "--top-k", str(params.top_k), "--score-from", str(params.score_from)]
-        log = os.path.join(work_dir, f"{mode.replace(':', '_')}.log")
-        t0 = time.perf_counter()
-        with open(log, "w") as lf:
-            rc = subprocess.run(cmd, env=env, stdout=lf, stderr=subprocess.STDOUT, timeout=timeout_s).returncode
-        print(f"fidelity vllm {mode}: rc={rc} {time.perf_counter() - t0:.0f}s", flush=True)
-        if rc != 0 or not os.path.exists(out):
-            print(open(log).read()[-3000:], flush=True)
-            continue
-        outs[mode] = torch.load(out)
-        infos[mode] = outs[mode]["info"]
-        if "bf16" not in outs:
-            raise RuntimeError("the bf16 baseline did not run through vLLM; no rows written (see work_dir's logs)")
+               "--model", model, "--out", out, "--top-k", str(params.top_k), "--score-from", str(params.score_from),
+               "--gpu-memory-utilization", str(mem)]
+        lf = open(log, "w")
+        proc = subprocess.Popen(cmd, env=env, stdout=lf, stderr=subprocess.STDOUT, start_new_session=True)
+        running[mode] = dict(proc=proc, lf=lf, t0=time.perf_counter(), out=out, log=log)
+
+    def write(mode):
         fmt = mode.split(":", 1)[-1]
-        rows = [{**r, **prov, "mode": mode, "engine_info": json.dumps(infos[mode], sort_keys=True)}
+        info = json.dumps(outs[mode]["info"], sort_keys=True)
+        rows = [{**r, **prov, "mode": mode, "engine_info": info}
                 for r in vllm_rows(outs["bf16"], outs[mode], fmt, params.top_k)]
-        df = read_rows(path)          # written after every mode: a timeout keeps the modes already measured
+        df = read_rows(path)
         if not df.empty and "params_key" in df:
             df = df[~((df["params_key"] == params.key()) & (df["format"] == fmt))]
         df = pd.concat([df, pd.DataFrame(rows)], ignore_index=True) if not df.empty else pd.DataFrame(rows)
         write_rows(df, path)
+        written.add(mode)
+
+    while pending or running:
+        while pending and len(running) < parallel:
+            start(pending.pop(0))
+        time.sleep(0.5)
+        for mode, r in list(running.items()):
+            rc, wall = r["proc"].poll(), time.perf_counter() - r["t0"]
+            if rc is None and wall <= timeout_s:
+                continue
+            if rc is None:
+                os.killpg(r["proc"].pid, 9)
+                r["proc"].wait()
+            r["lf"].close()
+            del running[mode]
+            print(f"fidelity vllm {mode}: rc={rc} {wall:.0f}s", flush=True)
+            if rc != 0 or not os.path.exists(r["out"]):
+                print(open(r["log"]).read()[-3000:], flush=True)
+                if mode == "bf16":
+                    for m, o in running.items():
+                        os.killpg(o["proc"].pid, 9)
+                    raise RuntimeError("the bf16 baseline did not run through vLLM; no rows written (see "
+                                       f"{r['log']})")
+                continue
+            outs[mode] = torch.load(r["out"])
+        if "bf16" in outs:
+            for mode in modes:
+                if mode in outs and mode not in written:
+                    write(mode)
     return read_rows(path)
 
 
@@ -516,14 +551,16 @@ def main(argv=None) -> int:
     v.add_argument("--out", default=DEFAULT_VLLM_RESULTS)
     v.add_argument("--model", required=True, help="HF model directory (SmolLM2 de-quantized)")
     v.add_argument("--work-dir", required=True)
+    v.add_argument("--parallel", type=int, default=1, help="modes at once on the GPU (default 1)")
     w = sub.add_parser("vllm-worker")
     for a in ("--mode", "--windows", "--model", "--out"):
         w.add_argument(a, required=True)
     w.add_argument("--top-k", type=int, required=True)
     w.add_argument("--score-from", type=int, required=True)
+    w.add_argument("--gpu-memory-utilization", type=float, default=0.3)
     a = ap.parse_args(argv)
     if a.cmd == "vllm-worker":
-        vllm_worker(a.mode, a.windows, a.model, a.out, a.top_k, a.score_from)
+        vllm_worker(a.mode, a.windows, a.model, a.out, a.top_k, a.score_from, a.gpu_memory_utilization)
         return 0
     params = FidelityParams(formats=tuple(f for f in a.formats.split(",") if f), corpus=a.corpus,
                             window_tokens=a.window_tokens, score_from=a.score_from, num_windows=a.num_windows,
@@ -532,7 +569,7 @@ def main(argv=None) -> int:
     if a.cmd == "cpu":
         rows = run_cpu(params, a.out, progress=True, device=a.device)
     else:
-        rows = run_vllm(params, a.out, a.model, a.work_dir)
+        rows = run_vllm(params, a.out, a.model, a.work_dir, parallel=a.parallel)
     print(summarize(rows).to_string(index=False))
     return 0
 

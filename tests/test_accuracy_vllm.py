@@ -445,6 +445,12 @@ def test_run_modes_on_several_gpus_and_without_key_logprobs(small_bundle, tmp_pa
     fake_env.setenv("FAKE_TIMES", str(tmp_path))
     modes = ["bf16", "fp8", "kvrepro:k4v4"]
     res = av.run_modes(modes, small_bundle, small_bundle, str(tmp_path / "w"), factory=FACTORY, weights="dequant",
+                       mode_timeout_s=90, deadline_s=240, gpus=[0, 0], key_logprobs="none")
+    st = res["status"]      # one GPU given twice: two modes at once on it
+    assert all(s["status"] == "ok" and s["gpu_index"] == 0 for s in st.values())
+    (s1, e1), (s2, e2) = (json.loads((tmp_path / f"{m}.json").read_text()) for m in ("bf16", "fp8"))
+    assert max(s1, s2) < min(e1, e2)
+    res = av.run_modes(modes, small_bundle, small_bundle, str(tmp_path / "w"), factory=FACTORY, weights="dequant",
                        mode_timeout_s=90, deadline_s=240, gpus=[0, 1], key_logprobs="none")
     st = res["status"]
     assert list(st) == modes and all(s["status"] == "ok" for s in st.values())
@@ -458,9 +464,10 @@ def test_run_modes_on_several_gpus_and_without_key_logprobs(small_bundle, tmp_pa
     with pytest.raises(ValueError, match="weights='auto' .* several gpus"):
         av.run_modes(modes, small_bundle, small_bundle, str(tmp_path / "w2"), factory=FACTORY, weights="auto",
                      gpus="0,1")
-    for bad in ("0,0", "a", [-1]):
+    for bad in ("a", [-1]):
         with pytest.raises(ValueError, match="gpus"):
             av.check_gpus(bad)
+    assert av.check_gpus("0,0,1") == [0, 0, 1]         # two modes at once on GPU 0
     with pytest.raises(ValueError, match="key_logprobs"):
         av.run_modes(modes, small_bundle, small_bundle, str(tmp_path / "w3"), factory=FACTORY, key_logprobs="some")
 

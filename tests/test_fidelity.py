@@ -1,6 +1,7 @@
 """kvrepro.fidelity: the metrics against independent float64 computations, the parameters, and the CPU path on
 the real SmolLM2 (tiny windows)."""
 import math
+import time
 
 import pandas as pd
 import pytest
@@ -122,3 +123,60 @@ def test_cpu_path_on_smollm2_measures_and_resumes(tmp_path, monkeypatch):
         fidelity.run_cpu(FidelityParams(formats=("bf16",), window_tokens=8192, score_from=64, num_windows=10_000),
                          str(tmp_path / "x.csv"))
     assert not (tmp_path / "x.csv").exists()
+
+
+FAKE_WORKER = '''
+import sys, time, torch
+a = sys.argv
+if a[1:4] != ["-m", "kvrepro.fidelity", "vllm-worker"]:
+    raise SystemExit("unexpected command " + " ".join(a))
+arg = lambda k: a[a.index(k) + 1]
+mode, out, k = arg("--mode"), arg("--out"), int(arg("--top-k"))
+windows = torch.load(arg("--windows"))
+n = len(windows[0]) - int(arg("--score-from"))
+import os
+open(out + ".env", "w").write(os.environ.get("KVREPRO_KEY_OFFSET", "-") + " " + arg("--gpu-memory-utilization"))
+if mode == "kvrepro:k4v2":
+    raise SystemExit(3)                                   # a mode that fails keeps the others
+g = torch.Generator().manual_seed(sum(map(ord, mode)))
+res = []
+for w in windows:
+    lp = torch.log_softmax(torch.randn(n, 50, generator=g) * (1 if mode == "bf16" else 1.05), -1)
+    v, i = lp.topk(k, -1)
+    res.append({"ids": i.int(), "lps": v, "actual": lp[:, 0]})
+time.sleep(0.5)
+torch.save({"windows": res, "info": {"mode": mode}}, out)
+'''
+
+
+def test_vllm_runner_runs_modes_at_once_and_writes_rows_per_mode(tmp_path, monkeypatch):
+    """run_vllm's orchestration with a stand-in worker (the real one needs vLLM and a GPU): modes run
+    ``parallel`` at a time, each kvrepro mode gets the key-offset setting, rows equal vllm_rows of the worker
+    outputs, a failing mode is left out and the others are kept."""
+    import subprocess
+    import sys
+
+    fake = tmp_path / "fake_python"
+    fake.write_text(f"#!/bin/sh\nexec {sys.executable} {tmp_path / 'worker.py'} \"$@\"\n")
+    fake.chmod(0o755)
+    (tmp_path / "worker.py").write_text(FAKE_WORKER)
+    monkeypatch.setattr(sys, "executable", str(fake))
+    starts = []
+    real_popen = subprocess.Popen
+    monkeypatch.setattr(fidelity.subprocess, "Popen",
+                        lambda *a, **k: starts.append(time.monotonic()) or real_popen(*a, **k))
+    params = FidelityParams(formats=("bf16", "fp8", "k4v4", "k4v2"), window_tokens=96, score_from=64,
+                            num_windows=2, top_k=5)
+    path, work = str(tmp_path / "v.csv"), str(tmp_path / "w")
+    rows = fidelity.run_vllm(params, path, "model-dir", work, parallel=2)
+    assert sorted(set(rows["format"])) == ["bf16", "fp8", "k4v4"] and len(rows) == 6
+    out = {m: torch.load(f"{work}/{m.replace(':', '_')}.pt") for m in ("bf16", "fp8", "kvrepro:k4v4")}
+    for fmt, mode in (("fp8", "fp8"), ("k4v4", "kvrepro:k4v4")):
+        want = fidelity.vllm_rows(out["bf16"], out[mode], fmt, 5)
+        got = rows[rows["format"] == fmt].sort_values("window")
+        assert list(got["kl_topk_sum"]) == pytest.approx([r["kl_topk_sum"] for r in want], rel=1e-12)
+    env = {m: open(f"{work}/{m}.pt.env").read().split() for m in ("bf16", "kvrepro_k4v4")}
+    assert env["kvrepro_k4v4"] == ["first-prefill", "0.3"] and env["bf16"][0] == "-"
+    assert starts[1] - starts[0] < 0.4                 # the first two started together
+    with pytest.raises(ValueError, match="parallel must be a positive integer"):
+        fidelity.run_vllm(params, path, "m", work, parallel=0)
