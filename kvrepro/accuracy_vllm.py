@@ -378,10 +378,13 @@ class VllmEngine:
         gpu_memory_utilization: fraction of the GPU for vLLM (weights + activations + KV cache).
         max_num_seqs: concurrent sequences (the batch of one ``generate``).
         max_num_batched_tokens: tokens per engine step (prefill chunks included); default one full-length prompt.
+        kv_cache_memory_bytes: a fixed KV-cache size (vLLM's ``kv_cache_memory_bytes``: no memory profiling, so
+            engines starting at once on one GPU do not count each other's memory); None: vLLM's profiling.
     """
 
     def __init__(self, mode: str, model: str, compile: str = "decode-graphs", gpu_memory_utilization: float = 0.35,
-                 max_num_seqs: int = 128, seed: int = 0, max_num_batched_tokens: int = MAX_MODEL_LEN):
+                 max_num_seqs: int = 128, seed: int = 0, max_num_batched_tokens: int = MAX_MODEL_LEN,
+                 kv_cache_memory_bytes: int | None = None):
         s = mode_settings(mode)          # ValueError for an unknown mode (check_modes)
         if compile not in COMPILE:
             raise ValueError(f"compile must be one of {COMPILE}, got {compile!r}")
@@ -400,6 +403,8 @@ class VllmEngine:
                   max_num_batched_tokens=max_num_batched_tokens)
         if s["attention_backend"]:
             kw["attention_backend"] = s["attention_backend"]
+        if kv_cache_memory_bytes is not None:
+            kw["kv_cache_memory_bytes"] = int(kv_cache_memory_bytes)
         if compile == "eager":
             kw["enforce_eager"] = True
         elif compile == "decode-graphs":

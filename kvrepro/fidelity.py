@@ -373,9 +373,10 @@ def run_cpu(params: FidelityParams | dict, path: str, progress: bool = False, mo
 # ---------------------------------------------------------------- vLLM path (GPU)
 
 def vllm_worker(mode: str, windows_path: str, model: str, out_path: str, top_k: int, score_from: int,
-                gpu_memory_utilization: float = 0.3) -> None:
+                gpu_memory_utilization: float = 0.3, kv_cache_memory_bytes: int | None = None) -> None:
     """One mode in this process: every window as one prompt with ``prompt_logprobs=top_k``; saves the scored
-    positions' top-k ids / log-probs and the actual tokens' log-probs to ``out_path`` (torch.save, atomic)."""
+    positions' top-k ids / log-probs and the actual tokens' log-probs to ``out_path`` (torch.save, atomic).
+    ``kv_cache_memory_bytes``: a fixed KV-cache size (no memory profiling: engines started at once on one GPU)."""
     from kvrepro.accuracy_vllm import mode_settings
 
     s = mode_settings(mode)
@@ -398,6 +399,8 @@ def vllm_worker(mode: str, windows_path: str, model: str, out_path: str, top_k: 
               max_num_batched_tokens=max(n_tok, 2048), enforce_eager=True)
     if s["attention_backend"]:
         kw["attention_backend"] = s["attention_backend"]
+    if kv_cache_memory_bytes:
+        kw["kv_cache_memory_bytes"] = int(kv_cache_memory_bytes)
     t0 = time.perf_counter()
     llm = LLM(**kw)
     init_s = time.perf_counter() - t0
@@ -444,7 +447,8 @@ def run_vllm(params: FidelityParams | dict, path: str, model: str, work_dir: str
     ``modes`` default: ``bf16``, ``fp8`` and ``kvrepro:<preset>`` for every compressed format of
     ``params.formats``. ``model``: a HF model directory (SmolLM2 de-quantized: ``kvrepro.accuracy_vllm``).
     ``parallel``: modes run at once on the visible GPU (each engine takes ``0.9 / parallel`` of its memory, at most
-    0.3). A mode's rows are written (atomically, replacing rows of the same parameters key and format) as soon as it
+    0.3; with ``parallel > 1`` a fixed 4 GiB KV cache, vLLM's ``kv_cache_memory_bytes``, since engines profiling
+    memory at the same time would count each other's). A mode's rows are written (atomically, replacing rows of the same parameters key and format) as soon as it
     and bf16 have finished, so a timeout keeps the modes already measured.
 
     Raises:
@@ -483,7 +487,7 @@ def run_vllm(params: FidelityParams | dict, path: str, model: str, work_dir: str
             env["KVREPRO_KEY_OFFSET"] = params.key_offset
         cmd = [sys.executable, "-m", "kvrepro.fidelity", "vllm-worker", "--mode", mode, "--windows", wpath,
                "--model", model, "--out", out, "--top-k", str(params.top_k), "--score-from", str(params.score_from),
-               "--gpu-memory-utilization", str(mem)]
+               "--gpu-memory-utilization", str(mem)] + (["--kv-cache-gib", "4"] if parallel > 1 else [])
         lf = open(log, "w")
         proc = subprocess.Popen(cmd, env=env, stdout=lf, stderr=subprocess.STDOUT, start_new_session=True)
         running[mode] = dict(proc=proc, lf=lf, t0=time.perf_counter(), out=out, log=log)
@@ -558,9 +562,11 @@ def main(argv=None) -> int:
     w.add_argument("--top-k", type=int, required=True)
     w.add_argument("--score-from", type=int, required=True)
     w.add_argument("--gpu-memory-utilization", type=float, default=0.3)
+    w.add_argument("--kv-cache-gib", type=float, default=0.0, help="fixed KV-cache size (0: vLLM's profiling)")
     a = ap.parse_args(argv)
     if a.cmd == "vllm-worker":
-        vllm_worker(a.mode, a.windows, a.model, a.out, a.top_k, a.score_from, a.gpu_memory_utilization)
+        vllm_worker(a.mode, a.windows, a.model, a.out, a.top_k, a.score_from, a.gpu_memory_utilization,
+                    int(a.kv_cache_gib * 2**30) or None)
         return 0
     params = FidelityParams(formats=tuple(f for f in a.formats.split(",") if f), corpus=a.corpus,
                             window_tokens=a.window_tokens, score_from=a.score_from, num_windows=a.num_windows,

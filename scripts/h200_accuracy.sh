@@ -50,7 +50,7 @@ for step in "$@"; do
       mkdir -p "$OUT/needle"
       VLLM_ENABLE_V1_MULTIPROCESSING=0 python3 scripts/vllm_accuracy.py --gguf "$GGUF" \
         --bundle results/accuracy/vllm_prompts_stat.json.gz --gpus "${NEEDLE_GPUS:-0,0,0}" \
-        --gpu-memory-utilization "${NEEDLE_MEM:-0.28}" ${NEEDLE_ARGS:---key-logprobs none} --out "$OUT/needle" 2>&1 | tail -25
+        --gpu-memory-utilization "${NEEDLE_MEM:-0.28}" --kv-cache-gib "${NEEDLE_KV_GIB:-6}" ${NEEDLE_ARGS:---key-logprobs none} --out "$OUT/needle" 2>&1 | tail -25
       ;;
     *) echo "unknown step $step (fidelity, reference, needle)"; exit 2 ;;
   esac

@@ -233,6 +233,9 @@ def main(argv=None) -> int:
                          "(degenerate output on the H200); auto: gguf, then dequant if it fails")
     ap.add_argument("--compile", default="decode-graphs", choices=av.COMPILE)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.35)
+    ap.add_argument("--kv-cache-gib", type=float, default=0.0,
+                    help="fixed KV-cache size per engine in GiB (vLLM's kv_cache_memory_bytes: no memory profiling, "
+                    "needed when several modes start at once on one GPU); 0: vLLM's profiling")
     ap.add_argument("--deadline-s", type=float, default=540.0,
                     help="seconds from the start: no mode runs past it (a 10-minute device call keeps a margin)")
     ap.add_argument("--mode-timeout-s", type=float, default=300.0,
@@ -255,6 +258,8 @@ def main(argv=None) -> int:
         ap.error(f"--modes: {e}")
     if not 0 < a.gpu_memory_utilization <= 1:
         ap.error(f"--gpu-memory-utilization must be in (0, 1], got {a.gpu_memory_utilization}")
+    if not 0 <= a.kv_cache_gib <= 1024:
+        ap.error(f"--kv-cache-gib must be in [0, 1024] (0: vLLM's memory profiling), got {a.kv_cache_gib}")
     try:
         gpus = av.check_gpus(a.gpus)
     except ValueError as e:
@@ -299,6 +304,8 @@ def main(argv=None) -> int:
     engine_kw = {"compile": a.compile, "gpu_memory_utilization": a.gpu_memory_utilization}
     if a.max_num_batched_tokens != av.MAX_MODEL_LEN:
         engine_kw["max_num_batched_tokens"] = a.max_num_batched_tokens
+    if a.kv_cache_gib:
+        engine_kw["kv_cache_memory_bytes"] = int(a.kv_cache_gib * 2**30)
     work = os.path.join("/tmp", f"kvacc_{os.getpid()}")
     res = av.run_modes(modes, a.bundle, model, work, factory=a.factory, weights=a.weights, engine_kw=engine_kw,
                        mode_timeout_s=a.mode_timeout_s, deadline_s=a.deadline_s - (time.monotonic() - t0),
