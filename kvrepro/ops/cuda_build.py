@@ -3,14 +3,19 @@
     python -m kvrepro.ops.cuda_build [--nvcc PATH]     regenerate cuda/page_layout.h, compile cuda/decode.cu into
                                                       cuda/decode.fatbin and rewrite cuda/decode.json
     python -m kvrepro.ops.cuda_build --check           no nvcc: exit 1 unless the committed header equals the one
-                                                      generated from kvrepro.formats and the manifest's hashes match
-                                                      the committed sources and fatbin
+                                                      generated from kvrepro.formats, the manifest's hashes match
+                                                      the committed sources and fatbin, and its ``entries`` are the
+                                                      code the fatbin holds (read from the fatbin's container)
 
 The runtime side (loading the fatbin, launching, the split rule) is ``kvrepro.ops.cuda_decode``; nothing here runs at
 serving time. ``cuda/page_layout.h`` is generated from ``kvrepro.formats.layout.PageLayout`` of every preset in
 ``cuda_decode.LAYOUTS``, so the page layout is defined once, in Python. The manifest records
 ``source_sha256_comments_stripped``: the SHA-256 of ``decode.cu`` and ``page_layout.h`` with comments, trailing
 whitespace and blank lines removed (``code_text``), so a comment edit changes neither the fatbin nor the manifest.
+It also records which code the fatbin holds (``entries``: SASS ``sm_XY`` and PTX ``compute_XY`` with the SHA-256 of
+each, read back from the fatbin's container by ``fatbin_entries``) and, per SASS target and kernel, the registers,
+static shared memory, stack and spills ptxas reported (``resources``; the residency model
+``kvrepro.ops.occupancy`` reads them).
 """
 from __future__ import annotations
 
@@ -30,9 +35,13 @@ from kvrepro.ops.cuda_decode import FATBIN, HERE, KERNELS, LAYOUTS, MANIFEST, PR
 SOURCE = os.path.join(HERE, "decode.cu")
 HEADER = os.path.join(HERE, "page_layout.h")
 SOURCES = (SOURCE, HEADER)      # what the fatbin is built from (decode.cu includes page_layout.h)
-# SASS for A100 / A10-A40 / L4-L40 / H100-H200, plus compute_80 PTX that the driver compiles for newer GPUs.
+# SASS for A100 (sm_80), A10-A40 / RTX 30 (sm_86), L4-L40S / RTX 40 (sm_89), H100-H200 (sm_90), B200 (sm_100) and
+# RTX 50 (sm_120): a SASS of X.y also runs on X.z, z >= y (B300 sm_103 runs sm_100's, GB10 sm_121 sm_120's). PTX of the
+# newest target (compute_120), which the driver compiles for GPUs newer than every SASS here, and compute_80 PTX for
+# the ones in between that no SASS covers and compute_120 cannot (sm_110: a PTX of X.y compiles for >= X.y only).
 GENCODE = ("arch=compute_80,code=sm_80", "arch=compute_86,code=sm_86", "arch=compute_89,code=sm_89",
-           "arch=compute_90,code=sm_90", "arch=compute_80,code=compute_80")
+           "arch=compute_90,code=sm_90", "arch=compute_100,code=sm_100", "arch=compute_120,code=sm_120",
+           "arch=compute_120,code=compute_120", "arch=compute_80,code=compute_80")
 NVCC_FLAGS = ("-O3", "-fatbin", "-Xptxas", "-v")
 FATBIN_MAGIC = bytes.fromhex("50ed55ba")      # the fatbin container's first 4 bytes (0xBA55ED50, little-endian)
 CODE_HASH_FIELD = "source_sha256_comments_stripped"
@@ -147,6 +156,75 @@ def find_nvcc(nvcc: str | None = None) -> str:
     raise FileNotFoundError(f"nvcc not found (looked at {nvcc or 'PATH and /usr/local/cuda*/bin/nvcc'})")
 
 
+def fatbin_entries(path: str) -> list[dict]:
+    """The code a fatbin holds, in container order: ``[{"code": "sm_90" | "compute_80", "sha256": ...}]`` (SASS
+    entries as ``sm_XY``, PTX as ``compute_XY``; the SHA-256 of each entry's payload). The container: a 16-byte header
+    (magic 0xBA55ED50, version, header size, size of what follows), then entries of a header (kind 1 = PTX, 2 = ELF
+    /SASS at byte 0, its own size at byte 4, the payload's padded size at byte 8, the SM version at byte 28) and a
+    payload. Layout as cuobjdump reads it (reverse-engineered and documented by github.com/GrigoryEvko/nvopen-tools,
+    fatbin/FORMAT_SPECIFICATION.md).
+
+    Raises:
+        RuntimeError: not a fatbin (magic), an entry of another kind or one that runs past the container.
+    """
+    import struct
+
+    with open(path, "rb") as f:
+        data = f.read()
+    if not data.startswith(FATBIN_MAGIC) or len(data) < 16:
+        raise RuntimeError(f"{path} is not a fatbin (first bytes {data[:8].hex()}, expected {FATBIN_MAGIC.hex()})")
+    _, _, head, size = struct.unpack_from("<IHHQ", data, 0)
+    off, end, out = head, head + size, []
+    if end > len(data):
+        raise RuntimeError(f"{path}: the fatbin header says {end} bytes, the file has {len(data)}")
+    while off < end:
+        kind, _, entry_head, padded = struct.unpack_from("<HHIQ", data, off)
+        sm, = struct.unpack_from("<I", data, off + 28)
+        if kind not in (1, 2) or entry_head < 64 or off + entry_head + padded > end:
+            raise RuntimeError(f"{path}: unexpected fatbin entry at byte {off} (kind {kind}, header {entry_head}, "
+                               f"payload {padded})")
+        payload = data[off + entry_head:off + entry_head + padded]
+        out.append({"code": f"{'compute' if kind == 1 else 'sm'}_{sm}", "sha256": hashlib.sha256(payload).hexdigest()})
+        off += entry_head + padded
+    return out
+
+
+def ptxas_resources(text: str) -> dict[str, dict[str, dict[str, int]]]:
+    """Per SASS target and entry point, what ptxas reports (``nvcc -Xptxas -v``): ``{"sm_90": {"kvrepro_decode_k4v4":
+    {"registers", "smem_static", "stack_frame", "spill_stores", "spill_loads"}}}`` (bytes, except registers per
+    thread). Functions called from an entry point (their own "Function properties" lines) are not entry points and
+    are left out."""
+    out: dict[str, dict[str, dict[str, int]]] = {}
+    cur = None                     # (arch, entry point) whose lines come next
+    props_for = None
+    for ln in text.splitlines():
+        m = re.search(r"Compiling entry function '([^']+)' for '(sm_\d+[a-z]?)'", ln)
+        if m:
+            cur = (m.group(2), m.group(1))
+            out.setdefault(cur[0], {})[cur[1]] = {}
+            props_for = None
+            continue
+        m = re.search(r"Function properties for (\S+)", ln)
+        if m:
+            props_for = m.group(1) if cur and m.group(1) == cur[1] else None
+            continue
+        m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", ln)
+        if m and props_for and cur:
+            out[cur[0]][cur[1]].update(stack_frame=int(m.group(1)), spill_stores=int(m.group(2)),
+                                       spill_loads=int(m.group(3)))
+            props_for = None
+            continue
+        m = re.search(r"Used (\d+) registers.*?(\d+) bytes smem", ln)
+        if m and cur and "registers" not in out[cur[0]][cur[1]]:
+            out[cur[0]][cur[1]].update(registers=int(m.group(1)), smem_static=int(m.group(2)))
+    return out
+
+
+def targets(gencode=GENCODE) -> list[str]:
+    """The ``code=`` targets of ``gencode`` (``["sm_80", ..., "compute_80"]``), in order."""
+    return [g.split("code=")[1] for g in gencode]
+
+
 def nvcc_command(nvcc: str, out: str) -> list[str]:
     """The build command: ``nvcc NVCC_FLAGS -gencode ... -o out SOURCE``."""
     return [nvcc, *NVCC_FLAGS, *[a for g in GENCODE for a in ("-gencode", g)], "-o", out, SOURCE]
@@ -183,11 +261,15 @@ def build(nvcc: str | None = None, out: str = FATBIN, manifest: str = MANIFEST) 
             raise RuntimeError(f"nvcc failed ({r.returncode}):\n{r.stdout}\n{r.stderr}")
         check_fatbin(tmp_out, exe)
         version = subprocess.run([exe, "--version"], capture_output=True, text=True).stdout.strip().splitlines()
+        entries = fatbin_entries(tmp_out)
+        missing = sorted(set(targets()) - {e["code"] for e in entries})
+        if missing:
+            raise RuntimeError(f"the fatbin from {exe} lacks the targets {missing} of GENCODE")
         info = {"kernels": list(KERNELS.values()), "sources": [os.path.basename(p) for p in SOURCES],
                 CODE_HASH_FIELD: code_sha256(),
                 "fatbin_sha256": _sha256(tmp_out), "nvcc_version": version[-1] if version else "",
-                "nvcc_flags": list(NVCC_FLAGS), "gencode": list(GENCODE),
-                "ptxas_report": [ln for ln in (r.stdout + r.stderr).splitlines() if "Used" in ln or "spill" in ln]}
+                "nvcc_flags": list(NVCC_FLAGS), "gencode": list(GENCODE), "entries": entries,
+                "resources": ptxas_resources(r.stdout + r.stderr)}
         shutil.copyfile(tmp_out, out + ".tmp")
         os.replace(out + ".tmp", out)
     _write_atomic(manifest, json.dumps(info, indent=1) + "\n")
@@ -214,11 +296,25 @@ def check(header: str = HEADER, manifest: str = MANIFEST, fatbin: str = FATBIN) 
     if info.get(CODE_HASH_FIELD) != code_sha256((SOURCE, header)):
         problems.append(f"{os.path.basename(SOURCE)} / {os.path.basename(header)} differ from the sources the fatbin "
                         f"was built from ({CODE_HASH_FIELD} in {os.path.basename(manifest)})")
-    if not os.path.isfile(fatbin) or info.get("fatbin_sha256") != _sha256(fatbin):
+    same_fatbin = os.path.isfile(fatbin) and info.get("fatbin_sha256") == _sha256(fatbin)
+    if not same_fatbin:
         problems.append(f"{fatbin} is not the fatbin the manifest names (fatbin_sha256)")
     for field, want in (("gencode", list(GENCODE)), ("nvcc_flags", list(NVCC_FLAGS)), ("kernels", list(KERNELS.values()))):
         if info.get(field) != want:
             problems.append(f"the fatbin was built with {field} {info.get(field)}, this module asks for {want}")
+    held = None
+    if same_fatbin:              # another fatbin's entries differ anyway: said once, above
+        try:
+            held = fatbin_entries(fatbin)
+        except RuntimeError as e:
+            problems.append(str(e))
+    if held is not None and info.get("entries") != held:
+        problems.append(f"the manifest's entries {[e['code'] for e in info.get('entries') or []]} are not the code "
+                        f"{fatbin} holds ({[e['code'] for e in held]})")
+    sass = sorted(e["code"] for e in info.get("entries") or [] if e["code"].startswith("sm_"))
+    if sorted(info.get("resources") or {}) != sass:
+        problems.append(f"the manifest's ptxas resources cover {sorted(info.get('resources') or {})}, its SASS entries "
+                        f"are {sass}")
     return problems
 
 

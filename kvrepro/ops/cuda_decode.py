@@ -47,12 +47,21 @@ PRESETS = {COMPRESSED_PRESETS[name]: name for name in ("k4v4", "k8v4", "k4v2")}
 KERNELS = {bits: f"kvrepro_decode_{name}" for bits, name in PRESETS.items()}
 LAYOUTS = {bits: get_format(name).layout(HEAD_DIM, BLOCK_SIZE) for bits, name in PRESETS.items()}
 CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8   # cuda.h CUfunction_attribute
+CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT = 9
+FUNC_ATTRIBUTES = {"max_threads_per_block": 0, "smem_static": 1, "local_bytes": 3, "registers": 4, "ptx_version": 5,
+                   "binary_version": 6}                  # cuda.h CUfunction_attribute, by what they report
 WARPS = 4                       # threads per CTA = 32 * WARPS (the kernel's __launch_bounds__)
 MIN_CAPABILITY = (8, 0)         # cp.async, mma.m16n8k32.s8, movmatrix (PTX ISA 7.8) need sm_80+
 MAX_GROUP = 8                   # GQA query heads per KV head: the MMA's N = 8
 MERGE_MAX = 4096                # num_splits x group that the in-kernel split merge holds (decode.cu MERGE_MAX)
-CTAS_PER_SM = 4                 # resident CTAs per SM on the H200 (__launch_bounds__(128, 4); 37 / 41 / 42 KB of
-                                # shared memory for k4v4 / k8v4 / k4v2: GPUs with ~100 KB per SM hold fewer)
+LAUNCH_BOUNDS_CTAS = 4          # __launch_bounds__(128, 4): ptxas keeps every kernel at <= 128 registers, so that 4
+                                # CTAs fit an SM's 64 K registers. Shared memory may hold fewer (36,480 / 40,192 /
+                                # 41,344 static bytes for k4v4 / k8v4 / k4v2: 3 k4v2 CTAs on an A100, 2 of any on
+                                # 100 KB SMs): the split rule reads resident_ctas, never this figure.
+CTAS_PER_SM = LAUNCH_BOUNDS_CTAS  # the same figure under its former name, for scripts that plan waves of the H200's
+                                  # residency (benchmarks/decode_splits.py)
+CPU_CAPABILITY = (9, 0)         # the GPU the split rule is modelled for without a CUDA device: H100 / H200 (sm_count
+                                # counts 132 SMs there)
 # Split weights by round of placement (decode.cu split_weight_prefix): split s weighs 1024 - RANK_SKEW x round,
 # round = min(linear block index // SMs, 3), for grids of at most one wave. Why: on the H200 the warp schedulers favour
 # a SM's older CTAs, so CTAs placed in round 0 / 1 / 2 / 3 streamed their pages at 1, 0.955, 0.905, 0.862 of round
@@ -121,6 +130,7 @@ class _Module:
                                f"use impl='triton' (vLLM backend: KVREPRO_DECODE_IMPL=triton)") from None
         self.lib.cuLaunchKernel.argtypes = [ctypes.c_void_p, *[ctypes.c_uint] * 7, ctypes.c_void_p,
                                             ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
+        self.index = torch.device(device).index
         with torch.cuda.device(device):
             torch.cuda.init()
             torch.empty(1, device=device)            # makes the device's primary context current
@@ -172,6 +182,49 @@ class _Module:
             raise RuntimeError(f"kvrepro CUDA decode kernel: cannot read {sym} ({self.error(rc)})")
         return val.value
 
+    def occupancy(self, bits: tuple[int, int]) -> int:
+        """Resident CTAs per SM of the kernel of ``bits``, from the driver (``cuOccupancyMaxActiveBlocksPerMultiprocessor``
+        with the launch's block and dynamic shared memory; it counts the kernel's carveout preference). Raises
+        RuntimeError if the driver refuses or answers less than 1."""
+        n = ctypes.c_int()
+        rc = self.lib.cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(n), self.fns[bits],
+                                                                  ctypes.c_int(WARPS * 32),
+                                                                  ctypes.c_size_t(self.smem[bits]))
+        if rc or n.value < 1:
+            raise RuntimeError(f"kvrepro CUDA decode kernel: the driver's occupancy query for {KERNELS[bits]} "
+                               f"{'failed with ' + self.error(rc) if rc else f'answered {n.value} CTAs per SM'}; the "
+                               f"split rule needs it (set KVREPRO_NUM_SPLITS, or KVREPRO_DECODE_IMPL=triton)")
+        return n.value
+
+    def attribute(self, bits: tuple[int, int], name: str) -> int:
+        """The driver's ``cuFuncGetAttribute`` of the kernel of ``bits``: ``name`` one of ``FUNC_ATTRIBUTES``
+        (``registers`` per thread, ``smem_static`` bytes, ``binary_version`` 90 for sm_90 SASS, ...). Raises
+        ValueError for another name, RuntimeError if the driver refuses."""
+        if name not in FUNC_ATTRIBUTES:
+            raise ValueError(f"name must be one of {', '.join(FUNC_ATTRIBUTES)}, got {name!r}")
+        v = ctypes.c_int()
+        rc = self.lib.cuFuncGetAttribute(ctypes.byref(v), FUNC_ATTRIBUTES[name], self.fns[bits])
+        if rc:
+            raise RuntimeError(f"kvrepro CUDA decode kernel: cuFuncGetAttribute({name}) of {KERNELS[bits]} failed "
+                               f"with {self.error(rc)}")
+        return v.value
+
+    def set_carveout(self, bits: tuple[int, int], percent: int) -> None:
+        """Set the kernel's preferred shared-memory carveout (``CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT``:
+        percent of the SM's largest shared memory, -1 = no preference, the default): caps the shared memory per SM
+        the kernel runs with, e.g. to an A100's or an Ada GPU's budget on an H200 (``occupancy.carveout_for``). Forgets
+        the residency cached for this device. Raises ValueError for a percent outside -1..100, RuntimeError if the
+        driver refuses."""
+        if not _is_int(percent) or not -1 <= percent <= 100:
+            raise ValueError(f"percent must be an int in -1..100 (-1: no preference), got {percent!r}")
+        rc = self.lib.cuFuncSetAttribute(self.fns[bits], CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+                                         ctypes.c_int(percent))
+        if rc:
+            raise RuntimeError(f"kvrepro CUDA decode kernel: setting the carveout of {KERNELS[bits]} to {percent} % "
+                               f"failed with {self.error(rc)}")
+        for key in [k for k in _RESIDENT if k[0] == self.index]:
+            del _RESIDENT[key]
+
     def error(self, rc: int) -> str:
         """``CUDA error <rc> (<name>)`` from the driver's cuGetErrorName."""
         name = ctypes.c_char_p()
@@ -218,6 +271,53 @@ def load_error(device: torch.device) -> str | None:
     return _LOAD_ERRORS.get(idx)
 
 
+def _arch(code: str) -> tuple[int, int]:
+    """``"sm_90"`` / ``"compute_120"`` -> ``(9, 0)`` / ``(12, 0)``."""
+    m = re.fullmatch(r"(?:sm|compute)_(\d\d+)", code)
+    if not m:
+        raise ValueError(f"code must be sm_XY or compute_XY, got {code!r}")
+    return int(m.group(1)[:-1]), int(m.group(1)[-1])
+
+
+def fatbin_code_for(capability, manifest: dict | None = None) -> str | None:
+    """Which code of the fatbin a GPU of compute capability ``(major, minor)`` runs (the CUDA binary compatibility
+    rules): the SASS ``sm_XY`` of the same major with the highest minor <= the GPU's; else the PTX ``compute_XY`` of
+    the highest capability <= the GPU's, which the driver compiles at load; None if neither exists. ``manifest``
+    default: the committed one (its ``entries``, the code the fatbin holds).
+
+    Raises:
+        ValueError: ``capability`` not a pair of ints >= 0; a manifest without ``entries``.
+    """
+    if not (isinstance(capability, (tuple, list)) and len(capability) == 2 and all(_is_int(c) and c >= 0
+                                                                                  for c in capability)):
+        raise ValueError(f"capability must be (major, minor), two ints >= 0, got {capability!r}")
+    cap = tuple(capability)
+    info = read_manifest() if manifest is None else manifest
+    if "entries" not in info:
+        raise ValueError("the manifest lists no entries (built before they were recorded): rebuild the fatbin "
+                         "(python -m kvrepro.ops.cuda_build)")
+    codes = [e["code"] for e in info["entries"]]
+    sass = [c for c in codes if c.startswith("sm_") and _arch(c)[0] == cap[0] and _arch(c) <= cap]
+    if sass:
+        return max(sass, key=_arch)
+    ptx = [c for c in codes if c.startswith("compute_") and _arch(c) <= cap]
+    return max(ptx, key=_arch) if ptx else None
+
+
+def fatbin_gap(capability, manifest: dict | None = None) -> str | None:
+    """Why the fatbin holds no code a GPU of compute capability ``capability`` can run (None: it does; see
+    ``fatbin_code_for``). Raises as ``fatbin_code_for``."""
+    if fatbin_code_for(capability, manifest) is not None:
+        return None
+    info = read_manifest() if manifest is None else manifest
+    codes = [e["code"] for e in info["entries"]]
+    return (f"the committed fatbin holds no code for compute capability {capability[0]}.{capability[1]} (SASS "
+            f"{', '.join(c for c in codes if c.startswith('sm_')) or 'none'}; PTX "
+            f"{', '.join(c for c in codes if c.startswith('compute_')) or 'none'}); add its target to "
+            f"kvrepro.ops.cuda_build.GENCODE and rebuild (python -m kvrepro.ops.cuda_build), or use impl='triton' "
+            f"(vLLM backend: KVREPRO_DECODE_IMPL=triton)")
+
+
 def read_manifest(manifest: str = MANIFEST) -> dict:
     """The fatbin's manifest (``build``'s output: nvcc version, flags, SHA-256 of source and fatbin).
     Raises OSError / ValueError if it is missing or not JSON."""
@@ -246,8 +346,87 @@ def load(device: torch.device, path: str = FATBIN) -> _Module:
     idx = torch.device(device).index
     idx = torch.cuda.current_device() if idx is None else idx
     if idx not in _MODULES:
+        if path == FATBIN:       # the committed fatbin: refuse a GPU it holds no code for before the driver tries
+            gap = fatbin_gap(tuple(torch.cuda.get_device_capability(idx)))
+            if gap:
+                raise RuntimeError(f"kvrepro CUDA decode kernel: {gap}")
         _MODULES[idx] = _Module(torch.device("cuda", idx), path)
     return _MODULES[idx]
+
+
+_RESIDENT: dict[tuple[int, tuple[int, int]], tuple[int, str]] = {}   # (device index, bits) -> resident_ctas
+
+
+def kernel_resources(bits: tuple[int, int], arch: str, manifest: dict | None = None):
+    """``occupancy.KernelResources`` of the kernel of ``bits`` = (key bits, value bits) in the SASS of ``arch``
+    (``"sm_90"``): 128 threads, the registers and static shared memory ptxas reported (the manifest's ``resources``)
+    and the dynamic shared memory its launch asks for (0: every ring fits the static limit).
+
+    Raises:
+        ValueError: ``bits`` without a kernel, an ``arch`` the fatbin has no SASS for (names the ones it has).
+    """
+    from kvrepro.ops.occupancy import KernelResources
+
+    if bits not in KERNELS:
+        raise ValueError(f"bits must be one of {sorted(KERNELS)} ((key_bits, value_bits) with a CUDA kernel), "
+                         f"got {bits!r}")
+    res = (read_manifest() if manifest is None else manifest).get("resources", {})
+    if arch not in res or KERNELS[bits] not in res[arch]:
+        raise ValueError(f"arch must be one of {sorted(res)} (the fatbin's SASS targets), got {arch!r}")
+    r = res[arch][KERNELS[bits]]
+    return KernelResources(threads=WARPS * 32, registers=r["registers"], smem_static=r["smem_static"])
+
+
+def modelled_ctas(bits: tuple[int, int], capability, carveout: int = -1) -> int:
+    """Resident CTAs per SM of the kernel of ``bits`` on a GPU of compute capability ``capability`` by arithmetic
+    (``kvrepro.ops.occupancy``, the limits of ``cuda/gpus.json``), from the resources of the SASS that GPU runs.
+    ``carveout``: the shared-memory carveout preference (percent; -1 none). Raises ValueError for a capability with
+    no row in gpus.json or no SASS in the fatbin."""
+    from kvrepro.ops import occupancy
+
+    sm = occupancy.limits(capability)
+    code = fatbin_code_for(sm.capability)
+    if code is None or not code.startswith("sm_"):
+        raise ValueError(f"the fatbin has no SASS for compute capability {sm.capability} (it would run {code})")
+    return occupancy.resident_ctas(kernel_resources(bits, code), sm, carveout)
+
+
+def resident_ctas(device: torch.device, bits: tuple[int, int] | None = None) -> tuple[int, str]:
+    """``(CTAs per SM, source)``: how many CTAs of the kernel of ``bits`` (None: the fewest of every kernel) an SM of
+    ``device`` holds at once, which sets the split rule's one wave.
+
+    - a CUDA device where the fatbin loads: the driver's occupancy query of the loaded kernel (cached per device and
+      kernel until ``_Module.set_carveout``); a failing query is a RuntimeError, never a guess;
+    - a CUDA device where the fatbin does not load: no CUDA launch happens there (decode runs Triton); the kernel's
+      ``LAUNCH_BOUNDS_CTAS``, an upper bound, sizes what callers reserve for both kernels;
+    - no CUDA device (CPU tests): the arithmetic model for ``CPU_CAPABILITY`` (``modelled_ctas``).
+
+    ``source`` says which of the three gave the number (for the engine-start log line). Raises ValueError for
+    ``bits`` without a kernel."""
+    if bits is not None and bits not in KERNELS:
+        raise ValueError(f"bits must be None or one of {sorted(KERNELS)}, got {bits!r}")
+    device = torch.device(device)
+    kinds = sorted(KERNELS) if bits is None else [bits]
+    if device.type != "cuda":
+        n = min(modelled_ctas(b, CPU_CAPABILITY) for b in kinds)
+        return n, (f"arithmetic model for compute capability {CPU_CAPABILITY[0]}.{CPU_CAPABILITY[1]} (no CUDA device "
+                   f"to query)")
+    why = load_error(device)
+    if why is not None:
+        return LAUNCH_BOUNDS_CTAS, f"the kernel's launch bounds (it cannot load here: {why})"
+    idx = torch.device(device).index
+    idx = torch.cuda.current_device() if idx is None else idx
+    got = []
+    for b in kinds:
+        if (idx, b) not in _RESIDENT:
+            _RESIDENT[idx, b] = (load(device).occupancy(b), "driver occupancy query")
+        got.append(_RESIDENT[idx, b])
+    return min(got)
+
+
+def ctas_per_sm(device: torch.device, bits: tuple[int, int] | None = None) -> int:
+    """The first element of ``resident_ctas(device, bits)``."""
+    return resident_ctas(device, bits)[0]
 
 
 def rotation_signs(rotation: torch.Tensor) -> torch.Tensor:
@@ -342,15 +521,16 @@ def _check_rank(rank_div: int, rank_skew: int) -> None:
         raise ValueError(f"rank_skew must be an int in 0..255, got {rank_skew!r}")
 
 
-def rank_args(device: torch.device, batch: int, num_kv_heads: int, num_splits: int) -> tuple[int, int]:
-    """The kernel's ``(rank_div, rank_skew)`` for a launch of ``batch x num_kv_heads x num_splits`` CTAs on ``device``.
+def rank_args(device: torch.device, batch: int, num_kv_heads: int, num_splits: int,
+              bits: tuple[int, int] | None = None) -> tuple[int, int]:
+    """The kernel's ``(rank_div, rank_skew)`` for a launch of ``batch x num_kv_heads x num_splits`` CTAs of the kernel
+    of ``bits`` (None: the fewest resident of every kernel) on ``device``.
 
     Returns ``rank_div`` = the SM count and ``rank_skew`` = ``RANK_SKEW`` for a grid of at most one wave (``<=
-    CTAS_PER_SM x SMs`` CTAs, all placed at launch, round by round) on a GPU of compute capability 9.x (H100 / H200,
-    where 4 CTAs fit per SM and the skew was measured), else 0: equal splits (later waves start as earlier CTAs finish,
-    so rounds mean nothing; on other GPUs fewer CTAs may fit per SM and the rounds differ). Raises ValueError if
-    ``RANK_SKEW`` is outside 0..255, the SM count outside 1..65535, a size is not an int >= 1, or ``device`` is CUDA
-    where PyTorch sees none."""
+    resident_ctas x SMs`` CTAs, all placed at launch, round by round) on a GPU of compute capability 9.x (H100 / H200,
+    where the skew was measured), else 0: equal splits (later waves start as earlier CTAs finish, so rounds mean
+    nothing; on other GPUs the rounds differ). Raises ValueError if ``RANK_SKEW`` is outside 0..255, the SM count
+    outside 1..65535, a size is not an int >= 1, or ``device`` is CUDA where PyTorch sees none."""
     for name, v in (("batch", batch), ("num_kv_heads", num_kv_heads), ("num_splits", num_splits)):
         if not _is_int(v) or v < 1:
             raise ValueError(f"{name} must be an int >= 1, got {v!r}")
@@ -361,8 +541,8 @@ def rank_args(device: torch.device, batch: int, num_kv_heads: int, num_splits: i
     skew = RANK_SKEW
     if not _is_int(skew) or not 0 <= skew <= 255:
         raise ValueError(f"kvrepro.ops.cuda_decode.RANK_SKEW must be an int in 0..255, got {skew!r}")
-    one_wave = batch * num_kv_heads * num_splits <= CTAS_PER_SM * sms
     hopper = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+    one_wave = hopper and batch * num_kv_heads * num_splits <= ctas_per_sm(device, bits) * sms
     _check_rank(sms, skew)                   # the kernel's 32-bit split weights: an SM count in 1..65535
     return sms, (skew if one_wave and hopper else 0)
 
@@ -435,7 +615,7 @@ def launch(query: torch.Tensor, rotation: torch.Tensor, pool: torch.Tensor, bloc
     b = block_tables.shape[0]
     signs = rotation_signs(rotation)
     counters = split_counters(pool.device, b * num_kv_heads)
-    rank_div, rank_skew = rank_args(pool.device, b, num_kv_heads, num_splits)   # checked there
+    rank_div, rank_skew = rank_args(pool.device, b, num_kv_heads, num_splits, bits)   # checked there
     flags = (1 if query.dtype == torch.bfloat16 else 0) | (2 if out.dtype == torch.bfloat16 else 0)
     qmul = float(scale) * 1.4426950408889634 / HEAD_DIM ** 0.5
     with torch.cuda.device(pool.device):      # the pool's device is current: its context, module and stream

@@ -148,30 +148,34 @@ def resolve_impl(impl: str | None, layout: PageLayout, group: int, device: torch
 MIN_TOKENS_PER_SPLIT = 256
 
 
-# CUDA kernel (impl="cuda"). For a launch of exactly ``batch`` live rows: one wave of its CUDA_CTAS_PER_SM resident
-# CTAs per SM (its __launch_bounds__), any integer count. Why: on the H200 at 128K whole waves beat powers of two at
-# every batch, one wave was best at batch 1 and 3 (66 / 22 splits) and within 1.8% of the best (two waves) at 6 and
-# 13 (benchmarks/decode_splits.py times this).
+# CUDA kernel (impl="cuda"). For a launch of exactly ``batch`` live rows: one wave of the kernel's resident CTAs per SM
+# on the device (cuda_decode.resident_ctas: the driver's occupancy query on a GPU; 4 on the H200, where registers
+# bind; fewer where shared memory binds: 3 k4v2 CTAs on an A100, 2 of any kernel on 100 KB SMs), any integer count.
+# Why: on the H200 at 128K whole waves beat powers of two at every batch, one wave was best at batch 1 and 3 (66 / 22
+# splits) and within 1.8% of the best (two waves) at 6 and 13 (benchmarks/decode_splits.py times this); a count
+# planned for more resident CTAs than fit would launch a partial second wave.
 # For a CUDA graph replayed for a range of batches (``padded=True``, vLLM's capture sizes: the batch given is the
 # smallest of the range), rows past the real batch are padding and one wave would leave SMs idle: there a many-wave
 # rule (at most CUDA_PROGRAMS_PER_SM CTAs per SM, a power of two, at least CUDA_MIN_SPLITS), under which the
 # committed capacity results were measured.
-CUDA_CTAS_PER_SM = cuda_decode.CTAS_PER_SM
 CUDA_PROGRAMS_PER_SM = 12
 CUDA_MIN_SPLITS = 32
 
 
 def default_num_splits(batch: int, num_kv_heads: int, max_context: int, device: torch.device,
-                       impl: str = "triton", padded: bool = False) -> int:
+                       impl: str = "triton", padded: bool = False, kernel: tuple[int, int] | None = None) -> int:
     """Splits per (sequence, KV head), each split >= 256 tokens, at most 256:
     ``impl="triton"``: ~``PROGRAMS_PER_SM`` programs per SM, a power of two rounded up; ``impl="cuda"``: one wave,
-    ``CUDA_CTAS_PER_SM x SMs // (batch x num_kv_heads)``, or with ``padded`` (a CUDA graph that serves any batch from
-    ``batch`` up to its capture size) at most ``CUDA_PROGRAMS_PER_SM`` CTAs per SM, a power of two rounded down, at
-    least ``CUDA_MIN_SPLITS`` (the comment above says why).
+    ``resident CTAs per SM x SMs // (batch x num_kv_heads)`` with the resident CTAs of the CUDA kernel of ``kernel`` =
+    (key bits, value bits) on ``device`` (``cuda_decode.resident_ctas``; None: the fewest of every kernel, a count
+    that is one wave or less for each), or with ``padded`` (a CUDA graph that serves any batch from ``batch`` up to its
+    capture size) at most ``CUDA_PROGRAMS_PER_SM`` CTAs per SM, a power of two rounded down, at least
+    ``CUDA_MIN_SPLITS`` (the comment above says why).
 
-    Depends only on shapes (batch, heads, block-table width), never on ``seq_lens`` values, so
-    the launch grid is fixed per batch size (CUDA-graph capturable). Raises ValueError for another ``impl`` or a
-    negative / non-int size.
+    Depends only on shapes (batch, heads, block-table width) and the device, never on ``seq_lens`` values, so
+    the launch grid is fixed per batch size (CUDA-graph capturable). Raises ValueError for another ``impl``, a
+    negative / non-int size or a ``kernel`` without a CUDA kernel; RuntimeError where the driver's occupancy query
+    fails on a GPU whose fatbin loaded.
     """
     if impl not in DECODE_IMPLS:
         raise ValueError(f"impl={impl!r}; allowed: {', '.join(repr(x) for x in DECODE_IMPLS)}")
@@ -182,7 +186,8 @@ def default_num_splits(batch: int, num_kv_heads: int, max_context: int, device: 
         if not isinstance(v, int) or isinstance(v, bool) or v < least:
             raise ValueError(f"{name} must be a {kind} int, got {v!r}")
     if impl == "cuda" and not padded:
-        want = max(1, (CUDA_CTAS_PER_SM * sm_count(device)) // max(1, batch * num_kv_heads))
+        ctas = cuda_decode.ctas_per_sm(device, kernel)
+        want = max(1, (ctas * sm_count(device)) // max(1, batch * num_kv_heads))
     elif impl == "cuda":
         most = max(1, (CUDA_PROGRAMS_PER_SM * sm_count(device)) // max(1, batch * num_kv_heads))
         want = max(next_pow2(most + 1) // 2, CUDA_MIN_SPLITS)          # largest power of two <= most
@@ -315,7 +320,8 @@ def decode_attention(query: torch.Tensor, pool, block_tables: torch.Tensor, seq_
         raise ValueError(f"block_n={block_n}; allowed: 16, 32, 64, 128, 256")
     dequant = resolve_dequant(dequant, dev)
     if num_splits is None:
-        num_splits = default_num_splits(b, hkv, block_tables.shape[1] * layout.block_size, dev, impl)
+        num_splits = default_num_splits(b, hkv, block_tables.shape[1] * layout.block_size, dev, impl,
+                                        kernel=(layout.key_bits, layout.value_bits) if impl == "cuda" else None)
     max_splits = 65535 // hkv       # the launch grid's second / third dimension holds Hkv x num_splits
     if not isinstance(num_splits, int) or isinstance(num_splits, bool) or not 1 <= num_splits <= max_splits:
         raise ValueError(f"num_splits must be an int in 1..{max_splits} (65535 // num_kv_heads), got {num_splits!r}")
