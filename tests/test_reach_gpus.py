@@ -271,3 +271,37 @@ def test_a_fatbin_without_code_for_the_gpu_falls_back_with_a_warning_or_is_refus
     with pytest.raises(RuntimeError, match=r"KVREPRO_DECODE_IMPL=cuda, but the CUDA decode kernel cannot load here: "
                                            r".*no code for compute capability 11.0"):
         rt.check_decode_impl(16, CUDA)
+
+
+def _script():
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "reach_carveout_splits.py"
+    spec = importlib.util.spec_from_file_location("reach_carveout_splits", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_carveout_benchmark_plans_and_tabulates_without_a_gpu(capsys):
+    """scripts/reach_carveout_splits.py (run on the H200): the counts it times around the rule's, its table (rule,
+    fastest and the former constant's count marked; times relative to the rule's), and its refusals."""
+    mod = _script()
+    # an H200 capped to 164 KB, k4v2 (3 CTAs per SM), batch 3: one wave 16, former constant 22, two / three waves
+    assert mod.candidates(16, 3, 132, 3, 131072) == [16, 22, 32, 33, 49, 64]
+    assert mod.candidates(1, 2, 132, 200, 131072) == [1, 16, 32, 64]
+    assert mod.candidates(66, 4, 132, 1, 4096) == [16]                      # 4096 tokens: at most 16 splits
+    rows = [dict(budget_kb=164, preset="k4v2", batch=3, ctas_per_sm=3, splits=s, waves=3 * 8 * s / 396, ms_graph=ms,
+                 rule=s == 16, old_constant=s == 22, relerr_vs_f64=2e-4) for s, ms in ((16, 1.0), (22, 1.3), (33, 0.98))]
+    text = mod.table(rows)
+    lines = [ln for ln in text.splitlines() if "k4v2" in ln]
+    assert lines[0].split()[:5] == ["164", "k4v2", "3", "3", "16"] and lines[0].endswith("rule")
+    assert "1.300" in lines[1] and lines[1].endswith("old constant")
+    assert "0.980" in lines[2] and lines[2].endswith("fastest")
+    with pytest.raises(SystemExit):
+        mod.main(["--presets", "k5v4"])
+    assert "--presets must be among ['k4v2', 'k4v4', 'k8v4'], got ['k5v4']" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="needs a CUDA device"):
+            mod.main([])
