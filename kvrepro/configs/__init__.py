@@ -4,8 +4,12 @@ Each model is a folder ``kvrepro/configs/<name>/config.json``; vLLM can be point
 (``LLM(model=str(config_dir(name)), load_format="dummy", skip_tokenizer_init=True)``) to run the
 architecture with random weights (fine for capacity and speed, meaningless for accuracy).
 
-Source: the public ``config.json`` of Qwen/Qwen3-4B-Instruct-2507 on the Hugging Face Hub
-(values as listed in REPRODUCTION-CARD.md, "Model config").
+Sources: the public ``config.json`` of each model on the Hugging Face Hub, one URL per folder in ``SOURCES.md``
+(Qwen/Qwen3-4B-Instruct-2507's values as listed in REPRODUCTION-CARD.md, "Model config").
+
+``kvrepro.configs.facts.model_facts`` reads what serving a model with a compressed KV cache depends on from a config
+(head_dim, query and KV heads, GQA group, layers, RoPE theta, max positions, key biases, sliding window, MLA) and the KV
+bytes per token of every KV format; ``models_table`` gives one row per bundled model.
 """
 from __future__ import annotations
 
@@ -36,3 +40,4 @@ def config_dir(name: str = DEFAULT_MODEL) -> Path:
 def load_config(name: str = DEFAULT_MODEL) -> dict:
     """The bundled ``config.json`` of ``name`` as a dict. Raises ValueError like :func:`config_dir`."""
     return json.loads((config_dir(name) / "config.json").read_text(encoding="utf-8"))
+

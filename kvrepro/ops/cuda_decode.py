@@ -83,6 +83,33 @@ def unsupported_reason(layout, group: int, device: torch.device) -> str | None:
         device: the pool's device; a CUDA device of compute capability >= ``MIN_CAPABILITY``.
     """
     device = torch.device(device)
+    reason = shape_reason(layout, group)
+    if reason:
+        return reason
+    if device.type != "cuda":
+        return f"the CUDA decode kernel needs a CUDA device, got {device}"
+    if torch.version.hip:
+        return f"the CUDA decode kernel is built for NVIDIA GPUs, this PyTorch runs ROCm/HIP {torch.version.hip}"
+    if not torch.cuda.is_available():
+        return f"the CUDA decode kernel needs a CUDA device, this PyTorch sees none ({device} requested)"
+    reason = capability_reason(tuple(torch.cuda.get_device_capability(device)))
+    return f"{reason} on {device}" if reason else None
+
+
+def capability_reason(capability) -> str | None:
+    """Why the CUDA kernel cannot run on a GPU of compute capability ``(major, minor)`` (None = it can: >=
+    ``MIN_CAPABILITY``)."""
+    cap = tuple(capability)
+    if cap < MIN_CAPABILITY:
+        return (f"the CUDA decode kernel needs compute capability >= {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}, "
+                f"got {cap[0]}.{cap[1]}")
+    return None
+
+
+def shape_reason(layout, group: int) -> str | None:
+    """Why the CUDA kernel cannot serve pages of ``layout`` with GQA groups of ``group`` query heads, whatever the
+    device (None = it can; ``unsupported_reason`` without the device checks). Raises ValueError if ``layout`` is not a
+    ``PageLayout``."""
     if not isinstance(layout, PageLayout):
         raise ValueError(f"layout must be a kvrepro PageLayout (kvrepro.formats.layout), got {type(layout).__name__}")
     if layout not in LAYOUTS.values():
@@ -97,16 +124,6 @@ def unsupported_reason(layout, group: int, device: torch.device) -> str | None:
                 f"block_size={layout.block_size}")
     if not _is_int(group) or not 1 <= group <= MAX_GROUP:
         return f"the CUDA decode kernel supports GQA groups of 1..{MAX_GROUP} query heads, got {group}"
-    if device.type != "cuda":
-        return f"the CUDA decode kernel needs a CUDA device, got {device}"
-    if torch.version.hip:
-        return f"the CUDA decode kernel is built for NVIDIA GPUs, this PyTorch runs ROCm/HIP {torch.version.hip}"
-    if not torch.cuda.is_available():
-        return f"the CUDA decode kernel needs a CUDA device, this PyTorch sees none ({device} requested)"
-    cap = torch.cuda.get_device_capability(device)
-    if tuple(cap) < MIN_CAPABILITY:
-        return (f"the CUDA decode kernel needs compute capability >= {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}, "
-                f"got {cap[0]}.{cap[1]} on {device}")
     return None
 
 
