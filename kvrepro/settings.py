@@ -5,7 +5,7 @@ object, read from the environment by :meth:`Settings.from_env`. The vLLM backend
 (``kvrepro.vllm_backend.config.settings_for_engine``), logs it at engine start (``kvrepro settings: preset=k4v4
 decode_impl=auto ...``), hands the same object to every layer, and the capacity sweep and the vLLM accuracy runs
 store it in every result row (``kvrepro_settings``). :func:`settings_table` gives the declarations as table rows
-(variable, values, default, what it changes), e.g. for the README; ``python -m kvrepro.settings`` prints them and
+(variable, values, default, what it changes, its measured effect), e.g. for the README; ``python -m kvrepro.settings`` prints them and
 the values resolved from this shell.
 
 Reading rules, the same for every variable: case and surrounding spaces are ignored; an empty variable counts as
@@ -94,6 +94,8 @@ class Declaration:
         doc: what it changes, and why the default is the default.
         parse: a value (environment text, or the attribute's own type) -> the attribute's value; raises ValueError
             naming ``env`` and the allowed values.
+        effect: what a committed measurement says the setting changes, as Markdown linking the result files or
+            notes that hold it (paths from the repository root), or ``"not measured"`` and why.
     """
 
     field: str
@@ -102,6 +104,7 @@ class Declaration:
     default: str
     doc: str
     parse: Callable[[Any], Any]
+    effect: str = "not measured"
 
     def read(self, environ: Mapping[str, str]) -> Any:
         """The value ``environ`` gives this variable (unset, empty or only spaces: the default)."""
@@ -117,19 +120,26 @@ SETTINGS: tuple[Declaration, ...] = (
         "The compressed KV format of every layer (bits per key / value element; kvrepro.formats; k5v4: 5-bit "
         "symmetric keys, 4-bit values with a one-byte log2 scale, 147 B per token and KV head at head_dim 128). "
         "vLLM runs with kv_cache_dtype='auto' and --attention-backend CUSTOM: the compression is the KV dtype.",
-        _preset),
+        _preset,
+        "users and decode tok/s per preset at 128K on an 80 GiB budget (H200): [capacity rows](results/capacity/h200-20261201-w13.jsonl); "
+        "KL and perplexity vs bf16: [fidelity rows](results/fidelity/reference_cpu_smollm2.csv); needle retrieval through vLLM: "
+        "[accuracy rows](results/accuracy/vllm_h200/vllm_accuracy.csv) (the README's results and fidelity tables)"),
     Declaration(
         "decode_impl", "KVREPRO_DECODE_IMPL", ", ".join(DECODE_IMPLS), "auto",
         "Decode kernel. cuda: kvrepro's CUDA kernels (k4v4, k8v4, k4v2; head_dim 128, block 16, GQA group <= 8, "
         "compute capability >= 8.0; anything else, k5v4 included, is refused at engine start); triton: every "
         "preset and shape; auto: cuda where it applies, else triton (k5v4 always; "
         "kvrepro.ops.decode.resolve_impl).",
-        _choice("KVREPRO_DECODE_IMPL", DECODE_IMPLS)),
+        _choice("KVREPRO_DECODE_IMPL", DECODE_IMPLS),
+        "decode time of the CUDA and Triton kernels at 128K, batch 1 / 3 / 6 / 13, every preset with a CUDA kernel "
+        "(H200): [decode_side_by_side.json](benchmarks/results/decode_side_by_side.json)"),
     Declaration(
         "num_splits", "KVREPRO_NUM_SPLITS", f"1..{MAX_NUM_SPLITS}", "",
         "Split-K count of every decode launch. Unset: the decode kernel's shape-only rule "
         "(runtime.decode_splits), which keeps the grid fixed per CUDA-graph batch size.",
-        _num_splits),
+        _num_splits,
+        "decode time per split count (H200, k4v2 at 128K): [decode_splits.json](benchmarks/results/decode_splits.json); "
+        "under other GPUs' shared-memory budgets not measured yet (scripts/reach_carveout_splits.py measures it)"),
     Declaration(
         "prefill", "KVREPRO_PREFILL", ", ".join(PREFILL_PATHS), "fa",
         "Prefill path. fa: dequantize the context, then vLLM's FlashAttention (measured, the default); fa-sliced: "
@@ -138,7 +148,10 @@ SETTINGS: tuple[Declaration, ...] = (
         "does (for fidelity measurement: kvrepro.fidelity); dequant: the context dequantized "
         "in the rotated space by a Triton kernel, one FlashAttention call (fa_prefill.RotatedDequantPrefill); "
         "triton: kvrepro's direct-read prefill kernel (correct, but ~3x bf16 at 128K: notes/kernels.md, Prefill).",
-        _choice("KVREPRO_PREFILL", PREFILL_PATHS)),
+        _choice("KVREPRO_PREFILL", PREFILL_PATHS),
+        "prefill time of the paths at 128K (H200): [notes/kernels.md, Prefill](notes/kernels.md#prefill), run folders "
+        "at the tag lab-notebook-2026-12-01; each capacity row records the path that ran "
+        "([capacity rows](results/capacity/h200-20261201-w13.jsonl))"),
     Declaration(
         "store_rotate", "KVREPRO_STORE_ROTATE", ", ".join(STORE_ROTATE_MODES), "torch",
         "Where new K/V are rotated before quantization. torch: x.float() @ R in PyTorch, then the quantize "
@@ -146,24 +159,30 @@ SETTINGS: tuple[Declaration, ...] = (
         "a float32 [D, D] operand to a per-thread stack, and the driver then reserves local memory for every "
         "resident thread of the GPU (~1.7 GiB on an H200) inside vLLM's CUDA-graph memory profiling, which "
         "counts it twice against the KV cache (notes/vllm.md, 'Memory accounting: what was learned').",
-        _choice("KVREPRO_STORE_ROTATE", STORE_ROTATE_MODES)),
+        _choice("KVREPRO_STORE_ROTATE", STORE_ROTATE_MODES),
+        "KV capacity the in-kernel rotation's spill stack cost on the H200: [notes/vllm.md, Memory accounting]"
+        "(notes/vllm.md#memory-accounting-what-was-learned)"),
     Declaration(
         "key_offset", "KVREPRO_KEY_OFFSET", ", ".join(KEY_OFFSET_MODES), "first-prefill",
         "Keys are stored minus a constant per layer and KV head (kvrepro.formats.offset). first-prefill: the mean "
         "of the keys of the first prefill the engine runs, fixed for its lifetime; attention is unchanged (the "
         "shift is the same for every key a query sees: softmax-invariant), the quantizer no longer spends its range "
         "on the keys' mean or a key-projection bias (notes/accuracy.md, 'Key offset'). off: keys stored as they are.",
-        _choice("KVREPRO_KEY_OFFSET", KEY_OFFSET_MODES)),
+        _choice("KVREPRO_KEY_OFFSET", KEY_OFFSET_MODES),
+        "not measured: the committed key-bias grid (results/keybias/keybias_cpu.csv) predates the offset; "
+        "tests/test_key_offset.py checks the key-bias bar with it"),
     Declaration(
         "warmup", "KVREPRO_WARMUP", "0, 1", "1",
         "1: compile and load every decode-kernel variant before vLLM's memory profiling, so that no compilation "
         "or module load falls inside its CUDA-graph memory estimate; 0: compile on first use.",
-        _switch("KVREPRO_WARMUP")),
+        _switch("KVREPRO_WARMUP"),
+        "not measured (why it exists: [notes/vllm.md, Memory accounting](notes/vllm.md#memory-accounting-what-was-learned))"),
     Declaration(
         "debug_check", "KVREPRO_DEBUG_CHECK", "0, 1", "0",
         "Debug only (slow, host syncs): 1 compares every eagerly run attention call with attention over the "
         "dequantized pages (runtime.reference_attend) and records the error in runtime.CHECKS.",
-        _switch("KVREPRO_DEBUG_CHECK")),
+        _switch("KVREPRO_DEBUG_CHECK"),
+        "not measured (debug only)"),
 )
 BY_FIELD: dict[str, Declaration] = {d.field: d for d in SETTINGS}
 BY_ENV: dict[str, Declaration] = {d.env: d for d in SETTINGS}
@@ -258,15 +277,17 @@ def unknown_variables(environ: Mapping[str, str] | None = None) -> list[str]:
 
 
 def settings_table() -> list[dict[str, str]]:
-    """One row per variable: ``{"variable", "values", "default", "changes"}`` (strings, declaration order)."""
-    return [{"variable": d.env, "values": d.values, "default": d.default or "unset", "changes": d.doc}
-            for d in SETTINGS]
+    """One row per variable: ``{"variable", "values", "default", "changes", "effect"}`` (strings, declaration
+    order; ``effect``: the measured effect, see :class:`Declaration`)."""
+    return [{"variable": d.env, "values": d.values, "default": d.default or "unset", "changes": d.doc,
+             "effect": d.effect} for d in SETTINGS]
 
 
 def markdown_table() -> str:
     """:func:`settings_table` as a Markdown table."""
-    lines = ["| variable | values | default | what it changes |", "| --- | --- | --- | --- |"]
-    lines += [f"| `{r['variable']}` | {r['values']} | {r['default']} | {r['changes']} |" for r in settings_table()]
+    lines = ["| variable | values | default | what it changes | measured effect |", "| --- | --- | --- | --- | --- |"]
+    lines += [f"| `{r['variable']}` | {r['values']} | {r['default']} | {r['changes']} | {r['effect']} |"
+              for r in settings_table()]
     return "\n".join(lines)
 
 

@@ -107,12 +107,39 @@ def test_as_env_round_trips_and_unknown_variables():
 def test_settings_table_is_one_row_per_variable():
     rows = st.settings_table()
     assert [r["variable"] for r in rows] == [d.env for d in st.SETTINGS]
-    assert all(set(r) == {"variable", "values", "default", "changes"} and r["changes"] for r in rows)
+    assert all(set(r) == {"variable", "values", "default", "changes", "effect"} and r["changes"] and r["effect"]
+               for r in rows)
     assert rows[0] == {"variable": "KVREPRO_PRESET", "values": "k4v4, k8v4, k4v2, k5v4", "default": "k4v4",
-                       "changes": st.SETTINGS[0].doc}
+                       "changes": st.SETTINGS[0].doc, "effect": st.SETTINGS[0].effect}
     assert {r["variable"]: r["default"] for r in rows}["KVREPRO_NUM_SPLITS"] == "unset"
     md = st.markdown_table().splitlines()
-    assert len(md) == 2 + len(rows) and all(line.count(" | ") == 3 for line in md[2:])
+    assert md[0] == "| variable | values | default | what it changes | measured effect |"
+    assert len(md) == 2 + len(rows) and all(line.count(" | ") == 4 for line in md[2:])
+
+
+def test_measured_effects_link_committed_files_or_say_not_measured():
+    """Each setting's measured effect links result files or notes that exist (a notes link's #anchor is one of the
+    note's headings, as GitHub makes anchors), or starts with "not measured"."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+
+    def anchors(md: pathlib.Path) -> set[str]:
+        heads = [ln.lstrip("#").strip() for ln in md.read_text(encoding="utf-8").splitlines() if ln.startswith("#")]
+        return {re.sub(r"[^a-z0-9 _-]", "", h.lower()).replace(" ", "-") for h in heads}
+
+    for d in st.SETTINGS:
+        links = re.findall(r"\]\(([^)]+)\)", d.effect)
+        assert links or d.effect.startswith("not measured"), d.env
+        if not d.effect.startswith("not measured"):
+            assert links, d.env
+        for link in links:
+            path, _, anchor = link.partition("#")
+            assert (root / path).is_file(), (d.env, link)
+            if anchor:
+                assert anchor in anchors(root / path), (d.env, link)
+    assert st.BY_FIELD["debug_check"].effect.startswith("not measured")
 
 
 def test_imports_without_torch_and_prints_the_table():

@@ -1,0 +1,219 @@
+"""The README's "Supported GPUs and models" block, generated from data: which decode kernel each GPU family runs, how
+many CTAs of each CUDA kernel an SM holds, and whether the code that family runs was measured or only built; which
+kernel each bundled model's attention gets and what its KV costs per token.
+
+    python -m kvrepro.reach            print the block
+    python -m kvrepro.reach --write    rewrite README.md between <!-- reach:begin --> and <!-- reach:end -->
+    python -m kvrepro.reach --check    exit 1 if README.md's block differs
+
+Sources: the GPU families of ``kvrepro/ops/cuda/gpus.json`` (per-SM limits, with their NVIDIA sources), the committed
+fatbin's manifest (the code it holds: ``kvrepro.ops.cuda_decode.fatbin_code_for``; ptxas's spills per target), the
+residency model (``kvrepro.ops.occupancy``), the bundled configs (``kvrepro.configs.facts``), the engine-start rule
+(``kvrepro.vllm_backend.config.serving_plan``), and the committed measurements: a family counts as measured only
+where a result row names one of its GPUs, ran the CUDA kernel, and ran byte for byte the code the committed fatbin
+holds for it (a row's fatbin is the committed one, or one listed with its entries in
+``kvrepro/ops/cuda/measured_fatbins.json``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+from kvrepro.configs import model_names
+from kvrepro.configs.facts import model_facts
+from kvrepro.ops import cuda_decode, occupancy
+from kvrepro.vllm_backend.config import serving_plan
+
+README = "README.md"
+BEGIN, END = "<!-- reach:begin -->", "<!-- reach:end -->"
+MEASURED_FATBINS = Path(cuda_decode.HERE) / "measured_fatbins.json"
+SHAPE = {"head_dim": 128, "num_q_heads": 32, "num_kv_heads": 8}   # the measured geometry (Qwen3-4B; Llama-3.1-8B's)
+
+
+def repo_root() -> Path:
+    return Path(__file__).resolve().parents[1]
+
+
+def family_of(gpu: str):
+    """The ``occupancy.SMLimits`` row one of whose product names ``gpu`` (the driver's name, e.g. "NVIDIA H200",
+    "NVIDIA A100-SXM4-80GB") contains as a whole word (a suffix after a dash allowed); None if no family lists it."""
+    for fam in occupancy.families():
+        if any(re.search(rf"(?<![\w-]){re.escape(name)}(?!\w)", gpu) for name in fam.gpus):   # "A100-SXM4-80GB"
+            return fam
+    return None
+
+
+def cuda_measurements(root: Path | None = None) -> list[dict]:
+    """Committed measurements that ran kvrepro's CUDA decode kernel: ``[{"file", "gpu", "fatbin_sha256", "date"}]``,
+    one per capacity-row file and GPU (``results/capacity/*.jsonl`` rows whose ``kvrepro_settings.decode_impl``
+    resolved to ``cuda``) and per benchmark file with CUDA rows (``benchmarks/results/*.json``)."""
+    root = root or repo_root()
+    out: dict[tuple, dict] = {}
+    for path in sorted((root / "results" / "capacity").glob("*.jsonl")):
+        for line in path.read_text(encoding="utf-8").splitlines():
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            st = row.get("kvrepro_settings") or {}
+            if "cuda" not in (st.get("decode_impl") or {}).values():
+                continue
+            key = (str(path.relative_to(root)), row.get("gpu", ""), st.get("cuda_fatbin_sha256", ""))
+            date = str(row.get("date", ""))[:10]
+            hit = out.setdefault(key, {"file": key[0], "gpu": key[1], "fatbin_sha256": key[2], "date": date})
+            hit["date"] = max(hit["date"], date)
+    for path in sorted((root / "benchmarks" / "results").glob("*.json")):
+        data = json.loads(path.read_text(encoding="utf-8"))
+        rows, prov = data.get("rows") or [], data.get("provenance") or {}
+        if any(r.get("impl") == "cuda" or r.get("kernel") == "committed" for r in rows):
+            key = (str(path.relative_to(root)), prov.get("gpu", ""), prov.get("cuda_fatbin_sha256", ""))
+            out[key] = {"file": key[0], "gpu": key[1], "fatbin_sha256": key[2],
+                        "date": str(prov.get("date_utc", ""))[:10]}
+    return list(out.values())
+
+
+def _entries_of(sha: str, manifest: dict, measured: dict) -> dict | None:
+    """``{code: sha256}`` of the fatbin of SHA-256 ``sha``: the committed one's from its manifest, an earlier one's
+    from measured_fatbins.json; None if unknown."""
+    if sha == manifest.get("fatbin_sha256"):
+        return {e["code"]: e["sha256"] for e in manifest["entries"]}
+    known = measured.get("fatbins", {}).get(sha)
+    return None if known is None else {e["code"]: e["sha256"] for e in known["entries"]}
+
+
+def gpu_rows(root: Path | None = None) -> list[dict]:
+    """One row per GPU family of gpus.json: ``family``, ``capability``, ``code`` (what of the fatbin it runs),
+    ``decode`` (the kernel at the measured geometry under the default rule), ``ctas`` (resident CTAs of k4v4 / k8v4 /
+    k4v2 by the model), ``status`` (measured, with files, or built only, with ptxas's spills)."""
+    manifest = cuda_decode.read_manifest()
+    measured = json.loads(MEASURED_FATBINS.read_text(encoding="utf-8")) if MEASURED_FATBINS.is_file() else {}
+    runs = cuda_measurements(root)
+    current = {e["code"]: e["sha256"] for e in manifest["entries"]}
+    rows = []
+    for fam in occupancy.families():
+        cap = fam.capability
+        code = cuda_decode.fatbin_code_for(cap)
+        plan = serving_plan(capability=cap, **SHAPE)
+        ctas = " / ".join(str(cuda_decode.modelled_ctas(b, cap)) for b in cuda_decode.KERNELS)
+        mine = [m for m in runs if family_of(m["gpu"]) == fam]
+        same = [m for m in mine if (_entries_of(m["fatbin_sha256"], manifest, measured) or {}).get(code) == current[code]]
+        if same:
+            files = ", ".join(f"[{Path(m['file']).name}]({m['file']})" for m in same)
+            gpus = ", ".join(sorted({m["gpu"].replace("NVIDIA ", "") for m in same}))
+            status = f"**measured** on {gpus} ({max(m['date'] for m in same)}: {files})"
+        elif mine:
+            status = f"measured with an earlier build; this build's {code} not measured"
+        else:
+            res = manifest.get("resources", {}).get(code, {})
+            spilled = ", ".join(f"{k.removeprefix('kvrepro_decode_')} {r['spill_stores']} / {r['spill_loads']} B"
+                                for k, r in sorted(res.items()) if r["spill_stores"] or r["spill_loads"])
+            status = "built, not run" + (f" (ptxas spill stores / loads: {spilled})" if spilled else "")
+        rows.append({"family": fam.family, "capability": f"{cap[0]}.{cap[1]}",
+                     "code": ("SASS " if code.startswith("sm_") else "PTX ") + code, "decode": plan.decode,
+                     "ctas": ctas, "smem_kb": fam.smem_per_sm // 1024, "status": status})
+    return rows
+
+
+def model_rows(root: Path | None = None) -> list[dict]:
+    """One row per bundled model: its attention geometry, KV bytes per token (bf16 / fp8 / k4v4), the decode kernel
+    on an H100 / H200 (compute capability 9.0) under the default rule, and the committed capacity runs of it."""
+    root = root or repo_root()
+    ran = set()
+    for path in (root / "results" / "capacity").glob("*.jsonl"):
+        for line in path.read_text(encoding="utf-8").splitlines():
+            if line.strip():
+                ran.add(str(json.loads(line).get("model", "")).split("/")[-1].lower())
+    rows = []
+    for name in model_names():
+        f = model_facts(name)
+        plan = serving_plan(head_dim=f.head_dim, num_q_heads=f.num_q_heads, num_kv_heads=f.num_kv_heads,
+                            capability=(9, 0), sliding_window=f.sliding_window, mla=f.mla)
+        kv = f.kv_bytes_per_token
+        rows.append({"model": name, "head_dim": f.head_dim, "heads": f"{f.num_q_heads} / {f.num_kv_heads} ({f.group})",
+                     "layers": f.num_layers, "key_bias": "yes" if f.has_key_bias else "no",
+                     "max_positions": f.max_positions, "kv": f"{kv['bf16']:,} / {kv['fp8']:,} / {kv['k4v4']:,}",
+                     "decode": plan.decode or "refused: " + "; ".join(plan.refusals),
+                     "measured": "capacity (dummy weights)" if name in ran else "not run"})
+    return rows
+
+
+def block(root: Path | None = None) -> str:
+    """The README block, markers included."""
+    g = gpu_rows(root)
+    m = model_rows(root)
+    man = cuda_decode.read_manifest()
+    sass = ", ".join(e["code"] for e in man["entries"] if e["code"].startswith("sm_"))
+    ptx = ", ".join(e["code"] for e in man["entries"] if e["code"].startswith("compute_"))
+    out = [BEGIN, "<!-- generated by `python -m kvrepro.reach --write` from kvrepro/ops/cuda/gpus.json, the fatbin's "
+                  "manifest, kvrepro/configs and the committed results: edit those, not this block -->",
+           f"The committed fatbin holds SASS for {sass} and PTX {ptx} (`kvrepro/ops/cuda/decode.json`, read back from "
+           f"the fatbin). A GPU runs the SASS of its own major version with the highest minor at or below its own, "
+           f"else the newest PTX at or below it, compiled by the driver at load; a GPU below compute capability 8.0 "
+           f"is refused at engine start, and a driver that cannot load the fatbin gets the Triton kernel with a "
+           f"warning (`KVREPRO_DECODE_IMPL=auto`) or a refusal (`=cuda`).", "",
+           "| GPU family | compute capability | fatbin code it runs | decode kernel (head_dim 128, GQA 4) | "
+           "resident CTAs per SM, k4v4 / k8v4 / k4v2 | shared memory per SM | CUDA kernel status |",
+           "| --- | --- | --- | --- | --- | ---: | --- |"]
+    out += [f"| {r['family']} | {r['capability']} | {r['code']} | {r['decode']} | {r['ctas']} | {r['smem_kb']} KB | "
+            f"{r['status']} |" for r in g]
+    out += ["", "Resident CTAs: the arithmetic of NVIDIA's occupancy calculator (`kvrepro.ops.occupancy`) from each "
+                "kernel's registers and shared memory as ptxas reports them; on a GPU the split rule asks the driver "
+                "(`cuOccupancyMaxActiveBlocksPerMultiprocessor`) instead, and plans one wave of that many CTAs per SM. "
+                "The Triton kernels run on any of these GPUs for every preset and shape the engine accepts.", "",
+            "| model (bundled config) | head_dim | query / KV heads (GQA group) | layers | key bias | max positions | "
+            "KV bytes per token, bf16 / fp8 / k4v4 | decode kernel on an H100 / H200 | measured |",
+            "| --- | ---: | --- | ---: | --- | ---: | ---: | --- | --- |"]
+    out += [f"| `{r['model']}` | {r['head_dim']} | {r['heads']} | {r['layers']} | {r['key_bias']} | "
+            f"{r['max_positions']:,} | {r['kv']} | {r['decode']} | {r['measured']} |" for r in m]
+    out += ["", "Engine start: head_dim 64 and 128 with GQA groups of 1..32 are served (the CUDA decode kernel for "
+                "k4v4, k8v4 and k4v2 at head_dim 128, block 16 and groups of 1..8; Triton otherwise); any other "
+                "head_dim (256 included), a sliding window, MLA or a GPU below compute capability 8.0 is refused with "
+                "the reason (`kvrepro.vllm_backend.config.serving_plan`). Run a bundled model with random weights: "
+                "`vllm serve kvrepro/configs/<model> --load-format dummy --skip-tokenizer-init --attention-backend "
+                "CUSTOM` (capacity and speed only).", END]
+    return "\n".join(out)
+
+
+def replace_block(text: str, new: str) -> str:
+    """``text`` with its one reach block replaced by ``new``. Raises ValueError unless the markers appear once each,
+    in order."""
+    a, b = text.count(BEGIN), text.count(END)
+    if a != 1 or b != 1 or text.index(BEGIN) > text.index(END):
+        raise ValueError(f"{README}: expected one '{BEGIN}' line followed by one '{END}' line (found {a} and {b})")
+    return text[:text.index(BEGIN)] + new + text[text.index(END) + len(END):]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m kvrepro.reach", description=__doc__.split("\n\n")[0])
+    g = ap.add_mutually_exclusive_group()
+    g.add_argument("--write", action="store_true", help=f"rewrite {README}'s reach block")
+    g.add_argument("--check", action="store_true", help=f"exit 1 if {README}'s reach block differs")
+    a = ap.parse_args(argv)
+    new = block()
+    if not (a.write or a.check):
+        print(new)
+        return 0
+    path = repo_root() / README
+    text = path.read_text(encoding="utf-8")
+    try:
+        updated = replace_block(text, new)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    if a.check:
+        if updated != text:
+            print(f"{README}'s reach block differs: run python -m kvrepro.reach --write", file=sys.stderr)
+            return 1
+        return 0
+    if updated != text:
+        from kvrepro.fileio import atomic_write_text
+
+        atomic_write_text(path, updated)
+    print(f"wrote {README} (reach block)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
