@@ -82,8 +82,9 @@ def test_engine_line_without_a_gpu():
 
 
 def test_settings_for_engine_logs_the_engine_line_once(gpu, caplog, monkeypatch):
-    """vLLM's config (its model, parallel and cache configs) gives the geometry per tensor-parallel rank: the engine
-    logs its settings line and the engine line once, at its first layer."""
+    """vLLM's config (its model, parallel and cache configs) gives the geometry per tensor-parallel rank: a worker
+    logs its settings line and the engine line once, at its first layer; a process that has not initialized CUDA
+    (vLLM's API server) is not made to."""
     gpu(cap=(9, 0), sms=132, answers={(8, 4): 4})
 
     class ModelConfig:
@@ -100,6 +101,9 @@ def test_settings_for_engine_logs_the_engine_line_once(gpu, caplog, monkeypatch)
                                         parallel_config=types.SimpleNamespace(tensor_parallel_size=2),
                                         cache_config=types.SimpleNamespace(block_size=16))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)     # a process that has not touched CUDA
+    assert cfg.engine_geometry(vllm_config) is None
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)      # a worker
     with caplog.at_level(logging.INFO, logger=cfg.LOGGER_NAME):
         s = cfg.settings_for_engine(vllm_config, {"KVREPRO_PRESET": "k8v4"})
         cfg.settings_for_engine(vllm_config, {"KVREPRO_PRESET": "k8v4"})

@@ -84,9 +84,13 @@ def settings_for_engine(vllm_config=None, environ=None) -> Settings:
 def engine_geometry(vllm_config) -> dict | None:
     """``{head_dim, num_q_heads, num_kv_heads, block_size, device}`` of the engine's model, per tensor-parallel rank,
     from vLLM's ``VllmConfig`` (``model_config`` / ``parallel_config`` / ``cache_config``; the device: the current
-    CUDA device, else CPU); None where the config lacks a model (unit tests' stand-ins)."""
+    CUDA device, else CPU). None where the config lacks a model (unit tests' stand-ins) or where CUDA exists but this
+    process has not initialized it (not a worker: touching CUDA there would break the engine processes vLLM starts
+    later)."""
     mc = getattr(vllm_config, "model_config", None)
     if mc is None or not hasattr(mc, "get_head_size"):
+        return None
+    if torch.cuda.is_available() and not torch.cuda.is_initialized():
         return None
     pc = getattr(vllm_config, "parallel_config", None)
     block = getattr(getattr(vllm_config, "cache_config", None), "block_size", None) or 16
