@@ -21,6 +21,12 @@ path launches three kernels.
 The page layout the kernels read is ``kvrepro.formats.layout.PageLayout`` of each preset at head_dim 128 and block
 16 (``LAYOUTS``); ``cuda/page_layout.h`` holds the same numbers for the kernel, generated from it by
 ``kvrepro.ops.cuda_build``.
+
+Which GPUs: the fatbin's manifest lists the code it holds (SASS per target, PTX of the oldest and newest); a GPU runs
+``fatbin_code_for`` its compute capability, and one the fatbin holds nothing for is refused before the driver is
+asked (``fatbin_gap``). How many CTAs of a kernel an SM holds at once (``resident_ctas``: the driver's occupancy
+query of the loaded kernel, or the arithmetic model ``kvrepro.ops.occupancy`` where no GPU can be asked) sets the
+split rule's one wave (``kvrepro.ops.decode.default_num_splits``) and the rank skew (``rank_args``).
 """
 from __future__ import annotations
 
