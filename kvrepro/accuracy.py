@@ -311,6 +311,12 @@ def resolve_path(path: str) -> str:
     return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), path)
 
 
+def existing(path: str) -> str:
+    """``path``, or ``path + ".gz"`` where only the gzip-compressed copy exists (large result CSVs are committed
+    compressed; pandas reads both)."""
+    return path + ".gz" if not os.path.isfile(path) and os.path.isfile(path + ".gz") else path
+
+
 # Parameters that define the rows of a results CSV: an existing file is replaced only by a run of the same grid.
 GRID_KEYS = ("formats", "context_lengths", "depths", "num_keys", "seed", "max_new_tokens", "block_size",
              "variants", "engine")
@@ -894,7 +900,8 @@ def load_vllm_results(path: str = VLLM_RESULTS) -> dict:
     """Committed output of ``scripts/vllm_accuracy.py``: ``{"rows", "sanity" (or None), "meta", "verdicts" (or
     None), "label"}``.
 
-    ``path`` is the ``vllm_accuracy.csv`` (relative to the repo root or absolute); ``vllm_sanity.csv``,
+    ``path`` is the ``vllm_accuracy.csv`` (relative to the repo root or absolute; or its ``.gz``: :func:`existing`);
+    ``vllm_sanity.csv``,
     ``vllm_verdict.csv`` (the verdict the run wrote) and ``vllm_accuracy.json`` are read from the same folder
     when present. The label names the file, the
     GPU and the span of the rows' measurement times (``kvrepro.replay.time_span``).
@@ -903,9 +910,10 @@ def load_vllm_results(path: str = VLLM_RESULTS) -> dict:
         FileNotFoundError: no such file.
         ValueError: rows without ``measured`` provenance (gpu, date, vllm_version columns).
     """
-    full = resolve_path(path)
+    full = existing(resolve_path(path))
     if not os.path.isfile(full):
         raise FileNotFoundError(f"no committed vLLM results at {path}")
+    path = existing(path)
     rows = _read_rows(full)
     missing = [c for c in ("gpu", "date", "vllm_version", "mode", "prompt_sha256") if c not in rows]
     if missing:

@@ -163,6 +163,7 @@ def needle_source(path: str = NEEDLE, measured_now: bool = False) -> Source:
     """The committed vLLM needle run (``scripts/vllm_accuracy.py``; ``accuracy.load_vllm_results``) with its
     :func:`kvrepro.accuracy.mode_verdicts` (sanity rows included where the run wrote them). No file: status
     :data:`NOT_MEASURED`."""
+    path = accuracy.existing(path) if path else path
     rel = _rel(path) if path else ""
     if not path or not os.path.isfile(accuracy.resolve_path(path)):
         return Source("needle", NOT_MEASURED, rel)
