@@ -27,18 +27,20 @@ from pathlib import Path
 
 from kvrepro.fileio import atomic_write_bytes
 from kvrepro.style import STYLE, _style, markers, palette, style_of  # noqa: F401 (re-exported)
-from kvrepro.formats import get_format
+from kvrepro.formats import DEFAULT_PRESET, get_format
 from kvrepro.replay import (SEED_POINTS, WORKLOAD_KEYS, find_result_files, load_jsonl, repo_root, run_keys,
                             time_span, utc_times)
 
-# Modes of the README table, in its order: (result-file mode, display name, KV format).
-MODES = (
+# Modes of the README table, in its order: (result-file mode, display name, KV format); the default preset is named.
+MODES = tuple((m, f"kvrepro {f} (default)" if f == DEFAULT_PRESET else d, f) for m, d, f in (
     ("bf16", "bf16", "bf16"),
     ("fp8", "fp8", "fp8"),
     ("kvrepro:k8v4", "kvrepro k8v4", "k8v4"),
-    ("kvrepro:k4v4", "kvrepro k4v4 (default)", "k4v4"),
+    ("kvrepro:k5v4", "kvrepro k5v4", "k5v4"),
+    ("kvrepro:k4v4", "kvrepro k4v4", "k4v4"),
     ("kvrepro:k4v2", "kvrepro k4v2", "k4v2"),
-)
+))
+CAPACITY_PRESET = "kvrepro:k4v4"   # the preset with the most users at fp8-class speed: the seed's point sits beside it
 MODE_NAMES = tuple(m for m, _, _ in MODES)
 DISPLAY = {m: d for m, d, _ in MODES}
 FORMAT_OF = {m: f for m, _, f in MODES}
@@ -46,8 +48,8 @@ BASELINE = "fp8"
 HEAD_DIM = 128  # Qwen3-4B's head_dim: the bytes column is per token and KV head at this size
 
 # The seed's published points (kvrepro.replay's reference data), keyed by the kvrepro mode they sit beside.
-# The seed's compressed format is not kvrepro's: it sits on the default preset's row, with a footnote.
-_SEED_MODE = {"fp16": "bf16", "fp8": "fp8", "compressed (seed)": "kvrepro:k4v4"}
+# The seed's compressed format is not kvrepro's: it sits on the capacity preset's row, with a footnote.
+_SEED_MODE = {"fp16": "bf16", "fp8": "fp8", "compressed (seed)": CAPACITY_PRESET}
 SEED = {_SEED_MODE[m]: (u, t) for m, u, t in SEED_POINTS}
 
 # The seed's workload: 128K prompt + 1024 decode tokens per user on an 80 GiB card.
@@ -251,8 +253,10 @@ def needle_counts(path: str | os.PathLike = VLLM_ACCURACY, variant: str = "singl
     context_lengths (sorted ints), file (relative path)."""
     import pandas as pd
 
+    from kvrepro.accuracy import existing
+
     p = Path(path)
-    p = p if p.is_absolute() else repo_root() / p
+    p = Path(existing(str(p if p.is_absolute() else repo_root() / p)))
     if not p.is_file():
         return {}
     d = pd.read_csv(p, usecols=lambda c: c in {"format", "variant", "correct", "gpu", "vllm_version", "date",
@@ -336,7 +340,7 @@ def markdown_table(rows: list[dict], compact: bool = False) -> str:
             seed = f"{r['seed_users']} ({r['seed_tok_s']:.1f}{' tok/s' if first else ''})"
             if r["mode"] == "kvrepro:k4v4":
                 seed += " \\*"
-        name = f"**{r['name']}**" if r["mode"] == "kvrepro:k4v4" else r["name"]
+        name = f"**{r['name']}**" if r["mode"] == f"kvrepro:{DEFAULT_PRESET}" else r["name"]
         cells = [name, "" if r["bytes_per_token_head"] is None else str(r["bytes_per_token_head"]), seed,
                  "" if r["users"] is None else str(r["users"]),
                  "" if r["tok_s"] is None else f"{r['tok_s']:.1f}",
@@ -363,8 +367,8 @@ def notes_lines(df, needle: dict, chart: bool = True) -> list[str]:
     s = _setup_words(df)
     w = SEED_WORKLOAD
     lines = [
-        "\\* The seed's compressed KV format is not kvrepro's: its point sits on the default preset's row for "
-        "comparison only.",
+        f"\\* The seed's compressed KV format is not kvrepro's: its point sits on the {DISPLAY[CAPACITY_PRESET]} row "
+        "(kvrepro's capacity preset) for comparison only.",
         f"Workload: {s['model']}{s['load']} on vLLM {s['vllm']}, each user {w['prompt_tokens']:,} prompt + "
         f"{w['decode_tokens']:,} decode tokens; users = max clean capacity (most concurrent users with no "
         "preemption); one current run per mode (the newest in `results/capacity/`).",
@@ -429,12 +433,19 @@ def fidelity_block(sources: dict | None = None) -> str:
         acs.readme_text(sources), FIDELITY_END])
 
 
-def verdict(rows: list[dict], default: str = "kvrepro:k4v4") -> str:
-    """One line: the default preset's users and tok/s against fp8 here and the seed's points."""
+def verdict(rows: list[dict], default: str | None = None) -> str:
+    """One line: the default preset's users and tok/s against fp8 here and the seed's points (``default``: a mode,
+    None = kvrepro's default preset). Where that preset has no measured run, the line says so, then gives the capacity
+    preset's (:data:`CAPACITY_PRESET`)."""
+    default = default or f"kvrepro:{DEFAULT_PRESET}"
     by = {r["mode"]: r for r in rows}
     k, f = by.get(default), by.get(BASELINE)
     if not k or k["users"] is None:
-        return f"No measured run of {DISPLAY.get(default, default)} for the seed's workload in the committed results."
+        lead = f"No measured run of {DISPLAY.get(default, default)} for the seed's workload in the committed results"
+        cap = by.get(CAPACITY_PRESET)
+        if default != CAPACITY_PRESET and cap and cap["users"] is not None:
+            return f"{lead}. The capacity preset: {verdict(rows, CAPACITY_PRESET)}"
+        return lead + "."
     parts = [f"**{k['name']}** serves **{k['users']} users** at {SEED_WORKLOAD['gpu_memory_gb']:g} GiB "
              f"({k['tok_s']:.1f} tok/s)"]
     if f and f["users"] is not None:

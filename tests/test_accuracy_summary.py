@@ -121,7 +121,8 @@ def test_a_preset_that_meets_fp8_at_12_users_meets_the_goal(tmp_path):
     by = {r["format"]: r for r in rows}
     assert by["k5v4"]["meets_fp8"] and by["k5v4"]["needle"] == "NON-INFERIOR" and by["k5v4"]["verdict"] == "MET"
     text = acs.closest_to_fp8(rows)
-    assert text.startswith("**Closest to fp8's fidelity at >= 12 users: k5v4 (12 users): KL 0.009 = 0.90x fp8's")
+    assert text.startswith("**Closest to fp8's fidelity at >= 12 users: k5v4 (default) (12 users): KL 0.009 = "
+                           "0.90x fp8's")
     assert "it **meets** the goal" in text
 
 
@@ -129,16 +130,16 @@ def test_closest_sentence_follows_the_data(tmp_path):
     rows = acs.summary_rows(sources(tmp_path))
     text = acs.closest_to_fp8(rows)
     # at >= 12 users: k5v4 (0.021), k4v4 (0.060), k4v2 (0.230); k5v4 is the lowest KL relative to fp8
-    assert text.startswith(f"**Closest to fp8's fidelity at >= 12 users: k5v4 (12 users): KL 0.021 = "
+    assert text.startswith(f"**Closest to fp8's fidelity at >= 12 users: k5v4 (default) (12 users): KL 0.021 = "
                            f"{0.021 / 0.010:.2f}x fp8's, perplexity {ppl_change('k5v4'):+.2f}%**")
     assert "does **not** meet the goal" in text
-    assert f"k4v4 (default) (13 users): KL 0.06 = {0.060 / 0.010:.2f}x fp8's" in text
+    assert f"k4v4 (13 users): KL 0.06 = {0.060 / 0.010:.2f}x fp8's" in text
     assert "k4v2 (17 users)" in text and "Below 12 users: k8v4 (8 users)" in text
     # another data set, another answer: k4v4 closer than k5v4
     tmp2 = tmp_path / "b"
     tmp2.mkdir()
     rows2 = acs.summary_rows(sources(tmp2, dict(PER_TOKEN, k4v4=(0.015, 3.008))))
-    assert acs.closest_to_fp8(rows2).startswith("**Closest to fp8's fidelity at >= 12 users: k4v4 (default)")
+    assert acs.closest_to_fp8(rows2).startswith("**Closest to fp8's fidelity at >= 12 users: k4v4 (13 users)")
 
 
 def test_missing_files_say_not_measured_yet(tmp_path):

@@ -338,9 +338,10 @@ def test_modes_come_from_the_preset_registry(monkeypatch):
     assert av.mode_settings("kvrepro:k3v3") == {"kv_cache_dtype": "auto", "attention_backend": "CUSTOM",
                                                 "env": {"KVREPRO_PRESET": "k3v3"}}
     assert av.mode_env("kvrepro:k3v3", {})["KVREPRO_PRESET"] == "k3v3" and av.format_of_mode("kvrepro:k3v3") == "k3v3"
-    assert av.default_modes() == ("bf16", "kvrepro:k8v4", "fp8",
-                                  *(m for m in modes if m not in ("bf16", "kvrepro:k8v4", "fp8", "bf16:triton_attn")),
-                                  "kvrepro:k3v3", "bf16:triton_attn")
+    assert av.default_modes() == ("bf16", "kvrepro:k8v4", "fp8",       # the rest in the registry's order
+                                  *(f"kvrepro:{p}" for p in formats.COMPRESSED_PRESETS if p != "k8v4"),
+                                  "bf16:triton_attn")
+    assert av.default_modes()[-2] == "kvrepro:k3v3"
     monkeypatch.delitem(formats.COMPRESSED_PRESETS, "k3v3")
     with pytest.raises(ValueError, match="modes: unknown"):
         av.check_modes("kvrepro:k3v3")

@@ -12,14 +12,14 @@ from kvrepro.settings import Settings
 
 def test_defaults_and_declarations():
     s = Settings.from_env({})
-    assert s == Settings() and s.as_dict() == {"preset": "k4v4", "decode_impl": "auto", "num_splits": None,
+    assert s == Settings() and s.as_dict() == {"preset": "k5v4", "decode_impl": "auto", "num_splits": None,
                                                "prefill": "fa", "store_rotate": "torch",
                                                "key_offset": "first-prefill", "warmup": True, "debug_check": False}
     assert [d.field for d in st.SETTINGS] == list(s.as_dict())
     assert [d.env for d in st.SETTINGS] == ["KVREPRO_PRESET", "KVREPRO_DECODE_IMPL", "KVREPRO_NUM_SPLITS",
                                             "KVREPRO_PREFILL", "KVREPRO_STORE_ROTATE", "KVREPRO_KEY_OFFSET", "KVREPRO_WARMUP",
                                             "KVREPRO_DEBUG_CHECK"]
-    assert s.describe() == ("kvrepro settings: preset=k4v4 decode_impl=auto num_splits=auto prefill=fa "
+    assert s.describe() == ("kvrepro settings: preset=k5v4 decode_impl=auto num_splits=auto prefill=fa "
                             "store_rotate=torch key_offset=first-prefill warmup=1 debug_check=0")
     assert s.decode_impl_arg is None and Settings(decode_impl="cuda").decode_impl_arg == "cuda"
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -45,11 +45,11 @@ def test_presets_are_the_compressed_formats():
 
 def test_preset(monkeypatch):
     monkeypatch.delenv("KVREPRO_PRESET", raising=False)
-    assert Settings.from_env().preset == "k4v4"
+    assert Settings.from_env().preset == "k5v4"
     monkeypatch.setenv("KVREPRO_PRESET", " K8V4 ")
     assert Settings.from_env().preset == "k8v4"
     monkeypatch.setenv("KVREPRO_PRESET", "")                     # empty = unset
-    assert Settings.from_env().preset == "k4v4"
+    assert Settings.from_env().preset == "k5v4"
     monkeypatch.setenv("KVREPRO_PRESET", "int3")
     with pytest.raises(ValueError, match="KVREPRO_PRESET='int3' is not a kvrepro compressed preset; allowed: "
                                          "k4v4, k8v4, k4v2"):
@@ -109,7 +109,7 @@ def test_settings_table_is_one_row_per_variable():
     assert [r["variable"] for r in rows] == [d.env for d in st.SETTINGS]
     assert all(set(r) == {"variable", "values", "default", "changes", "effect"} and r["changes"] and r["effect"]
                for r in rows)
-    assert rows[0] == {"variable": "KVREPRO_PRESET", "values": "k4v4, k8v4, k4v2, k5v4", "default": "k4v4",
+    assert rows[0] == {"variable": "KVREPRO_PRESET", "values": "k4v4, k8v4, k4v2, k5v4", "default": "k5v4",
                        "changes": st.SETTINGS[0].doc, "effect": st.SETTINGS[0].effect}
     assert {r["variable"]: r["default"] for r in rows}["KVREPRO_NUM_SPLITS"] == "unset"
     md = st.markdown_table().splitlines()

@@ -72,7 +72,9 @@ def test_committed_block_names_every_mode_once_and_the_seed():
     table = [ln for ln in block.splitlines() if ln.startswith("| ")][1:]
     names = [ln.split("|")[1].strip().strip("*") for ln in table[1:]]
     assert names == [d for _, d, _ in summary.MODES]
-    assert "2 (66.6 tok/s)" in table[1] and "5 (105.0)" in table[2] and "6 (140.9)" in table[4]
+    row = {ln.split("|")[1].strip().strip("*"): ln for ln in table[1:]}
+    assert "2 (66.6 tok/s)" in row["bf16"] and "5 (105.0)" in row["fp8"]
+    assert "6 (140.9)" in row[summary.DISPLAY[summary.CAPACITY_PRESET]]
     assert "![" in block and summary.CHART in block and "not kvrepro's" in block
 
 
@@ -153,8 +155,11 @@ def test_ratios_and_cross_file_note_against_plain_python(tmp_path):
     assert rows["kvrepro:k8v4"]["users"] is None and rows["kvrepro:k8v4"]["source_file"] is None
     table = summary.markdown_table(list(rows.values()))
     lines = table.splitlines()
-    assert "fp8 from another run: a.jsonl" in lines[5] and "setup differs from fp8's run (vllm_version)" in lines[6]
-    assert f"{540.0 / fp8_max:.2f}x" in lines[5] and "no run for this workload" in lines[4]
+    line = {m: next(ln for ln in lines if summary.DISPLAY[m] in ln) for m in ("kvrepro:k8v4", "kvrepro:k4v4",
+                                                                            "kvrepro:k4v2")}
+    assert "fp8 from another run: a.jsonl" in line["kvrepro:k4v4"]
+    assert "setup differs from fp8's run (vllm_version)" in line["kvrepro:k4v2"]
+    assert f"{540.0 / fp8_max:.2f}x" in line["kvrepro:k4v4"] and "no run for this workload" in line["kvrepro:k8v4"]
     assert "(6 users, 160.0 tok/s)" in lines[0] and "(5 users, 250.0 tok/s)" in lines[0]
 
 
@@ -243,7 +248,13 @@ def test_cli_write_then_check(repo, capsys):
     from kvrepro.formats import COMPRESSED_PRESETS, DEFAULT_PRESET
     assert f"| `KVREPRO_PRESET` | {', '.join(COMPRESSED_PRESETS)} | {DEFAULT_PRESET} |" in text   # settings too
     assert "| bf16 | 512 | 2 (66.6 tok/s) | 3 | 170.0 |" in text
-    assert "not measured yet: no `" in text and "| **k4v4 (default)** | 134 | 13 | not measured yet |" in text
+    from kvrepro.capacity import users_that_fit
+    from kvrepro.formats import get_format
+
+    users = users_that_fit(DEFAULT_PRESET, 131_072, 1_024)["users_fit"]
+    nbytes = get_format(DEFAULT_PRESET).bytes_per_token_per_head(128)
+    assert "not measured yet: no `" in text
+    assert f"| **{DEFAULT_PRESET} (default)** | {nbytes} | {users} | not measured yet |" in text
     assert (repo / summary.CHART).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "`r.jsonl`" in (repo / summary.CAPACITY_INDEX).read_text()
     assert not list(repo.rglob("*.tmp"))                                             # atomic: no temp left
@@ -279,9 +290,16 @@ def test_cli_write_without_markers_fails_clearly(repo, capsys):
 def test_verdict_line(tmp_path):
     write(tmp_path / "a.jsonl", sweep("fp8", FP8, "2026-11-30T09:00:00+00:00")
           + sweep("kvrepro:k4v4", [(13, 480.0, True)], "2026-11-30T10:00:00+00:00"))
-    line = summary.verdict(summary.summary_rows(load(tmp_path)))
+    rows = summary.summary_rows(load(tmp_path))
+    line = summary.verdict(rows, "kvrepro:k4v4")
     assert "**13 users**" in line and "fp8 serves 6 here" in line and f"**{480 / 160:.2f}x fp8**" in line
     assert "No measured run" in summary.verdict(summary.summary_rows(None))
+    from kvrepro.formats import DEFAULT_PRESET
+
+    if DEFAULT_PRESET != "k4v4":      # the default without a run: said, then the capacity preset's line
+        line = summary.verdict(rows)
+        assert line.startswith(f"No measured run of kvrepro {DEFAULT_PRESET} (default)")
+        assert "The capacity preset: **kvrepro k4v4** serves **13 users**" in line
 
 
 def test_one_palette_for_formats_and_modes():
@@ -336,7 +354,10 @@ def test_fidelity_block_from_synthetic_files(tmp_path):
     assert block.startswith(summary.FIDELITY_BEGIN) and block.endswith(summary.FIDELITY_END)
     table = {ln.split("|")[1].strip().strip("*"): [c.strip() for c in ln.split("|")[2:-1]]
              for ln in block.splitlines() if ln.startswith("| ") and "---" not in ln}
-    assert set(table) - {"mode"} == {"fp8", *(f"{f} (default)" if f == "k4v4" else f for f in COMPRESSED_PRESETS)}
+    from kvrepro.formats import DEFAULT_PRESET
+
+    assert set(table) - {"mode"} == {"fp8", *(f"{f} (default)" if f == DEFAULT_PRESET else f
+                                              for f in COMPRESSED_PRESETS)}
     fp8_kl, fp8_ppl = PER_TOKEN["fp8"][0], 100 * (math.exp(PER_TOKEN["fp8"][1] - 3.0) - 1)
     for name, cells in table.items():
         if name == "mode":
@@ -351,7 +372,7 @@ def test_fidelity_block_from_synthetic_files(tmp_path):
         assert cells[5].startswith(f"{bound:.2f} / ")
         assert cells[6] == ("NON-INFERIOR" if bound <= 1.0 else "INFERIOR")
     k5_ppl = 100 * (math.exp(PER_TOKEN['k5v4'][1] - 3.0) - 1)
-    assert "**Closest to fp8's fidelity at >= 12 users: k5v4 (12 users): KL 0.021 = " \
+    assert "**Closest to fp8's fidelity at >= 12 users: k5v4 (default) (12 users): KL 0.021 = " \
            f"{0.021 / fp8_kl:.2f}x fp8's, perplexity {k5_ppl:+.2f}%**" in block
     assert f"fp8 (6 users): KL {fp8_kl:.3g}, perplexity {fp8_ppl:+.2f}%" in block
     assert "replayed: reference path (float32), NVIDIA H200, 2026-12-01 12:00 UTC" in block

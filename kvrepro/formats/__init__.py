@@ -5,9 +5,12 @@
 | bf16  | 16-bit KV in the model dtype (vLLM ``auto``)                       | 512 |
 | fp8   | E4M3, per-layer scale (vLLM ``fp8``)                               | 256 |
 | k8v4  | compressed: 8-bit K, 4-bit V                                       | 198 |
-| k4v4  | compressed: 4-bit K, 4-bit V (kvrepro's default)                   | 134 |
+| k4v4  | compressed: 4-bit K, 4-bit V (capacity and speed: CUDA kernel)     | 134 |
 | k4v2  | compressed: 4-bit K, 2-bit V (sub-4-bit: 3 b/elem)                 | 102 |
 | k5v4  | compressed: 5-bit symmetric K, 4-bit V with a one-byte log2 scale  | 147 |
+|       | (kvrepro's default: fp8's fidelity at 12 users, notes/accuracy.md) |     |
+
+Every compressed preset stores keys minus a per-layer constant (``kvrepro.formats.offset``).
 """
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ from kvrepro.formats.layout import PageLayout
 # value scale) in PRESET_SCHEMES (CompressedFormat's keyword arguments).
 COMPRESSED_PRESETS = {"k4v4": (4, 4), "k8v4": (8, 4), "k4v2": (4, 2), "k5v4": (5, 4)}
 PRESET_SCHEMES = {"k5v4": {"key_symmetric": True, "value_log_scale": True}}
-DEFAULT_PRESET = "k4v4"
+DEFAULT_PRESET = "k5v4"
 FORMAT_NAMES = ("bf16", "fp8", *COMPRESSED_PRESETS)
 
 
