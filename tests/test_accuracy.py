@@ -151,6 +151,27 @@ def test_sanity_table_flags_corrupt_output():
         accuracy.sanity_table(_sanity_rows().query("format != 'bf16'"))
 
 
+def test_a_loop_an_exact_kv_control_shows_too_is_the_models():
+    """On prompt 'a' the bf16 control (another attention kernel over the exact cache) loops like 'loop' does: there
+    the loop is the model's, so 'loop' is judged against the control's rate on 'a'; on 'b' and 'c' the control
+    does not loop and 'loop' still fails there (its reason names those prompts and the bf16 engines)."""
+    rows = _sanity_rows()
+    ctl = rows[rows["format"] == "bf16"].assign(format="bf16-triton_attn")
+    loop_a = rows[(rows["format"] == "loop") & (rows["name"] == "a")]["output_ids"].iloc[0]
+    ctl.loc[ctl["name"] == "a", "output_ids"] = loop_a
+    assert accuracy.exact_kv_formats(["bf16", "fp8", "bf16-triton_attn", "k4v4"]) == ["bf16", "bf16-triton_attn"]
+    m = accuracy.sanity_rows(pd.concat([rows, ctl]))
+    rep_loop = accuracy.sanity_metrics(loop_a, loop_a)["rep3_rate"]
+    a = m[(m["format"] == "loop") & (m["name"] == "a")].iloc[0]
+    assert a["base_rep3_rate"] == pytest.approx(rep_loop) and a["rep3_rate"] == pytest.approx(rep_loop)
+    assert (m[m["name"] != "a"]["base_rep3_rate"] == 0).all()
+    v = accuracy.sanity_verdicts(pd.concat([rows, ctl]))
+    assert not v.loc["loop", "sanity_pass"] and "vs bf16 engines 0% on 'b'" in v.loc["loop", "sanity_reason"]
+    only_a = pd.concat([rows, ctl])
+    only_a = only_a[(only_a["name"] == "a") & only_a["format"].isin(["bf16", "bf16-triton_attn", "loop"])]
+    assert accuracy.sanity_table(only_a).loc["loop", "worst_extra_rep3"] == pytest.approx(0.0)
+
+
 def _cells(fmt, values, variant="single", engine="cpu"):
     """values: {(length, depth): [correct per key]} -> rows with distinct hashes per (variant, cell, key)."""
     return [dict(format=fmt, variant=variant, engine=engine, context_length=n, depth=d, key=str(10000 + i),
