@@ -27,7 +27,8 @@ import torch
 from kvrepro.fileio import atomic_write
 from kvrepro.provenance import params_as_dict, params_from_dict
 from kvrepro.formats import FORMAT_NAMES, get_format
-from kvrepro.hf import greedy_generate, kv_bytes, load_smollm2, make_cache, prefill, teacher_forced_logprobs
+from kvrepro.hf import (greedy_generate, kv_bytes, load_smollm2, make_cache, prefill, rope_info,
+                        teacher_forced_logprobs)
 from kvrepro.needle import (VARIANTS, answer_decided, answer_kind, build_prompt, build_sanity_prompts,
                             check_needle_grid, is_int, make_keys, score_answer)
 
@@ -121,7 +122,7 @@ class AccuracyParams:
 
 def run_one(model, tokenizer, prompt, fmt_name: str, max_new_tokens: int, block_size: int = 16) -> dict:
     """Serve ``prompt`` (a ``NeedlePrompt``) with KV format ``fmt_name``; return one result row."""
-    cache = make_cache(get_format(fmt_name), model.config.num_hidden_layers, block_size)
+    cache = make_cache(get_format(fmt_name), model.config.num_hidden_layers, block_size, rope=rope_info(model))
     ids = torch.tensor([prompt.input_ids], dtype=torch.long)
     t0 = time.perf_counter()
     first = prefill(model, ids, cache)
@@ -198,7 +199,7 @@ def run_sanity(formats, sanity_tokens: int, block_size: int = 16, seed: int = 0,
     bar = tqdm(total=len(prompts) * len(formats), desc="sanity runs", disable=not _progress(progress))
     for sp in prompts:
         for f in formats:
-            cache = make_cache(get_format(f), model.config.num_hidden_layers, block_size)
+            cache = make_cache(get_format(f), model.config.num_hidden_layers, block_size, rope=rope_info(model))
             first = prefill(model, torch.tensor([sp.input_ids], dtype=torch.long), cache)
             out = greedy_generate(model, first, cache, sanity_tokens)
             rows.append(dict(format=f, engine="cpu", name=sp.name, prompt_sha256=sp.sha256, n_tokens=len(sp.input_ids),

@@ -146,7 +146,8 @@ def fidelity_source(path: str, rows: pd.DataFrame | None = None, measured_now: b
     try:
         p = json.loads(rows["params"].iloc[0])
         per = int(p["window_tokens"]) - int(p["score_from"])
-        corpus = f", {p.get('corpus', '?')}, windows of {int(p['window_tokens']):,} tokens"
+        corpus = (f", {p.get('corpus', '?')}, windows of {int(p['window_tokens']):,} tokens, compressed presets' key "
+                  f"offset {p.get('key_offset', 'off')}")
     except (KeyError, ValueError, TypeError, IndexError):
         per, corpus = None, ""
     lo, hi = (int(s["windows"].min()), int(s["windows"].max())) if len(s) else (0, 0)
@@ -157,6 +158,39 @@ def fidelity_source(path: str, rows: pd.DataFrame | None = None, measured_now: b
     when = time_span(rows["measured_utc"]) if "measured_utc" in rows else "?"
     return Source(kind, "measured now" if measured_now else "replayed", rel, engine, _machine(prov), when, size,
                   summary=s, rows=rows, formats=tuple(map(str, s["format"])))
+
+
+def key_offset_of(src: Source) -> str:
+    """The compressed presets' key offset (``kvrepro.formats.offset.MODES``) of a fidelity source's rows ("off" for
+    rows measured before the offset existed; "" without rows)."""
+    if src is None or src.rows is None or not len(src.rows) or "params" not in src.rows:
+        return ""
+    try:
+        return json.loads(src.rows["params"].iloc[0]).get("key_offset", "off")
+    except (ValueError, TypeError, AttributeError):
+        return ""
+
+
+def default_offset_sentence(rows: list[dict], sources: dict) -> str:
+    """One sentence: the default preset against fp8 with the engines' default key offset, from the reference
+    source measured with it, when the preferred source (the table's) used another offset; "" otherwise."""
+    from kvrepro.formats import get_format
+
+    refs = [s for s in sources.get("reference", []) if s.ok]
+    want = get_format(DEFAULT_PRESET).default_key_offset
+    if not refs or key_offset_of(refs[0]) == want:
+        return ""
+    src = next((s for s in refs if key_offset_of(s) == want), None)
+    first = f"The table's reference figures [{refs[0].tag}] were measured with the key offset {key_offset_of(refs[0])}"
+    if src is None:
+        return f"{first}; the engines' default, {want}, has no reference measurement yet."
+    r = next((r for r in rows if r["format"] == DEFAULT_PRESET), None)
+    x = r.get("by_source", {}).get(src.tag) if r else None
+    if x is None:
+        return f"{first}; [{src.tag}] ({want}, the default) did not measure {DEFAULT_PRESET}."
+    return (f"{first}; with the default, {want} [{src.tag}]: {DEFAULT_PRESET} KL {x['kl']:.3g} = "
+            f"{x['kl_vs_fp8']:.2f}x fp8's, perplexity {x['ppl_change_pct']:+.2f}% (fp8 "
+            f"{x['fp8_ppl_change_pct']:+.2f}%).")
 
 
 def needle_source(path: str = NEEDLE, measured_now: bool = False) -> Source:
@@ -628,9 +662,10 @@ def readme_text(sources: dict) -> str:
 
     rows = summary_rows(sources)
     lg = legend(sources).replace("\n\n", "\n")
+    note = default_offset_sentence(rows, sources)
     return "\n".join([
         readme_table(rows), "",
-        closest_to_fp8(rows), "",
+        closest_to_fp8(rows) + (f" {note}" if note else ""), "",
         f"Goal (issue 21): fp8's KL and perplexity change at >= {GOAL_USERS} users, needle retrieval non-inferior to "
         f"bf16 (exact one-sided 95% bound on the loss <= {stats.MARGIN_PP:g} pp) and sane output. Fidelity: "
         "SmolLM2-135M-Instruct on public-domain prose, each format against bf16 on the same engine "

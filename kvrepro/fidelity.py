@@ -74,8 +74,8 @@ class FidelityParams:
         num_windows: consecutive windows of the corpus, >= 1.
         top_k: k of ``kl_topk``, in [1, 100] (vLLM's ``max_logprobs`` default is 20).
         block_size: tokens per KV page, 16, 32 or 64.
-        key_offset: how the compressed presets store keys (``kvrepro.formats.offset.MODES``): ``"first-prefill"``
-            (the engines' default) or ``"off"``; bf16 and fp8 ignore it.
+        key_offset: how the compressed presets store keys (``kvrepro.formats.offset.MODES``): ``"slow-pairs"``
+            (the engines' default), ``"first-prefill"`` or ``"off"``; bf16 and fp8 ignore it.
     """
 
     formats: tuple = ("bf16", "fp8", "k8v4", "k4v4", "k4v2")
@@ -85,7 +85,7 @@ class FidelityParams:
     num_windows: int = 50
     top_k: int = 20
     block_size: int = 16
-    key_offset: str = "first-prefill"
+    key_offset: str = "slow-pairs"
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad parameter and its allowed values."""
@@ -302,11 +302,11 @@ def save_windows(tokenizer, params: FidelityParams, path: str) -> str:
 @torch.inference_mode()
 def _cpu_logprobs(model, window: list[int], fmt: str, params: FidelityParams) -> torch.Tensor:
     from kvrepro.formats import get_format
-    from kvrepro.hf import forward, make_cache
+    from kvrepro.hf import forward, make_cache, rope_info
 
     f = get_format(fmt)
     ko = params.key_offset if f.default_key_offset != "off" else "off"
-    cache = make_cache(f, model.config.num_hidden_layers, params.block_size, key_offset=ko)
+    cache = make_cache(f, model.config.num_hidden_layers, params.block_size, key_offset=ko, rope=rope_info(model))
     keep = params.window_tokens - params.score_from + 1  # logits of positions score_from - 1 .. window - 1
 
     dev = next(model.parameters()).device
@@ -549,7 +549,7 @@ def main(argv=None) -> int:
         p.add_argument("--num-windows", type=int, default=FidelityParams.num_windows)
         p.add_argument("--top-k", type=int, default=FidelityParams.top_k)
         p.add_argument("--key-offset", default=FidelityParams.key_offset,
-                       help="how compressed presets store keys: first-prefill (default) or off")
+                       help="how compressed presets store keys: slow-pairs (default), first-prefill or off")
     c.add_argument("--out", default=DEFAULT_CPU_RESULTS)
     c.add_argument("--device", default="cpu", help="cpu, or cuda: the same reference path in float32 on a GPU")
     v.add_argument("--out", default=DEFAULT_VLLM_RESULTS)

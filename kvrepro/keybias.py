@@ -54,8 +54,8 @@ def stress(fmt: str, shape: tuple, bias_norm: float, placement: str = "high", to
            seed: int = 0, key_offset: str | None = None) -> dict:
     """One case: ``shape = (q_heads, kv_heads, head_dim)``; bias of norm ``bias_norm`` spread evenly over the 4
     channels of ``placement``. The keys are stored as the engines store them: with the format's default key offset
-    (``key_offset=None``; ``kvrepro.formats.offset``, calibrated on these keys as one prefill), or as
-    ``key_offset`` says (``"off"``, ``"first-prefill"``). Returns ``{"rel_err", "top1"}`` (attention output relative error vs exact float64
+    (``key_offset=None``; ``kvrepro.formats.offset``, calibrated on these keys as one prefill, slow pairs taken for
+    base 1e6 over ``tokens`` positions), or as ``key_offset`` says (``"off"``, ``"first-prefill"``, ``"slow-pairs"``). Returns ``{"rel_err", "top1"}`` (attention output relative error vs exact float64
     attention, all heads; share of queries whose top-1 key is unchanged).
 
     Raises:
@@ -72,8 +72,10 @@ def stress(fmt: str, shape: tuple, bias_norm: float, placement: str = "high", to
     v = torch.randn(tokens, hkv, d, generator=g, dtype=torch.float64)
     q = rope(torch.randn(hq, 1, d, generator=g, dtype=torch.float64), pos[-1:])[:, 0]                  # [Hq, D]
     k16, v16 = k.to(torch.bfloat16), v.to(torch.bfloat16)
-    kh, vh = f.roundtrip(k16.float(), v16.float(),
-                         key_offset=f.default_key_offset if key_offset is None else key_offset)
+    from kvrepro.formats.offset import slow_channels
+
+    kh, vh = f.roundtrip(k16.float(), v16.float(), key_offset=f.default_key_offset if key_offset is None else key_offset,
+                         channels=slow_channels(d, 1e6, tokens))     # this test's RoPE: base 1e6, `tokens` positions
     grp = hq // hkv
     kk, kq = k16.double().repeat_interleave(grp, 1), kh.double().repeat_interleave(grp, 1)
     vv, vq = v16.double().repeat_interleave(grp, 1), vh.double().repeat_interleave(grp, 1)

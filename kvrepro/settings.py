@@ -27,7 +27,7 @@ DEFAULT_PRESET = "k5v4"                     # = kvrepro.formats.DEFAULT_PRESET
 DECODE_IMPLS = ("auto", "cuda", "triton")
 PREFILL_PATHS = ("fa", "fa-sliced", "fa-pages", "dequant", "triton")
 STORE_ROTATE_MODES = ("torch", "kernel")
-KEY_OFFSET_MODES = ("first-prefill", "off")   # = kvrepro.formats.offset.MODES
+KEY_OFFSET_MODES = ("slow-pairs", "first-prefill", "off")   # = kvrepro.formats.offset.MODES
 MAX_NUM_SPLITS = 256
 # KVREPRO_* variables that are not runtime settings (read by the test harness only), so not reported as unknown.
 NOT_SETTINGS = ("KVREPRO_SMOKE_FLAGS",)
@@ -165,11 +165,14 @@ SETTINGS: tuple[Declaration, ...] = (
         "KV capacity the in-kernel rotation's spill stack cost on the H200: [notes/vllm.md, Memory accounting]"
         "(notes/vllm.md#memory-accounting-what-was-learned)"),
     Declaration(
-        "key_offset", "KVREPRO_KEY_OFFSET", ", ".join(KEY_OFFSET_MODES), "first-prefill",
-        "Keys are stored minus a constant per layer and KV head (kvrepro.formats.offset). first-prefill: the mean "
-        "of the keys of the first prefill the engine runs, fixed for its lifetime; attention is unchanged (the "
-        "shift is the same for every key a query sees: softmax-invariant), the quantizer no longer spends its range "
-        "on the keys' mean or a key-projection bias (notes/accuracy.md, 'Key offset'). off: keys stored as they are.",
+        "key_offset", "KVREPRO_KEY_OFFSET", ", ".join(KEY_OFFSET_MODES), "slow-pairs",
+        "Keys are stored minus a constant per layer and KV head (kvrepro.formats.offset): the mean of the keys of the "
+        "first prefill the engine runs, fixed for its lifetime; attention is unchanged (the shift is the same for "
+        "every key a query sees: softmax-invariant), the quantizer no longer spends its range on the keys' mean or a "
+        "key-projection bias. slow-pairs: the mean only in the RoPE pairs that turn by < pi/4 over max_model_len (a "
+        "constant there at every position, whatever the first prefill was); first-prefill: in every channel (best "
+        "when the first prefill is as long as later contexts, no better than off when it is short); off: keys stored "
+        "as they are (notes/accuracy.md, 'Key offset').",
         _choice("KVREPRO_KEY_OFFSET", KEY_OFFSET_MODES),
         "attention-output error under a key bias, with the offset (the key_offset column): "
         "[key-bias grid](results/keybias/keybias_cpu.csv); KL with it: [reference rows](results/fidelity/"
@@ -214,7 +217,7 @@ class Settings:
         num_splits: int in 1..256, or None (the decode kernel's shape-only rule).
         prefill: ``"fa"`` | ``"fa-sliced"`` | ``"fa-pages"`` | ``"dequant"`` | ``"triton"``.
         store_rotate: ``"torch"`` | ``"kernel"``.
-        key_offset: ``"first-prefill"`` | ``"off"``.
+        key_offset: ``"slow-pairs"`` | ``"first-prefill"`` | ``"off"``.
         warmup: compile the decode kernels before vLLM's memory profiling.
         debug_check: compare every eager attention call with the reference (slow).
 
@@ -227,7 +230,7 @@ class Settings:
     num_splits: int | None = None
     prefill: str = "fa"
     store_rotate: str = "torch"
-    key_offset: str = "first-prefill"
+    key_offset: str = "slow-pairs"
     warmup: bool = True
     debug_check: bool = False
 

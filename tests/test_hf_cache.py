@@ -7,7 +7,7 @@ import torch
 
 from kvrepro.formats import FORMAT_NAMES, get_format
 from kvrepro.formats.hadamard import rotation_matrix
-from kvrepro.hf import PagedKVLayer, forward, make_cache, prefill, teacher_forced_logprobs
+from kvrepro.hf import PagedKVLayer, forward, make_cache, prefill, rope_info, teacher_forced_logprobs
 
 H, D = 3, 64  # SmolLM2-135M: 3 KV heads, head_dim 64
 STORED_DTYPE = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "k4v4": torch.uint8,
@@ -71,7 +71,8 @@ def _kv(t, seed, scale=3.0):
 @pytest.mark.parametrize("name", FORMAT_NAMES)
 def test_layer_stores_page_bytes_and_attends_over_them(name):
     fmt = get_format(name)
-    layer = PagedKVLayer(fmt, block_size=16, reserve_tokens=0)
+    rope = {"rope_theta": 1e4, "rotary_dim": D, "head_dim": D, "max_positions": 64}
+    layer = PagedKVLayer(fmt, block_size=16, reserve_tokens=0, rope=rope)
     chunks = [_kv(37, 1), _kv(1, 2), _kv(20, 3)]  # prefill, one decode step, a chunk forcing regrowth
     returned, first_k = None, None
     for i, (k, v) in enumerate(chunks):
@@ -91,7 +92,7 @@ def test_layer_stores_page_bytes_and_attends_over_them(name):
     np.testing.assert_allclose(returned[1][0].transpose(0, 1).double().numpy(), v_ref, rtol=1e-5, atol=1e-5)
     # relative error vs the input, K and V: quantized for real (not a bf16 copy), and not broken. The compressed
     # presets hold keys minus the key offset (kvrepro.formats.offset): add it back to compare with the input.
-    assert (layer.key_offset is not None) == (fmt.default_key_offset == "first-prefill")
+    assert (layer.key_offset is not None) == (fmt.default_key_offset != "off")
     c = 0.0 if layer.key_offset is None else layer.key_offset.offset[:, None, :]
     returned = (returned[0] + c, returned[1])
     bounds = {"bf16": ((0, 0), (0, 0)), "fp8": ((0.01, 0.05), (0.01, 0.05)),
@@ -104,7 +105,7 @@ def test_layer_stores_page_bytes_and_attends_over_them(name):
 
 
 def test_layer_rejects_batch_and_bad_format():
-    layer = PagedKVLayer(get_format("k4v4"))
+    layer = PagedKVLayer(get_format("k4v4"), key_offset="off")
     with pytest.raises(ValueError, match="batch"):
         layer.update(torch.zeros(2, H, 4, D), torch.zeros(2, H, 4, D))
     with pytest.raises(ValueError, match="allowed"):
@@ -151,7 +152,7 @@ def test_model_served_from_pages(model_tok, short_prompt):
     top = bf16.topk(10).indices
     assert float((step[top] - bf16[top]).abs().max()) < 0.01
     assert cache.get_seq_length() == ids.shape[1]
-    k4v2 = prefill(model, ids, make_cache("k4v2", n_layers))
+    k4v2 = prefill(model, ids, make_cache("k4v2", n_layers, rope=rope_info(model)))
     assert float((k4v2 - bf16).abs().max()) > 1e-2  # attention really reads the 2-bit V pages
 
 
@@ -176,4 +177,4 @@ def test_forward_refuses_a_cache_the_model_ignored(model_tok, short_prompt, monk
     ids = torch.tensor([short_prompt.input_ids[:8]])
     monkeypatch.setattr(hf, "_cache_kwarg", lambda cls: "cache_ignored_by_the_model")
     with pytest.raises(RuntimeError, match="did not store its K/V"):
-        forward(model, ids, make_cache("k4v4", model.config.num_hidden_layers))
+        forward(model, ids, make_cache("k4v4", model.config.num_hidden_layers, rope=rope_info(model)))

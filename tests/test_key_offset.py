@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kvrepro.formats import COMPRESSED_PRESETS, get_format
-from kvrepro.formats.offset import MODES, KeyOffset, check_mode
+from kvrepro.formats.offset import MODES, KeyOffset, check_mode, rope_of_config, slow_channels
 from kvrepro.keybias import BAR, SHAPES, rope, stress
 from kvrepro.reference import attention_ref
 from kvrepro.vllm_backend.runtime import LayerRuntime, reference_attend
@@ -33,9 +33,73 @@ def test_calibrates_once_to_the_mean_and_refuses_bad_input():
         KeyOffset(2, 64).calibrate(torch.zeros(4, 2, 32))
     with pytest.raises(ValueError, match="num_kv_heads must be a positive int"):
         KeyOffset(0, 64)
-    with pytest.raises(ValueError, match="key_offset='mean'; allowed: first-prefill, off"):
+    with pytest.raises(ValueError, match="key_offset='mean'; allowed: slow-pairs, first-prefill, off"):
         check_mode("mean")
-    assert MODES == ("first-prefill", "off")
+    assert MODES == ("slow-pairs", "first-prefill", "off")
+    ch = torch.zeros(64, dtype=torch.bool)
+    ch[60:] = True
+    off = KeyOffset(2, 64, channels=ch)
+    off.calibrate(k.float())
+    assert (off.offset[:, :60] == 0).all() and torch.equal(off.offset[:, 60:], k.float().mean(0)[:, 60:])
+    with pytest.raises(ValueError, match=r"channels must be a bool tensor of shape \(64,\)"):
+        KeyOffset(2, 64, channels=torch.ones(32, dtype=torch.bool))
+
+
+def test_slow_channels_are_the_pairs_rope_barely_turns():
+    """Against the RoPE angle computed independently: pair i of a half-split layout holds channels i and i + D/2 and
+    turns by max_positions x theta^(-2i/D); kept iff that is < pi/4. Interleaved: channels 2i, 2i + 1."""
+    import math
+
+    d, theta, n = 128, 1e6, 131_072
+    want = [i for i in range(64) if n * theta ** (-2 * i / d) < math.pi / 4]
+    m = slow_channels(d, theta, n)
+    assert m.nonzero().flatten().tolist() == want + [i + 64 for i in want] and want == list(range(56, 64))
+    inter = slow_channels(d, theta, n, neox=False)
+    assert inter.nonzero().flatten().tolist() == [c for i in want for c in (2 * i, 2 * i + 1)]
+    both = slow_channels(d, theta, n, neox=None)
+    assert torch.equal(both, m & inter)
+    part = slow_channels(80, theta, n, rotary_dim=64)           # partial rotary: the unrotated tail is constant
+    assert part[64:].all() and part[:64].sum() == 2 * len([i for i in range(32) if n * theta ** (-2 * i / 64) < math.pi / 4])
+    assert slow_channels(64, 1e5, 8192).sum() == 12            # SmolLM2-135M at its 8K window: 6 of 32 pairs
+    for bad in (dict(head_dim=64, rope_theta=0.0, max_positions=8), dict(head_dim=64, rope_theta=1e4, max_positions=8,
+                                                                          rotary_dim=65)):
+        with pytest.raises(ValueError):
+            slow_channels(**bad)
+
+
+def test_rope_of_config_reads_both_spellings_and_refuses_a_model_without_rope():
+    from types import SimpleNamespace as NS
+
+    new = NS(rope_parameters={"rope_theta": 1e5, "rope_type": "default"}, head_dim=64, max_position_embeddings=8192)
+    old = NS(rope_theta=1e6, hidden_size=2560, num_attention_heads=32, max_position_embeddings=40960,
+             partial_rotary_factor=0.5)
+    assert rope_of_config(new) == {"rope_theta": 1e5, "rotary_dim": 64, "head_dim": 64, "max_positions": 8192}
+    assert rope_of_config(old, max_positions=131_072) == {"rope_theta": 1e6, "rotary_dim": 40, "head_dim": 80,
+                                                          "max_positions": 131_072}
+    with pytest.raises(ValueError, match="needs the model's RoPE theta"):
+        rope_of_config(NS(head_dim=64, max_position_embeddings=8))
+
+
+def test_slow_pairs_never_hurt_where_a_short_first_prefill_misleads_every_channel():
+    """The fault class behind the default: keys RoPE(m + noise) with a mean m in every pair, the offset calibrated on a
+    64-token first prefill, keys read at positions 3,000-4,095. In the pairs that turn between the two, the
+    every-channel mean is the wrong constant (it makes those keys' mean larger than no offset at all); the slow-pairs
+    offset removes the mean where it is constant and leaves the rest as it was, so it is never worse than off."""
+    g = torch.Generator().manual_seed(4)
+    d, n = 128, 4096
+    m = 8.0 * torch.randn(d, generator=g, dtype=torch.float64)
+    keys = rope((m + torch.randn(1, n, d, generator=g, dtype=torch.float64)), torch.arange(n), base=1e4)[0]
+    far = keys[3000:]
+    def mean_norm(mode):
+        if mode == "off":
+            c = torch.zeros(d, dtype=torch.float64)
+        else:
+            ch = slow_channels(d, 1e4, n) if mode == "slow-pairs" else torch.ones(d, dtype=torch.bool)
+            c = keys[:64].mean(0) * ch
+        return float((far - c).mean(0).norm())     # what the quantizer still sees of the keys' mean far out
+    off, every, slow = mean_norm("off"), mean_norm("first-prefill"), mean_norm("slow-pairs")
+    assert every > off                     # the every-channel mean from 64 tokens is wrong far away
+    assert slow < off                      # the slow pairs' part is removed, nothing is added
 
 
 def test_shift_is_softmax_invariant_so_attention_is_unchanged():
@@ -52,7 +116,7 @@ def test_shift_is_softmax_invariant_so_attention_is_unchanged():
 @pytest.mark.parametrize("preset", sorted(COMPRESSED_PRESETS))
 def test_roundtrip_with_offset_stores_keys_minus_their_mean(preset):
     f = get_format(preset)
-    assert f.default_key_offset == "first-prefill"
+    assert f.default_key_offset == "slow-pairs"
     assert get_format("bf16").default_key_offset == get_format("fp8").default_key_offset == "off"
     k, v = _keys(mean=30.0).float(), torch.randn(96, 2, 64).float()
     c = k.mean(0)
@@ -64,13 +128,22 @@ def test_roundtrip_with_offset_stores_keys_minus_their_mean(preset):
     err_on = (kh.double() - k.double()).norm() / k.double().norm()
     err_off = (f.roundtrip(k, v)[0].double() - k.double()).norm() / k.double().norm()
     assert err_on < 0.5 * err_off, (err_on, err_off)
+    ch = torch.zeros(64, dtype=torch.bool)
+    ch[32:40] = True
+    ks, _ = f.roundtrip(k, v, key_offset="slow-pairs", channels=ch)
+    c2 = k.mean(0) * ch
+    torch.testing.assert_close(ks, f.roundtrip(k - c2, v)[0] + c2, atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="needs channels"):
+        f.roundtrip(k, v, key_offset="slow-pairs")
 
 
 def test_hf_cache_calibrates_on_the_first_write_and_keeps_the_constant():
     from kvrepro.hf import PagedKVLayer
 
     f = get_format("k4v4")
-    layer = PagedKVLayer(f, 16)
+    with pytest.raises(ValueError, match="needs the model's RoPE"):
+        PagedKVLayer(f, 16)
+    layer = PagedKVLayer(f, 16, key_offset="first-prefill")
     k1 = _keys(40, mean=20.0).float()
     v1 = torch.randn(40, 2, 64)
     got_k, _ = layer.update(k1.transpose(0, 1)[None], v1.transpose(0, 1)[None])
@@ -88,13 +161,22 @@ def test_hf_cache_calibrates_on_the_first_write_and_keeps_the_constant():
     assert PagedKVLayer(f, 16, key_offset="off").key_offset_mode == "off"
     with pytest.raises(ValueError, match="key_offset="):
         PagedKVLayer(f, 16, key_offset="always")
+    rope = {"rope_theta": 1e4, "rotary_dim": 64, "head_dim": 64, "max_positions": 40}
+    layer = PagedKVLayer(f, 16, rope=rope)                      # the format's default: slow-pairs
+    layer.update(k1.transpose(0, 1)[None], v1.transpose(0, 1)[None])
+    ch = slow_channels(64, 1e4, 40)
+    assert 0 < int(ch.sum()) < 64
+    torch.testing.assert_close(layer.key_offset.offset, k1.mean(0) * ch, atol=1e-5, rtol=0)
 
 
 def test_vllm_runtime_calibrates_on_the_prefill_rows_and_prefill_matches_reference():
     """Store a prefill with ``calibrate`` (the backend passes the step's prefill rows), then attend: the pages hold
     keys minus the offset, and the chunk's own keys are shifted the same way (reference_attend in float64)."""
     hq, hkv, d, bs, n = 8, 2, 64, 16, 37
-    rt = LayerRuntime("k4v4", hq, hkv, d, d ** -0.5)
+    with pytest.raises(ValueError, match="needs the model's RoPE"):
+        LayerRuntime("k4v4", hq, hkv, d, d ** -0.5, key_offset="slow-pairs")
+    assert LayerRuntime("k4v4", hq, hkv, d, d ** -0.5).key_offset is None      # the class default: off
+    rt = LayerRuntime("k4v4", hq, hkv, d, d ** -0.5, key_offset="first-prefill")
     g = torch.Generator().manual_seed(2)
     k = (_keys(n, hkv, d, mean=25.0, seed=2)).to(torch.bfloat16)
     v = torch.randn(n, hkv, d, generator=g).bfloat16()
@@ -118,10 +200,13 @@ def test_vllm_runtime_calibrates_on_the_prefill_rows_and_prefill_matches_referen
     # exact attention over the original keys: the shift changes nothing but quantization error
     exact = attention_ref(q, k.double(), v.double(), d ** -0.5, torch.float64)
     assert (out.double() - exact).norm() / exact.norm() < 0.2
-    off = LayerRuntime("k4v4", hq, hkv, d, d ** -0.5, key_offset="off")
-    assert off.key_offset is None
     with pytest.raises(ValueError, match="key_offset="):
         LayerRuntime("k4v4", hq, hkv, d, d ** -0.5, key_offset="on")
+    rope = {"rope_theta": 1e4, "rotary_dim": 64, "head_dim": 64, "max_positions": 64, "neox": None}
+    slow = LayerRuntime("k4v4", hq, hkv, d, d ** -0.5, key_offset="slow-pairs", rope=rope)
+    slow.store(k.view(n, -1), v.view(n, -1), torch.zeros_like(pool), torch.arange(n), calibrate=(0, n))
+    ch = slow_channels(64, 1e4, 64, neox=None)                 # layout unknown: channels slow under both
+    torch.testing.assert_close(slow.key_offset.offset, k.float().mean(0) * ch, atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("preset", sorted(COMPRESSED_PRESETS))

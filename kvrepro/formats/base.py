@@ -123,25 +123,28 @@ class KVFormat(ABC):
     def describe(self) -> str:
         return self.name
 
-    def roundtrip(self, key: torch.Tensor, value: torch.Tensor, block_size: int = 16, key_offset: str = "off"
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    def roundtrip(self, key: torch.Tensor, value: torch.Tensor, block_size: int = 16, key_offset: str = "off",
+                  channels: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Store then read back ``[num_tokens, num_kv_heads, head_dim]`` K/V through a fresh
         pool; returns float32 K/V of the same shape (what attention would see).
 
-        ``key_offset="first-prefill"``: the keys are one prefill; store ``key - c`` with ``c`` their mean
-        (``kvrepro.formats.offset``) and return the read-back keys plus ``c`` (attention over them equals attention
-        over the stored keys exactly: the shift is softmax-invariant). ``"off"``: the format alone.
+        ``key_offset="first-prefill"`` / ``"slow-pairs"``: the keys are one prefill; store ``key - c`` with ``c`` their
+        mean in every channel / in ``channels`` (bool ``[head_dim]``, ``offset.slow_channels``), and return the
+        read-back keys plus ``c`` (attention over them equals attention over the stored keys exactly: the shift is
+        softmax-invariant). ``"off"``: the format alone.
 
         Raises:
-            ValueError: a bad ``key_offset``.
+            ValueError: a bad ``key_offset``; ``"slow-pairs"`` without ``channels``.
         """
         from kvrepro.formats.offset import KeyOffset, check_mode
 
         check_mode(key_offset)
         n, h, d = key.shape
         off = None
-        if key_offset == "first-prefill":
-            off = KeyOffset(h, d, key.device)
+        if key_offset == "slow-pairs" and channels is None:
+            raise ValueError("key_offset='slow-pairs' needs channels (kvrepro.formats.offset.slow_channels)")
+        if key_offset != "off":
+            off = KeyOffset(h, d, key.device, channels if key_offset == "slow-pairs" else None)
             off.calibrate(key)
             key = off.apply(key)
         num_blocks = -(-n // block_size)

@@ -9,6 +9,16 @@ channel pairs, where models' massive key values sit: Jin et al., 2025, arXiv:250
 spends its range on that mean. Removing it leaves the small per-token part, the part that decides attention, to the
 codes. Smoothing K by its mean over tokens is SageAttention's (Zhang et al., 2024, arXiv:2410.02367, section 3.2).
 
+Which channels. A key's mean is only constant over positions where RoPE barely turns it: in a channel pair that
+turns by ``theta_i x position``, a mean taken over the first prefill's positions is the wrong constant far beyond
+them (it is rotated away there, and subtracting it can double that pair's mean instead of removing it). The default
+``slow-pairs`` therefore subtracts the mean only in the pairs that turn by less than ``MAX_ANGLE`` (pi / 4) over the
+engine's longest context (``slow_channels``; RoPE frequencies ``theta^(-2i / rotary_dim)``, Su et al. 2021,
+arXiv:2104.09864; context-extension scalings only slow the low frequencies down, so the unscaled ones are the safe
+bound) and in channels RoPE does not rotate; there the constant is right at every position, whatever the first
+prefill was. ``first-prefill`` subtracts the mean in every channel: best when the first prefill is as long as later
+contexts, no better than ``off`` when it is short (a 256-token first prefill on SmolLM2: notes/accuracy.md).
+
 The shift is exact only if every key a query attends was stored with the same ``c``: one ``c`` per layer and KV head
 for the engine's lifetime, shared by every request (prefix-cache pages are shared across requests). kvrepro takes it
 from the first prefill the engine runs (``calibrate``, once; the pattern of vLLM's ``calculate_kv_scales``, which
@@ -21,9 +31,12 @@ need the same offsets, which kvrepro does not export.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
-MODES = ("first-prefill", "off")
+MODES = ("slow-pairs", "first-prefill", "off")
+MAX_ANGLE = math.pi / 4   # radians a pair may turn over the longest context and still count as constant
 
 
 def check_mode(mode: str) -> str:
@@ -33,6 +46,58 @@ def check_mode(mode: str) -> str:
     return mode
 
 
+def slow_channels(head_dim: int, rope_theta: float, max_positions: int, rotary_dim: int | None = None,
+                  neox: bool | None = True, max_angle: float = MAX_ANGLE) -> torch.Tensor:
+    """bool ``[head_dim]``: the channels whose RoPE pair turns by less than ``max_angle`` radians over
+    ``max_positions`` positions (``theta_i = rope_theta^(-2i / rotary_dim)``), plus the channels beyond
+    ``rotary_dim`` (not rotated). ``neox``: True = half-split pairs ``(i, i + rotary_dim / 2)`` (HF's
+    ``rotate_half``, vLLM's ``is_neox_style``), False = interleaved pairs ``(2i, 2i + 1)``, None = unknown: only
+    channels slow under both layouts.
+
+    Raises:
+        ValueError: a non-positive ``head_dim`` / ``max_positions`` / ``rope_theta``, or ``rotary_dim`` odd or above
+            ``head_dim``.
+    """
+    rotary_dim = head_dim if rotary_dim is None else rotary_dim
+    if head_dim < 1 or max_positions < 1 or not rope_theta > 0:
+        raise ValueError(f"slow_channels needs head_dim, max_positions, rope_theta > 0, got {head_dim}, "
+                         f"{max_positions}, {rope_theta}")
+    if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
+        raise ValueError(f"rotary_dim must be even and in (0, head_dim={head_dim}], got {rotary_dim}")
+    half = rotary_dim // 2
+    inv = float(rope_theta) ** (-torch.arange(half, dtype=torch.float64) * 2 / rotary_dim)
+    slow = inv * max_positions < max_angle
+    split = torch.cat([slow, slow])
+    inter = slow.repeat_interleave(2)
+    rot = split if neox is True else inter if neox is False else split & inter
+    return torch.cat([rot, torch.ones(head_dim - rotary_dim, dtype=torch.bool)])
+
+
+def rope_of_config(cfg, max_positions: int | None = None) -> dict:
+    """``{"rope_theta", "rotary_dim", "head_dim", "max_positions"}`` of a Hugging Face model config (``rope_parameters``
+    or ``rope_theta``, ``partial_rotary_factor``, ``head_dim`` or hidden_size / num_attention_heads,
+    ``max_position_embeddings`` unless ``max_positions`` is given, e.g. vLLM's ``max_model_len``).
+
+    Raises:
+        ValueError: no RoPE theta or no max positions in ``cfg`` (naming the missing field).
+    """
+    rp = getattr(cfg, "rope_parameters", None) or {}
+    if isinstance(rp, dict) and "rope_theta" not in rp and rp:   # per-layer-type parameters (e.g. full/sliding)
+        rp = next((v for v in rp.values() if isinstance(v, dict) and "rope_theta" in v), {})
+    theta = rp.get("rope_theta") if isinstance(rp, dict) else None
+    theta = theta if theta is not None else getattr(cfg, "rope_theta", None)
+    if theta is None:
+        raise ValueError("key_offset='slow-pairs' needs the model's RoPE theta (rope_parameters['rope_theta'] or "
+                         "rope_theta in its config); none found: set key_offset to 'first-prefill' or 'off'")
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    n = max_positions or getattr(cfg, "max_position_embeddings", None)
+    if not n:
+        raise ValueError("key_offset='slow-pairs' needs the longest context (max_position_embeddings or "
+                         "max_model_len)")
+    rotary = int(head_dim * float(getattr(cfg, "partial_rotary_factor", 1.0) or 1.0)) // 2 * 2
+    return {"rope_theta": float(theta), "rotary_dim": rotary, "head_dim": int(head_dim), "max_positions": int(n)}
+
+
 class KeyOffset:
     """The offset ``c`` of one layer: float32 ``[num_kv_heads, head_dim]``, zero until :meth:`calibrate`.
 
@@ -40,6 +105,7 @@ class KeyOffset:
         num_kv_heads, head_dim: the layer's KV geometry (positive ints).
         device: where ``c`` lives (a persistent buffer: CUDA graphs captured before calibration read the
             calibrated values, because :meth:`calibrate` copies in place).
+        channels: bool ``[head_dim]``, the channels the mean is subtracted in (``slow_channels``); None = all.
 
     Attributes:
         offset: the float32 ``[num_kv_heads, head_dim]`` buffer ``c``.
@@ -47,10 +113,15 @@ class KeyOffset:
         tokens: how many keys the calibration averaged (0 before).
     """
 
-    def __init__(self, num_kv_heads: int, head_dim: int, device: torch.device | str = "cpu") -> None:
+    def __init__(self, num_kv_heads: int, head_dim: int, device: torch.device | str = "cpu",
+                 channels: torch.Tensor | None = None) -> None:
         for name, v in (("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if channels is not None and (channels.dtype != torch.bool or tuple(channels.shape) != (head_dim,)):
+            raise ValueError(f"channels must be a bool tensor of shape ({head_dim},), got {channels.dtype} "
+                             f"{tuple(channels.shape)}")
+        self.channels = None if channels is None else channels.cpu()
         self.offset = torch.zeros(num_kv_heads, head_dim, dtype=torch.float32, device=device)
         self._cast: dict[torch.dtype, torch.Tensor] = {}   # c in each key dtype seen: one subtraction kernel per call
         self.calibrated = False
@@ -63,8 +134,9 @@ class KeyOffset:
         return self
 
     def calibrate(self, key: torch.Tensor) -> None:
-        """Set ``c`` to the mean of ``key`` ``[T, num_kv_heads, head_dim]`` over its ``T >= 1`` tokens (float32),
-        in place; later calls do nothing (one ``c`` for the engine's lifetime).
+        """Set ``c`` to the mean of ``key`` ``[T, num_kv_heads, head_dim]`` over its ``T >= 1`` tokens (float32) in
+        the selected ``channels`` (0 elsewhere), in place; later calls do nothing (one ``c`` for the engine's
+        lifetime).
 
         Raises:
             ValueError: a shape other than ``[T >= 1, num_kv_heads, head_dim]``.
@@ -74,7 +146,10 @@ class KeyOffset:
         h, d = self.offset.shape
         if key.dim() != 3 or key.shape[1:] != (h, d) or key.shape[0] < 1:
             raise ValueError(f"key must be [T >= 1, {h}, {d}], got {tuple(key.shape)}")
-        self.offset.copy_(key.float().mean(0))
+        mean = key.float().mean(0)
+        if self.channels is not None:
+            mean = mean * self.channels.to(mean.device)
+        self.offset.copy_(mean)
         for c in self._cast.values():   # in place: graphs captured before calibration read these buffers
             c.copy_(self.offset)
         self.calibrated = True

@@ -175,6 +175,38 @@ def engine_shape() -> dict:
             "max_model_len": int(getattr(c.model_config, "max_model_len", 0) or 0) if c.model_config else 0}
 
 
+def engine_rope() -> dict:
+    """The model's RoPE for the key offset (``kvrepro.formats.offset.rope_of_config`` of vLLM's text config, with the
+    engine's ``max_model_len`` as the longest context); ``neox`` is read from vLLM's rotary embeddings at the first
+    calibration (:func:`rope_layout`). Outside an engine (unit tests): a ValueError from ``rope_of_config``.
+
+    Raises:
+        ValueError: no vLLM config, or no RoPE theta in the model's config (naming KVREPRO_KEY_OFFSET's choices).
+    """
+    from vllm.config import get_current_vllm_config_or_none
+
+    from kvrepro.formats.offset import rope_of_config
+
+    c = get_current_vllm_config_or_none()
+    if c is None or c.model_config is None:
+        raise ValueError("KVREPRO_KEY_OFFSET=slow-pairs needs the engine's model config (RoPE theta, max_model_len); "
+                         "outside an engine use first-prefill or off")
+    mc = c.model_config
+    return {**rope_of_config(getattr(mc, "hf_text_config", mc.hf_config), max_positions=int(mc.max_model_len)),
+            "neox": None}
+
+
+def rope_layout(head_size: int) -> bool | None:
+    """Whether vLLM built this model's rotary embeddings half-split (True, ``is_neox_style``) or interleaved (False),
+    from the embeddings vLLM cached while building the model (``rotary_embedding._ROPE_DICT``); None when none
+    match ``head_size`` or they disagree (the key offset then takes only channels slow under both layouts)."""
+    from vllm.model_executor.layers.rotary_embedding import _ROPE_DICT
+
+    styles = {bool(r.is_neox_style) for r in _ROPE_DICT.values()
+              if getattr(r, "head_size", None) == head_size and hasattr(r, "is_neox_style")}
+    return styles.pop() if len(styles) == 1 else None
+
+
 class KVReproAttentionImpl(AttentionImpl[KVReproMetadata]):
     """Stores K/V compressed and runs attention over compressed pages (``kvrepro.ops``)."""
 
@@ -214,7 +246,8 @@ class KVReproAttentionImpl(AttentionImpl[KVReproMetadata]):
         self.rt = LayerRuntime(preset, num_heads, num_kv_heads, head_size, self.scale,
                                s.num_splits, prefill=prefill, graph_sizes=shape["graph_sizes"],
                                max_batch=shape["max_batch"], store_rotate=s.store_rotate,
-                               decode_impl=s.decode_impl_arg, key_offset=s.key_offset)
+                               decode_impl=s.decode_impl_arg, key_offset=s.key_offset,
+                               rope=engine_rope() if s.key_offset == "slow-pairs" else None)
         dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         self.rt.check_decode_impl(shape["block_size"] or 16, dev)
         self._shape = shape
@@ -252,6 +285,8 @@ class KVReproAttentionImpl(AttentionImpl[KVReproMetadata]):
         m = get_attention_context(layer.layer_name)[0]
         if not isinstance(m, KVReproMetadata) or m.num_decode_tokens >= m.num_actual_tokens:
             return None
+        if self.rt.rope is not None and self.rt.rope.get("neox") is None:
+            self.rt.rope["neox"] = rope_layout(self.head_size)
         return m.num_decode_tokens, m.num_actual_tokens
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

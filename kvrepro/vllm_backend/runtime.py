@@ -9,7 +9,7 @@ import torch
 
 from kvrepro.formats import get_format
 from kvrepro.formats.hadamard import rotation_matrix
-from kvrepro.formats.offset import KeyOffset, check_mode
+from kvrepro.formats.offset import KeyOffset, check_mode, slow_channels
 
 _ROTATIONS: dict[tuple[int, int, str], torch.Tensor] = {}
 # One split-K decode workspace per device, shared by every layer (layers run one after another on
@@ -101,15 +101,22 @@ def shared_rotation(head_dim: int, seed: int, device: torch.device) -> torch.Ten
 
 def log_calibration(rt: "LayerRuntime", tokens: int) -> None:
     """Record a layer's key-offset calibration; log the first of the process (one line, not one per layer)."""
-    OFFSET_CALIBRATIONS.append({"tokens": int(tokens)})
+    ch = rt.key_offset.channels
+    n = rt.head_size if ch is None else int(ch.sum())
+    OFFSET_CALIBRATIONS.append({"tokens": int(tokens), "channels": n})
     if len(OFFSET_CALIBRATIONS) == 1:
         import logging
 
         from kvrepro.vllm_backend.config import LOGGER_NAME
 
+        r = rt.rope or {}
+        layout = {True: "half-split", False: "interleaved"}.get(r.get("neox"), "layout unknown: slow in both")
+        which = (f"{n} of {rt.head_size} channels: RoPE pairs turning < pi/4 over {r.get('max_positions')} positions "
+                 f"(theta {r.get('rope_theta')}, {layout} pairs)" if rt.key_offset_mode == "slow-pairs"
+                 else f"all {n} channels")
         logging.getLogger(LOGGER_NAME).info(
-            "kvrepro key offset: calibrated on the first prefill (%d tokens; one constant per layer and KV head, "
-            "fixed from now on)", tokens)
+            "kvrepro key offset (%s): calibrated on the first prefill (%d tokens; one constant per layer and KV head, "
+            "fixed from now on; %s)", rt.key_offset_mode, tokens, which)
 
 
 class LayerRuntime:
@@ -133,21 +140,29 @@ class LayerRuntime:
             see ``KVREPRO_STORE_ROTATE`` in ``kvrepro.settings``; ``"kernel"``).
         decode_impl: ``decode_attention``'s ``impl`` (``"cuda"``, ``"triton"``, or None = its default
             ``kvrepro.ops.decode.resolve_impl``; ``Settings.decode_impl_arg``).
-        key_offset: ``"first-prefill"`` (default: every stored key and every prefill chunk's own keys minus the
-            constant ``kvrepro.formats.offset.KeyOffset`` that the first :meth:`store` with ``calibrate`` sets) or
-            ``"off"``.
+        key_offset: ``"slow-pairs"`` (the backend's default setting) or ``"first-prefill"``: every stored key and
+            every prefill chunk's own keys minus the constant ``kvrepro.formats.offset.KeyOffset`` that the first
+            :meth:`store` with ``calibrate`` sets (in RoPE's slow pairs, or in every channel); ``"off"`` (the default
+            here: the backend passes the engine's setting).
+        rope: the model's RoPE for ``"slow-pairs"`` (``offset.rope_of_config`` with ``max_positions`` = the longest
+            context, plus ``"neox"``: True / False / None = unknown, read at calibration, so it may be set later).
 
     Raises:
         ValueError: a bad ``max_batch``, ``store_rotate``, ``decode_impl`` or ``key_offset`` (naming it and the
-            allowed values).
+            allowed values); ``"slow-pairs"`` without ``rope``.
     """
 
     def __init__(self, preset: str, num_heads: int, num_kv_heads: int, head_size: int, scale: float,
                  num_splits: int | None = None, ops=None, prefill=None, graph_sizes=(),
                  max_batch: int | None = None, store_rotate: str = "torch", decode_impl: str | None = None,
-                 key_offset: str = "first-prefill") -> None:
+                 key_offset: str = "off", rope: dict | None = None) -> None:
         self.fmt = get_format(preset)
-        self.key_offset = KeyOffset(num_kv_heads, head_size) if check_mode(key_offset) == "first-prefill" else None
+        self.key_offset_mode = check_mode(key_offset)
+        if key_offset == "slow-pairs" and rope is None:
+            raise ValueError("key_offset='slow-pairs' needs the model's RoPE (rope=offset.rope_of_config(...)); "
+                             "or KVREPRO_KEY_OFFSET=first-prefill / off")
+        self.rope = rope
+        self.key_offset = KeyOffset(num_kv_heads, head_size) if key_offset != "off" else None
         self.num_heads, self.num_kv_heads, self.head_size = num_heads, num_kv_heads, head_size
         self.scale = scale
         self.num_splits = num_splits
@@ -314,6 +329,10 @@ class LayerRuntime:
         rot = self.prepare(pool.device)
         if self.key_offset is not None:
             if calibrate is not None and not self.key_offset.calibrated and calibrate[1] > calibrate[0]:
+                if self.key_offset_mode == "slow-pairs":
+                    r = self.rope
+                    self.key_offset.channels = slow_channels(self.head_size, r["rope_theta"], r["max_positions"],
+                                                             r.get("rotary_dim"), neox=r.get("neox"))
                 self.key_offset.calibrate(k[calibrate[0]:calibrate[1]])
                 log_calibration(self, calibrate[1] - calibrate[0])
             k = self.key_offset.apply(k)
