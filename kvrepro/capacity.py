@@ -26,12 +26,27 @@ gpu_memory_utilization = 0.9 x 81920 / 143771 (an emulated 80 GiB card, budget 7
 that leaves 1.9668-1.9690 GiB; the default :data:`DEFAULT_OVERHEAD_GB` = 1.968 reproduces the bf16
 measurement exactly and fp8's (910,688 tokens) within 0.011 % (910,784). The overhead depends on the model,
 max_model_len, batch limits and CUDA graph sizes: recalibrate it for another setup.
+
+Tensor parallel (``tensor_parallel_size`` N, default 1) and pipeline parallel (``pipeline_parallel_size`` M,
+default 1): every GPU has its own KV cache in its own memory, and every ``*_gb`` memory argument is *per GPU*.
+A TP rank holds ``max(1, num_kv_heads // N)`` KV heads of every layer of its stage (``kvrepro.parallel``), its
+shard of the weights (:meth:`ModelConfig.rank_weights_bytes`: about ``weights / N``; norms and, when N > KV heads,
+K/V projections are replicated) and ``overhead_gb``; so per rank::
+
+    page_bytes_rank = stage_layers x kv_heads_per_rank x block_size x bytes_per_token_per_head
+    num_gpu_blocks  = min over stages of floor(kv_cache_bytes_rank / page_bytes_rank)
+
+(vLLM gives every worker the smallest block count of all workers, ``get_kv_cache_configs``), and
+``kv_cache_tokens`` is what each rank holds of its own heads, the same on every rank: the engine's KV-token
+count. ``overhead_gb`` was calibrated at N = M = 1; at N > 1 NCCL and custom all-reduce buffers add to it
+(not calibrated: no multi-GPU measurement yet).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
+from kvrepro import parallel
 from kvrepro.configs import DEFAULT_MODEL, load_config
 from kvrepro.formats import COMPRESSED_PRESETS, FORMAT_NAMES, get_format
 
@@ -147,66 +162,134 @@ class ModelConfig:
         """Bytes of the weights at ``dtype_bytes`` per parameter (8,044,936,192 for Qwen3-4B bf16)."""
         return self.num_params * self.dtype_bytes
 
+    def check_parallel(self, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1) -> tuple[int, int]:
+        """Validate ``(tensor_parallel_size, pipeline_parallel_size)`` for this model as vLLM does; return them.
+
+        Raises:
+            ValueError: a size that is not a positive int, a TP size that does not split the query heads, the KV
+                heads or the MLP (message lists the allowed sizes), more pipeline stages than layers.
+        """
+        tp = parallel.check_tensor_parallel(self.num_q_heads, self.num_kv_heads, tensor_parallel_size,
+                                            self.intermediate_size)
+        parallel.pp_layer_ranges(self.num_layers, pipeline_parallel_size)
+        return tp, pipeline_parallel_size
+
+    def rank_weights_bytes(self, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1) -> list[int]:
+        """Weight bytes on one GPU of each pipeline stage (all TP ranks of a stage hold the same amount), as vLLM
+        shards a Qwen3/Llama decoder: q / o projections, MLP and vocabulary (padded to 64 rows,
+        ``parallel.padded_vocab``) split N ways; K / V projections ``kv_heads_per_rank`` heads each; RMSNorms
+        replicated. The first stage holds the embedding; the last stage the final norm and ``lm_head`` (with tied
+        embeddings, vLLM's Qwen2/Qwen3 put the embedding there and share it: one vocabulary matrix either way).
+        N = M = 1 returns ``[weights_bytes]`` unchanged.
+
+        Returns:
+            list of M ints (bytes per GPU of stage 0 .. M-1).
+
+        Raises:
+            ValueError: as :meth:`check_parallel`.
+        """
+        tp, pp = self.check_parallel(tensor_parallel_size, pipeline_parallel_size)
+        if tp == 1 and pp == 1:
+            return [self.weights_bytes]
+        h, d = self.hidden_size, self.head_dim
+        q = self.num_q_heads // tp
+        kv = parallel.kv_heads_per_rank(self.num_kv_heads, tp)
+        per_layer = h * q * d + 2 * h * kv * d + q * d * h + 3 * h * (self.intermediate_size // tp) + 2 * h + 2 * d
+        vocab = parallel.padded_vocab(self.vocab_size) // tp * h
+        ranges = parallel.pp_layer_ranges(self.num_layers, pp)
+        out = []
+        for s, (a, b) in enumerate(ranges):
+            n = (b - a) * per_layer
+            if pp == 1:
+                n += vocab * (1 if self.tie_word_embeddings else 2) + h
+            elif s == 0:
+                n += vocab
+            elif s == pp - 1:
+                n += vocab + h
+            out.append(n * self.dtype_bytes)
+        return out
+
 
 def load_model_config(name: str = DEFAULT_MODEL) -> ModelConfig:
     """:class:`ModelConfig` of a bundled model (``kvrepro.configs``). Raises ValueError for unknown names."""
     return ModelConfig.from_hf(load_config(name), name=name)
 
 
-def bytes_per_token(fmt: str, cfg: ModelConfig) -> int:
-    """KV bytes of one token over all layers and KV heads (147,456 for bf16 Qwen3-4B).
+def bytes_per_token(fmt: str, cfg: ModelConfig, *, tensor_parallel_size: int = 1) -> int:
+    """KV bytes of one token over all layers and KV heads (147,456 for bf16 Qwen3-4B); with
+    ``tensor_parallel_size`` N, what one TP rank stores: its ``max(1, num_kv_heads // N)`` heads.
 
     Raises:
-        ValueError: unknown format name (lists the allowed ones) or unsupported head_dim.
+        ValueError: unknown format name (lists the allowed ones), unsupported head_dim, or a
+            ``tensor_parallel_size`` that does not split the model (:meth:`ModelConfig.check_parallel`).
     """
     check_formats([fmt], "format")
-    return cfg.num_layers * cfg.num_kv_heads * get_format(fmt).bytes_per_token_per_head(cfg.head_dim)
+    tp, _ = cfg.check_parallel(tensor_parallel_size)
+    heads = parallel.kv_heads_per_rank(cfg.num_kv_heads, tp)
+    return cfg.num_layers * heads * get_format(fmt).bytes_per_token_per_head(cfg.head_dim)
 
 
-def page_bytes_all_layers(fmt: str, cfg: ModelConfig, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
+def page_bytes_all_layers(fmt: str, cfg: ModelConfig, block_size: int = DEFAULT_BLOCK_SIZE, *,
+                          tensor_parallel_size: int = 1, num_layers: int | None = None) -> int:
     """Bytes of one block (page) summed over all layers: what one block id costs vLLM.
 
     For compressed formats the page is ``PageLayout(head_dim, block_size).page_bytes`` per KV head
-    (``kvrepro.formats.layout``), which also refuses unsupported block sizes.
+    (``kvrepro.formats.layout``), which also refuses unsupported block sizes. With ``tensor_parallel_size`` N: what
+    one block id costs one TP rank (its ``max(1, num_kv_heads // N)`` heads); ``num_layers``: the layers of one
+    pipeline stage (default all).
 
     Raises:
-        ValueError: unknown format, non-positive ``block_size``, or a block size the format does not support.
+        ValueError: unknown format, non-positive ``block_size``, or a block size the format does not support;
+            a ``tensor_parallel_size`` that does not split the model; ``num_layers`` not a positive int.
     """
     check_formats([fmt], "format")
     _positive_int("block_size", block_size)
+    tp, _ = cfg.check_parallel(tensor_parallel_size)
+    layers = cfg.num_layers if num_layers is None else _positive_int("num_layers", num_layers)
     f = get_format(fmt)
     if fmt in COMPRESSED_PRESETS:
         per_head = f.layout(cfg.head_dim, block_size).page_bytes
     else:
         per_head = block_size * f.bytes_per_token_per_head(cfg.head_dim)
-    return cfg.num_layers * cfg.num_kv_heads * per_head
+    return layers * parallel.kv_heads_per_rank(cfg.num_kv_heads, tp) * per_head
 
 
 def kv_cache_bytes(gpu_memory_gb: float = DEFAULT_GPU_MEMORY_GB,
                    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
                    weights_gb: float | None = None, overhead_gb: float = DEFAULT_OVERHEAD_GB,
-                   cfg: ModelConfig | None = None) -> int:
-    """Bytes vLLM leaves for the KV cache: ``utilization x memory - weights - overhead`` (GiB inputs).
+                   cfg: ModelConfig | None = None, *, tensor_parallel_size: int = 1,
+                   pipeline_parallel_size: int = 1, stage: int = 0) -> int:
+    """Bytes vLLM leaves for the KV cache on one GPU: ``utilization x memory - weights - overhead`` (GiB inputs,
+    per GPU).
 
-    ``weights_gb=None`` takes ``cfg.weights_bytes`` (``cfg`` default: the bundled Qwen3-4B config).
+    ``weights_gb=None`` takes the weights of one GPU of pipeline stage ``stage`` at ``tensor_parallel_size``
+    (:meth:`ModelConfig.rank_weights_bytes`; ``cfg`` default: the bundled Qwen3-4B config; N = M = 1:
+    ``cfg.weights_bytes``); a given ``weights_gb`` is the whole model's, split evenly over the N x M GPUs.
 
     Raises:
-        ValueError: a non-positive memory, a utilization outside (0, 1], negative weights/overhead,
-            or nothing left for the KV cache (message gives the numbers).
+        ValueError: a non-positive memory, a utilization outside (0, 1], negative weights/overhead, a parallel size
+            that does not split the model, ``stage`` not in 0..M-1, or nothing left for the KV cache (message gives
+            the numbers).
     """
     _number("gpu_memory_gb", gpu_memory_gb, positive=True)
     _number("gpu_memory_utilization", gpu_memory_utilization, positive=True, hi=1.0)
     _number("overhead_gb", overhead_gb, lo=0.0)
+    cfg = cfg or load_model_config()
+    tp, pp = cfg.check_parallel(tensor_parallel_size, pipeline_parallel_size)
+    if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < pp:
+        raise ValueError(f"stage must be an int in 0..{pp - 1}, got {stage!r}")
     if weights_gb is None:
-        weights = (cfg or load_model_config()).weights_bytes
+        weights = cfg.rank_weights_bytes(tp, pp)[stage]
     else:
-        weights = _number("weights_gb", weights_gb, lo=0.0) * GIB
+        weights = _number("weights_gb", weights_gb, lo=0.0) * GIB / (tp * pp)
     kv = math.floor(gpu_memory_utilization * gpu_memory_gb * GIB - weights - overhead_gb * GIB)
     if kv <= 0:
         raise ValueError(
             f"no memory left for the KV cache: gpu_memory_utilization x gpu_memory_gb = "
             f"{gpu_memory_utilization * gpu_memory_gb:.3f} GiB <= weights {weights / GIB:.3f} GiB + "
             f"overhead_gb {overhead_gb:.3f} GiB"
+            + (f" (per GPU, tensor_parallel_size={tp}, pipeline_parallel_size={pp}, stage {stage})"
+               if tp * pp > 1 else "")
         )
     return kv
 
@@ -229,30 +312,50 @@ def users_that_fit(fmt: str, context_tokens: int, decode_tokens: int, *,
                    gpu_memory_gb: float = DEFAULT_GPU_MEMORY_GB,
                    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
                    weights_gb: float | None = None, overhead_gb: float = DEFAULT_OVERHEAD_GB,
-                   block_size: int = DEFAULT_BLOCK_SIZE, cfg: ModelConfig | None = None) -> dict:
+                   block_size: int = DEFAULT_BLOCK_SIZE, cfg: ModelConfig | None = None,
+                   tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1) -> dict:
     """Capacity of one format for users of ``context_tokens + decode_tokens`` each.
 
+    With ``tensor_parallel_size`` N and ``pipeline_parallel_size`` M the engine spans N x M GPUs of
+    ``gpu_memory_gb`` each; every GPU sizes its own KV cache and vLLM keeps the smallest block count of all of them
+    (see the module docstring). Byte and memory figures below are then per GPU (of the stage that sets the block
+    count); token and user counts are the engine's (each rank holds those tokens for its own heads).
+
     Returns:
-        dict: format, bytes_per_token (all layers), page_bytes (all layers), kv_cache_gib,
-        num_gpu_blocks, kv_cache_tokens (= num_gpu_blocks x block_size, as vLLM reports it),
-        tokens_per_user, blocks_per_user, users_fit (= (num_gpu_blocks - 1) // blocks_per_user: the
-        null block is not usable).
+        dict: format, bytes_per_token (all layers of one rank's KV heads), page_bytes (one block id on one GPU of
+        the binding stage), kv_cache_gib (per GPU, that stage), num_gpu_blocks, kv_cache_tokens
+        (= num_gpu_blocks x block_size, as vLLM reports it; the KV tokens of every rank), tokens_per_user,
+        blocks_per_user, users_fit (= (num_gpu_blocks - 1) // blocks_per_user: the null block is not usable),
+        tensor_parallel_size, pipeline_parallel_size, num_gpus (N x M), kv_heads_per_rank, weights_gib_per_gpu
+        (that stage's GPU).
 
     Raises:
         ValueError: unknown format; ``context_tokens`` not a positive int; ``decode_tokens`` negative
-            or not an int; any memory parameter out of range (see :func:`kv_cache_bytes`).
+            or not an int; any memory parameter out of range (see :func:`kv_cache_bytes`); a parallel size that does
+            not split the model (:meth:`ModelConfig.check_parallel`, naming it and the allowed sizes).
     """
     cfg = cfg or load_model_config()
     _positive_int("context_tokens", context_tokens)
     _nonneg_int("decode_tokens", decode_tokens)
+    tp, pp = cfg.check_parallel(tensor_parallel_size, pipeline_parallel_size)
     tokens = context_tokens + decode_tokens
-    kv = kv_cache_bytes(gpu_memory_gb, gpu_memory_utilization, weights_gb, overhead_gb, cfg)
-    page = page_bytes_all_layers(fmt, cfg, block_size)
-    blocks = num_gpu_blocks(kv, page)
+    best = None
+    for stage, (a, b) in enumerate(parallel.pp_layer_ranges(cfg.num_layers, pp)):
+        kv = kv_cache_bytes(gpu_memory_gb, gpu_memory_utilization, weights_gb, overhead_gb, cfg,
+                            tensor_parallel_size=tp, pipeline_parallel_size=pp, stage=stage)
+        page = page_bytes_all_layers(fmt, cfg, block_size, tensor_parallel_size=tp, num_layers=b - a)
+        blocks = num_gpu_blocks(kv, page)
+        if best is None or blocks < best[2]:   # vLLM: every worker gets the smallest count of all workers
+            best = (kv, page, blocks, stage)
+    kv, page, blocks, stage = best
     per_user = blocks_per_request(tokens, block_size)
+    if weights_gb is None:
+        weights = cfg.rank_weights_bytes(tp, pp)[stage]
+    else:
+        weights = weights_gb * GIB / (tp * pp)
     return {
         "format": fmt,
-        "bytes_per_token": bytes_per_token(fmt, cfg),
+        "bytes_per_token": bytes_per_token(fmt, cfg, tensor_parallel_size=tp),
         "page_bytes": page,
         "kv_cache_gib": kv / GIB,
         "num_gpu_blocks": blocks,
@@ -260,6 +363,11 @@ def users_that_fit(fmt: str, context_tokens: int, decode_tokens: int, *,
         "tokens_per_user": tokens,
         "blocks_per_user": per_user,
         "users_fit": max(0, blocks - 1) // per_user,
+        "tensor_parallel_size": tp,
+        "pipeline_parallel_size": pp,
+        "num_gpus": tp * pp,
+        "kv_heads_per_rank": parallel.kv_heads_per_rank(cfg.num_kv_heads, tp),
+        "weights_gib_per_gpu": weights / GIB,
     }
 
 
@@ -341,14 +449,17 @@ def check_memory(gpu_memory_gb, gpu_memory_utilization=DEFAULT_GPU_MEMORY_UTILIZ
 
 
 def kv_demand(formats, max_users: int, context_tokens: int, decode_tokens: int,
-              block_size: int = DEFAULT_BLOCK_SIZE, cfg: ModelConfig | None = None):
-    """KV memory that 1..``max_users`` users need, in whole blocks, per format.
+              block_size: int = DEFAULT_BLOCK_SIZE, cfg: ModelConfig | None = None, *,
+              tensor_parallel_size: int = 1):
+    """KV memory that 1..``max_users`` users need, in whole blocks, per format; with ``tensor_parallel_size`` N,
+    on each TP rank (its KV heads only), to compare with :func:`users_that_fit`'s per-GPU ``kv_cache_gib``.
 
     Returns:
         DataFrame: format, users, kv_gib_needed = users x ceil(tokens / block_size) x page_bytes_all_layers / 2**30.
 
     Raises:
-        ValueError: as :func:`check_workload` and :func:`check_formats`.
+        ValueError: as :func:`check_workload` and :func:`check_formats`; a ``tensor_parallel_size`` that does not
+            split the model.
     """
     import pandas as pd
 
@@ -357,7 +468,8 @@ def kv_demand(formats, max_users: int, context_tokens: int, decode_tokens: int,
     cfg = cfg or load_model_config()
     per_user = blocks_per_request(context_tokens + decode_tokens, block_size)
     rows = [
-        {"format": f, "users": n, "kv_gib_needed": n * per_user * page_bytes_all_layers(f, cfg, block_size) / GIB}
+        {"format": f, "users": n, "kv_gib_needed":
+         n * per_user * page_bytes_all_layers(f, cfg, block_size, tensor_parallel_size=tensor_parallel_size) / GIB}
         for f in formats for n in range(1, max_users + 1)
     ]
     return pd.DataFrame(rows)
