@@ -150,3 +150,99 @@ def test_check_memory_names_the_parameter(kwargs, needle):
     with pytest.raises(ValueError, match=re.escape(needle)):
         cap.check_memory(**kwargs)
     cap.check_memory(80.0, 0.9, 1.968)
+
+
+# --- tensor / pipeline parallel (per-GPU memory; numbers written out by hand) ---------------------------------------
+
+QWEN32 = cap.load_model_config("qwen3-32b")
+
+
+def test_qwen3_32b_tp2_rank_weights_by_hand():
+    # Qwen3-32B: 64 layers, 64 q / 8 kv heads, head_dim 128, hidden 5120, MLP 25600, vocab 151,936 (= 64 x 2,374,
+    # no padding), untied. One TP=2 rank: q 5120x(32x128), k and v 5120x(4x128), o (32x128)x5120, MLP 3 x 5120x12800,
+    # norms 2x5120 + 2x128 (replicated), embedding and lm_head 75,968 rows x 5120 each, final norm 5120.
+    per_layer = 20_971_520 + 2 * 2_621_440 + 20_971_520 + 196_608_000 + 10_496
+    assert per_layer == 243_804_416
+    params = 64 * per_layer + 2 * 75_968 * 5_120 + 5_120
+    assert params == 16_381_400_064
+    assert QWEN32.rank_weights_bytes(2) == [2 * params] == [32_762_800_128]
+    # weights / 2 but for the replicated norms: 2 ranks hold them twice
+    assert 2 * params - QWEN32.num_params == 64 * (2 * 5_120 + 256) + 5_120
+
+
+def test_qwen3_4b_tp2_rank_weights_and_tp1_unchanged():
+    per_layer = 5_242_880 + 2 * 1_310_720 + 5_242_880 + 37_355_520 + 5_376    # 16 q / 4 kv heads, MLP 4,864
+    params = 36 * per_layer + 75_968 * 2_560 + 2_560                          # tied: one vocabulary matrix
+    assert QWEN.rank_weights_bytes(2) == [2 * params] == [4_022_664_192]
+    assert QWEN.rank_weights_bytes(1) == [8_044_936_192]                     # the calibrated TP=1 figure
+    # PP=2: 18 layers each; stage 0 embedding, stage 1 final norm + lm_head (= the tied embedding, vLLM's Qwen3)
+    layer1 = 10_485_760 + 2 * 2_621_440 + 10_485_760 + 74_711_040 + 5_376
+    assert QWEN.rank_weights_bytes(1, 2) == [2 * (18 * layer1 + 151_936 * 2_560),
+                                             2 * (18 * layer1 + 151_936 * 2_560 + 2_560)]
+
+
+@pytest.mark.parametrize("fmt,per_head,blocks,users", [
+    ("bf16", 512, 20_233, 2), ("fp8", 256, 40_467, 4), ("k4v4", 134, 77_311, 9), ("k5v4", 147, 70_474, 8)])
+def test_qwen3_32b_tp2_users_at_128k_by_hand(fmt, per_head, blocks, users):
+    # Per GPU: 0.9 x 80 GiB - 32,762,800,128 B rank weights - 1.968 GiB overhead = 42,433,487,290 B of KV.
+    kv = math.floor(0.9 * 80 * 2**30 - 32_762_800_128 - 1.968 * 2**30)
+    assert kv == 42_433_487_290
+    page = 64 * 4 * 16 * per_head                    # 64 layers x 4 KV heads per rank x 16 tokens
+    assert kv // page == blocks
+    r = cap.users_that_fit(fmt, 131_072, 1_024, cfg=QWEN32, tensor_parallel_size=2)
+    assert (r["page_bytes"], r["num_gpu_blocks"], r["kv_cache_tokens"], r["users_fit"]) == \
+        (page, blocks, 16 * blocks, users)          # (blocks - 1) // 8,256 blocks per user
+    assert (r["kv_heads_per_rank"], r["num_gpus"], r["bytes_per_token"]) == (4, 2, 64 * 4 * per_head)
+    assert r["weights_gib_per_gpu"] == pytest.approx(32_762_800_128 / 2**30)
+
+
+def test_qwen3_32b_tp1_vs_tp2_k4v4_by_hand():
+    # TP=1 on one 80 GiB GPU: all 65,524,246,528 B of weights (the rank's 2 x 32,762,800,128 less the norms counted
+    # twice) leave 9,672,040,890 B of KV: 8,810 blocks of 64 x 8 x 16 x 134 B, one user of 128K + 1K.
+    assert QWEN32.weights_bytes == 2 * (2 * 16_381_400_064 - (64 * 10_496 + 5_120)) == 65_524_246_528
+    kv = math.floor(0.9 * 80 * 2**30 - 65_524_246_528 - 1.968 * 2**30)
+    assert kv == 9_672_040_890 and kv // 1_097_728 == 8_810
+    one = cap.users_that_fit("k4v4", 131_072, 1_024, cfg=QWEN32)
+    two = cap.users_that_fit("k4v4", 131_072, 1_024, cfg=QWEN32, tensor_parallel_size=2)
+    assert (one["num_gpu_blocks"], one["users_fit"]) == (8_810, 1)
+    assert (two["num_gpu_blocks"], two["users_fit"]) == (77_311, 9)   # 2 GPUs: 8.8x the KV tokens
+
+
+@pytest.mark.parametrize("fmt,blocks,users", [("bf16", 27_566, 3), ("fp8", 55_133, 6), ("k4v4", 105_329, 12)])
+def test_qwen3_4b_tp2_on_40gib_gpus_by_hand(fmt, blocks, users):
+    kv = math.floor(0.9 * 40 * 2**30 - 4_022_664_192 - 1.968 * 2**30)
+    per_head = {"bf16": 512, "fp8": 256, "k4v4": 134}[fmt]
+    assert kv // (36 * 4 * 16 * per_head) == blocks
+    t = cap.capacity_table([fmt], 131_072, 1_024, cfg=QWEN, gpu_memory_gb=40, tensor_parallel_size=2)
+    assert (int(t["num_gpu_blocks"].iloc[0]), int(t["users_fit"].iloc[0])) == (blocks, users)
+    d = cap.kv_demand([fmt], 2, 131_072, 1_024, 16, QWEN, tensor_parallel_size=2)
+    assert d["kv_gib_needed"].iloc[1] == pytest.approx(2 * 8_256 * 36 * 4 * 16 * per_head / 2**30)
+
+
+def test_pp2_takes_the_smallest_stage():
+    # Qwen3-4B PP=2 on 40 GiB GPUs: both stages 18 layers; stage 1 holds 2,560 more parameters (final norm), so it
+    # sets the block count: bf16 page 18 x 8 x 16 x 512 B.
+    layer1 = 10_485_760 + 2 * 2_621_440 + 10_485_760 + 74_711_040 + 5_376
+    w1 = 2 * (18 * layer1 + 151_936 * 2_560 + 2_560)
+    kv1 = math.floor(0.9 * 40 * 2**30 - w1 - 1.968 * 2**30)
+    r = cap.users_that_fit("bf16", 131_072, 1_024, cfg=QWEN, gpu_memory_gb=40, pipeline_parallel_size=2)
+    assert r["num_gpu_blocks"] == kv1 // (18 * 8 * 16 * 512)
+    assert r["page_bytes"] == 18 * 8 * 16 * 512 and r["num_gpus"] == 2
+
+
+def test_tp1_rows_keep_their_values():
+    a = cap.users_that_fit("k4v4", 131_072, 1_024, cfg=QWEN)
+    b = cap.users_that_fit("k4v4", 131_072, 1_024, cfg=QWEN, tensor_parallel_size=1, pipeline_parallel_size=1)
+    assert a == b and a["users_fit"] == 13 and a["kv_heads_per_rank"] == 8
+
+
+@pytest.mark.parametrize("kwargs,needle", [
+    (dict(tensor_parallel_size=0), "tensor_parallel_size must be a positive integer"),
+    (dict(tensor_parallel_size=3), r"tensor_parallel_size=3 .*allowed: \[1, 2, 4, 8, 16, 32\]"),
+    (dict(tensor_parallel_size=2.0), "tensor_parallel_size must be a positive integer"),
+    (dict(pipeline_parallel_size=37), r"pipeline_parallel_size=37 exceeds the model's 36 layers \(allowed: 1..36\)"),
+    (dict(pipeline_parallel_size=0), "pipeline_parallel_size must be a positive integer"),
+])
+def test_bad_parallel_sizes(kwargs, needle):
+    with pytest.raises(ValueError, match=needle):
+        cap.users_that_fit("bf16", 1_024, 0, cfg=QWEN, **kwargs)
