@@ -166,3 +166,48 @@ def test_engine_geometry_is_per_rank():
     g = config.engine_geometry(VC())
     assert (g["num_q_heads"], g["num_kv_heads"], g["head_dim"]) == (32, 4, 128)
     assert config.group_reason(g["num_q_heads"], g["num_kv_heads"]) is None
+
+
+# --- notebook 02 takes tensor_parallel_size ---------------------------------------------------------------------------
+
+def _run_02(params: dict, out, kernel: str) -> str:
+    import json
+    from pathlib import Path
+
+    import papermill as pm
+    import yaml
+
+    from kvrepro import provenance
+
+    nb = Path(__file__).resolve().parents[1] / "notebooks" / "02_capacity.ipynb"
+    params = yaml.safe_load((nb.parent / "params" / "02_ci.yaml").read_text()) | params
+    provenance.check_parameters(nb, params)
+    pm.execute_notebook(str(nb), str(out), parameters=params, kernel_name=kernel, cwd=str(nb.parent),
+                        progress_bar=False, log_output=False)
+    cells = json.loads(out.read_text())["cells"]
+    return "\n".join("".join(o.get("text", "")) + "".join(o.get("data", {}).get("text/markdown", ""))
+                     + "".join(o.get("data", {}).get("text/html", ""))
+                     for c in cells for o in c.get("outputs", []))
+
+
+def test_02_reports_tensor_parallel_capacity(tmp_path, notebook_kernel):
+    """Qwen3-32B at TP=2 on 80 GiB GPUs, 128K + 1K per user: the report names the split and shows the users of
+    tests/test_capacity.py's hand computation (bf16 2, fp8 4, k4v4 9)."""
+    text = _run_02({"model": "qwen3-32b", "formats": ["bf16", "fp8", "k4v4"], "context_tokens": 131072,
+                    "decode_tokens": 1024, "gpu_memory_gb": 80.0, "tensor_parallel_size": 2}, tmp_path / "o.ipynb",
+                   notebook_kernel)
+    assert "tensor_parallel_size 2 (2 GPUs of 80 GiB, 4 of 8 KV heads per GPU)" in text
+    assert "kv_heads_per_rank" in text and "weights_gib_per_gpu" in text      # the table carries the split
+    from kvrepro import capacity
+    t = capacity.capacity_table(["bf16", "fp8", "k4v4"], 131072, 1024, cfg=capacity.load_model_config("qwen3-32b"),
+                                tensor_parallel_size=2)
+    assert list(t["users_fit"]) == [2, 4, 9]
+
+
+def test_02_refuses_a_tensor_parallel_size_that_does_not_split_the_model(tmp_path, notebook_kernel):
+    import papermill as pm
+
+    with pytest.raises(pm.PapermillExecutionError) as err:
+        _run_02({"tensor_parallel_size": 3}, tmp_path / "o.ipynb", notebook_kernel)
+    assert err.value.ename == "ValueError"
+    assert "tensor_parallel_size=3 does not split" in err.value.evalue and "allowed: [1, 2, 4, 8, 16, 32]" in err.value.evalue
