@@ -549,7 +549,8 @@ def main(argv=None) -> int:
         p.add_argument("--num-windows", type=int, default=FidelityParams.num_windows)
         p.add_argument("--top-k", type=int, default=FidelityParams.top_k)
         p.add_argument("--key-offset", default=FidelityParams.key_offset,
-                       help="how compressed presets store keys: slow-pairs (default), first-prefill or off")
+                       help="how compressed presets store keys (the reference path's KVREPRO_KEY_OFFSET): slow-pairs "
+                       "(default), first-prefill or off")
     c.add_argument("--out", default=DEFAULT_CPU_RESULTS)
     c.add_argument("--device", default="cpu", help="cpu, or cuda: the same reference path in float32 on a GPU")
     v.add_argument("--out", default=DEFAULT_VLLM_RESULTS)
@@ -571,7 +572,12 @@ def main(argv=None) -> int:
     params = FidelityParams(formats=tuple(f for f in a.formats.split(",") if f), corpus=a.corpus,
                             window_tokens=a.window_tokens, score_from=a.score_from, num_windows=a.num_windows,
                             top_k=a.top_k, key_offset=a.key_offset)
-    params.validate()
+    try:
+        params.validate()
+    except ValueError as e:      # a usage error: argparse's message and exit code 2, not a traceback
+        ap.error(str(e))
+    if a.cmd == "cpu" and a.device not in ("cpu", "cuda") and not a.device.startswith("cuda:"):
+        ap.error(f"--device must be cpu, cuda or cuda:N, got {a.device!r}")
     if a.cmd == "cpu":
         rows = run_cpu(params, a.out, progress=True, device=a.device)
     else:
