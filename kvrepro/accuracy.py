@@ -930,7 +930,8 @@ def load_vllm_results(path: str = VLLM_RESULTS) -> dict:
     full = existing(resolve_path(path))
     if not os.path.isfile(full):
         raise FileNotFoundError(f"no committed vLLM results at {path}")
-    path = existing(path)
+    if full.endswith(".gz") and not str(path).endswith(".gz"):
+        path = f"{path}.gz"
     rows = _read_rows(full)
     missing = [c for c in ("gpu", "date", "vllm_version", "mode", "prompt_sha256") if c not in rows]
     if missing:

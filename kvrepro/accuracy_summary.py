@@ -197,7 +197,8 @@ def needle_source(path: str = NEEDLE, measured_now: bool = False) -> Source:
     """The committed vLLM needle run (``scripts/vllm_accuracy.py``; ``accuracy.load_vllm_results``) with its
     :func:`kvrepro.accuracy.mode_verdicts` (sanity rows included where the run wrote them). No file: status
     :data:`NOT_MEASURED`."""
-    path = accuracy.existing(path) if path else path
+    if path and accuracy.existing(accuracy.resolve_path(path)).endswith(".gz") and not str(path).endswith(".gz"):
+        path = f"{path}.gz"       # the committed copy is gzip-compressed
     rel = _rel(path) if path else ""
     if not path or not os.path.isfile(accuracy.resolve_path(path)):
         return Source("needle", NOT_MEASURED, rel)

@@ -627,3 +627,22 @@ def test_heatmap_labels_do_not_overlap_on_the_vllm_grid():
             assert not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1:])
     assert fig.get_figwidth() <= 14                                      # fits a 1400 px page at 100 dpi
     plt.close(fig)
+
+
+def test_committed_vllm_results_are_found_compressed_from_any_working_directory(tmp_path, monkeypatch):
+    """The vLLM needle run is committed as vllm_accuracy.csv.gz; the .csv path names it, from the repo root or from
+    notebooks/ (papermill's cwd), and the rows equal the decompressed file's."""
+    import gzip
+
+    from kvrepro import accuracy_summary
+
+    monkeypatch.chdir(ROOT / "notebooks")
+    assert not (ROOT / accuracy.VLLM_RESULTS).exists() and (ROOT / (accuracy.VLLM_RESULTS + ".gz")).exists()
+    r = accuracy.load_vllm_results(accuracy.VLLM_RESULTS)
+    with gzip.open(ROOT / (accuracy.VLLM_RESULTS + ".gz"), "rt") as f:
+        raw = pd.read_csv(f, dtype=str)
+    assert len(r["rows"]) == len(raw) and list(r["rows"]["prompt_sha256"]) == list(raw["prompt_sha256"])
+    assert r["label"].startswith(f"replayed from {accuracy.VLLM_RESULTS}.gz")
+    src = accuracy_summary.needle_source(accuracy.VLLM_RESULTS)
+    assert src.ok and src.path.endswith("vllm_accuracy.csv.gz")
+    assert accuracy.existing(str(tmp_path / "none.csv")) == str(tmp_path / "none.csv")
