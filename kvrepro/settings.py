@@ -174,10 +174,10 @@ SETTINGS: tuple[Declaration, ...] = (
         "when the first prefill is as long as later contexts, no better than off when it is short); off: keys stored "
         "as they are (notes/accuracy.md, 'Key offset').",
         _choice("KVREPRO_KEY_OFFSET", KEY_OFFSET_MODES),
-        "attention-output error under a key bias, with the offset (the key_offset column): "
-        "[key-bias grid](results/keybias/keybias_cpu.csv); KL with it: [reference rows](results/fidelity/"
-        "reference_h200_smollm2.csv), without it (key offset off, 25 windows): [CPU reference rows](results/fidelity/"
-        "reference_cpu_smollm2.csv)"),
+        "attention-output error under a key bias (the key_offset column): [key-bias grid](results/keybias/"
+        "keybias_cpu.csv); KL with slow-pairs: [CPU reference rows](results/fidelity/reference_cpu_smollm2.csv), with "
+        "first-prefill: [H200 reference rows](results/fidelity/reference_h200_smollm2.csv); without it: the same CPU "
+        "file's history (git log)"),
     Declaration(
         "warmup", "KVREPRO_WARMUP", "0, 1", "1",
         "1: compile and load every decode-kernel variant before vLLM's memory profiling, so that no compilation "
