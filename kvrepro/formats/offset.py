@@ -73,6 +73,16 @@ def slow_channels(head_dim: int, rope_theta: float, max_positions: int, rotary_d
     return torch.cat([rot, torch.ones(head_dim - rotary_dim, dtype=torch.bool)])
 
 
+def mode_channels(mode: str, head_dim: int, rope: dict | None) -> torch.Tensor | None:
+    """The ``channels`` of a :class:`KeyOffset` in ``mode``: ``slow_channels`` of ``rope`` (``rope_of_config``'s dict;
+    its optional ``"neox"`` gives the pair layout, absent = unknown) for ``"slow-pairs"``, None (every channel)
+    otherwise."""
+    if mode != "slow-pairs":
+        return None
+    return slow_channels(head_dim, rope["rope_theta"], rope["max_positions"], rope.get("rotary_dim"),
+                         neox=rope.get("neox"))
+
+
 def rope_of_config(cfg, max_positions: int | None = None) -> dict:
     """``{"rope_theta", "rotary_dim", "head_dim", "max_positions"}`` of a Hugging Face model config (``rope_parameters``
     or ``rope_theta``, ``partial_rotary_factor``, ``head_dim`` or hidden_size / num_attention_heads,

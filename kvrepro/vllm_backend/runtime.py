@@ -9,7 +9,7 @@ import torch
 
 from kvrepro.formats import get_format
 from kvrepro.formats.hadamard import rotation_matrix
-from kvrepro.formats.offset import KeyOffset, check_mode, slow_channels
+from kvrepro.formats.offset import KeyOffset, check_mode, mode_channels
 
 _ROTATIONS: dict[tuple[int, int, str], torch.Tensor] = {}
 # One split-K decode workspace per device, shared by every layer (layers run one after another on
@@ -329,10 +329,7 @@ class LayerRuntime:
         rot = self.prepare(pool.device)
         if self.key_offset is not None:
             if calibrate is not None and not self.key_offset.calibrated and calibrate[1] > calibrate[0]:
-                if self.key_offset_mode == "slow-pairs":
-                    r = self.rope
-                    self.key_offset.channels = slow_channels(self.head_size, r["rope_theta"], r["max_positions"],
-                                                             r.get("rotary_dim"), neox=r.get("neox"))
+                self.key_offset.channels = mode_channels(self.key_offset_mode, self.head_size, self.rope)
                 self.key_offset.calibrate(k[calibrate[0]:calibrate[1]])
                 log_calibration(self, calibrate[1] - calibrate[0])
             k = self.key_offset.apply(k)
