@@ -92,9 +92,9 @@ def load_previous(path: str, bundle: dict, modes) -> dict:
     prompts are not the bundle's (a merged table must compare the same prompts)."""
     from kvrepro import accuracy
 
-    csv = os.path.join(os.path.abspath(path), "vllm_accuracy.csv")
+    csv = accuracy.existing(os.path.join(os.path.abspath(path), "vllm_accuracy.csv"))
     if not os.path.isfile(csv):
-        raise FileNotFoundError(f"--merge-from {path}: no vllm_accuracy.csv there")
+        raise FileNotFoundError(f"--merge-from {path}: no vllm_accuracy.csv (or .csv.gz) there")
     prev = accuracy.load_vllm_results(csv)  # the reader notebook 03 replays with (rows, sanity, meta)
     rows, sanity, meta = prev["rows"], prev["sanity"], prev["meta"]
     known = {p["prompt_sha256"] for p in bundle["prompts"]}
