@@ -193,15 +193,20 @@ class LayerRuntime:
 
     def splits(self, batch: int, max_context: int, device: torch.device, impl: str | None = None) -> int:
         """Decode split count for ``batch`` rows: ``num_splits`` if fixed, else :func:`decode_splits` with the
-        split rule of the decode kernel (``impl``, default the one :meth:`record_impl` resolved, else "triton")."""
+        split rule of the decode kernel (``impl``, default the one :meth:`record_impl` resolved, else "triton"); the
+        CUDA kernel's one wave counts the resident CTAs of this preset's own kernel (``kernel=(key_bits,
+        value_bits)``: an A100 holds 4 CTAs of k4v4 but 3 of k4v2), not the fewest of all kernels."""
         if self.num_splits is not None:
             return self.num_splits
+        from kvrepro.ops import cuda_decode
         from kvrepro.ops.decode import default_num_splits
 
         impl = impl or self.impl_used or "triton"
+        bits = (self.fmt.key_bits, self.fmt.value_bits)
+        kernel = bits if impl == "cuda" and bits in cuda_decode.KERNELS else None   # k5v4 has no CUDA kernel
         padded = smallest_padded_batch(batch, self.graph_sizes) != batch   # a graph serving a range of batches
         return decode_splits(batch, self.num_kv_heads, max_context, device, self.graph_sizes,
-                             rule=lambda *a: default_num_splits(*a, impl=impl, padded=padded))
+                             rule=lambda *a: default_num_splits(*a, impl=impl, padded=padded, kernel=kernel))
 
     def workspace_numel(self, batch: int, num_splits: int) -> int:
         """float32 elements of the decode workspace for ``batch`` rows and ``num_splits`` splits
