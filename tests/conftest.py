@@ -78,3 +78,28 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.section("skip reasons")
     for reason, n in reasons.most_common():
         terminalreporter.write_line(f"{n:4d} skipped: {reason}")
+
+
+RaggedBatch = collections.namedtuple("RaggedBatch", "pool block_tables seq_lens max_blocks kv")
+
+
+@pytest.fixture
+def ragged_batch():
+    """``build(preset, lens, num_kv_heads, head_dim, gen, *, block_size=16, dtype=torch.bfloat16, high=True,
+    spare_blocks=5)``: a poisoned pool (``test_ops_helpers.make_pool``) of ``len(lens) * max_blocks + spare_blocks``
+    blocks, ``max_blocks`` = the longest sequence's blocks + 1, with random K/V of ``lens[b]`` tokens stored
+    (``store_kv``) for each row (a 0 is a padding row: nothing stored); block ids distinct, from the top of the pool
+    with ``high``. Returns ``RaggedBatch(pool, block_tables [B, max_blocks] int32, seq_lens [B] int32, max_blocks,
+    kv)`` with ``kv[b]`` the ``(k, v)`` ``[lens[b], Hkv, D]`` stored for row ``b`` (None for a padding row). Shared by
+    the CUDA decode, carveout and per-model GPU tests."""
+    from test_ops_helpers import DEV, block_tables, fill, make_pool
+
+    def build(preset, lens, num_kv_heads, head_dim, gen, *, block_size=16, dtype=torch.bfloat16, high=True,
+              spare_blocks=5):
+        maxb = max(-(-max(n, 1) // block_size) for n in lens) + 1
+        nb = len(lens) * maxb + spare_blocks
+        pool = make_pool(preset, num_kv_heads, head_dim, block_size, nb, gen)
+        bt = block_tables(len(lens), maxb, nb, gen, high=high)
+        kv = [fill(pool, bt[b], n, gen, dtype) if n else None for b, n in enumerate(lens)]
+        return RaggedBatch(pool, bt, torch.tensor(lens, dtype=torch.int32, device=DEV), maxb, kv)
+    return build

@@ -256,20 +256,13 @@ def test_build_reports_nvcc_failure(tmp_path):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("num_splits", [1, 3, None])
 @pytest.mark.parametrize("preset", ["k4v4", "k8v4", "k4v2"])
-def test_cuda_matches_dequantized_reference(hq, hkv, dtype, num_splits, preset):
+def test_cuda_matches_dequantized_reference(hq, hkv, dtype, num_splits, preset, ragged_batch):
     """Ragged lengths incl. 1 and a padding row (0), GQA 4 / 3 / 1 / 8 / 2 / 5 / 7, block ids at the top of the
     pool, poisoned output; every kernel (k4v4, k8v4, k4v2)."""
     gen = torch.Generator().manual_seed(hq * 7 + hkv)
     lens = [1, 5, 54, 97, 0, 8193]
-    maxb = max(-(-max(L, 1) // 16) for L in lens) + 1
-    nb = len(lens) * maxb + 5
-    pool = make_pool(preset, hkv, 128, 16, nb, gen)
-    bt = block_tables(len(lens), maxb, nb, gen, high=True)
-    for b, L in enumerate(lens):
-        if L:
-            fill(pool, bt[b], L, gen, torch.bfloat16)
+    pool, bt, sl, _, _ = ragged_batch(preset, lens, hkv, 128, gen)
     q = torch.randn(len(lens), hq, 128, generator=gen).to(DEV, dtype)
-    sl = torch.tensor(lens, dtype=torch.int32, device=DEV)
     out = torch.full_like(q, float("nan"))
     decode_attention(q, pool.data, bt, sl, pool.layout, pool.rotation, 128 ** -0.5, out=out, num_splits=num_splits,
                      impl="cuda")

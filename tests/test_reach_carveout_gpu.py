@@ -3,7 +3,7 @@ tests/test_reach_carveout_gpu.py``): the CUDA decode kernels' residency as the d
 memory capped to an A100's (164 KB) and an Ada GPU's (100 KB) budget through the carveout attribute, equals the
 arithmetic model (kvrepro.ops.occupancy); the split rule then plans one wave of that residency and decode still matches
 float64 attention over the dequantized pages."""
-from test_ops_helpers import DEV, block_tables, fill, make_pool, relerr  # noqa: I001  (TRITON_INTERPRET first)
+from test_ops_helpers import DEV, relerr  # noqa: I001  (TRITON_INTERPRET first)
 
 import pytest
 import torch
@@ -49,7 +49,8 @@ def capped():
 
 @pytest.mark.parametrize("budget_kb", [None, 164, 100])
 @pytest.mark.parametrize("preset", ["k4v4", "k8v4", "k4v2"])
-def test_queried_residency_under_a_carveout_is_the_model_and_decode_stays_right(preset, budget_kb, capped):
+def test_queried_residency_under_a_carveout_is_the_model_and_decode_stays_right(preset, budget_kb, capped,
+                                                                              ragged_batch):
     dev, mod, cap, set_budget = capped
     bits = BITS[preset]
     pct = set_budget(bits, budget_kb)
@@ -66,15 +67,8 @@ def test_queried_residency_under_a_carveout_is_the_model_and_decode_stays_right(
 
     gen = torch.Generator().manual_seed(22)
     lens, hq, hkv = [1, 54, 97, 0, 8193, 3000], 32, 8
-    maxb = max(-(-max(L, 1) // 16) for L in lens) + 1
-    nb = len(lens) * maxb + 5
-    pool = make_pool(preset, hkv, 128, 16, nb, gen)
-    bt = block_tables(len(lens), maxb, nb, gen, high=True)
-    for b, L in enumerate(lens):
-        if L:
-            fill(pool, bt[b], L, gen, torch.bfloat16)
+    pool, bt, sl, maxb, _ = ragged_batch(preset, lens, hkv, 128, gen)
     q = torch.randn(len(lens), hq, 128, generator=gen).to(DEV, torch.float16)
-    sl = torch.tensor(lens, dtype=torch.int32, device=DEV)
     splits = default_num_splits(len(lens), hkv, maxb * 16, dev, "cuda", kernel=bits)
     sms = sm_count(dev)
     assert splits == max(1, min(queried * sms // (len(lens) * hkv), maxb * 16 // 256, 256))
