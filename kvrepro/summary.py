@@ -281,6 +281,121 @@ def load_capacity(results_dir: str | os.PathLike = CAPACITY_DIR):
     return pd.concat([load_jsonl(f) for f in files], ignore_index=True) if files else None
 
 
+# ---------------------------------------------------------------- the strongest fp8 (issue 23)
+
+def fp8_ratios(source, mode: str = CAPACITY_PRESET) -> dict:
+    """``mode`` against every fp8 KV mode of ONE sweep run (``kvrepro.sweep.FP8_MODES``: vLLM's choice and each
+    named backend), both ways: against fp8 at its max clean capacity (the seed's protocol) and against the best
+    clean point of any fp8 mode.
+
+    Args:
+        source: a results file (``*.jsonl`` of ``kvrepro.sweep``; its ``<file>.engine_errors`` beside it is read
+            too) or a DataFrame of :func:`kvrepro.replay.load_jsonl` rows of one file.
+        mode: the mode compared (default the capacity preset, ``kvrepro:k4v4``), at its max clean capacity.
+
+    Returns:
+        dict: file, run_id, mode, point ((users, tok/s) of ``mode`` at its max clean capacity, None without a clean
+        point); fp8 (one dict per fp8 mode present, in ``FP8_MODES`` order: mode, backend (what the engine resolved,
+        ``attention_backend_resolved``, else the one asked), users_max / tok_s_max (max clean capacity), users_best /
+        tok_s_best (highest clean tok/s), vs_max / vs_best (``mode``'s tok/s over those; None when a side has no clean
+        point or the setups differ), setup_differs (``kvrepro.replay.WORKLOAD_KEYS`` that differ)); missing (fp8 modes
+        without rows), engine_errors (``{mode: error}`` of fp8 modes whose engine did not start);
+        at_capacity (the fp8 mode with the most tok/s at its own max clean capacity: fp8_mode, users, tok_s, ratio)
+        and best_point (the fp8 mode and users with the most clean tok/s anywhere: fp8_mode, users, tok_s, ratio),
+        each None when no fp8 mode has a comparable clean point. Aggregate decode tok/s throughout.
+
+    Raises:
+        ValueError: the rows come from more than one file or ``run_id`` (a ratio is taken within one run), or hold no
+            row of ``mode``.
+    """
+    from kvrepro import sweep
+
+    errors: dict = {}
+    if isinstance(source, (str, os.PathLike)):
+        path = Path(source)
+        df = load_jsonl(path)
+        errors = {e["mode"]: e["error"] for e in sweep.engine_errors(path) if e.get("mode") in sweep.FP8_MODES}
+    else:
+        df = source
+    files = sorted(set(map(str, df["source_file"]))) if "source_file" in df.columns else []
+    run_ids = sorted(set(map(str, df["run_id"])))
+    if len(files) > 1 or len(run_ids) != 1:
+        raise ValueError(f"fp8_ratios takes the rows of one run (one file, one run_id); got files {files} and "
+                         f"run_ids {run_ids}")
+    runs = select_current(df, [mode, *sweep.FP8_MODES], workload=None)
+    if mode not in runs:
+        raise ValueError(f"mode {mode!r} has no rows in {files[0] if files else 'these rows'}; modes present: "
+                         f"{sorted(set(map(str, df['mode'])))}")
+    own = runs[mode]
+    point = max_clean(own)
+    out = dict(file=files[0] if files else None, run_id=run_ids[0], mode=mode, point=point, fp8=[],
+               missing=[m for m in sweep.FP8_MODES if m not in runs], engine_errors=errors,
+               at_capacity=None, best_point=None)
+    for m in sweep.FP8_MODES:
+        rows = runs.get(m)
+        if rows is None:
+            continue
+        asked = sweep.engine_settings(m)["attention_backend"] or "vllm-auto"
+        resolved = rows["attention_backend_resolved"].iloc[0] if "attention_backend_resolved" in rows.columns else None
+        backend = ", ".join(resolved) if isinstance(resolved, (list, tuple)) and len(resolved) else asked
+        cap, best = max_clean(rows), best_clean(rows)
+        differs = _same_setup(own, rows)
+        ok = point is not None and not differs
+        out["fp8"].append(dict(
+            mode=m, backend=backend, users_max=cap and cap[0], tok_s_max=cap and cap[1],
+            users_best=best and best[0], tok_s_best=best and best[1],
+            vs_max=_ratio(point[1], cap and cap[1]) if ok else None,
+            vs_best=_ratio(point[1], best and best[1]) if ok else None, setup_differs=differs))
+    comparable = [r for r in out["fp8"] if not r["setup_differs"]]
+    caps = [r for r in comparable if r["tok_s_max"]]
+    bests = [r for r in comparable if r["tok_s_best"]]
+    if caps and point is not None:
+        top = max(caps, key=lambda r: r["tok_s_max"])
+        out["at_capacity"] = dict(fp8_mode=top["mode"], backend=top["backend"], users=top["users_max"],
+                                  tok_s=top["tok_s_max"], ratio=point[1] / top["tok_s_max"])
+    if bests and point is not None:
+        top = max(bests, key=lambda r: r["tok_s_best"])
+        out["best_point"] = dict(fp8_mode=top["mode"], backend=top["backend"], users=top["users_best"],
+                                 tok_s=top["tok_s_best"], ratio=point[1] / top["tok_s_best"])
+    return out
+
+
+def fp8_ratios_markdown(r: dict) -> str:
+    """:func:`fp8_ratios` as a markdown table (one line per fp8 mode) and two headline sentences."""
+    def num(v, fmt="{:.1f}"):
+        return "" if v is None else fmt.format(v)
+
+    p = r["point"]
+    name = DISPLAY.get(r["mode"], r["mode"])
+    lines = [f"{name} at its max clean capacity: " + (f"{p[0]} users, {p[1]:.1f} tok/s" if p else "no clean point")
+             + f" (run {r['run_id']}, `{Path(str(r['file'])).name if r['file'] else '-'}`).", "",
+             "| fp8 mode | backend | users at max clean capacity | tok/s there | best clean point (users) | tok/s "
+             f"there | {name} vs max clean | {name} vs best clean |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for f in r["fp8"]:
+        lines.append(f"| {f['mode']} | {f['backend']} | {num(f['users_max'], '{}')} | {num(f['tok_s_max'])} | "
+                     f"{num(f['users_best'], '{}')} | {num(f['tok_s_best'])} | {_x(f['vs_max'])} | {_x(f['vs_best'])} |")
+    for m in r["missing"]:
+        why = r["engine_errors"].get(m)
+        lines.append(f"| {m} | {sweep_backend(m)} | | | | | | {'engine did not start: ' + why[:160] if why else 'not run'} |")
+    lines.append("")
+    a, b = r["at_capacity"], r["best_point"]
+    if a:
+        lines.append(f"Against the strongest fp8 at its max clean capacity ({a['fp8_mode']}, {a['users']} users, "
+                     f"{a['tok_s']:.1f} tok/s): **{a['ratio']:.2f}x**.")
+    if b:
+        lines.append(f"Against the best clean point of any fp8 backend ({b['fp8_mode']}, {b['users']} users, "
+                     f"{b['tok_s']:.1f} tok/s): **{b['ratio']:.2f}x**.")
+    return "\n".join(lines) + "\n"
+
+
+def sweep_backend(mode: str) -> str:
+    """The attention backend a sweep mode asks vLLM for (``vllm-auto`` where vLLM chooses)."""
+    from kvrepro import sweep
+
+    return sweep.engine_settings(mode)["attention_backend"] or "vllm-auto"
+
+
 # ---------------------------------------------------------------- rendering
 
 def _x(v: float | None) -> str:
@@ -680,7 +795,21 @@ def main(argv: list[str] | None = None) -> int:
     g = ap.add_mutually_exclusive_group()
     g.add_argument("--write", action="store_true", help=f"rewrite {README}'s blocks, {CHART} and {CAPACITY_INDEX}")
     g.add_argument("--check", action="store_true", help=f"exit 1 when {README}'s blocks or {CAPACITY_INDEX} differ")
+    g.add_argument("--fp8-ratios", metavar="FILE", help="print the ratios of --ratio-mode against every fp8 backend "
+                   "of one sweep run's results file (fp8_ratios), as markdown and JSON")
+    ap.add_argument("--ratio-mode", default=CAPACITY_PRESET, help=f"mode compared by --fp8-ratios ({CAPACITY_PRESET})")
     args = ap.parse_args(argv)
+    if args.fp8_ratios:
+        import json
+
+        try:
+            r = fp8_ratios(args.fp8_ratios, args.ratio_mode)
+        except (OSError, ValueError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        print(fp8_ratios_markdown(r))
+        print(json.dumps(r, indent=1, default=str))
+        return 0
     root = repo_root()
     df = load_capacity()
     needle = needle_counts()

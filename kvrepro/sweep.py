@@ -63,8 +63,19 @@ from kvrepro.formats import COMPRESSED_PRESETS
 
 VLLM_MODES = {"bf16": "auto", "fp8": "fp8", "turboquant_k8v4": "turboquant_k8v4",
               "turboquant_4bit_nc": "turboquant_4bit_nc"}
+# fp8 KV on a named vLLM attention backend, ``fp8:<backend>`` (the ``<kv>:<backend>`` syntax of
+# kvrepro.accuracy_vllm's ``bf16:triton_attn`` control). The backends of vLLM 0.20.2 that accept an fp8 KV cache on
+# an H200 (vllm/v1/attention/backends/): FLASH_ATTN (flash_attn.py, supports_kv_cache_dtype: fp8 only where
+# flash_attn_supports_fp8(), i.e. FlashAttention 3 on compute capability 9.x), FLASHINFER (flashinfer.py,
+# supported_kv_cache_dtypes lists fp8 / fp8_e4m3 / fp8_e5m2; needs the flashinfer-python package and nvcc or its
+# cubins, vllm/utils/flashinfer.py has_flashinfer) and TRITON_ATTN (triton_attn.py, fp8 / fp8_e4m3 / fp8_e5m2 and
+# per-token-head variants). FLEX_ATTENTION, TREE_ATTN and FLASH_ATTN_DIFFKV list only auto / float16 / bfloat16.
+# Plain "fp8" lets vLLM choose: FLASH_ATTN first on compute capability 9.x (platforms/cuda.py,
+# _get_backend_priorities), so it is the same engine as "fp8:flash_attn" on the H200 (the row records which ran).
+FP8_BACKEND_MODES = {"fp8:flash_attn": "FLASH_ATTN", "fp8:flashinfer": "FLASHINFER", "fp8:triton_attn": "TRITON_ATTN"}
+FP8_MODES = ("fp8", *FP8_BACKEND_MODES)   # every fp8 KV mode: vLLM's choice, then each named backend
 KVREPRO_MODES = tuple(f"kvrepro:{p}" for p in COMPRESSED_PRESETS)
-ALL_MODES = (*VLLM_MODES, *KVREPRO_MODES)
+ALL_MODES = (*VLLM_MODES, *FP8_BACKEND_MODES, *KVREPRO_MODES)
 REQUIRED_FIELDS = {
     "mode": str, "kv_cache_dtype": str, "num_users": int, "clean": bool, "preemptions": int,
     "aggregate_decode_tok_s": (int, float), "ttft_s_mean": (int, float), "ttft_s_max": (int, float),
@@ -97,11 +108,15 @@ def engine_settings(mode: str) -> dict:
     """vLLM settings of a mode: ``{"kv_cache_dtype", "attention_backend", "env"}``.
 
     kvrepro presets run with kv_cache_dtype "auto", vLLM's ``attention_backend="CUSTOM"`` and
-    ``KVREPRO_PRESET``; vLLM's own modes let vLLM choose the backend.
+    ``KVREPRO_PRESET``; vLLM's own modes let vLLM choose the backend; ``fp8:<backend>`` modes run
+    kv_cache_dtype "fp8" on the named backend (:data:`FP8_BACKEND_MODES`). Raises ValueError for an unknown mode
+    (naming the allowed ones).
     """
     check_modes([mode])
     if mode in VLLM_MODES:
         return {"kv_cache_dtype": VLLM_MODES[mode], "attention_backend": None, "env": {}}
+    if mode in FP8_BACKEND_MODES:
+        return {"kv_cache_dtype": "fp8", "attention_backend": FP8_BACKEND_MODES[mode], "env": {}}
     return {"kv_cache_dtype": "auto", "attention_backend": "CUSTOM",
             "env": {"KVREPRO_PRESET": mode.split(":", 1)[1]}}
 
@@ -249,6 +264,29 @@ class ResultsFile:
         self.rows = [r for r in self.rows if r.get("mode") != mode]
         _write_jsonl(self.path, self.rows)
         return len(moved)
+
+
+ENGINE_ERRORS_SUFFIX = ".engine_errors"   # appended to the results file's name: not *.jsonl, so replay skips it
+
+
+def record_engine_error(results_path, mode: str, run_id: str, settings: dict, error: BaseException) -> dict:
+    """Append why ``mode``'s engine did not start to ``<results_path>.engine_errors`` (JSON lines, written then
+    renamed) and return the record: mode, run_id, kv_cache_dtype, attention_backend, error (type and message, cut to
+    2,000 characters), date. A mode whose backend vLLM refuses (e.g. ``fp8:flashinfer`` without the flashinfer
+    package) leaves no result row; this file says why, and :func:`engine_errors` reads it back."""
+    path = Path(os.fspath(results_path))
+    path = path.with_name(path.name + ENGINE_ERRORS_SUFFIX)
+    rec = {"mode": mode, "run_id": run_id, "kv_cache_dtype": settings.get("kv_cache_dtype"),
+           "attention_backend": settings.get("attention_backend"),
+           "error": f"{type(error).__name__}: {error}"[:2000], "date": now_utc()}
+    _write_jsonl(path, _read_jsonl(path) + [rec])
+    return rec
+
+
+def engine_errors(results_path) -> list[dict]:
+    """The records of :func:`record_engine_error` beside ``results_path`` ([] when there are none)."""
+    path = Path(os.fspath(results_path))
+    return _read_jsonl(path.with_name(path.name + ENGINE_ERRORS_SUFFIX))
 
 
 def mode_status(rows: list[dict], mode: str, confirm_edge: bool = False, sizing_only: bool = False) -> tuple[bool, str]:
@@ -537,7 +575,10 @@ def measurement_blockers(info: dict | None = None) -> list[str]:
 # decode steps + abort windows, as measured there): a mode is not started with less left (it would time
 # out and write nothing). Sizing only: engine start.
 MIN_START_S = {"bf16": 130.0, "fp8": 180.0, "kvrepro:k4v4": 360.0, "kvrepro:k8v4": 250.0,
-               "kvrepro:k4v2": 430.0, "turboquant_k8v4": 450.0, "turboquant_4bit_nc": 560.0}
+               "kvrepro:k4v2": 430.0, "turboquant_k8v4": 450.0, "turboquant_4bit_nc": 560.0,
+               # not measured yet: fp8's engine and prefills, with a slower decode assumed for the Triton kernel
+               # and FlashInfer's first-use kernel build
+               "fp8:flash_attn": 180.0, "fp8:flashinfer": 240.0, "fp8:triton_attn": 260.0}
 MIN_START_SIZING_S = 80.0
 
 
@@ -554,7 +595,8 @@ def run_sweep(modes, results_path: str | os.PathLike, run_id: str, params: dict 
     left for a resumed call) and each gets at most what is left.
     ``param_overrides``: ``{mode: {param: value}}`` on top of ``params`` for single modes.
     A failing mode does not stop the others; the rows it wrote stay in the file (a later call supersedes them
-    if they are incomplete).
+    if they are incomplete). A mode whose engine did not start (``<results>.engine_errors``, written by the worker:
+    :func:`record_engine_error`) is skipped by later calls on the same file, with the recorded reason printed.
 
     Returns the modes run now. Raises ValueError (before any GPU/vLLM check) on bad modes, unknown
     parameter names or bad values (``check_params``, ``check_cli_values``), or when ``results_path``
@@ -587,6 +629,11 @@ def run_sweep(modes, results_path: str | os.PathLike, run_id: str, params: dict 
         done, why = mode_status(ResultsFile(results_path).rows, mode, mode in confirm_edge, only_size)
         if done:
             print(f"[sweep] {mode}: already in {results_path}, skipped", flush=True)
+            continue
+        refused = [e for e in engine_errors(results_path) if e.get("mode") == mode]
+        if refused:   # a backend vLLM refused stays refused on the same machine: not retried in every resumed call
+            print(f"[sweep] {mode}: skipped, its engine did not start earlier in this run ({refused[-1]['error'][:300]}); "
+                  f"delete {results_path}{ENGINE_ERRORS_SUFFIX} to try again", flush=True)
             continue
         limit = timeout_s
         if budget_s is not None:

@@ -96,6 +96,19 @@ def worker_memory(llm) -> dict:
     return {k: int(v) for k, v in got.items() if isinstance(v, (int, float))}
 
 
+def resolved_backends(llm) -> list[str]:
+    """Names of the attention backends the engine's layers resolved to (``AttentionGroup.backend.get_name()`` of the
+    worker's model runner, e.g. ``["FLASH_ATTN"]``): what ran where the mode let vLLM choose; [] where the worker is
+    not reachable."""
+    def read(w):
+        groups = getattr(getattr(w, "model_runner", None), "attn_groups", None) or []
+        return sorted({g.backend.get_name() for gs in groups for g in gs})
+    try:
+        return list(llm.collective_rpc(read)[0])
+    except Exception:  # noqa: BLE001 - provenance extra, never fatal
+        return []
+
+
 def scheduler_of(llm):
     """vLLM's in-process scheduler (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), or None."""
     core = getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None)
@@ -214,7 +227,13 @@ def measure_mode(mode: str, results_path: str, run_id: str, *, model_dir: str | 
     if cudagraph_mode is not None:
         kwargs["compilation_config"] = {"cudagraph_mode": cudagraph_mode}
     mem_log = MemoryLog().attach()
-    llm = LLM(**kwargs)
+    try:
+        llm = LLM(**kwargs)
+    except Exception as e:
+        # A backend that vLLM refuses here (e.g. FLASHINFER without its package) leaves no row: say why beside the
+        # results, then fail the mode as before.
+        sweep.record_engine_error(results_path, mode, run_id, settings, e)
+        raise
     t_init = time.perf_counter() - t_start
     cache = llm.llm_engine.vllm_config.cache_config
     blocks = int(cache.num_gpu_blocks)
@@ -237,6 +256,7 @@ def measure_mode(mode: str, results_path: str, run_id: str, *, model_dir: str | 
         "enable_prefix_caching": False, "cuda_graphs": True,
         "cudagraph_mode": str(getattr(llm.llm_engine.vllm_config.compilation_config.cudagraph_mode, "name",
                                       llm.llm_engine.vllm_config.compilation_config.cudagraph_mode)), "seed": seed, "engine_init_s": round(t_init, 1),
+        "attention_backend_resolved": resolved_backends(llm),
         "hostname": prov["hostname"], "kvrepro_src_sha256": src_sha256(),
         "vllm_memory": dict(sweep.parse_vllm_memory_log(mem_log.lines), worker_bytes=worker_memory(llm)),
     }

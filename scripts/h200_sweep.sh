@@ -59,6 +59,7 @@ sweep() {
   fi
   [ -f "$src" ] && cp "$src" $OUT/$run.jsonl && echo "resuming from $src ($(wc -l < $src) rows)"
   [ -f "$src.superseded" ] && cp "$src.superseded" $OUT/$run.jsonl.superseded
+  [ -f "$src.engine_errors" ] && cp "$src.engine_errors" $OUT/$run.jsonl.engine_errors
   # PREFILL_AUTO=1: use KVREPRO_PREFILL=dequant for kvrepro modes if this machine's smoke found it
   # right and faster than fa (the rows record the path in env / kvrepro_settings).
   if [ "${PREFILL_AUTO:-0}" = 1 ] && [ -z "${KVREPRO_PREFILL:-}" ] && [ -f /tmp/kvcache/flags/prefill_dequant_ok ]; then
@@ -74,6 +75,7 @@ sweep() {
     | cut -c1-700 | tail -60
   cp $OUT/$run.jsonl /tmp/kvres/ 2>/dev/null
   cp $OUT/$run.jsonl.superseded /tmp/kvres/ 2>/dev/null
+  cp $OUT/$run.jsonl.engine_errors /tmp/kvres/ 2>/dev/null
   echo "call done at $(( $(date +%s) - T0 )) s"
 }
 

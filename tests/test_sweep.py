@@ -236,3 +236,115 @@ def test_modes_named_twice_and_edge_with_sizing_only_are_refused(tmp_path):
     with pytest.raises(ValueError, match=r"confirm_edge and sizing_only both name \['fp8'\]"):
         sweep.check_cli_values(tmp_path / "r.jsonl", "r", 60.0, modes=("fp8",), confirm_edge=("fp8",),
                                sizing_only=("fp8",))
+
+
+# ---------------------------------------------------------------- fp8 on every backend (issue 23)
+
+def test_fp8_backend_modes_ask_vllm_for_fp8_on_the_named_backend():
+    assert sweep.check_modes("fp8,fp8:flash_attn,fp8:flashinfer,fp8:triton_attn,kvrepro:k4v4") == (
+        "fp8", "fp8:flash_attn", "fp8:flashinfer", "fp8:triton_attn", "kvrepro:k4v4")
+    for mode, backend in (("fp8:flash_attn", "FLASH_ATTN"), ("fp8:flashinfer", "FLASHINFER"),
+                          ("fp8:triton_attn", "TRITON_ATTN")):
+        assert sweep.engine_settings(mode) == {"kv_cache_dtype": "fp8", "attention_backend": backend, "env": {}}
+    assert sweep.engine_settings("fp8")["attention_backend"] is None     # vLLM's choice (FLASH_ATTN on an H200)
+    assert sweep.FP8_MODES == ("fp8", "fp8:flash_attn", "fp8:flashinfer", "fp8:triton_attn")
+    with pytest.raises(ValueError, match="allowed: .*fp8:triton_attn"):
+        sweep.check_modes(["fp8:flex_attention"])       # FLEX_ATTENTION lists no fp8 KV dtype in vLLM 0.20.2
+    sweep.validate_row(_row(mode="fp8:triton_attn"))
+    assert all(m in sweep.MIN_START_S for m in sweep.FP8_BACKEND_MODES)
+
+
+def test_an_engine_that_did_not_start_is_recorded_and_not_retried(tmp_path, monkeypatch, capsys):
+    import subprocess
+
+    path = tmp_path / "r.jsonl"
+    rec = sweep.record_engine_error(path, "fp8:flashinfer", "r", sweep.engine_settings("fp8:flashinfer"),
+                                    RuntimeError("FlashInfer backend is not available"))
+    assert rec["error"] == "RuntimeError: FlashInfer backend is not available"
+    assert rec["attention_backend"] == "FLASHINFER" and rec["kv_cache_dtype"] == "fp8"
+    assert sweep.engine_errors(path) == [rec]
+    assert (tmp_path / "r.jsonl.engine_errors").is_file() and not path.exists()   # not *.jsonl: replay skips it
+    calls = []
+    monkeypatch.setattr(sweep, "measurement_blockers", lambda info=None: [])
+    monkeypatch.setattr(subprocess, "call", lambda cmd: calls.append(cmd[cmd.index("--mode") + 1]) or 0)
+    assert sweep.run_sweep(["fp8:flashinfer", "fp8:triton_attn"], path, "r") == ["fp8:triton_attn"] == calls
+    assert "fp8:flashinfer: skipped, its engine did not start earlier in this run (RuntimeError: FlashInfer" in \
+        capsys.readouterr().out
+
+
+def _run_file(tmp_path, points: dict, run_id="w1", **kw):
+    """A results file of one run: ``{mode: {users: tok/s}}`` (full row at the most users, abort windows below)."""
+    rows = []
+    for mode, pts in points.items():
+        n = max(pts)
+        for u, t in sorted(pts.items(), reverse=True):
+            rows.append(_row(mode=mode, num_users=u, aggregate_decode_tok_s=t, run_id=run_id, engine_run_id=mode,
+                             measured_by="full" if u == n else "abort-window",
+                             kv_cache_dtype="auto" if mode.startswith("kvrepro") else "fp8", **kw))
+    path = tmp_path / f"{run_id}.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_fp8_ratios_both_ways_from_one_run(tmp_path):
+    from kvrepro import summary
+
+    path = _run_file(tmp_path, {
+        "kvrepro:k4v4": {13: 630.0, 12: 600.0, 1: 60.0},
+        "fp8": {6: 163.0, 5: 200.0, 4: 245.0, 3: 210.0},            # vLLM's choice (FA3): slow at its capacity
+        "fp8:triton_attn": {6: 190.0, 5: 185.0, 4: 170.0},         # weaker at 4, stronger at capacity
+        "fp8:flash_attn": {6: 160.0, 4: 250.0}})
+    sweep.record_engine_error(path, "fp8:flashinfer", "w1", sweep.engine_settings("fp8:flashinfer"),
+                              RuntimeError("FlashInfer backend is not available"))
+    r = summary.fp8_ratios(path)
+    assert r["point"] == (13, 630.0) and r["run_id"] == "w1" and r["missing"] == ["fp8:flashinfer"]
+    assert r["engine_errors"] == {"fp8:flashinfer": "RuntimeError: FlashInfer backend is not available"}
+    by = {f["mode"]: f for f in r["fp8"]}
+    assert [f["mode"] for f in r["fp8"]] == ["fp8", "fp8:flash_attn", "fp8:triton_attn"]
+    assert (by["fp8"]["users_max"], by["fp8"]["tok_s_max"], by["fp8"]["users_best"], by["fp8"]["tok_s_best"]) == \
+        (6, 163.0, 4, 245.0)
+    assert by["fp8:triton_attn"]["vs_max"] == pytest.approx(630 / 190)
+    assert by["fp8:flash_attn"]["vs_best"] == pytest.approx(630 / 250) and by["fp8:flash_attn"]["backend"] == "FLASH_ATTN"
+    # the seed's protocol against the strongest fp8 at its capacity; the other way against the best point anywhere
+    assert r["at_capacity"] == dict(fp8_mode="fp8:triton_attn", backend="TRITON_ATTN", users=6, tok_s=190.0,
+                                    ratio=pytest.approx(630 / 190))
+    assert r["best_point"] == dict(fp8_mode="fp8:flash_attn", backend="FLASH_ATTN", users=4, tok_s=250.0,
+                                   ratio=pytest.approx(630 / 250))
+    md = summary.fp8_ratios_markdown(r)
+    assert "| fp8:triton_attn | TRITON_ATTN | 6 | 190.0 | 6 | 190.0 | 3.32x | 3.32x |" in md
+    assert "engine did not start: RuntimeError: FlashInfer" in md and "**2.52x**" in md and "**3.32x**" in md
+
+
+def test_fp8_ratios_use_the_resolved_backend_and_refuse_mixed_runs(tmp_path):
+    import pandas as pd
+
+    from kvrepro import replay, summary
+
+    path = _run_file(tmp_path, {"kvrepro:k4v4": {2: 100.0, 1: 50.0}, "fp8": {2: 40.0, 1: 25.0}},
+                     attention_backend_resolved=["FLASH_ATTN"])
+    r = summary.fp8_ratios(path)
+    assert r["fp8"][0]["backend"] == "FLASH_ATTN"
+    assert r["at_capacity"]["ratio"] == pytest.approx(2.5) and r["best_point"]["ratio"] == pytest.approx(2.5)
+    other = _run_file(tmp_path, {"fp8:triton_attn": {1: 30.0}}, run_id="w2")
+    both = pd.concat([replay.load_jsonl(path), replay.load_jsonl(other)], ignore_index=True)
+    with pytest.raises(ValueError, match="one run"):
+        summary.fp8_ratios(both)
+    with pytest.raises(ValueError, match="kvrepro:k4v2.* has no rows"):
+        summary.fp8_ratios(path, "kvrepro:k4v2")
+    dirty = _run_file(tmp_path, {"kvrepro:k4v4": {1: 50.0}, "fp8": {1: 25.0}}, run_id="w3")
+    rows = [json.loads(x) for x in dirty.read_text().splitlines()]
+    rows[-1]["gpu_memory_gb"] = 40.0                                # fp8 measured at another budget: no ratio
+    dirty.write_text("".join(json.dumps(x) + "\n" for x in rows))
+    r = summary.fp8_ratios(dirty)
+    assert r["fp8"][0]["setup_differs"] == ["gpu_memory_gb"] and r["fp8"][0]["vs_max"] is None
+    assert r["at_capacity"] is None and r["best_point"] is None
+
+
+def test_fp8_ratios_cli(tmp_path, capsys):
+    from kvrepro import summary
+
+    path = _run_file(tmp_path, {"kvrepro:k4v4": {2: 100.0, 1: 50.0}, "fp8": {2: 40.0, 1: 25.0}})
+    assert summary.main(["--fp8-ratios", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "Against the strongest fp8 at its max clean capacity (fp8, 2 users, 40.0 tok/s): **2.50x**." in out
+    assert summary.main(["--fp8-ratios", str(tmp_path / "none.jsonl")]) == 1
