@@ -1,0 +1,280 @@
+"""Where a decode step's time goes inside vLLM: kernel classes from a PyTorch profiler trace, per engine step, against
+the bandwidth bound (issue 23). CPU only: ``scripts/step_profile.py`` captures the trace on the GPU and calls this.
+
+A trace is the Chrome-trace JSON that vLLM 0.20.2's torch profiler writes (``profiler_config={"profiler": "torch",
+"torch_profiler_dir": ...}``, then ``LLM.start_profile`` / ``LLM.stop_profile``; ``vllm/profiler/wrapper.py``,
+``TorchProfilerWrapper`` with ``torch.profiler.tensorboard_trace_handler``, ``*.pt.trace.json.gz``). Three kinds of
+events are read:
+
+- the worker's step annotations (``vllm/v1/worker/gpu_worker.py``, ``annotate_profile``): a CPU range (category
+  ``user_annotation``) named ``execute_context_<C>(<c tokens>)_generation_<G>(<g tokens>)`` opened once per engine
+  step;
+- the host launches (category ``cuda_runtime`` / ``cuda_driver``: ``cudaLaunchKernel``, ``cudaGraphLaunch``, ...),
+  each with a ``correlation`` id;
+- the GPU kernels (category ``kernel``), each with the ``correlation`` id of its launch (every kernel of a replayed
+  CUDA graph carries the graph launch's id), its start ``ts`` and duration ``dur`` in microseconds.
+
+A kernel belongs to the step whose annotation opened last before its launch (so the sampler's kernels, launched
+after the forward's range closed, count for their step). Per step: kernel milliseconds per class
+(:func:`classify_kernel`), the GPU span (first kernel start to last kernel end) and the host interval between step
+starts. Kernel times are summed; kernels of one step run on one stream in vLLM's decode path, so the sum is the GPU's
+busy time and span minus sum is its idle time.
+
+The bound (:func:`decode_bound`) is notes/runs.md's and issue 23's: a decode step reads every weight and every KV byte
+of the batch once, at the measured device-to-device copy bandwidth (read + write bytes over time, as
+``benchmarks/common.py`` ``copy_bandwidth``).
+"""
+from __future__ import annotations
+
+import bisect
+import collections
+import gzip
+import json
+import math
+import os
+import re
+from pathlib import Path
+
+# Kernel classes, in the order they are tried: the first class one of whose patterns occurs in the kernel name (case
+# sensitive) wins. FlashAttention 3's kernels are cutlass::device_kernel<flash::...> templates, so attention is tried
+# before the GEMM patterns that match "cutlass".
+KERNEL_PATTERNS = (
+    ("kv_store", (
+        "reshape_and_cache",          # vLLM's KV write (FlashAttention, FlashInfer, Triton backends)
+        "concat_and_cache",
+        "store_kv_kernel",            # kvrepro's compressed store (kvrepro/ops/triton/store.py)
+    )),
+    ("attention", (
+        "kvrepro_decode_",            # kvrepro's CUDA decode kernel (kvrepro/ops/cuda/decode.cu)
+        "paged_attn_kernel",          # kvrepro's Triton decode kernel (kvrepro/ops/triton/attention.py)
+        "rotate_query_kernel",        # kvrepro's query rotation / split merge (kvrepro/ops/triton/rotate.py)
+        "merge_splits_kernel",
+        "dequant_pages_kernel",       # kvrepro's prefill context dequantization
+        "flash::", "FlashAttn", "flash_fwd", "flash_attn",                 # FlashAttention 2 / 3 (vllm_flash_attn)
+        "kernel_unified_attention", "reduce_segments", "unified_attention",  # vLLM's TRITON_ATTN
+        "BatchDecodeWithPagedKVCache", "BatchPrefillWithPagedKVCache", "BatchPrefillWithRaggedKVCache",
+        "MergeStates", "flashinfer",                                        # FlashInfer
+    )),
+    ("gemm", (
+        "gemm", "Gemm", "GEMM", "gemv", "Gemv", "cutlass", "cublas", "xmma", "nvjet", "splitKreduce",
+        "triton_tem_fused_mm", "triton_tem_fused_addmm",                   # inductor's matmul templates
+    )),
+)
+KERNEL_CLASSES = tuple(c for c, _ in KERNEL_PATTERNS) + ("other",)
+# The three headline parts of a step: attention, GEMMs and the rest (KV store and everything else).
+PARTS = {"attention": ("attention",), "gemm": ("gemm",), "rest": ("kv_store", "other")}
+
+STEP_RE = re.compile(r"^execute_context_(\d+)\((\d+)\)_generation_(\d+)\((\d+)\)$")
+LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
+STEP_CAT = "user_annotation"   # Kineto also mirrors each range on the GPU timeline as "gpu_user_annotation"
+
+
+def classify_kernel(name: str) -> str:
+    """The class of a GPU kernel by its name: ``"kv_store"``, ``"attention"``, ``"gemm"`` or ``"other"``
+    (:data:`KERNEL_PATTERNS`; first match wins). kvrepro's float32 rotation of stored tokens (``x.float() @ R`` in
+    ``kvrepro.ops.store``) is a PyTorch matmul and counts as a GEMM.
+
+    Raises:
+        ValueError: ``name`` is not a non-empty string.
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"name must be a non-empty kernel name, got {name!r}")
+    for cls, pats in KERNEL_PATTERNS:
+        if any(p in name for p in pats):
+            return cls
+    return "other"
+
+
+def load_trace(path: str | os.PathLike) -> list[dict]:
+    """The ``traceEvents`` of a Chrome-trace file (``.json`` or gzip ``.json.gz``).
+
+    Raises:
+        ValueError: the file is not a JSON object with a ``traceEvents`` list (naming the file).
+    """
+    p = Path(path)
+    opener = gzip.open if p.name.endswith(".gz") else open
+    with opener(p, "rt", encoding="utf-8") as f:
+        try:
+            data = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{p}: not a JSON trace ({e})") from None
+    events = data.get("traceEvents") if isinstance(data, dict) else None
+    if not isinstance(events, list):
+        raise ValueError(f"{p}: no traceEvents list (a torch profiler Chrome trace has one)")
+    return events
+
+
+def parse_step_name(name: str) -> dict | None:
+    """``execute_context_0(0)_generation_13(13)`` -> ``{"context_requests": 0, "context_tokens": 0,
+    "generation_requests": 13, "generation_tokens": 13}``; None for any other name."""
+    m = STEP_RE.match(name or "")
+    if not m:
+        return None
+    c, ct, g, gt = map(int, m.groups())
+    return {"context_requests": c, "context_tokens": ct, "generation_requests": g, "generation_tokens": gt}
+
+
+def _corr(ev: dict):
+    args = ev.get("args") or {}
+    return args.get("correlation", args.get("correlation id"))
+
+
+def step_breakdown(events: list[dict], users: int | None = None, top: int = 8) -> dict:
+    """Per engine step of a trace: kernel time per class, GPU span and host interval; the mean over the pure decode
+    steps with ``users`` sequences; the top kernels.
+
+    Args:
+        events: Chrome-trace events (:func:`load_trace`).
+        users: the decode batch to average over (steps with no context request and this many generation requests);
+            None = every pure decode step.
+        top: how many kernels to list per class (by time per step).
+
+    Returns:
+        dict with ``steps`` (per step in trace order: index, the parsed annotation, decode (bool), kernels (count),
+        ms per class of :data:`KERNEL_CLASSES`, kernel_ms (sum), gpu_span_ms, host_ms (to the next step's start;
+        None for the last)), ``decode_steps`` (how many were averaged), ``mean`` (over them: ms per class, ms and %
+        of kernel time per part of :data:`PARTS`, kernel_ms, gpu_span_ms, gpu_idle_ms, host_ms over the steps that
+        have one), ``top_kernels`` ({class: [{name, ms_per_step, count_per_step, grid, block}]}, over the averaged
+        steps; grid and block of the kernel's first launch among them, as Kineto records them) and
+        ``unassigned_kernels`` (kernels launched before the first step or without a known launch).
+
+    Raises:
+        ValueError: no step annotation in the trace, or none of the averaged kind (naming what was found).
+    """
+    steps = sorted((ev["ts"], ev["name"]) for ev in events      # the CPU ranges, not their GPU-timeline copies
+                   if ev.get("ph") == "X" and ev.get("cat") == STEP_CAT and parse_step_name(ev.get("name", "")))
+    if not steps:
+        raise ValueError("no vLLM step annotation (execute_context_*_generation_*) in the trace: was it captured with "
+                         "vLLM's torch profiler around engine steps?")
+    starts = [t for t, _ in steps]
+    launch_ts = {}
+    for ev in events:
+        if ev.get("ph") == "X" and ev.get("cat") in LAUNCH_CATS and _corr(ev) is not None:
+            launch_ts[_corr(ev)] = ev["ts"]
+    per = [dict(index=i, **parse_step_name(n), kernels=0, **{c: 0.0 for c in KERNEL_CLASSES}, _t0=math.inf,
+                _t1=-math.inf) for i, (_, n) in enumerate(steps)]
+    names: dict[int, collections.Counter] = {i: collections.Counter() for i in range(len(steps))}
+    counts: dict[int, collections.Counter] = {i: collections.Counter() for i in range(len(steps))}
+    shapes: dict[tuple, tuple] = {}   # (step, kernel name) -> (grid, block) of its first launch in that step
+    unassigned = 0
+    for ev in events:
+        if ev.get("ph") != "X" or ev.get("cat") != "kernel":
+            continue
+        t = launch_ts.get(_corr(ev))
+        i = bisect.bisect_right(starts, t) - 1 if t is not None else -1
+        if i < 0:
+            unassigned += 1
+            continue
+        s, dur = per[i], float(ev.get("dur", 0.0))
+        cls = classify_kernel(ev.get("name") or "?")
+        s[cls] += dur / 1e3
+        s["kernels"] += 1
+        s["_t0"], s["_t1"] = min(s["_t0"], ev["ts"]), max(s["_t1"], ev["ts"] + dur)
+        names[i][ev["name"]] += dur / 1e3
+        counts[i][ev["name"]] += 1
+        args = ev.get("args") or {}
+        shapes.setdefault((i, ev["name"]), (args.get("grid"), args.get("block")))
+    for i, s in enumerate(per):
+        s["decode"] = s["context_requests"] == 0 and s["generation_requests"] > 0
+        s["kernel_ms"] = sum(s[c] for c in KERNEL_CLASSES)
+        s["gpu_span_ms"] = (s["_t1"] - s["_t0"]) / 1e3 if s["kernels"] else 0.0
+        s["host_ms"] = (starts[i + 1] - starts[i]) / 1e3 if i + 1 < len(starts) else None
+        del s["_t0"], s["_t1"]
+    chosen = [s for s in per if s["decode"] and s["kernels"] and (users is None or s["generation_requests"] == users)]
+    if not chosen:
+        seen = sorted({(s["context_requests"], s["generation_requests"]) for s in per})
+        raise ValueError(f"no pure decode step with users={users} in the trace; steps seen (context requests, "
+                         f"generation requests): {seen}")
+    n = len(chosen)
+    mean = {c: sum(s[c] for s in chosen) / n for c in KERNEL_CLASSES}
+    mean["kernel_ms"] = sum(s["kernel_ms"] for s in chosen) / n
+    for part, classes in PARTS.items():
+        ms = sum(mean[c] for c in classes)
+        mean[f"{part}_ms"] = ms
+        mean[f"{part}_pct"] = 100.0 * ms / mean["kernel_ms"] if mean["kernel_ms"] else 0.0
+    mean["gpu_span_ms"] = sum(s["gpu_span_ms"] for s in chosen) / n
+    mean["gpu_idle_ms"] = mean["gpu_span_ms"] - mean["kernel_ms"]
+    hosts = [s["host_ms"] for s in chosen if s["host_ms"] is not None]
+    mean["host_ms"] = sum(hosts) / len(hosts) if hosts else None
+    total_ms, total_n = collections.Counter(), collections.Counter()
+    for s in chosen:
+        total_ms.update(names[s["index"]])
+        total_n.update(counts[s["index"]])
+    top_kernels: dict[str, list] = {c: [] for c in KERNEL_CLASSES}
+    for name, ms in total_ms.most_common():
+        lst = top_kernels[classify_kernel(name)]
+        if len(lst) < top:
+            grid, block = next((shapes[(s["index"], name)] for s in chosen if (s["index"], name) in shapes),
+                               (None, None))
+            lst.append({"name": name[:2000], "ms_per_step": ms / n, "count_per_step": total_n[name] / n,
+                        "grid": grid, "block": block})
+    return {"steps": per, "decode_steps": n, "users": users, "mean": mean, "top_kernels": top_kernels,
+            "unassigned_kernels": unassigned}
+
+
+def decode_bound(users: int, context_tokens: float, kv_bytes_per_token: int, weights_bytes: int,
+                 copy_gbps: float) -> dict:
+    """The bandwidth bound of one decode step: every weight byte and every KV byte of ``users`` sequences of
+    ``context_tokens`` tokens read once at ``copy_gbps`` (device-to-device copy, read + write GB/s, 1 GB = 1e9 B).
+
+    Returns:
+        dict: users, context_tokens, kv_bytes (users x context_tokens x kv_bytes_per_token), weights_bytes,
+        bytes (their sum), copy_gbps, step_ms (bytes / bandwidth), tok_s (users / step time).
+
+    Raises:
+        ValueError: a non-positive argument, naming it.
+    """
+    for name, v in (("users", users), ("context_tokens", context_tokens), ("kv_bytes_per_token", kv_bytes_per_token),
+                    ("weights_bytes", weights_bytes), ("copy_gbps", copy_gbps)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise ValueError(f"{name} must be a number > 0, got {v!r}")
+    kv = users * context_tokens * kv_bytes_per_token
+    total = kv + weights_bytes
+    step_s = total / (copy_gbps * 1e9)
+    return {"users": users, "context_tokens": context_tokens, "kv_bytes": kv, "weights_bytes": weights_bytes,
+            "bytes": total, "copy_gbps": copy_gbps, "step_ms": step_s * 1e3, "tok_s": users / step_s}
+
+
+def parse_users(text) -> tuple[int, ...]:
+    """``"13"`` or ``"6,4"`` -> (13,) / (6, 4): decode batches to profile, largest first (one engine prefills the
+    largest and aborts requests down to the next).
+
+    Raises:
+        ValueError: empty, not integers >= 1, or repeated (naming ``users``).
+    """
+    parts = [p.strip() for p in str(text).split(",") if p.strip()]
+    try:
+        vals = [int(p) for p in parts]
+    except ValueError:
+        raise ValueError(f"users must be comma-separated integers >= 1 (e.g. 13 or 6,4), got {text!r}") from None
+    if not vals or min(vals) < 1:
+        raise ValueError(f"users must be comma-separated integers >= 1 (e.g. 13 or 6,4), got {text!r}")
+    if len(set(vals)) != len(vals):
+        raise ValueError(f"users: {text!r} names a batch more than once")
+    return tuple(sorted(vals, reverse=True))
+
+
+def report_lines(result: dict) -> list[str]:
+    """One line per profiled batch of ``scripts/step_profile.py``'s result: users, the timed step (host ms, tok/s),
+    the profiled GPU span, the three parts in ms and % of kernel time, the bound and the share of it reached by the
+    timed step."""
+    out = []
+    for b in result.get("batches", []):
+        line = f"{result['mode']} {b['users']} users:"
+        timed = b.get("timed")
+        if timed:
+            line += f" timed step {timed['step_ms']:.2f} ms ({timed['tok_s']:.1f} tok/s);"
+        if "breakdown" not in b:
+            out.append(f"{line} not profiled: {b.get('error', '?')}")
+            continue
+        m = b["breakdown"]["mean"]
+        line += (f" profiled GPU span {m['gpu_span_ms']:.2f} ms: attention {m['attention_ms']:.2f} ms "
+                 f"({m['attention_pct']:.0f}%), GEMMs {m['gemm_ms']:.2f} ms ({m['gemm_pct']:.0f}%), rest "
+                 f"{m['rest_ms']:.2f} ms ({m['rest_pct']:.0f}%), GPU idle {m['gpu_idle_ms']:.2f} ms")
+        bound = b.get("bound")
+        if bound:
+            line += f"; bound {bound['step_ms']:.2f} ms ({bound['tok_s']:.0f} tok/s)"
+            if timed:
+                line += f", reached {100 * bound['step_ms'] / timed['step_ms']:.1f}%"
+        out.append(line)
+    return out

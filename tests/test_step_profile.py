@@ -1,0 +1,214 @@
+"""kvrepro.profile and scripts/step_profile.py on the CPU: kernel classes by name (names as vLLM 0.20.2's backends,
+cuBLAS, inductor and kvrepro emit them), per-step attribution of a synthetic Chrome trace against hand-summed
+figures, the bandwidth bound against issue 23's arithmetic, argument checks. The engine run itself is GPU-only."""
+import gzip
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvrepro import profile
+
+ROOT = Path(__file__).resolve().parents[1]
+
+FA3 = ("void cutlass::device_kernel<flash::enable_sm90_or_later<flash::FlashAttnFwdSm90<flash::CollectiveMainloopFwdSm90"
+       "<2, cute::tuple<cute::C<1>, cute::C<1>, cute::C<1> >, cute::tuple<cute::C<128>, cute::C<176>, cute::C<128> >, "
+       "128, cutlass::float_e4m3_t, cutlass::bfloat16_t, cutlass::arch::Sm90, true, false> > > >(...)")
+
+
+@pytest.mark.parametrize("name,cls", [
+    (FA3, "attention"),
+    ("void flash::FlashAttnFwdCombine<cute::tuple<cute::C<8>, cute::C<128> >, 7, 256, 1, false, true>(...)", "attention"),
+    ("kernel_unified_attention_3d", "attention"), ("reduce_segments", "attention"),
+    ("void flashinfer::BatchDecodeWithPagedKVCacheKernel<(flashinfer::PosEncodingMode)0, 2u, 4u, 8u>(...)", "attention"),
+    ("kvrepro_decode_k4v4", "attention"), ("paged_attn_kernel", "attention"), ("merge_splits_kernel", "attention"),
+    ("void vllm::reshape_and_cache_flash_kernel<__nv_bfloat16, unsigned char, (vllm::Fp8KVCacheDataType)1>(...)",
+     "kv_store"),
+    ("store_kv_kernel", "kv_store"),
+    ("nvjet_tst_128x64_64x8_1x1_v_bz_TNT", "gemm"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_execute_segment_k_off_kernel__5x_"
+     "cublas", "gemm"),
+    ("void cutlass::Kernel2<cutlass_80_wmma_tensorop_bf16_s161616gemm_bf16_16x16_128x2_tn_align8>(...)", "gemm"),
+    ("triton_tem_fused_mm_0", "gemm"), ("void gemv2T_kernel_val<int, int, float, float, float, 128, 16, 4, 4>", "gemm"),
+    ("triton_poi_fused_mul_silu_0", "other"), ("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_1", "other"),
+    ("void vllm::rotary_embedding_kernel<c10::BFloat16, true>(...)", "other"),
+    ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::ArgMaxOps<float>>>", "other"),
+])
+def test_classify_kernel(name, cls):
+    assert profile.classify_kernel(name) == cls
+
+
+def test_classify_kernel_refuses_a_non_name():
+    with pytest.raises(ValueError, match="name must be a non-empty kernel name"):
+        profile.classify_kernel("")
+    assert set(profile.KERNEL_CLASSES) == {"kv_store", "attention", "gemm", "other"}
+
+
+def _x(cat, name, ts, dur, **args):
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 1, "tid": 1, "args": args}
+
+
+def synthetic_trace():
+    """A prefill step (1 context request + 1 decode), then three decode steps of 2 users, each one graph launch of
+    kernels (attention 300 us, GEMM 500 us, KV store 20 us, norm 30 us) and a sampler kernel launched after the
+    forward range closed; one kernel launched before the first step; the GPU copies of the ranges (ignored)."""
+    ev = [_x("cuda_runtime", "cudaLaunchKernel", 0, 5, correlation=1),
+          _x("kernel", "triton_poi_fused_0", 10, 7, correlation=1)]              # before any step: unassigned
+    ev.append(_x("user_annotation", "execute_context_1(8192)_generation_1(1)", 100, 50))
+    ev.append(_x("cuda_runtime", "cudaLaunchKernel", 110, 5, correlation=2))
+    ev.append(_x("kernel", FA3, 120, 4000, correlation=2, grid=[1, 8, 1], block=[384, 1, 1]))
+    corr = 10
+    for k, t in enumerate((10_000, 12_000, 14_100)):
+        ev.append(_x("user_annotation", "execute_context_0(0)_generation_2(2)", t, 100))
+        ev.append(_x("gpu_user_annotation", "execute_context_0(0)_generation_2(2)", t + 20, 1000))
+        ev.append(_x("cuda_runtime", "cudaGraphLaunch", t + 10, 20, correlation=corr))
+        g = t + 40
+        for name, dur in (("store_kv_kernel", 20), (FA3, 300), ("nvjet_tst_128x64_64x8_1x1_v_bz_TNT", 500),
+                          ("void vllm::fused_add_rms_norm_kernel<c10::BFloat16, 8>", 30)):
+            ev.append(_x("kernel", name, g, dur, correlation=corr, grid=[2, 8, 1] if name == FA3 else None))
+            g += dur + 10                                                  # 10 us gaps between kernels
+        ev.append(_x("cuda_runtime", "cudaLaunchKernel", t + 150, 5, correlation=corr + 1))   # after the range
+        ev.append(_x("kernel", "argmax_kernel", g, 50, correlation=corr + 1))
+        corr += 2
+    ev.append(_x("kernel", "orphan", 20_000, 5, correlation=999))           # no launch event
+    return ev
+
+
+def test_step_breakdown_against_hand_sums():
+    b = profile.step_breakdown(synthetic_trace(), users=2)
+    assert len(b["steps"]) == 4 and b["decode_steps"] == 3
+    assert b["unassigned_kernels"] == 2
+    first = b["steps"][0]
+    assert (first["context_requests"], first["decode"], first["attention"]) == (1, False, 4.0)
+    s = b["steps"][1]
+    assert (s["attention"], s["gemm"], s["kv_store"], s["other"]) == pytest.approx((0.3, 0.5, 0.02, 0.08))
+    assert s["kernel_ms"] == pytest.approx(0.9)
+    assert s["gpu_span_ms"] == pytest.approx((20 + 300 + 500 + 30 + 50 + 4 * 10) / 1e3)   # 0.94 ms
+    assert s["host_ms"] == pytest.approx(2.0) and b["steps"][3]["host_ms"] is None
+    m = b["mean"]
+    assert m["attention_ms"] == pytest.approx(0.3) and m["attention_pct"] == pytest.approx(100 * 0.3 / 0.9)
+    assert m["gemm_pct"] == pytest.approx(100 * 0.5 / 0.9)
+    assert m["rest_ms"] == pytest.approx(0.1) and m["rest_pct"] == pytest.approx(100 * 0.1 / 0.9)
+    assert m["gpu_idle_ms"] == pytest.approx(0.04)
+    assert m["host_ms"] == pytest.approx((2.0 + 2.1) / 2)            # the last step has no next start
+    top = b["top_kernels"]["attention"][0]
+    assert top["name"] == FA3 and top["count_per_step"] == 1 and top["ms_per_step"] == pytest.approx(0.3)
+    assert top["grid"] == [2, 8, 1]
+    everything = profile.step_breakdown(synthetic_trace())          # users=None: every pure decode step
+    assert everything["decode_steps"] == 3
+
+
+def test_step_breakdown_says_what_it_found():
+    with pytest.raises(ValueError, match=r"users=5.*\(0, 2\), \(1, 1\)"):
+        profile.step_breakdown(synthetic_trace(), users=5)
+    with pytest.raises(ValueError, match="no vLLM step annotation"):
+        profile.step_breakdown([e for e in synthetic_trace() if e["cat"] != "user_annotation"])
+
+
+def test_load_trace_reads_gzip_and_refuses_other_json(tmp_path):
+    p = tmp_path / "w.pt.trace.json.gz"
+    with gzip.open(p, "wt") as f:
+        json.dump({"traceEvents": synthetic_trace()}, f)
+    assert profile.step_breakdown(profile.load_trace(p), users=2)["decode_steps"] == 3
+    (tmp_path / "bad.json").write_text('{"events": []}')
+    with pytest.raises(ValueError, match="no traceEvents"):
+        profile.load_trace(tmp_path / "bad.json")
+
+
+def test_parse_step_name():
+    assert profile.parse_step_name("execute_context_0(0)_generation_13(13)") == {
+        "context_requests": 0, "context_tokens": 0, "generation_requests": 13, "generation_tokens": 13}
+    assert profile.parse_step_name("gpu_model_runner: forward") is None
+
+
+def test_decode_bound_is_issue_23s_arithmetic():
+    """13 k4v4 users at 128K: weights 8.04 GB + KV 66 GB at 4.28 TB/s copy -> ~751 tok/s (issue 23)."""
+    from kvrepro import capacity
+
+    cfg = capacity.load_model_config()
+    per_token = capacity.bytes_per_token("k4v4", cfg)
+    b = profile.decode_bound(13, 131072, per_token, cfg.weights_bytes, 4280.7)
+    assert b["kv_bytes"] == 13 * 131072 * 36 * 8 * 134
+    assert b["bytes"] == pytest.approx(8_044_936_192 + 13 * 131072 * 38592)
+    assert b["step_ms"] == pytest.approx(b["bytes"] / 4280.7e9 * 1e3)
+    assert 745 < b["tok_s"] < 760
+    with pytest.raises(ValueError, match="copy_gbps must be a number > 0"):
+        profile.decode_bound(13, 131072, per_token, cfg.weights_bytes, 0)
+
+
+def test_parse_users():
+    assert profile.parse_users("13") == (13,) and profile.parse_users("4,6") == (6, 4)
+    for bad in ("", "0", "a", "6,6"):
+        with pytest.raises(ValueError, match="users"):
+            profile.parse_users(bad)
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("step_profile_script", ROOT / "scripts" / "step_profile.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_script_settings_and_engine_arguments(tmp_path):
+    sp = _script()
+    cfg = sp.check_args(sp.build_parser().parse_args(["--mode", "fp8:flash_attn", "--users", "4,6"]))
+    assert cfg["users"] == (6, 4) and cfg["steps"] == 8
+    kw = sp.engine_kwargs(cfg, "/m", 0.51, str(tmp_path))
+    assert kw["kv_cache_dtype"] == "fp8" and kw["attention_backend"] == "FLASH_ATTN"
+    assert kw["profiler_config"]["profiler"] == "torch" and kw["profiler_config"]["torch_profiler_dir"] == str(tmp_path)
+    assert kw["max_model_len"] == 131072 + sp.MAX_NEW_TOKENS + 64 and kw["enable_prefix_caching"] is False
+    assert "attention_backend" not in sp.engine_kwargs(sp.check_args(sp.build_parser().parse_args(["--mode", "fp8"])),
+                                                       "/m", 0.5, "/t")
+    assert [sp.kv_format(m) for m in ("kvrepro:k4v4", "fp8", "fp8:triton_attn", "bf16")] == ["k4v4", "fp8", "fp8", "bf16"]
+    assert sp.default_out("NVIDIA H200", "kvrepro:k4v4", (13, 6), "20261202_0100").name == \
+        "nvidia-h200_kvrepro-k4v4_13-6u_20261202_0100.json"
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--mode", "fp16"], "mode must be one of"), (["--mode", "turboquant_k8v4"], "mode must be one of"),
+    (["--users", "0"], "users must be"), (["--users", "40"], "exceeds --max-num-seqs 32"),
+    (["--steps", "0"], "--steps must be an integer >= 1"), (["--settle-steps", "-1"], "--settle-steps"),
+    (["--gpu-memory-gb", "0"], "--gpu-memory-gb"), (["--cudagraph-mode", "ful"], "--cudagraph-mode must be one of"),
+    (["--out", "/nonexistent/x.json"], "its folder does not exist"),
+])
+def test_script_refuses_bad_arguments_naming_them(args, msg):
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "step_profile.py"), *args], capture_output=True,
+                       text=True, cwd=ROOT)
+    assert r.returncode == 2 and msg in r.stderr, r.stderr
+
+
+def test_report_lines():
+    b = profile.step_breakdown(synthetic_trace(), users=2)
+    result = {"mode": "kvrepro:k4v4", "batches": [
+        {"users": 2, "timed": {"step_ms": 1.0, "tok_s": 2000.0}, "breakdown": b,
+         "bound": profile.decode_bound(2, 1000, 100, 700_000, 1.0)},
+        {"users": 1, "error": "no new trace"}]}
+    lines = profile.report_lines(result)
+    assert lines[0].startswith("kvrepro:k4v4 2 users: timed step 1.00 ms (2000.0 tok/s); profiled GPU span 0.94 ms: "
+                               "attention 0.30 ms (33%), GEMMs 0.50 ms (56%), rest 0.10 ms (11%)")
+    assert "bound 0.90 ms (2222 tok/s), reached 90.0%" in lines[0]
+    assert lines[1] == "kvrepro:k4v4 1 users: not profiled: no new trace"
+
+
+@pytest.mark.gpu
+@pytest.mark.vllm
+def test_step_profile_on_the_gpu(tmp_path):
+    """The script end to end at a small size (2 users x 4,096 tokens, k4v4): the file holds a breakdown per batch whose
+    parts add up and a bound below the timed step."""
+    out = tmp_path / "p.json"
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "step_profile.py"), "--mode", "kvrepro:k4v4",
+                        "--users", "2,1", "--prompt-tokens", "4096", "--steps", "4", "--out", str(out)],
+                       capture_output=True, text=True, cwd=ROOT, timeout=600, env=dict(os.environ))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    for b in res["batches"]:
+        m = b["breakdown"]["mean"]
+        assert m["attention_ms"] > 0 and m["gemm_ms"] > 0
+        assert m["attention_ms"] + m["gemm_ms"] + m["rest_ms"] == pytest.approx(m["kernel_ms"])
+        assert b["bound"]["step_ms"] < b["timed"]["step_ms"]
+        assert b["breakdown"]["top_kernels"]["attention"][0]["name"].startswith("kvrepro_decode_")
