@@ -139,6 +139,133 @@ def model_rows(root: Path | None = None) -> list[dict]:
     return rows
 
 
+CONTEXT = 131072              # the seed's prompt (tokens)
+WORKLOAD_DECODE = 1024        # the seed's decode tokens per user: users fit at prompt + this many
+REACH_MODES = ("fp8", "kvrepro:k4v4")
+MODELS_RESULTS = "results/reach"   # models_<gpu>.jsonl of scripts/reach_models.py
+MODEL_ROW_DONE = ("measured", "weights exceed budget", "fits 0 users")
+
+
+def workload(name: str) -> dict:
+    """``{"max_model_len", "prompt_tokens", "decode_tokens"}`` of a bundled model's capacity point: ``max_model_len =
+    min(131072 + 1024, max_position_embeddings)``, a prompt of ``max_model_len - 1024`` tokens, 1,024 decode tokens.
+    Raises ValueError for an unknown model."""
+    mml = min(CONTEXT + WORKLOAD_DECODE, model_facts(name).max_positions)
+    return {"max_model_len": mml, "prompt_tokens": mml - WORKLOAD_DECODE, "decode_tokens": WORKLOAD_DECODE}
+
+
+def kv_format(mode: str) -> str | None:
+    """The ``kvrepro.capacity`` format of a capacity-sweep mode ("fp8" -> "fp8", "kvrepro:k4v4" -> "k4v4"); None for
+    vLLM's turboquant modes, which the arithmetic does not model. Raises ValueError for an unknown mode."""
+    from kvrepro import sweep
+
+    sweep.check_modes([mode])
+    if mode.startswith("kvrepro:"):
+        return mode.split(":", 1)[1]
+    return {"bf16": "bf16", "fp8": "fp8"}.get(mode)
+
+
+def arithmetic_users(name: str, mode: str, gpu_memory_gib: float) -> int | None:
+    """Users of bundled model ``name`` that fit its :func:`workload` on one GPU of ``gpu_memory_gib`` GiB, by
+    ``kvrepro.capacity.users_that_fit`` (vLLM's block arithmetic, the calibrated overhead); 0 where the weights leave
+    no KV memory; None for a mode the arithmetic does not model. Raises ValueError for a bad name, mode or memory."""
+    from kvrepro import capacity
+
+    fmt = kv_format(mode)
+    if fmt is None:
+        return None
+    w = workload(name)
+    try:
+        return capacity.users_that_fit(fmt, w["prompt_tokens"], w["decode_tokens"], gpu_memory_gb=gpu_memory_gib,
+                                       cfg=capacity.load_model_config(name))["users_fit"]
+    except ValueError as e:
+        if "no memory left for the KV cache" in str(e):
+            return 0
+        raise
+
+
+def model_runs(root: Path | None = None, gpu_memory_gib: float = 80.0) -> dict:
+    """The rows of ``results/reach/models_*.jsonl`` (``scripts/reach_models.py``) at ``gpu_memory_gib`` whose status
+    is final (measured, weights exceed budget, fits 0 users): ``{(model, mode): row}``, the latest date where several
+    files or GPUs have one."""
+    root = root or repo_root()
+    out: dict = {}
+    for path in sorted((root / MODELS_RESULTS).glob("models_*.jsonl")):
+        for line in path.read_text(encoding="utf-8").splitlines():
+            if not line.strip():
+                continue
+            r = json.loads(line)
+            if r.get("status") not in MODEL_ROW_DONE or r.get("gpu_memory_gib") != gpu_memory_gib:
+                continue
+            r = dict(r, _file=str(path.relative_to(root)))
+            key = (r.get("model"), r.get("mode"))
+            if key not in out or str(r.get("date", "")) > str(out[key].get("date", "")):
+                out[key] = r
+    return out
+
+
+def _ratio(a, b):
+    return round(a / b, 2) if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else None
+
+
+def model_capacity_table(root: Path | None = None, gpu_memory_gib: float = 80.0):
+    """Notebook 02's model table: one row per bundled model, its capacity point (:func:`workload`: 128K + 1,024
+    tokens per user, or the model's window) on one GPU of ``gpu_memory_gib`` GiB for fp8 and kvrepro k4v4.
+
+    Measured where ``results/reach/models_*.jsonl`` holds the model and mode at that memory (users = what vLLM's
+    allocated KV cache fits, tok/s = the aggregate decode rate of that many users at full context); otherwise users
+    by ``kvrepro.capacity`` arithmetic and no tok/s, labelled "not measured".
+
+    Returns:
+        pandas DataFrame with columns model, tokens_per_user, users_fp8, users_k4v4, users_ratio (k4v4 / fp8),
+        tok_s_fp8, tok_s_k4v4, tok_s_ratio (k4v4 / fp8; None where either is missing), source (per mode: "measured,
+        <GPU>, <date> (<file>)" with any preemptions, failed smoke or status, or "not measured (arithmetic,
+        kvrepro.capacity)").
+
+    Raises:
+        ValueError: ``gpu_memory_gib`` not a number > 0.
+    """
+    import pandas as pd
+
+    if isinstance(gpu_memory_gib, bool) or not isinstance(gpu_memory_gib, (int, float)) or not gpu_memory_gib > 0:
+        raise ValueError(f"gpu_memory_gib must be a number of GiB > 0, got {gpu_memory_gib!r}")
+    runs = model_runs(root, gpu_memory_gib)
+    rows = []
+    for name in model_names():
+        rec = {"model": name, "tokens_per_user": workload(name)["max_model_len"]}
+        srcs = []
+        for mode in REACH_MODES:
+            col = kv_format(mode)
+            r = runs.get((name, mode))
+            if r is None:
+                rec[f"users_{col}"], rec[f"tok_s_{col}"] = arithmetic_users(name, mode, gpu_memory_gib), None
+                srcs.append(f"{col}: not measured (arithmetic, kvrepro.capacity)")
+                continue
+            rec[f"users_{col}"] = int(r.get("users_fit") or 0)
+            tok = r.get("aggregate_decode_tok_s")
+            rec[f"tok_s_{col}"] = round(tok, 1) if isinstance(tok, (int, float)) else None
+            notes = []
+            if r["status"] != "measured":
+                notes.append(r["status"])
+            if r.get("preemptions"):
+                notes.append(f"{r['preemptions']} preemptions")
+            if r.get("smoke") and not r["smoke"].get("ok"):
+                notes.append("smoke generation failed")
+            if r.get("users_capped_by_max_num_seqs"):
+                notes.append(f"tok/s of {r.get('users_measured')} users (max_num_seqs)")
+            gpu = str(r.get("gpu", "?")).replace("NVIDIA ", "")
+            srcs.append(f"{col}: measured, {gpu}, {str(r.get('date', ''))[:10]} ({r['_file']})"
+                        + (f": {'; '.join(notes)}" if notes else ""))
+        rec["users_ratio"] = _ratio(rec["users_k4v4"], rec["users_fp8"])
+        rec["tok_s_ratio"] = _ratio(rec["tok_s_k4v4"], rec["tok_s_fp8"])
+        rec["source"] = ("not measured (arithmetic, kvrepro.capacity)" if all("not measured" in x for x in srcs)
+                         else "; ".join(srcs))
+        rows.append(rec)
+    cols = ["model", "tokens_per_user", "users_fp8", "users_k4v4", "users_ratio", "tok_s_fp8", "tok_s_k4v4",
+            "tok_s_ratio", "source"]
+    return pd.DataFrame(rows, columns=cols)
+
+
 def block(root: Path | None = None) -> str:
     """The README block, markers included."""
     g = gpu_rows(root)

@@ -203,3 +203,175 @@ def test_configs_are_plain_json_vllm_can_read():
         assert raw["architectures"][0] in ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen2ForCausalLM",
                                            "MistralForCausalLM")
         assert raw["torch_dtype"] == "bfloat16"
+
+
+# ---------------------------------------------------------------- scripts/reach_models.py and 02's model table
+
+def _script():
+    """scripts/reach_models.py as a module (its CPU-side logic; the engine part needs a GPU and vLLM)."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "reach_models.py"
+    spec = importlib.util.spec_from_file_location("reach_models", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_reach_models_refuses_bad_arguments_by_name():
+    rm = _script()
+    assert rm.check_args("", "fp8,kvrepro:k4v4", 80, 1024) == (model_names(), ("fp8", "kvrepro:k4v4"))
+    assert rm.check_args("qwen3-0.6b", ["fp8"], 40.0, 1, 300)[0] == ("qwen3-0.6b",)
+    for kw, match in [
+        (dict(models="qwen3-0.5b"), "models: unknown \\['qwen3-0.5b'\\]; allowed: llama-3.1-8b-instruct"),
+        (dict(models="qwen3-8b,qwen3-8b"), "named more than once"),
+        (dict(modes="fp16"), "modes: unknown \\['fp16'\\]; allowed: bf16, fp8"),
+        (dict(modes="fp8,fp8"), "named more than once"),
+        (dict(gpu_memory_gib=0), "gpu_memory_gib must be a number of GiB > 0, got 0"),
+        (dict(gpu_memory_gib=True), "gpu_memory_gib must be"),
+        (dict(decode_tokens=0), "decode_tokens must be an int in 1..1024"),
+        (dict(decode_tokens=1025), "decode_tokens must be an int in 1..1024"),
+        (dict(decode_tokens=2.0), "decode_tokens must be an int"),
+        (dict(budget_s=-5), "budget_s must be a number of seconds > 0"),
+    ]:
+        args = dict(models="", modes="fp8", gpu_memory_gib=80, decode_tokens=64, budget_s=None) | kw
+        with pytest.raises(ValueError, match=match):
+            rm.check_args(**args)
+    with pytest.raises(SystemExit) as e:                    # the CLI reports them through argparse (exit 2)
+        rm.main(["--plan", "--models", "nope"])
+    assert e.value.code == 2
+
+
+def test_workload_is_128k_plus_decode_or_the_models_window():
+    from kvrepro import reach
+
+    assert reach.workload("qwen3-4b-instruct-2507") == {"max_model_len": 132096, "prompt_tokens": 131072,
+                                                        "decode_tokens": 1024}
+    assert reach.workload("llama-3.1-8b-instruct")["max_model_len"] == 131072          # its window
+    assert reach.workload("qwen3-0.6b") == {"max_model_len": 40960, "prompt_tokens": 39936, "decode_tokens": 1024}
+    assert reach.workload("mistral-7b-instruct-v0.3")["prompt_tokens"] == 32768 - 1024
+    assert (reach.kv_format("fp8"), reach.kv_format("kvrepro:k4v4"), reach.kv_format("turboquant_k8v4")) == \
+        ("fp8", "k4v4", None)
+
+
+def test_users_arithmetic_is_kvrepro_capacity_and_a_count_by_hand():
+    """Qwen3-0.6B at 80 GiB, by hand: 596,049,920 parameters (28 layers x (q/o 2 x 1024 x 2048 + k/v 2 x 1024 x 1024
+    + MLP 3 x 1024 x 3072 + norms 2 x 1024 + 2 x 128) + final norm 1024 + tied embedding 151,936 x 1024) x 2 B; KV
+    bytes = 0.9 x 80 GiB - weights - 1.968 GiB; an fp8 block of 16 tokens is 28 x 8 x 16 x 256 B, a k4v4 block
+    28 x 8 x 16 x 134 B; a user holds 40,960 / 16 = 2,560 blocks; vLLM's null block is not usable."""
+    from kvrepro import capacity, reach
+
+    params = 28 * (2 * 1024 * 2048 + 2 * 1024 * 1024 + 3 * 1024 * 3072 + 2 * 1024 + 2 * 128) + 1024 + 151936 * 1024
+    assert params == 596_049_920 == capacity.load_model_config("qwen3-0.6b").num_params
+    kv = int(0.9 * 80 * 2**30 - 2 * params - 1.968 * 2**30)
+    for mode, per_block in (("fp8", 28 * 8 * 16 * 256), ("kvrepro:k4v4", 28 * 8 * 16 * 134)):
+        want = (kv // per_block - 1) // 2560
+        assert reach.arithmetic_users("qwen3-0.6b", mode, 80.0) == want
+    assert (reach.arithmetic_users("qwen3-0.6b", "fp8", 80.0), reach.arithmetic_users("qwen3-0.6b", "kvrepro:k4v4",
+                                                                                        80.0)) == (31, 60)
+    for name in model_names():
+        w = reach.workload(name)
+        assert reach.arithmetic_users(name, "kvrepro:k4v4", 80.0) == capacity.users_that_fit(
+            "k4v4", w["prompt_tokens"], 1024, gpu_memory_gb=80.0, cfg=capacity.load_model_config(name))["users_fit"]
+    assert reach.arithmetic_users("qwen3-32b", "fp8", 40.0) == 0                        # weights leave no KV memory
+    rm = _script()
+    assert "weights 61.0 GiB (bf16, kvrepro.capacity) >= the engine's 36.0 GiB (0.9 x 40.0 GiB)" == \
+        rm.weights_exceed("qwen3-32b", 40.0)
+    assert rm.weights_exceed("qwen3-32b", 80.0) is None
+    assert rm.max_num_seqs("qwen3-0.6b", 80.0) == 74                                  # ceil(60 x 1.1) + 8
+
+
+def test_weights_over_the_budget_are_a_row_not_an_error():
+    """No engine is started (nothing imports vLLM): the row says why."""
+    rm = _script()
+    row = rm.measure("qwen3-32b", "fp8", 40.0, 16)
+    assert row["status"] == "weights exceed budget" and row["users_fit"] == 0 and "61.0 GiB" in row["reason"]
+    assert (row["model"], row["mode"], row["kv_cache_dtype"], row["max_model_len"]) == ("qwen3-32b", "fp8", "fp8", 40960)
+
+
+def test_rows_replace_their_pair_and_resume_skips_final_statuses(tmp_path):
+    rm = _script()
+    out = str(tmp_path / "models_h200.jsonl")
+    base = rm.base_row("qwen3-0.6b", "kvrepro:k4v4", 80.0, 64)
+    assert (base["attention_backend"], base["env"], base["kv_cache_dtype"]) == ("CUSTOM", {"KVREPRO_PRESET": "k4v4"},
+                                                                               "auto")
+    assert base["users_fit_arithmetic"] == 60 and base["prompt_tokens"] == 39936 and base["decode_tokens"] == 64
+    rm.put_row(out, dict(base, status="error", reason="boom"))
+    rm.put_row(out, dict(rm.base_row("qwen3-0.6b", "fp8", 80.0, 64), status="measured", users_fit=33))
+    models, modes = ("qwen3-0.6b", "qwen3-8b"), ("fp8", "kvrepro:k4v4")
+    assert rm.todo(rm.read_rows(out), models, modes) == [("qwen3-0.6b", "kvrepro:k4v4"), ("qwen3-8b", "fp8"),
+                                                          ("qwen3-8b", "kvrepro:k4v4")]     # the error row runs again
+    rm.put_row(out, dict(base, status="fits 0 users", users_fit=0))
+    rows = rm.read_rows(out)
+    assert len(rows) == 2 and {r["status"] for r in rows} == {"measured", "fits 0 users"}
+    assert rm.todo(rows, models, modes) == [("qwen3-8b", "fp8"), ("qwen3-8b", "kvrepro:k4v4")]
+    with pytest.raises(ValueError, match="status in"):
+        rm.put_row(out, dict(base, status="ok"))
+    (tmp_path / "bad.jsonl").write_text('{"model": 1}\nnot json\n')
+    with pytest.raises(ValueError, match="bad.jsonl:2: not JSON"):
+        rm.read_rows(str(tmp_path / "bad.jsonl"))
+
+
+def test_smoke_verdict_window_end_and_file_name():
+    rm = _script()
+    assert rm.smoke_result([16, 5], [16, 5])["ok"]
+    assert not rm.smoke_result([16, 5], [16, 4])["ok"] and not rm.smoke_result([16, 5], [16])["ok"]
+    assert not rm.smoke_result([0], [0])["ok"]                                          # an empty output never passes
+    assert rm.window_done([64, 70], [300, 100], 64, 1024)                                 # everyone has 64 more
+    assert not rm.window_done([63, 70], [300, 100], 64, 1024)
+    assert rm.window_done([10, 10], [1023, 100], 64, 1024)                                # one user at its last token
+    assert (rm.gpu_slug("NVIDIA H200"), rm.gpu_slug("NVIDIA A100-SXM4-80GB")) == ("h200", "a100-sxm4-80gb")
+    with pytest.raises(ValueError, match="no letters or digits"):
+        rm.gpu_slug(" -- ")
+
+
+def test_plan_lists_every_pair_and_the_cli_needs_a_gpu_to_measure(capsys, monkeypatch):
+    rm = _script()
+    assert rm.main(["--plan", "--models", "qwen3-0.6b,llama-3.2-1b-instruct", "--decode-tokens", "128"]) == 0
+    text = capsys.readouterr().out
+    assert text.count("qwen3-0.6b") == 2 and "40,960" in text and "131,072" in text and "(4 engines)" in text
+    monkeypatch.setattr(rm.sweep, "measurement_blockers", lambda: ["a CUDA GPU (found none)"])
+    assert rm.main(["--models", "qwen3-0.6b"]) == 2
+    assert "missing: a CUDA GPU" in capsys.readouterr().err
+
+
+def _model_row(model, mode, users, tok, **kw):
+    return {"model": model, "mode": mode, "status": "measured", "users_fit": users, "aggregate_decode_tok_s": tok,
+            "gpu_memory_gib": 80.0, "gpu": "NVIDIA H200", "date": "2026-12-02T10:00:00+00:00",
+            "preemptions": 0, "smoke": {"ok": True}} | kw
+
+
+def test_model_table_reads_measured_rows_else_labels_arithmetic(tmp_path):
+    from kvrepro import reach
+
+    empty = reach.model_capacity_table(tmp_path, 80.0)
+    assert list(empty["model"]) == list(model_names())
+    assert (empty["source"] == "not measured (arithmetic, kvrepro.capacity)").all()
+    assert empty["tok_s_fp8"].isna().all() and empty["tok_s_k4v4"].isna().all()
+    q = empty.set_index("model").loc["qwen3-0.6b"]
+    assert (q["users_fp8"], q["users_k4v4"], q["users_ratio"], q["tokens_per_user"]) == (31, 60, 1.94, 40960)
+
+    d = tmp_path / "results" / "reach"
+    d.mkdir(parents=True)
+    rows = [_model_row("qwen3-0.6b", "fp8", 33, 1000.0), _model_row("qwen3-0.6b", "kvrepro:k4v4", 64, 1500.0),
+            _model_row("qwen3-0.6b", "kvrepro:k4v4", 99, 1.0, date="2026-11-01"),        # older: not shown
+            _model_row("qwen3-8b", "fp8", 20, 400.0, preemptions=2),
+            _model_row("qwen3-32b", "fp8", 0, None, status="fits 0 users"),
+            _model_row("llama-3.1-8b-instruct", "fp8", 6, 300.0, gpu_memory_gib=40.0),    # other budget: not shown
+            _model_row("mistral-7b-instruct-v0.3", "fp8", 28, 300.0, status="error")]    # not final: not shown
+    (d / "models_h200.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    t = reach.model_capacity_table(tmp_path, 80.0).set_index("model")
+    q = t.loc["qwen3-0.6b"]
+    assert (q["users_fp8"], q["users_k4v4"], q["users_ratio"]) == (33, 64, 1.94)
+    assert (q["tok_s_fp8"], q["tok_s_k4v4"], q["tok_s_ratio"]) == (1000.0, 1500.0, 1.5)
+    assert q["source"] == ("fp8: measured, H200, 2026-12-02 (results/reach/models_h200.jsonl); "
+                           "k4v4: measured, H200, 2026-12-02 (results/reach/models_h200.jsonl)")
+    q8 = t.loc["qwen3-8b"]
+    assert q8["users_fp8"] == 20 and "2 preemptions" in q8["source"]
+    assert "k4v4: not measured (arithmetic, kvrepro.capacity)" in q8["source"] and q8["tok_s_ratio"] != q8["tok_s_ratio"]
+    assert t.loc["qwen3-32b", "users_fp8"] == 0 and "fits 0 users" in t.loc["qwen3-32b", "source"]
+    for name in ("llama-3.1-8b-instruct", "mistral-7b-instruct-v0.3"):
+        assert t.loc[name, "source"] == "not measured (arithmetic, kvrepro.capacity)"
+    with pytest.raises(ValueError, match="gpu_memory_gib must be a number of GiB > 0"):
+        reach.model_capacity_table(tmp_path, 0)
