@@ -25,6 +25,7 @@ from pathlib import Path
 from kvrepro.configs import model_names
 from kvrepro.configs.facts import model_facts
 from kvrepro.ops import cuda_decode, occupancy
+from kvrepro.settings import DEFAULT_PRESET
 from kvrepro.vllm_backend.config import serving_plan
 
 README = "README.md"
@@ -116,26 +117,39 @@ def gpu_rows(root: Path | None = None) -> list[dict]:
     return rows
 
 
+def _kernel_name(plan) -> str:
+    return {"cuda": "CUDA", "triton": "Triton"}.get(plan.decode) or "refused: " + "; ".join(plan.refusals)
+
+
 def model_rows(root: Path | None = None) -> list[dict]:
     """One row per bundled model: its attention geometry, KV bytes per token (bf16 / fp8 / k4v4), the decode kernel
-    on an H100 / H200 (compute capability 9.0) under the default rule, and the committed capacity runs of it."""
+    on an H100 / H200 (compute capability 9.0) under the default rule for the default preset and for k4v4
+    (``decode``: "Triton / CUDA"), and the committed capacity runs of it."""
     root = root or repo_root()
     ran = set()
     for path in (root / "results" / "capacity").glob("*.jsonl"):
         for line in path.read_text(encoding="utf-8").splitlines():
             if line.strip():
                 ran.add(str(json.loads(line).get("model", "")).split("/")[-1].lower())
+    points = {r.get("model") for path in (root / MODELS_RESULTS).glob("models_*.jsonl")
+              for r in map(json.loads, filter(str.strip, path.read_text(encoding="utf-8").splitlines()))
+              if r.get("status") == "measured"}
     rows = []
     for name in model_names():
         f = model_facts(name)
-        plan = serving_plan(head_dim=f.head_dim, num_q_heads=f.num_q_heads, num_kv_heads=f.num_kv_heads,
-                            capability=(9, 0), sliding_window=f.sliding_window, mla=f.mla)
+        decode = {}
+        for preset in (DEFAULT_PRESET, "k4v4"):
+            plan = serving_plan(head_dim=f.head_dim, num_q_heads=f.num_q_heads, num_kv_heads=f.num_kv_heads,
+                                capability=(9, 0), sliding_window=f.sliding_window, mla=f.mla, preset=preset)
+            decode[preset] = _kernel_name(plan)
         kv = f.kv_bytes_per_token
         rows.append({"model": name, "head_dim": f.head_dim, "heads": f"{f.num_q_heads} / {f.num_kv_heads} ({f.group})",
                      "layers": f.num_layers, "key_bias": "yes" if f.has_key_bias else "no",
                      "max_positions": f.max_positions, "kv": f"{kv['bf16']:,} / {kv['fp8']:,} / {kv['k4v4']:,}",
-                     "decode": plan.decode or "refused: " + "; ".join(plan.refusals),
-                     "measured": "capacity (dummy weights)" if name in ran else "not run"})
+                     "decode": " / ".join(decode[p] for p in (DEFAULT_PRESET, "k4v4")),
+                     "measured": ", ".join(x for x in ("capacity sweep" if name in ran else "",
+                                                       "capacity point" if name in points else "") if x)
+                     + " (dummy weights)" if name in ran | points else "not run"})
     return rows
 
 
@@ -280,7 +294,7 @@ def block(root: Path | None = None) -> str:
            f"else the newest PTX at or below it, compiled by the driver at load; a GPU below compute capability 8.0 "
            f"is refused at engine start, and a driver that cannot load the fatbin gets the Triton kernel with a "
            f"warning (`KVREPRO_DECODE_IMPL=auto`) or a refusal (`=cuda`).", "",
-           "| GPU family | compute capability | fatbin code it runs | decode kernel (head_dim 128, GQA 4) | "
+           "| GPU family | compute capability | fatbin code it runs | k4v4 decode kernel (head_dim 128, GQA 4) | "
            "resident CTAs per SM, k4v4 / k8v4 / k4v2 | shared memory per SM | CUDA kernel status |",
            "| --- | --- | --- | --- | --- | ---: | --- |"]
     out += [f"| {r['family']} | {r['capability']} | {r['code']} | {r['decode']} | {r['ctas']} | {r['smem_kb']} KB | "
@@ -290,12 +304,14 @@ def block(root: Path | None = None) -> str:
                 "(`cuOccupancyMaxActiveBlocksPerMultiprocessor`) instead, and plans one wave of that many CTAs per SM. "
                 "The Triton kernels run on any of these GPUs for every preset and shape the engine accepts.", "",
             "| model (bundled config) | head_dim | query / KV heads (GQA group) | layers | key bias | max positions | "
-            "KV bytes per token, bf16 / fp8 / k4v4 | decode kernel on an H100 / H200 | measured |",
+            f"KV bytes per token, bf16 / fp8 / k4v4 | decode kernel on an H100 / H200, {DEFAULT_PRESET} (default) / "
+            "k4v4 | measured |",
             "| --- | ---: | --- | ---: | --- | ---: | ---: | --- | --- |"]
     out += [f"| `{r['model']}` | {r['head_dim']} | {r['heads']} | {r['layers']} | {r['key_bias']} | "
             f"{r['max_positions']:,} | {r['kv']} | {r['decode']} | {r['measured']} |" for r in m]
     out += ["", "Engine start: head_dim 64 and 128 with GQA groups of 1..32 are served (the CUDA decode kernel for "
-                "k4v4, k8v4 and k4v2 at head_dim 128, block 16 and groups of 1..8; Triton otherwise); any other "
+                "k4v4, k8v4 and k4v2 at head_dim 128, block 16 and groups of 1..8; Triton otherwise, the default "
+                f"preset {DEFAULT_PRESET} included); any other "
                 "head_dim (256 included), a sliding window, MLA or a GPU below compute capability 8.0 is refused with "
                 "the reason (`kvrepro.vllm_backend.config.serving_plan`). Run a bundled model with random weights: "
                 "`vllm serve kvrepro/configs/<model> --load-format dummy --skip-tokenizer-init --attention-backend "

@@ -375,3 +375,15 @@ def test_model_table_reads_measured_rows_else_labels_arithmetic(tmp_path):
         assert t.loc[name, "source"] == "not measured (arithmetic, kvrepro.capacity)"
     with pytest.raises(ValueError, match="gpu_memory_gib must be a number of GiB > 0"):
         reach.model_capacity_table(tmp_path, 0)
+
+
+def test_readme_model_column_states_the_default_preset_and_k4v4():
+    """The default preset (k5v4) has no CUDA kernel: Triton for every model; k4v4: CUDA at head_dim 128, Triton for
+    Llama-3.2-1B (head_dim 64)."""
+    from kvrepro import reach
+    from kvrepro.settings import DEFAULT_PRESET
+
+    assert DEFAULT_PRESET == "k5v4"
+    rows = {r["model"]: r["decode"] for r in reach.model_rows()}
+    assert rows == {n: "Triton / " + ("Triton" if model_facts(n).head_dim == 64 else "CUDA") for n in model_names()}
+    assert "decode kernel on an H100 / H200, k5v4 (default) / k4v4" in reach.block()
