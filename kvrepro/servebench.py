@@ -1,0 +1,364 @@
+"""Serving under load (issue 23): ``vllm serve`` per KV mode at the sweep's memory budget, driven by vLLM 0.20.2's own
+benchmark client (``vllm bench serve``, ``vllm/benchmarks/serve.py``), and the table of its results. CPU-side logic
+only; ``scripts/serve_bench.py`` runs the servers and the client on the GPU machine.
+
+The workload: ``num_prompts`` requests, prompt lengths drawn uniformly from ``[input_min, input_max]`` tokens (8K to 128K
+by default), ``output_len`` tokens each (``--ignore-eos``), arriving at ``request_rate`` per second (Poisson, vLLM's
+``--burstiness 1``; ``inf`` = all at once), against a server on the bundled Qwen3-4B config with dummy weights at the
+emulated card (``kvrepro.sweep.memory_utilization``), 16-token blocks, prefix caching off, ``max_num_seqs``.
+
+Two things differ from a plain ``vllm bench serve --dataset-name random`` call, both because no Qwen3 tokenizer exists
+on the GPU machine (no model hub; the server runs with ``--skip-tokenizer-init``, as ``tests/test_reach_serve_gpu.py``):
+
+- the prompts are token ids (``token_prompts``: distinct random ids per request, lengths from
+  ``input_lengths``, the same uniform integer draw as vLLM's RandomDataset, ``vllm/benchmarks/datasets/utils.py``
+  ``get_sampling_params``), handed to vLLM's client in place of ``get_samples``' output; the OpenAI completions
+  endpoint takes a list of token ids as ``prompt``;
+- vLLM's client prints and saves TTFT / TPOT / ITL percentiles only when it holds a tokenizer (``benchmark()``,
+  ``if task_type == TaskType.GENERATION and tokenizer``), which it would use only to count output tokens when the
+  server reports no usage. The server streams usage (``stream_options.include_usage``), so the client is given
+  :class:`UsageOnlyTokenizer`, which raises if it is ever asked to tokenize.
+
+Everything else (request timing, arrival process, the metrics, goodput at the ``--goodput`` SLOs, ``--save-result``)
+is vLLM's code. ``bench_argv`` builds the argument list of ``vllm bench serve``; the result records it.
+
+Goodput (vLLM's): completed requests per second whose TPOT (and any other SLO given) is within the SLO, here
+``tpot:50`` (ms). Preemptions: ``vllm:num_preemptions`` from the server's ``/metrics`` before and after the client.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from pathlib import Path
+
+from kvrepro import sweep
+
+SERVE_MODES = tuple(m for m in sweep.ALL_MODES if not m.startswith("turboquant"))
+DEFAULT_MODES = ("fp8:flash_attn", "kvrepro:k4v4")
+GOODPUT_NAMES = ("ttft", "tpot", "e2el")   # vLLM 0.20.2 check_goodput_args VALID_NAMES
+PERCENTILES = (50, 99)
+DEFAULTS = {"num_prompts": 32, "input_min": 8192, "input_max": 131072, "output_len": 512, "request_rates": ("0.25",),
+            "goodput": ("tpot:50",), "gpu_memory_gb": 80.0, "max_num_seqs": 32, "block_size": 16, "seed": 0}
+# Workload fields a results file's runs must share to be compared in one table (check_same_workload).
+WORKLOAD_FIELDS = ("num_prompts", "input_min", "input_max", "output_len", "goodput", "gpu_memory_gb", "max_num_seqs",
+                   "block_size", "seed", "model", "gpu", "vllm_version")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def parse_rate(text) -> float:
+    """``"0.5"`` -> 0.5, ``"inf"`` -> inf (vLLM's ``--request-rate``: requests per second, inf = all at once).
+
+    Raises:
+        ValueError: not a number > 0 or ``inf`` (naming ``request_rates``).
+    """
+    try:
+        v = float(text)
+    except (TypeError, ValueError):
+        v = float("nan")
+    if not (v > 0):
+        raise ValueError(f"request_rates: each must be a number of requests per second > 0 or 'inf', got {text!r}")
+    return v
+
+
+def parse_goodput(items) -> dict[str, float]:
+    """``["tpot:50"]`` -> ``{"tpot": 50.0}`` (vLLM's ``--goodput KEY:VALUE`` in ms).
+
+    Raises:
+        ValueError: an item not ``name:value``, a name outside ``GOODPUT_NAMES``, a negative value.
+    """
+    out = {}
+    for item in items:
+        name, _, val = str(item).partition(":")
+        try:
+            v = float(val)
+        except ValueError:
+            raise ValueError(f"goodput: {item!r} is not NAME:MILLISECONDS (e.g. tpot:50)") from None
+        if name not in GOODPUT_NAMES:
+            raise ValueError(f"goodput: unknown SLO {name!r}; allowed: {', '.join(GOODPUT_NAMES)}")
+        if v < 0 or not math.isfinite(v):
+            raise ValueError(f"goodput: {name} must be a finite number of ms >= 0, got {val!r}")
+        out[name] = v
+    return out
+
+
+def check_config(cfg: dict) -> dict:
+    """Validate a serving benchmark's settings (``DEFAULTS`` names, merged over the defaults) and the modes.
+
+    Returns:
+        the merged dict with ``modes`` (tuple), ``request_rates`` (tuple of floats), ``goodput`` (dict).
+
+    Raises:
+        ValueError: naming the parameter and its allowed values: modes from ``SERVE_MODES`` (each once);
+            num_prompts, output_len, max_num_seqs integers >= 1; 1 <= input_min <= input_max integers; request_rates
+            non-empty (:func:`parse_rate`); goodput (:func:`parse_goodput`); gpu_memory_gb > 0; block_size in
+            (16, 32, 64); seed an integer.
+    """
+    unknown = sorted(set(cfg) - set(DEFAULTS) - {"modes"})
+    if unknown:
+        raise ValueError(f"unknown serve-bench setting(s) {unknown}; allowed: {sorted(DEFAULTS) + ['modes']}")
+    c = {**DEFAULTS, "modes": DEFAULT_MODES, **cfg}
+    modes = [m for m in c["modes"].split(",") if m] if isinstance(c["modes"], str) else list(c["modes"])
+    bad = [m for m in modes if m not in SERVE_MODES]
+    if not modes or bad:
+        raise ValueError(f"modes: {bad or 'none given'}; allowed: {', '.join(SERVE_MODES)}")
+    if len(set(modes)) != len(modes):
+        raise ValueError(f"modes: {modes} names a mode more than once")
+    for name in ("num_prompts", "output_len", "max_num_seqs", "input_min", "input_max"):
+        if not _is_int(c[name]) or c[name] < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {c[name]!r}")
+    if c["input_min"] > c["input_max"]:
+        raise ValueError(f"input_min ({c['input_min']}) must be <= input_max ({c['input_max']})")
+    g = c["gpu_memory_gb"]
+    if isinstance(g, bool) or not isinstance(g, (int, float)) or not g > 0:
+        raise ValueError(f"gpu_memory_gb must be a number of GiB > 0, got {g!r}")
+    if c["block_size"] not in (16, 32, 64):
+        raise ValueError(f"block_size must be one of (16, 32, 64), got {c['block_size']!r}")
+    if not _is_int(c["seed"]):
+        raise ValueError(f"seed must be an integer, got {c['seed']!r}")
+    rates = c["request_rates"].split(",") if isinstance(c["request_rates"], str) else list(c["request_rates"])
+    if not rates:
+        raise ValueError("request_rates must name at least one rate (requests per second, or inf)")
+    return dict(c, modes=tuple(modes), request_rates=tuple(parse_rate(r) for r in rates),
+                goodput=parse_goodput(c["goodput"] if not isinstance(c["goodput"], str) else c["goodput"].split()))
+
+
+def input_lengths(num: int, lo: int, hi: int, seed: int):
+    """``num`` prompt lengths drawn uniformly from the integers ``[lo, hi]`` (``numpy.random.default_rng(seed)``), as
+    vLLM's RandomDataset draws its input lengths. Returns a list of ints."""
+    import numpy as np
+
+    return [int(x) for x in np.random.default_rng(seed).integers(lo, hi + 1, size=num)]
+
+
+def token_prompts(lengths, vocab_size: int, seed: int) -> list[list[int]]:
+    """One prompt of random token ids in ``[1000, vocab_size - 1000)`` per length, distinct per request (the sweep's
+    ``make_prompt`` range), from ``numpy.random.default_rng([seed, i])``."""
+    import numpy as np
+
+    return [np.random.default_rng([seed, i]).integers(1000, vocab_size - 1000, size=n).tolist()
+            for i, n in enumerate(lengths)]
+
+
+def random_dataset_equivalent(lo: int, hi: int) -> dict:
+    """vLLM's ``--random-input-len`` / ``--random-range-ratio`` whose uniform range is ``[lo, hi]``: mean (lo + hi) / 2,
+    ratio (hi - lo) / (hi + lo) (``get_sampling_params``: [floor(mean (1 - r)), ceil(mean (1 + r))], no special
+    tokens)."""
+    return {"random_input_len": (lo + hi) // 2, "random_range_ratio": (hi - lo) / (hi + lo)}
+
+
+def serve_argv(mode: str, model_dir: str, port: int, util: float, max_model_len: int, cfg: dict) -> tuple[list, dict]:
+    """``vllm serve`` arguments (after ``python3 -m vllm.entrypoints.cli.main``) and the extra environment of a mode:
+    dummy weights, no tokenizer, the emulated budget, the mode's KV dtype and backend (``kvrepro.sweep.engine_settings``;
+    kvrepro's preset through ``KVREPRO_PRESET``, its plugin loaded by vLLM's entry point), prefix caching off."""
+    s = sweep.engine_settings(mode)
+    argv = ["serve", model_dir, "--load-format", "dummy", "--skip-tokenizer-init", "--host", "127.0.0.1",
+            "--port", str(port), "--gpu-memory-utilization", f"{util:.6f}", "--max-model-len", str(max_model_len),
+            "--max-num-seqs", str(cfg["max_num_seqs"]), "--block-size", str(cfg["block_size"]),
+            "--kv-cache-dtype", s["kv_cache_dtype"], "--no-enable-prefix-caching", "--seed", str(cfg["seed"]),
+            "--served-model-name", "model"]
+    if s["attention_backend"]:
+        argv += ["--attention-backend", s["attention_backend"]]
+    return argv, dict(s["env"])
+
+
+def bench_argv(base_url: str, model_dir: str, rate: float, cfg: dict, result_dir: str, result_file: str) -> list[str]:
+    """The ``vllm bench serve`` arguments of one run (vLLM 0.20.2's flags, ``vllm/benchmarks/serve.py`` add_cli_args and
+    ``vllm/benchmarks/datasets/datasets.py``): the random dataset's lengths (:func:`random_dataset_equivalent`, replaced
+    by token-id prompts of :func:`input_lengths`), ``--ignore-eos``, greedy, the rate, the goodput SLOs, TTFT / TPOT /
+    ITL / E2EL at p50 and p99, ``--save-result --save-detailed`` into ``result_dir/result_file``."""
+    eq = random_dataset_equivalent(cfg["input_min"], cfg["input_max"])
+    return ["--backend", "openai", "--base-url", base_url, "--endpoint", "/v1/completions", "--model", model_dir,
+            "--served-model-name", "model", "--dataset-name", "random", "--num-prompts", str(cfg["num_prompts"]),
+            "--random-input-len", str(eq["random_input_len"]), "--random-range-ratio", f"{eq['random_range_ratio']:.6f}",
+            "--random-output-len", str(cfg["output_len"]), "--ignore-eos", "--temperature", "0",
+            "--request-rate", "inf" if math.isinf(rate) else f"{rate:g}", "--burstiness", "1.0",
+            "--goodput", *[f"{k}:{v:g}" for k, v in cfg["goodput"].items()],
+            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", ",".join(map(str, PERCENTILES)),
+            "--seed", str(cfg["seed"]), "--disable-tqdm", "--save-result", "--save-detailed",
+            "--result-dir", result_dir, "--result-filename", result_file]
+
+
+class UsageOnlyTokenizer:
+    """Stands in for a tokenizer in vLLM's benchmark client (module docstring): truthy, so the client reports latency
+    percentiles; raises if the client tries to tokenize (it would only to count output tokens without usage)."""
+
+    def __call__(self, *a, **k):
+        raise RuntimeError("the benchmark client tried to tokenize: the server sent no usage, so output tokens cannot "
+                           "be counted without a tokenizer")
+
+    def __bool__(self) -> bool:
+        return True
+
+
+def prometheus_sum(text: str, name: str) -> float:
+    """Sum over label sets of the Prometheus samples of ``name`` (or ``name_total``) in a ``/metrics`` page.
+
+    Raises:
+        ValueError: no such sample (naming it).
+    """
+    total, seen = 0.0, False
+    for line in text.splitlines():
+        if line.startswith("#") or not line.startswith(name):
+            continue
+        metric = line.split("{")[0].split(" ")[0]
+        if metric in (name, name + "_total"):
+            total += float(line.rsplit(" ", 1)[1])
+            seen = True
+    if not seen:
+        raise ValueError(f"{name} not in /metrics")
+    return total
+
+
+def cache_info(text: str) -> dict:
+    """``vllm:cache_config_info``'s labels from a ``/metrics`` page: num_gpu_blocks, block_size (ints), kv_tokens
+    (their product), cache_dtype.
+
+    Raises:
+        ValueError: the metric is missing.
+    """
+    line = next((ln for ln in text.splitlines() if ln.startswith("vllm:cache_config_info{")), None)
+    if line is None:
+        raise ValueError("vllm:cache_config_info not in /metrics")
+    labels = dict(re.findall(r'(\w+)="([^"]*)"', line))
+    blocks, bs = int(labels["num_gpu_blocks"]), int(labels["block_size"])
+    return {"num_gpu_blocks": blocks, "block_size": bs, "kv_tokens": blocks * bs, "cache_dtype": labels.get("cache_dtype")}
+
+
+def summarize(vllm_result: dict) -> dict:
+    """The figures of one ``vllm bench serve`` result (its ``--save-result`` JSON): completed, failed, duration_s,
+    request_throughput (req/s), output_throughput (tok/s), request_goodput (req/s), ttft / tpot / itl / e2el p50 and
+    p99 (ms; vLLM's keys ``p50_ttft_ms`` ... ), mean ttft / tpot (ms), max_concurrent_requests.
+
+    Raises:
+        ValueError: a key vLLM always writes for a generation run is missing (naming it): the result is not one.
+    """
+    need = ("completed", "failed", "duration", "request_throughput", "output_throughput")
+    missing = [k for k in need if k not in vllm_result]
+    if missing:
+        raise ValueError(f"not a vllm bench serve result: missing {missing}")
+    out = {"completed": vllm_result["completed"], "failed": vllm_result["failed"],
+           "duration_s": vllm_result["duration"], "request_throughput": vllm_result["request_throughput"],
+           "output_throughput": vllm_result["output_throughput"],
+           "request_goodput": vllm_result.get("request_goodput"),
+           "max_concurrent_requests": vllm_result.get("max_concurrent_requests")}
+    for m in ("ttft", "tpot", "itl", "e2el"):
+        out[f"mean_{m}_ms"] = vllm_result.get(f"mean_{m}_ms")
+        for p in PERCENTILES:
+            out[f"p{p}_{m}_ms"] = vllm_result.get(f"p{p}_{m}_ms")
+    return out
+
+
+def read_results(paths) -> list[dict]:
+    """The runs of serve-bench result files (``scripts/serve_bench.py``'s JSON: ``{"runs": [...], ...}``), each run
+    with ``source_file`` added.
+
+    Raises:
+        ValueError: a file without a ``runs`` list (naming it).
+    """
+    runs = []
+    for p in paths:
+        data = json.loads(Path(p).read_text(encoding="utf-8"))
+        if not isinstance(data, dict) or not isinstance(data.get("runs"), list):
+            raise ValueError(f"{p}: not a serve-bench result (no 'runs' list)")
+        runs += [dict(r, source_file=str(p)) for r in data["runs"]]
+    return runs
+
+
+def check_same_workload(runs: list[dict]) -> None:
+    """Refuse runs that do not share ``WORKLOAD_FIELDS`` (their ``workload`` dicts): their goodput does not compare.
+
+    Raises:
+        ValueError: naming the field and the values found.
+    """
+    for f in WORKLOAD_FIELDS:
+        vals = sorted({json.dumps(r["workload"].get(f), sort_keys=True) for r in runs})
+        if len(vals) > 1:
+            raise ValueError(f"the runs differ in {f} ({', '.join(vals)}): one table compares one workload")
+
+
+def serve_table(runs: list[dict]):
+    """The serving table: one row per (mode, request rate), fp8 modes first, then by mode and rate.
+
+    Columns: mode, backend (what the server was asked for; vLLM's choice = ``vllm-auto``), request_rate (req/s asked;
+    inf = all at once), req_s, out_tok_s, ttft_p50_ms, ttft_p99_ms, tpot_p50_ms, tpot_p99_ms, preemptions, goodput_req_s
+    (vLLM's, at the SLOs in ``slo``), goodput_vs_best_fp8 (goodput over the highest goodput of any fp8 mode at the same
+    rate; None where no fp8 mode ran at that rate or its goodput is 0), best_fp8 (that mode), completed, failed,
+    kv_tokens, slo.
+
+    Raises:
+        ValueError: runs of different workloads (:func:`check_same_workload`) or no runs.
+    """
+    import pandas as pd
+
+    if not runs:
+        raise ValueError("no serve-bench runs to tabulate")
+    check_same_workload(runs)
+    rows = []
+    for r in runs:
+        s = r["summary"]
+        rows.append({"mode": r["mode"], "backend": r.get("attention_backend") or "vllm-auto",
+                     "request_rate": parse_rate(r["request_rate"]), "req_s": s["request_throughput"],
+                     "out_tok_s": s["output_throughput"], "ttft_p50_ms": s.get("p50_ttft_ms"),
+                     "ttft_p99_ms": s.get("p99_ttft_ms"), "tpot_p50_ms": s.get("p50_tpot_ms"),
+                     "tpot_p99_ms": s.get("p99_tpot_ms"), "preemptions": r["preemptions"],
+                     "goodput_req_s": s.get("request_goodput"), "goodput_vs_best_fp8": None, "best_fp8": None,
+                     "completed": s["completed"], "failed": s["failed"], "kv_tokens": r.get("kv_tokens"),
+                     "slo": ", ".join(f"{k} <= {v:g} ms" for k, v in r["workload"]["goodput"].items())})
+    df = pd.DataFrame(rows)
+    for rate, g in df.groupby("request_rate"):
+        fp8 = g[g["mode"].isin(sweep.FP8_MODES) & g["goodput_req_s"].notna()]
+        if not len(fp8):
+            continue
+        best = fp8.loc[fp8["goodput_req_s"].idxmax()]
+        df.loc[g.index, "best_fp8"] = best["mode"]
+        if best["goodput_req_s"] > 0:
+            df.loc[g.index, "goodput_vs_best_fp8"] = g["goodput_req_s"] / best["goodput_req_s"]
+    df["_fp8"] = ~df["mode"].isin(sweep.FP8_MODES)
+    return df.sort_values(["_fp8", "mode", "request_rate"], kind="stable").drop(columns="_fp8").reset_index(drop=True)
+
+
+def table_markdown(df) -> str:
+    """:func:`serve_table` as a markdown table (ms to one decimal, ratios as ``1.23x``, missing values blank)."""
+    def cell(v, fmt):
+        if v is None or (isinstance(v, float) and math.isnan(v)):
+            return ""
+        return fmt.format(v)
+
+    head = ["mode", "backend", "rate (req/s)", "req/s", "output tok/s", "TTFT p50 (ms)", "TTFT p99 (ms)",
+            "TPOT p50 (ms)", "TPOT p99 (ms)", "preemptions", "goodput (req/s)", "goodput vs best fp8"]
+    lines = ["| " + " | ".join(head) + " |", "| --- | --- | " + " | ".join(["---:"] * (len(head) - 2)) + " |"]
+    for _, r in df.iterrows():
+        rate = "inf" if math.isinf(r["request_rate"]) else f"{r['request_rate']:g}"
+        lines.append("| " + " | ".join([
+            r["mode"], r["backend"], rate, cell(r["req_s"], "{:.3f}"), cell(r["out_tok_s"], "{:.1f}"),
+            cell(r["ttft_p50_ms"], "{:.1f}"), cell(r["ttft_p99_ms"], "{:.1f}"), cell(r["tpot_p50_ms"], "{:.1f}"),
+            cell(r["tpot_p99_ms"], "{:.1f}"), str(int(r["preemptions"])), cell(r["goodput_req_s"], "{:.3f}"),
+            cell(r["goodput_vs_best_fp8"], "{:.2f}x")]) + " |")
+    return "\n".join(lines)
+
+
+def merge_runs(existing: dict | None, new_runs: list[dict], workload: dict) -> dict:
+    """A results document with ``new_runs`` added to ``existing`` (a file of an earlier call, one mode per call):
+    a run of the same (mode, request_rate) is replaced. ``workload`` must equal the file's.
+
+    Raises:
+        ValueError: the file's workload differs (naming the fields).
+    """
+    doc = existing or {"workload": workload, "runs": []}
+    diff = sorted(k for k in set(workload) | set(doc["workload"]) if workload.get(k) != doc["workload"].get(k))
+    if diff:
+        raise ValueError(f"the results file holds another workload (differs in {diff}); use another --out")
+    keep = [r for r in doc["runs"] if (r["mode"], r["request_rate"]) not in
+            {(n["mode"], n["request_rate"]) for n in new_runs}]
+    return dict(doc, runs=keep + list(new_runs))
+
+
+def default_out(gpu: str, when: str, root: str | os.PathLike) -> Path:
+    """``results/serve/<gpu slug>_<YYYYmmdd>.json`` under ``root``."""
+    slug = "".join(c if c.isalnum() else "-" for c in gpu.lower()).strip("-")
+    return Path(root) / "results" / "serve" / f"{slug}_{when}.json"

@@ -1,0 +1,203 @@
+"""kvrepro.servebench and scripts/serve_bench.py on the CPU: settings checks, the workload draw, the server and
+client arguments against vLLM 0.20.2's flags, /metrics parsing, vLLM result summaries and the serving table against
+hand-computed ratios. The servers and the client run only on a GPU machine."""
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvrepro import servebench as sb
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_check_config_defaults_and_errors():
+    c = sb.check_config({})
+    assert c["modes"] == ("fp8:flash_attn", "kvrepro:k4v4") and c["request_rates"] == (0.25,)
+    assert c["goodput"] == {"tpot": 50.0} and (c["input_min"], c["input_max"]) == (8192, 131072)
+    c = sb.check_config({"modes": "fp8,kvrepro:k4v2", "request_rates": "0.1,inf", "goodput": ["tpot:50", "ttft:2000"]})
+    assert c["modes"] == ("fp8", "kvrepro:k4v2") and c["request_rates"] == (0.1, math.inf)
+    assert c["goodput"] == {"tpot": 50.0, "ttft": 2000.0}
+    for bad, msg in (({"modes": "fp16"}, "modes: .*allowed"), ({"modes": "turboquant_k8v4"}, "allowed"),
+                     ({"modes": "fp8,fp8"}, "more than once"), ({"num_prompts": 0}, "num_prompts must be"),
+                     ({"input_min": 9000, "input_max": 8000}, "input_min .* <= input_max"),
+                     ({"request_rates": "0"}, "request_rates"), ({"request_rates": "fast"}, "request_rates"),
+                     ({"goodput": ["tpot=50"]}, "NAME:MILLISECONDS"), ({"goodput": ["latency:5"]}, "allowed: ttft"),
+                     ({"goodput": ["tpot:-1"]}, "tpot must be"), ({"gpu_memory_gb": 0}, "gpu_memory_gb"),
+                     ({"block_size": 8}, "block_size"), ({"rates": 1}, "unknown serve-bench setting")):
+        with pytest.raises(ValueError, match=msg):
+            sb.check_config(bad)
+
+
+def test_workload_draw_matches_vllms_random_dataset_range():
+    lens = sb.input_lengths(2000, 8192, 131072, seed=0)
+    assert min(lens) >= 8192 and max(lens) <= 131072 and len(lens) == 2000
+    assert abs(sum(lens) / len(lens) - (8192 + 131072) / 2) < 3000          # uniform: mean at the middle
+    assert sb.input_lengths(5, 10, 20, 1) == sb.input_lengths(5, 10, 20, 1)
+    eq = sb.random_dataset_equivalent(8192, 131072)
+    # vLLM's get_sampling_params interval: [floor(L (1 - r)), ceil(L (1 + r))] must be [8192, 131072]
+    lo = math.floor(eq["random_input_len"] * (1 - eq["random_range_ratio"]))
+    hi = math.ceil(eq["random_input_len"] * (1 + eq["random_range_ratio"]))
+    assert (lo, hi) == (8192, 131072)
+    p = sb.token_prompts([3, 5], 151936, 0)
+    assert [len(x) for x in p] == [3, 5] and all(1000 <= t < 151936 - 1000 for x in p for t in x)
+    assert p[0] != p[1][:3]
+
+
+def test_serve_and_bench_arguments():
+    cfg = sb.check_config({"request_rates": "0.5"})
+    argv, env = sb.serve_argv("kvrepro:k4v4", "/cfg", 8001, 0.512, 131072 + 576, cfg)
+    assert env == {"KVREPRO_PRESET": "k4v4"}
+    assert argv[:2] == ["serve", "/cfg"] and "--skip-tokenizer-init" in argv and "--no-enable-prefix-caching" in argv
+    assert argv[argv.index("--attention-backend") + 1] == "CUSTOM" and argv[argv.index("--kv-cache-dtype") + 1] == "auto"
+    assert argv[argv.index("--gpu-memory-utilization") + 1] == "0.512000"
+    argv, env = sb.serve_argv("fp8:triton_attn", "/cfg", 8001, 0.5, 1000, cfg)
+    assert env == {} and argv[argv.index("--attention-backend") + 1] == "TRITON_ATTN"
+    assert argv[argv.index("--kv-cache-dtype") + 1] == "fp8"
+    assert "--attention-backend" not in sb.serve_argv("fp8", "/cfg", 1, 0.5, 1000, cfg)[0]
+    b = sb.bench_argv("http://h:1", "/cfg", 0.5, cfg, "/r", "f.json")
+    assert b[b.index("--request-rate") + 1] == "0.5" and b[b.index("--goodput") + 1] == "tpot:50"
+    assert b[b.index("--metric-percentiles") + 1] == "50,99" and "--save-result" in b and "--ignore-eos" in b
+    assert sb.bench_argv("http://h:1", "/cfg", math.inf, cfg, "/r", "f.json")[
+        b.index("--request-rate") + 1] == "inf"
+
+
+def test_bench_arguments_parse_with_vllms_own_parser():
+    vs = pytest.importorskip("vllm.benchmarks.serve", reason="needs vLLM 0.20.2 (its bench serve parser)")
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    vs.add_cli_args(parser)
+    a = parser.parse_args(sb.bench_argv("http://h:1", "/cfg", 0.5, sb.check_config({}), "/r", "f.json"))
+    assert a.request_rate == 0.5 and a.goodput == ["tpot:50"] and a.save_result and a.num_prompts == 32
+
+
+PAGE = """# HELP vllm:num_preemptions_total Cumulative number of preemption from the engine.
+# TYPE vllm:num_preemptions_total counter
+vllm:num_preemptions_total{engine="0",model_name="model"} 3.0
+vllm:num_preemptions_created{engine="0",model_name="model"} 1.7e9
+vllm:kv_cache_usage_perc{engine="0",model_name="model"} 0.87
+vllm:cache_config_info{block_size="16",cache_dtype="fp8",engine="0",num_gpu_blocks="56919",num_cpu_blocks="0"} 1.0
+"""
+
+
+def test_metrics_parsing():
+    assert sb.prometheus_sum(PAGE, "vllm:num_preemptions") == 3.0          # the _created sample is not the counter
+    assert sb.prometheus_sum(PAGE, "vllm:kv_cache_usage_perc") == 0.87
+    assert sb.cache_info(PAGE) == {"num_gpu_blocks": 56919, "block_size": 16, "kv_tokens": 56919 * 16,
+                                   "cache_dtype": "fp8"}
+    with pytest.raises(ValueError, match="vllm:num_requests_waiting not in /metrics"):
+        sb.prometheus_sum(PAGE, "vllm:num_requests_waiting")
+    with pytest.raises(ValueError, match="cache_config_info"):
+        sb.cache_info("")
+
+
+def _vllm_result(req_s, tok_s, goodput, tpot99, completed=32):
+    return {"duration": completed / req_s, "completed": completed, "failed": 0, "request_throughput": req_s,
+            "output_throughput": tok_s, "request_goodput": goodput, "max_concurrent_requests": 20,
+            "p50_ttft_ms": 900.0, "p99_ttft_ms": 9000.0, "mean_ttft_ms": 1500.0, "p50_tpot_ms": tpot99 / 2,
+            "p99_tpot_ms": tpot99, "mean_tpot_ms": tpot99 / 2, "p50_itl_ms": 20.0, "p99_itl_ms": 400.0}
+
+
+def _run(mode, rate, req_s, tok_s, goodput, tpot99, preempt=0, **wl):
+    workload = {**dict(num_prompts=32, input_min=8192, input_max=131072, output_len=512, goodput={"tpot": 50.0},
+                       gpu_memory_gb=80.0, max_num_seqs=32, block_size=16, seed=0, model="Qwen/Qwen3-4B-Instruct-2507",
+                       gpu="NVIDIA H200", vllm_version="0.20.2"), **wl}
+    from kvrepro import sweep
+
+    return {"mode": mode, "attention_backend": sweep.engine_settings(mode)["attention_backend"] or "vllm-auto",
+            "request_rate": rate, "summary": sb.summarize(_vllm_result(req_s, tok_s, goodput, tpot99)),
+            "preemptions": preempt, "kv_tokens": 1000, "workload": workload}
+
+
+def test_summarize_reads_vllms_keys():
+    s = sb.summarize(_vllm_result(0.2, 100.0, 0.1, 80.0))
+    assert (s["request_throughput"], s["output_throughput"], s["request_goodput"]) == (0.2, 100.0, 0.1)
+    assert (s["p50_ttft_ms"], s["p99_ttft_ms"], s["p50_tpot_ms"], s["p99_tpot_ms"]) == (900.0, 9000.0, 40.0, 80.0)
+    assert s["p99_e2el_ms"] is None                                       # not in this result: blank, not invented
+    with pytest.raises(ValueError, match="missing .*output_throughput"):
+        sb.summarize({"completed": 1, "failed": 0, "duration": 1.0, "request_throughput": 1.0})
+
+
+def test_serve_table_goodput_ratio_against_the_best_fp8_per_rate():
+    runs = [_run("kvrepro:k4v4", "0.25", 0.24, 120.0, 0.20, 45.0),
+            _run("fp8:flash_attn", "0.25", 0.20, 100.0, 0.08, 70.0, preempt=4),
+            _run("fp8:triton_attn", "0.25", 0.21, 101.0, 0.10, 60.0),
+            _run("kvrepro:k4v4", "inf", 0.30, 150.0, 0.05, 90.0),
+            _run("fp8:flash_attn", "inf", 0.25, 125.0, 0.0, 200.0)]
+    df = sb.serve_table(runs)
+    assert list(zip(df["mode"], df["request_rate"])) == [("fp8:flash_attn", 0.25), ("fp8:flash_attn", math.inf),
+                                                        ("fp8:triton_attn", 0.25), ("kvrepro:k4v4", 0.25),
+                                                        ("kvrepro:k4v4", math.inf)]
+    k = df[(df["mode"] == "kvrepro:k4v4") & (df["request_rate"] == 0.25)].iloc[0]
+    assert k["goodput_vs_best_fp8"] == pytest.approx(0.20 / 0.10) and k["best_fp8"] == "fp8:triton_attn"
+    assert df.iloc[0]["goodput_vs_best_fp8"] == pytest.approx(0.8) and df.iloc[0]["preemptions"] == 4
+    inf_row = df[(df["mode"] == "kvrepro:k4v4") & (df["request_rate"] == math.inf)].iloc[0]
+    assert inf_row["goodput_vs_best_fp8"] is None and inf_row["best_fp8"] == "fp8:flash_attn"   # fp8's goodput 0
+    assert k["tpot_p99_ms"] == 45.0 and k["ttft_p50_ms"] == 900.0 and k["slo"] == "tpot <= 50 ms"
+    md = sb.table_markdown(df)
+    assert "| kvrepro:k4v4 | CUSTOM | 0.25 | 0.240 | 120.0 | 900.0 | 9000.0 | 22.5 | 45.0 | 0 | 0.200 | 2.00x |" in md
+    assert "| kvrepro:k4v4 | CUSTOM | inf | 0.300 | 150.0 |" in md
+
+
+def test_serve_table_refuses_mixed_workloads_and_merge_keeps_one_workload():
+    with pytest.raises(ValueError, match="differ in output_len"):
+        sb.serve_table([_run("fp8", "0.25", 1, 1, 1, 1), _run("kvrepro:k4v4", "0.25", 1, 1, 1, 1, output_len=9)])
+    with pytest.raises(ValueError, match="no serve-bench runs"):
+        sb.serve_table([])
+    a, b = _run("fp8", "0.25", 1, 1, 1, 1), _run("kvrepro:k4v4", "0.25", 2, 2, 2, 2)
+    wl = a["workload"]
+    doc = sb.merge_runs(None, [a], wl)
+    doc = sb.merge_runs(doc, [b], wl)
+    doc = sb.merge_runs(doc, [dict(a, preemptions=7)], wl)              # fp8 at 0.25 measured again: replaced
+    assert [(r["mode"], r["preemptions"]) for r in doc["runs"]] == [("kvrepro:k4v4", 0), ("fp8", 7)]
+    with pytest.raises(ValueError, match=r"differs in \['num_prompts'\]"):
+        sb.merge_runs(doc, [a], dict(wl, num_prompts=8))
+
+
+def test_read_results(tmp_path):
+    p = tmp_path / "s.json"
+    p.write_text(json.dumps({"workload": {}, "runs": [_run("fp8", "0.25", 1, 1, 1, 1)]}))
+    assert sb.read_results([p])[0]["source_file"] == str(p)
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(ValueError, match="no 'runs' list"):
+        sb.read_results([tmp_path / "bad.json"])
+
+
+def test_usage_only_tokenizer_is_truthy_and_never_tokenizes():
+    t = sb.UsageOnlyTokenizer()
+    assert bool(t)
+    with pytest.raises(RuntimeError, match="sent no usage"):
+        t("text")
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--modes", "fp16"], "modes: "), (["--request-rates", "-1"], "request_rates"),
+    (["--goodput", "tpot"], "NAME:MILLISECONDS"), (["--input-min", "0"], "input_min must be"),
+    (["--out", "/nonexistent/s.json"], "its folder does not exist"),
+])
+def test_script_refuses_bad_arguments_naming_them(args, msg):
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "serve_bench.py"), *args], capture_output=True,
+                       text=True, cwd=ROOT)
+    assert r.returncode == 2 and msg in r.stderr, r.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.vllm
+def test_serve_bench_on_the_gpu(tmp_path):
+    """The script end to end at a small size (4 requests of 1,024-4,096 tokens, 16 output tokens, all at once):
+    every request completes, the table has the mode's row."""
+    out = tmp_path / "serve.json"
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "serve_bench.py"), "--modes", "kvrepro:k4v4",
+                        "--num-prompts", "4", "--input-min", "1024", "--input-max", "4096", "--output-len", "16",
+                        "--request-rates", "inf", "--out", str(out)], capture_output=True, text=True, cwd=ROOT,
+                       timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    run = doc["runs"][0]
+    assert run["summary"]["completed"] == 4 and run["summary"]["failed"] == 0
+    assert run["summary"]["p99_tpot_ms"] is not None and run["preemptions"] == 0
+    assert "| kvrepro:k4v4 | CUSTOM | inf |" in r.stdout
