@@ -4,9 +4,12 @@ from test_ops_helpers import DEV, block_tables, fill, make_pool, relerr  # noqa:
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from kvrepro.formats import get_format
 from kvrepro.ops import decode_attention
+from kvrepro.ops.triton.attention import _rope_bias_scores
 from kvrepro.reference import attention_ref, paged_attention_ref
 
 LENS = [1, 5, 54, 97, 0]        # 0 = CUDA-graph padding row
@@ -290,3 +293,128 @@ def test_decode_k5v4_auto_is_triton_and_cuda_is_refused_by_name():
     with pytest.raises(ValueError, match=r"impl='cuda': the CUDA decode kernel has no kernel for k5v4 pages: "
                                          r"it has k4v4, k8v4 and k4v2 only.*use impl='triton'"):
         decode_attention(q, pool.data, bt, sl, pool.layout, pool.rotation, 128 ** -0.5, impl="cuda")
+
+
+# --- key offset rope-mean: pages hold k_j - R(j) b_hat, the kernel adds q . R(j) b_hat back to each score ---------
+
+def _rope_mean_setup(preset, hq, hkv, d, bs, lens, dtype, seed, base=1e4, norm=600.0):
+    """Sequences whose keys are RoPE(b + N(0, 1)) at positions 0..L-1 (b of norm ``norm`` in a fast, a middle and a
+    slow pair, half-split), stored as the runtime stores them under rope-mean (``RopeMean.remove`` then
+    ``store_kv``); the offset calibrated on the first sequence. Returns the pool, tables, lengths, queries, the
+    ``RopeMean`` and the raw keys / values of each sequence."""
+    from kvrepro.formats.offset import RopeMean
+    from kvrepro.keybias import rope
+    from kvrepro.ops import store_kv
+
+    gen = torch.Generator().manual_seed(seed)
+    maxb = max(-(-max(L, 1) // bs) for L in lens) + 1
+    nb = len(lens) * maxb + 5
+    pool = make_pool(preset, hkv, d, bs, nb, gen)
+    bt = block_tables(len(lens), maxb, nb, gen)
+    b = torch.zeros(hkv, d, dtype=torch.float64)
+    for i in (0, d // 4, d // 2 - 1):
+        b[:, i] = norm / 6 ** 0.5 * (1 + torch.rand(hkv, generator=gen, dtype=torch.float64))
+        b[:, i + d // 2] = -norm / 6 ** 0.5
+    rm = RopeMean(hkv, d, {"rope_theta": base, "neox": True}, device=DEV)
+    raw = []
+    for r, L in enumerate(lens):
+        if not L:
+            raw.append(None)
+            continue
+        pos = torch.arange(L)
+        k = rope(b[:, None] + torch.randn(hkv, L, d, generator=gen, dtype=torch.float64), pos, base).transpose(0, 1)
+        k, v = k.to(DEV, dtype), torch.randn(L, hkv, d, generator=gen).to(DEV, dtype)
+        rm.calibrate(k, pos.to(DEV))
+        slots = (bt[r][pos // bs].long() * bs + pos % bs).to(torch.int32).to(DEV)
+        store_kv(rm.remove(k, pos.to(DEV)), v, pool.data, slots, pool.layout, pool.rotation)
+        raw.append((k, v))
+    q = torch.randn(len(lens), hq, d, generator=gen).to(DEV, dtype)
+    sl = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    return pool, bt, sl, q, rm, raw
+
+
+def _rope_mean_terms(rm, q):
+    a_, b_ = rm.score_terms(q)
+    return torch.cat([a_, b_], -1).contiguous(), rm.inv_freq.contiguous()
+
+
+@pytest.mark.parametrize("key_mma", [None, "f16"])
+@pytest.mark.parametrize("preset,hq,hkv,d,bs", [
+    ("k4v4", 8, 2, 64, 16), ("k8v4", 9, 3, 64, 32), ("k4v2", 16, 2, 64, 16), ("k5v4", 8, 2, 64, 16),
+    ("k4v4", 32, 8, 128, 16),
+])
+def test_decode_rope_mean_restores_exact_scores(key_mma, preset, hq, hkv, d, bs):
+    """Against float64 attention over the pages' keys with R(j) b_hat added back (the exact-key scores up to the
+    format's rounding of the residual), and against the raw biased keys within the format's own error: a bias of
+    norm 600 in a pair turning by 1 rad per position costs nothing once the scores carry it."""
+    lens = [300, 1, 37, 0]                     # calibrated on the first (300 tokens)
+    pool, bt, sl, q, rm, raw = _rope_mean_setup(preset, hq, hkv, d, bs, lens, torch.float16, seed=hq + d)
+    assert rm.kept == [3] * hkv
+    out = torch.full_like(q, float("nan"))
+    decode_attention(q, pool.data, bt, sl, pool.layout, pool.rotation, d ** -0.5, out=out, num_splits=3,
+                     key_mma=key_mma, rope_bias=_rope_mean_terms(rm, q))
+    assert torch.equal(out[3], torch.zeros_like(out[3]))
+    for r, L in enumerate(lens[:3]):
+        kd, vd = pool.gather(bt[r], L)
+        pos = torch.arange(L, device=DEV)
+        ref = attention_ref(q[r:r + 1], rm.restore(kd, pos).double(), vd.double(), d ** -0.5, torch.float64)
+        assert relerr(out[r:r + 1], ref) < 3e-3, (r, relerr(out[r:r + 1], ref))
+        k, v = raw[r]
+        exact = attention_ref(q[r:r + 1], k.double(), v.double(), d ** -0.5, torch.float64)
+        assert relerr(out[r:r + 1], exact) < (0.6 if preset == "k4v2" else 0.25)   # 2-bit values: their own error
+    plain = decode_attention(q, pool.data, bt, sl, pool.layout, pool.rotation, d ** -0.5, num_splits=3,
+                             key_mma=key_mma)                      # the same pages read without the correction
+    k, v = raw[0]
+    exact = attention_ref(q[:1], k.double(), v.double(), d ** -0.5, torch.float64)
+    assert relerr(plain[:1], exact) > 2 * relerr(out[:1], exact)
+
+
+def test_decode_rope_mean_refuses_bad_terms_and_the_cuda_kernel():
+    pool, bt, sl, q, rm, _ = _rope_mean_setup("k4v4", 8, 2, 64, 16, [5, 9], torch.float16, seed=1)
+    terms, freq = _rope_mean_terms(rm, q)
+    args = (q, pool.data, bt, sl, pool.layout, pool.rotation, 0.125)
+    for bad in ((terms[:1], freq), (terms, freq[:, :4].contiguous()), (terms.double(), freq), (terms,)):
+        with pytest.raises(ValueError, match="rope_bias must be"):
+            decode_attention(*args, rope_bias=bad)
+    with pytest.raises(ValueError, match="impl='cuda'"):
+        decode_attention(*args, rope_bias=(terms, freq), impl="cuda")
+
+
+@triton.jit
+def _rope_bias_scores_kernel(ab_ptr, f_ptr, n_ptr, o_ptr, M: tl.constexpr, N: tl.constexpr, NP: tl.constexpr):
+    """``_rope_bias_scores`` alone: o [M, N] from ab [M, 2 NP], freqs [NP], positions [N]."""
+    m = tl.arange(0, M)
+    j = tl.arange(0, 2 * NP)
+    n = tl.load(n_ptr + tl.arange(0, N))
+    ab = tl.load(ab_ptr + m[:, None] * (2 * NP) + j[None, :])
+    tl.store(o_ptr + m[:, None] * N + tl.arange(0, N)[None, :], _rope_bias_scores(ab, f_ptr, n, NP))
+
+
+def test_rope_bias_scores_match_float32_rope_at_long_positions():
+    """The kernel's correction term alone (``_rope_bias_scores`` in a one-program kernel) at positions up to 131,071
+    against ``RopeMean.score_correction`` (float32 torch cos/sin of the same float32 angles) and against float64 of
+    those angles: the float64 range reduction keeps it to float32 rounding where a float32 one would be off by the
+    angle's own ulp."""
+    from kvrepro.formats.offset import RopeMean
+
+    gen = torch.Generator().manual_seed(0)
+    rm = RopeMean(1, 128, {"rope_theta": 1e6, "neox": True}, device=DEV)
+    from kvrepro.keybias import rope
+
+    pre = torch.randn(1, 64, 128, generator=gen, dtype=torch.float64)
+    pre[..., [0, 1, 40, 63]] += 300.0                                   # pairs 0 (1 rad per position), 1, 40, 63
+    rm.calibrate(rope(pre, torch.arange(64)).transpose(0, 1).float().to(DEV), torch.arange(64, device=DEV))
+    assert rm.kept == [4]
+    q = torch.randn(16, 1, 128, generator=gen).to(DEV)
+    pos = torch.tensor([0, 1, 2, 1000, 4095, 65_535, 65_537, 100_003, 105_616, 120_000, 125_000, 129_999, 130_001,
+                        131_000, 131_070, 131_071], dtype=torch.int32, device=DEV)
+    ab = torch.cat(rm.score_terms(q), -1)[:, 0].contiguous()
+    out = torch.empty(16, 16, device=DEV)
+    _rope_bias_scores_kernel[(1,)](ab, rm.inv_freq[0].contiguous(), pos, out, M=16, N=16, NP=8)
+    want = rm.score_correction(q, pos)[:, 0]
+    a64 = RopeMean.angles(pos, rm.inv_freq[0]).double()                              # [16 positions, 8]
+    a_, b_ = (x[:, 0].double() for x in rm.score_terms(q))
+    want64 = a_ @ a64.cos().T + b_ @ a64.sin().T
+    big = want64.abs().max()
+    assert (out.double() - want64).abs().max() / big < 2e-6
+    assert (want.double() - want64).abs().max() / big < 2e-6

@@ -170,3 +170,58 @@ def test_prefill_refuses_inconsistent_lengths_and_options():
     if DEV == "cpu":
         with pytest.raises(ValueError, match="needs a CUDA device; pass dense_attn"):
             prefill_attention(q, k, v, *args, qsl, *tail, impl="dequant")
+
+
+@pytest.mark.parametrize("preset,hq,hkv,d,bs", [("k4v4", 8, 2, 64, 16), ("k5v4", 9, 3, 64, 32),
+                                                ("k8v4", 8, 2, 64, 16), ("k4v2", 8, 2, 64, 16)])
+def test_prefill_rope_mean_context_gets_its_bias_back_and_the_chunk_stays_exact(preset, hq, hkv, d, bs):
+    """Context pages stored under the key offset rope-mean (k - R(p) b_hat, bias of norm 600 in fast and slow pairs),
+    the chunk's own keys raw: the kernel's output equals float64 attention over [context restored (+ R(p) b_hat) |
+    raw chunk], and is close to attention over the raw keys everywhere."""
+    from kvrepro.formats.offset import RopeMean
+    from kvrepro.keybias import rope
+    from kvrepro.ops import store_kv
+    from kvrepro.reference import attention_ref
+
+    gen = torch.Generator().manual_seed(hq + bs)
+    maxb = max(-(-(c + q) // bs) for c, q in zip(CTXS, QLENS)) + 1
+    nb = len(CTXS) * maxb + 3
+    pool = make_pool(preset, hkv, d, bs, nb, gen)
+    bt = block_tables(len(CTXS), maxb, nb, gen)
+    b = torch.zeros(hkv, d, dtype=torch.float64)
+    b[:, [0, 1, d // 2 - 1]] = 250.0
+    b[:, [d // 2, d - 1]] = -250.0
+    rm = RopeMean(hkv, d, {"rope_theta": 1e4, "neox": True}, device=DEV)
+    qs, ks, vs, refs, exacts = [], [], [], [], []
+    for r in sorted(range(len(CTXS)), key=lambda i: -CTXS[i]):       # calibrate on the longest context first
+        c, ql = CTXS[r], QLENS[r]
+        pos = torch.arange(c + ql)
+        k = rope(b[:, None] + torch.randn(hkv, c + ql, d, generator=gen, dtype=torch.float64), pos, 1e4)
+        k = k.transpose(0, 1).to(DEV, torch.float16)
+        v = torch.randn(c + ql, hkv, d, generator=gen).to(DEV, torch.float16)
+        if c:
+            rm.calibrate(k[:c], pos[:c].to(DEV))
+        slots = (bt[r][pos // bs].long() * bs + pos % bs).to(torch.int32).to(DEV)
+        store_kv(rm.remove(k, pos.to(DEV)), v, pool.data, slots, pool.layout, pool.rotation)
+        ks.append((r, k, v))
+    ks.sort(key=lambda x: x[0])
+    for r, k, v in ks:
+        c, ql = CTXS[r], QLENS[r]
+        q = torch.randn(ql, hq, d, generator=gen).to(DEV, torch.float16)
+        kd = rm.restore(pool.gather(bt[r], c)[0], torch.arange(c, device=DEV)) if c else k[:0].float()
+        vd = pool.gather(bt[r], c)[1] if c else v[:0].float()
+        refs.append(attention_ref(q, torch.cat([kd.double(), k[c:].double()]), torch.cat([vd.double(),
+                                  v[c:].double()]), d ** -0.5, torch.float64))
+        exacts.append(attention_ref(q, k.double(), v.double(), d ** -0.5, torch.float64))
+        qs.append((q, k[c:], v[c:]))
+    q, kf, vf = (torch.cat(x) for x in zip(*qs))
+    qsl = torch.tensor([0] + torch.tensor(QLENS).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+    sl = torch.tensor([c + ql for c, ql in zip(CTXS, QLENS)], dtype=torch.int32, device=DEV)
+    a_, b_ = rm.score_terms(q)
+    out = prefill_attention(q, kf, vf, pool.data, bt, sl, qsl, pool.layout, pool.rotation, d ** -0.5,
+                            rope_bias=(torch.cat([a_, b_], -1).contiguous(), rm.inv_freq.contiguous()))
+    assert relerr(out, torch.cat(refs)) < 3e-3
+    assert relerr(out, torch.cat(exacts)) < (0.6 if preset == "k4v2" else 0.25)
+    with pytest.raises(ValueError, match="rope_bias needs impl='paged'"):
+        prefill_attention(q, kf, vf, pool.data, bt, sl, qsl, pool.layout, pool.rotation, d ** -0.5, impl="dequant",
+                          dense_attn=_dense64, rope_bias=(torch.cat([a_, b_], -1).contiguous(), rm.inv_freq))

@@ -92,10 +92,42 @@ def decode_constexprs(layout: PageLayout, num_kv_heads: int, group: int, block_n
                 BLOCK_N=block_n, HAS_FRESH=False, SPLIT_OUT=True, IS_DECODE=True, KEY_I8=key_mma == "int8")
 
 
+def _rope_bias_args(rope_bias, npairs: int, scale: float) -> dict:
+    """``paged_attn_kernel``'s keyword arguments for ``rope_bias`` (none without it: the kernel as before)."""
+    if not npairs:
+        return {}
+    return dict(rb_ptr=rope_bias[0], rf_ptr=rope_bias[1], rb_scale=float(scale) * LOG2E, NPAIRS=npairs)
+
+
+def check_rope_bias(rope_bias, rows: int, hq: int, hkv: int, dev: torch.device) -> int:
+    """The pair count ``NPAIRS`` of a ``rope_bias = (terms, inv_freq)`` argument (0 for None): ``terms`` float32
+    ``[rows, Hq, 2 NPAIRS]`` contiguous (``A`` then ``B`` of ``offset.RopeMean.score_terms``), ``inv_freq`` float32
+    ``[Hkv, NPAIRS]`` contiguous (``RopeMean.inv_freq``), both on ``dev``, ``NPAIRS`` a power of two >= 8.
+
+    Raises:
+        ValueError: anything else (naming ``rope_bias`` and the expected shapes).
+    """
+    if rope_bias is None:
+        return 0
+    if not isinstance(rope_bias, (tuple, list)) or len(rope_bias) != 2:
+        raise ValueError("rope_bias must be None or (terms [rows, Hq, 2 NPAIRS], inv_freq [Hkv, NPAIRS])")
+    terms, freq = rope_bias
+    npairs = freq.shape[-1] if isinstance(freq, torch.Tensor) and freq.dim() == 2 else 0
+    ok = (npairs >= 8 and npairs & (npairs - 1) == 0 and tuple(freq.shape) == (hkv, npairs)
+          and isinstance(terms, torch.Tensor) and tuple(terms.shape) == (rows, hq, 2 * npairs))
+    ok = ok and all(x.dtype == torch.float32 and x.device == dev and x.is_contiguous() for x in (terms, freq))
+    if not ok:
+        got = [(tuple(x.shape), x.dtype, str(x.device)) if isinstance(x, torch.Tensor) else type(x).__name__
+               for x in rope_bias]
+        raise ValueError(f"rope_bias must be (terms float32 [{rows}, {hq}, 2 NPAIRS], inv_freq float32 "
+                         f"[{hkv}, NPAIRS]), contiguous on {dev}, NPAIRS a power of two >= 8; got {got}")
+    return npairs
+
+
 DECODE_IMPLS = ("triton", "cuda")
 _WARNED_LOAD: set = set()
 # decode_attention's arguments that only the Triton kernel takes (setting one selects it, see resolve_impl)
-TRITON_OPTIONS = ("block_n", "num_warps", "num_stages", "dequant", "key_mma", "max_registers")
+TRITON_OPTIONS = ("block_n", "num_warps", "num_stages", "dequant", "key_mma", "max_registers", "rope_bias")
 
 
 def resolve_impl(impl: str | None, layout: PageLayout, group: int, device: torch.device,
@@ -211,7 +243,7 @@ def decode_attention(query: torch.Tensor, pool, block_tables: torch.Tensor, seq_
                      num_warps: int | None = None, num_stages: int | None = None,
                      dequant: str | None = None, key_mma: str | None = None,
                      max_registers: int | None = None, impl: str | None = None,
-                     validate: bool | None = None) -> torch.Tensor:
+                     validate: bool | None = None, rope_bias=None) -> torch.Tensor:
     """Decode attention (one new token per sequence) over compressed KV pages.
 
     Each page is read once per KV head for all query heads of its GQA group; the context is cut
@@ -308,7 +340,9 @@ def decode_attention(query: torch.Tensor, pool, block_tables: torch.Tensor, seq_
         out = torch.empty_like(query)
     else:
         check_float("out", out, (b, hq, d), dev)
-    options = dict(zip(TRITON_OPTIONS, (block_n, num_warps, num_stages, dequant, key_mma, max_registers)))
+    npairs = check_rope_bias(rope_bias, b, hq, hkv, dev)
+    options = dict(zip(TRITON_OPTIONS, (block_n, num_warps, num_stages, dequant, key_mma, max_registers,
+                                        rope_bias)))
     impl = resolve_impl(impl, layout, group, dev, tuple(k for k, v in options.items() if v is not None))
     num_stages = DECODE_STAGES if num_stages is None else num_stages
     key_mma = resolve_key_mma(key_mma, layout.key_bits)
@@ -351,6 +385,7 @@ def decode_attention(query: torch.Tensor, pool, block_tables: torch.Tensor, seq_
         q16, data, block_tables, seq_lens, seq_lens, q16, q16, part_o, part_lse, rotation,
         block_tables.stride(0), NUM_SPLITS=num_splits, **decode_constexprs(layout, hkv, group, block_n, key_mma),
         DEQ_ASM=dequant == "asm", num_warps=num_warps, num_stages=num_stages, **launch_opts,
+        **_rope_bias_args(rope_bias, npairs, scale),
     )
     merge_splits_kernel[(b * hq,)](part_o, part_lse, rotation, out, out.stride(0), out.stride(1),
                                    HQ=hq, D=d, NUM_SPLITS=num_splits, SP=next_pow2(num_splits))

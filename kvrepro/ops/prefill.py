@@ -8,7 +8,7 @@ from kvrepro.formats.layout import PageLayout
 from kvrepro.ops.common import (check_block_tables, check_float, check_heads, check_int, check_launch,
                                 check_pool, check_rotation, check_scale, next_pow2, page_constexprs,
                                 pool_tensor, want_checks)
-from kvrepro.ops.decode import LOG2E, resolve_dequant
+from kvrepro.ops.decode import LOG2E, _rope_bias_args, check_rope_bias, resolve_dequant
 from kvrepro.ops.triton.attention import paged_attn_kernel
 from kvrepro.ops.triton.dequant import dequant_pages_kernel
 from kvrepro.ops.triton.rotate import rotate_query_kernel
@@ -149,7 +149,7 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
                       rows: int = PREFILL_ROWS, num_warps: int = 4, num_stages: int = 2,
                       dequant: str | None = None, impl: str = "paged",
                       piece_tokens: int = PIECE_TOKENS, dense_attn=None,
-                      validate: bool | None = None) -> torch.Tensor:
+                      validate: bool | None = None, rope_bias=None) -> torch.Tensor:
     """Causal varlen attention of the current chunk: earlier context from compressed pages,
     the chunk's own K/V fresh (not quantized).
 
@@ -182,6 +182,9 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         block_n, rows, num_warps, num_stages: tiling / launch options.
         dequant: as in ``decode_attention`` (impl="paged").
         impl, piece_tokens, dense_attn: see above.
+        rope_bias: ``(terms [T, Hq, 2 NPAIRS], inv_freq [Hkv, NPAIRS])`` float32 for context pages stored with the
+            key offset ``rope-mean`` (as ``decode_attention``'s): each context key's logit gets ``q . R(j) b_hat``
+            back; the chunk's own keys are taken as given (pass them unshifted). ``impl="paged"`` only.
 
     Decode rows (q_len 1) may be mixed in. Temporaries: ``prefill_workspace_bytes`` (rotated
     chunk), nothing proportional to the context. Returns ``out``.
@@ -243,6 +246,9 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         return out
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r}; allowed: {IMPLS}")
+    npairs = check_rope_bias(rope_bias, t, hq, hkv, dev)
+    if npairs and impl != "paged":
+        raise ValueError(f"rope_bias needs impl='paged' (the kernel that reads the pages), got impl={impl!r}")
     if impl == "dequant":
         if dense_attn is None and dev.type != "cuda":
             raise ValueError("impl='dequant' without dense_attn uses PyTorch's FlashAttention-2, which needs a "
@@ -269,5 +275,6 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         G=group, GP=gp, **page_constexprs(layout, hkv),
         BLOCK_Q=block_q, BLOCK_M=rows, BLOCK_N=block_n, HAS_FRESH=True, SPLIT_OUT=False,
         IS_DECODE=False, DEQ_ASM=dequant == "asm", num_warps=num_warps, num_stages=num_stages,
+        **_rope_bias_args(rope_bias, npairs, scale),
     )
     return out

@@ -36,6 +36,13 @@ channel ``j + i D / 8``, loaded once per plane channel, so each low byte four ti
 codes: int8 ``8 (code - 16)`` (the 4-bit int8 plane ``16 (hi - 8)`` with the low bit as bit 3; m 8, c 16), float16
 ``code - 16`` (query planes undivided); with ``z = -15.5 s`` the zero term is ``(16 - 15.5) s sum(q)``.
 ``VLOG`` (``k5v4``): the value scale is ``2**((u - 128) / 8)`` of a uint8 ``u`` (``kvrepro.ops.triton.scales``).
+
+``NPAIRS > 0`` (key offset ``rope-mean``, ``kvrepro.formats.offset.RopeMean``): the pages hold ``k_j - R(j) b_hat``,
+and each paged key's logit gets ``sum_i A_i cos(j theta_i) + B_i sin(j theta_i)`` back (``_rope_bias_scores``;
+``A``, ``B`` per query row from the caller, float32), so the scores are those of the exact keys. The angle
+``j theta_i`` is rounded to float32 once (an exact float64 product, then one rounding: what the store's float32
+``position x inv_freq`` gives, whatever FMA contraction the compiler does), reduced modulo 2 pi in float64 and taken
+by a float32 cosine on ``[-3 pi / 2, pi]``. The chunk's fresh keys (prefill) are exact and get nothing.
 """
 import triton
 import triton.language as tl
@@ -358,6 +365,31 @@ def _qk_planes(kc, kl, q0, q1, q2, q3, KBITS: tl.constexpr, ASM: tl.constexpr):
     return qk
 
 
+# 2 pi = _TWO_PI_1 + _TWO_PI_2 + _TWO_PI_3, each exact in float32 (a Python float constant may be materialized as
+# float32 before it meets a float64 tensor), so k x 2 pi is exact to ~1e-16 x k in float64.
+_TWO_PI_1 = tl.constexpr(6.28125)
+_TWO_PI_2 = tl.constexpr(0.0019353071693331003)          # float32(2 pi - 6.28125)
+_TWO_PI_3 = tl.constexpr(1.0253131677018246e-11)         # float32(2 pi - 6.28125 - _TWO_PI_2)
+_INV_TWO_PI = tl.constexpr(0.15915494309189535)
+_HALF_PI = tl.constexpr(1.5707963267948966)
+
+
+@triton.jit
+def _rope_bias_scores(ab, rf_row, n, NPAIRS: tl.constexpr):
+    """``[M, N]`` float32 ``sum_i A_i cos(n theta_i) + B_i sin(n theta_i)`` for key positions ``n`` [N] (int32):
+    ``ab`` [M, 2 NPAIRS] float32 (``A`` then ``B`` per row), ``rf_row`` pointer to this KV head's ``NPAIRS`` float32
+    frequencies ``theta_i``. Row ``j`` of the ``[2 NPAIRS, N]`` cosine tile is ``cos(n theta_j)`` (``j < NPAIRS``) or
+    ``cos(n theta_j - pi / 2) = sin(n theta_j)``; one float32 ``ieee`` dot sums it with ``ab``."""
+    j = tl.arange(0, 2 * NPAIRS)
+    f = tl.load(rf_row + (j % NPAIRS))
+    a = (n.to(tl.float64)[None, :] * f.to(tl.float64)[:, None]).to(tl.float32)   # exact product, one rounding
+    a64 = a.to(tl.float64)
+    k = tl.floor(a64 * _INV_TWO_PI + 0.5)
+    r = (((a64 - k * _TWO_PI_1) - k * _TWO_PI_2) - k * _TWO_PI_3).to(tl.float32)
+    phase = tl.where(j < NPAIRS, 0.0, _HALF_PI)
+    return tl.dot(ab, tl.cos(r - phase[:, None]), input_precision="ieee")
+
+
 @triton.jit
 def _split_range(n_keys, split, NUM_SPLITS, BLOCK_N: tl.constexpr):
     """``[start, end)`` of this split's keys: ``n_keys`` cut into ``NUM_SPLITS`` runs of whole
@@ -436,6 +468,8 @@ def paged_attn_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_FRESH: tl.constexpr, SPLIT_OUT: tl.constexpr, IS_DECODE: tl.constexpr,
     DEQ_ASM: tl.constexpr, KEY_I8: tl.constexpr = False,
+    rb_ptr=None, rf_ptr=None, rb_scale=1.0,   # NPAIRS > 0: terms [T, Hq, 2 NPAIRS] f32 (A, B), freqs [Hkv, NPAIRS] f32
+    NPAIRS: tl.constexpr = 0,
 ):
     b = tl.program_id(0)
     qt = tl.program_id(1)
@@ -485,6 +519,12 @@ def paged_attn_kernel(
     else:
         q0, q1, q2, q3, qsum = _query_planes(qrow, qmask, dk, KP, KBITS)
 
+    if NPAIRS > 0:                           # rope-mean: A, B of each query row, scaled as q (scale x log2 e)
+        jp = tl.arange(0, 2 * NPAIRS)
+        ab = tl.load(rb_ptr + (tok * HQ + head)[:, None] * (2 * NPAIRS) + jp[None, :], mask=qmask, other=0.0)
+        ab = ab * rb_scale
+        rf_row = rf_ptr + kvh * NPAIRS
+
     # This split's range of paged keys (empty splits skip the loop).
     start, end = _split_range(n_paged, split, NUM_SPLITS, BLOCK_N)
     end = tl.where(qt * BLOCK_Q >= q_len, start, end)   # query tile past this chunk: no work
@@ -523,6 +563,8 @@ def paged_attn_kernel(
                 s = qk * k_mul[:, None] * ks[None, :] + qsum[:, None] * kz[None, :]
             else:
                 s = qk * ks[None, :] + qsum[:, None] * kz[None, :]
+        if NPAIRS > 0:
+            s += _rope_bias_scores(ab, rf_row, n, NPAIRS)
         vis = n_ok[None, :] & (n[None, :] <= qpos[:, None])
         s = tl.where(vis, s, float("-inf"))
         m_new, alpha, p = _online_softmax(s, m_i)
