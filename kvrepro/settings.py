@@ -27,7 +27,7 @@ DEFAULT_PRESET = "k5v4"                     # = kvrepro.formats.DEFAULT_PRESET
 DECODE_IMPLS = ("auto", "cuda", "triton")
 PREFILL_PATHS = ("fa", "fa-sliced", "fa-pages", "dequant", "triton")
 STORE_ROTATE_MODES = ("torch", "kernel")
-KEY_OFFSET_MODES = ("slow-pairs", "first-prefill", "off")   # = kvrepro.formats.offset.MODES
+KEY_OFFSET_MODES = ("slow-pairs", "first-prefill", "off", "rope-mean")   # = kvrepro.formats.offset.MODES
 MAX_NUM_SPLITS = 256
 # KVREPRO_* variables that are not runtime settings (read by the test harness only), so not reported as unknown.
 NOT_SETTINGS = ("KVREPRO_SMOKE_FLAGS",)
@@ -172,10 +172,14 @@ SETTINGS: tuple[Declaration, ...] = (
         "key-projection bias. slow-pairs: the mean only in the RoPE pairs that turn by < pi/4 over max_model_len (a "
         "constant there at every position, whatever the first prefill was); first-prefill: in every channel (best "
         "when the first prefill is as long as later contexts, no better than off when it is short); off: keys stored "
-        "as they are (notes/accuracy.md, 'Key offset').",
+        "as they are (notes/accuracy.md, 'Key offset'); rope-mean (opt-in): keys minus R(p) b_hat, the first prefill's "
+        "pre-RoPE mean turned to each key's position, in up to 8 pairs per layer and KV head, added back to the "
+        "scores by the Triton kernels (exact; robust to a key bias added before RoPE in any pair); decode then runs "
+        "the Triton kernel (the CUDA one lacks it) and KVREPRO_PREFILL may not be dequant.",
         _choice("KVREPRO_KEY_OFFSET", KEY_OFFSET_MODES),
         "attention-output error under a key bias (the key_offset column): [key-bias grid](results/keybias/"
-        "keybias_cpu.csv); KL with slow-pairs: [CPU reference rows](results/fidelity/reference_cpu_smollm2.csv), with "
+        "keybias_cpu.csv), rope-mean: [key-bias grid](results/keybias/keybias_rope_mean_cpu.csv); KL with slow-pairs: "
+        "[CPU reference rows](results/fidelity/reference_cpu_smollm2.csv), with "
         "first-prefill: [H200 reference rows](results/fidelity/reference_h200_smollm2.csv); without it: the same CPU "
         "file's history (git log)"),
     Declaration(
@@ -217,7 +221,7 @@ class Settings:
         num_splits: int in 1..256, or None (the decode kernel's shape-only rule).
         prefill: ``"fa"`` | ``"fa-sliced"`` | ``"fa-pages"`` | ``"dequant"`` | ``"triton"``.
         store_rotate: ``"torch"`` | ``"kernel"``.
-        key_offset: ``"slow-pairs"`` | ``"first-prefill"`` | ``"off"``.
+        key_offset: ``"slow-pairs"`` | ``"first-prefill"`` | ``"off"`` | ``"rope-mean"``.
         warmup: compile the decode kernels before vLLM's memory profiling.
         debug_check: compare every eager attention call with the reference (slow).
 

@@ -302,8 +302,10 @@ def test_rope_mean_keeps_at_most_max_pairs_and_only_pairs_above_the_spread_and_r
     rm = RopeMean(h, d, {"rope_theta": 1e4, "neox": True})
     rm.calibrate(rope(torch.randn(h, n, d, generator=g, dtype=torch.float64), pos, 1e4).transpose(0, 1).float(), pos)
     assert rm.kept == [0] and (rm.bias == 0).all()                   # no bias: nothing kept, the format alone
-    with pytest.raises(ValueError, match="needs the RoPE pair layout"):
-        RopeMean(1, 64, {"rope_theta": 1e4, "neox": None})
+    with pytest.raises(ValueError, match="needs the RoPE pair layout"):       # unknown layout: refused at calibration
+        RopeMean(1, 64, {"rope_theta": 1e4, "neox": None}).calibrate(torch.zeros(3, 1, 64), torch.arange(3))
+    with pytest.raises(ValueError, match="must be True, False or None"):
+        RopeMean(1, 64, {"rope_theta": 1e4, "neox": "yes"})
     with pytest.raises(ValueError, match="needs the model's RoPE"):
         RopeMean(1, 64, {})
     with pytest.raises(ValueError, match=r"key must be \[T >= 1, 1, 64\]"):
@@ -311,7 +313,8 @@ def test_rope_mean_keeps_at_most_max_pairs_and_only_pairs_above_the_spread_and_r
     with pytest.raises(ValueError, match=r"pos must be \[T=3\]"):
         RopeMean(1, 64, {"rope_theta": 1e4, "neox": True}).calibrate(torch.zeros(3, 1, 64), torch.arange(4))
     part = RopeMean(1, 80, {"rope_theta": 1e4, "rotary_dim": 64, "neox": True})   # unrotated tail: frequency-0 pairs
-    assert part.all_x.tolist()[-8:] == [64, 66, 68, 70, 72, 74, 76, 78] and (part.all_inv[32:] == 0).all()
+    x, _, inv = part.all_pairs()
+    assert x.tolist()[-8:] == [64, 66, 68, 70, 72, 74, 76, 78] and (inv[32:] == 0).all()
 
 
 def test_rope_mean_angles_round_as_the_models_rope_does():

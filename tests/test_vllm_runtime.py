@@ -415,3 +415,106 @@ def test_decode_impl_is_checked_at_engine_start_and_recorded(monkeypatch):
     assert LayerRuntime("k4v4", 9, 3, 64, 0.125).record_impl(get_format("k4v4").layout(64, 16),
                                                              torch.device("cuda", 0)) == "triton"
     assert runtime.DECODE_IMPL_USED == {"k4v4 32q/8kv d128 bs16": "cuda", "k4v4 9q/3kv d64 bs16": "triton"}
+
+
+# --- key offset rope-mean ------------------------------------------------------------------------------------------
+
+def _rope_mean_runtime(prefill=None, decode_impl=None):
+    rope = {"rope_theta": 1e4, "rotary_dim": 64, "head_dim": 64, "max_positions": 256, "neox": True}
+    return LayerRuntime("k4v4", 8, 2, 64, 64 ** -0.5, key_offset="rope-mean", rope=rope, prefill=prefill,
+                        decode_impl=decode_impl)
+
+
+def _biased_keys(n, g, hkv=2, d=64):
+    """Keys RoPE(b + N(0, 1)) at positions 0..n-1, b of norm ~700 in the fastest pair and a slow one."""
+    from kvrepro.keybias import rope
+
+    b = torch.zeros(hkv, d, dtype=torch.float64)
+    b[:, [0, d // 2]] = 400.0
+    b[:, [d // 2 - 1]] = -300.0
+    return rope(b[:, None] + torch.randn(hkv, n, d, generator=g, dtype=torch.float64), torch.arange(n),
+                1e4).transpose(0, 1).bfloat16()
+
+
+def test_token_positions_follow_vllm_metadata():
+    from kvrepro.vllm_backend.runtime import token_positions
+
+    sl = torch.tensor([20, 33, 17, 5], dtype=torch.int32)
+    qsl = torch.tensor([0, 1, 2, 9, 14], dtype=torch.int32)          # 2 decodes, a chunk after 10, a fresh prompt
+    got = token_positions(sl, qsl, 17).tolist()                      # 3 padding rows at the end
+    assert got == [19, 32] + list(range(10, 17)) + list(range(5)) + [0, 0, 0]
+
+
+@pytest.mark.parametrize("with_fa", [False, True])
+def test_rope_mean_runtime_stores_by_position_and_attends_exact_keys(monkeypatch, with_fa):
+    """A prefill of 40 tokens (calibrates), then a batch [2 decodes | a 9-token chunk after 40 of context]: the
+    pages hold k - R(p) b_hat, the kernels (or the FA prefill path) add the scores back; outputs equal
+    reference_attend (float64, keys restored) and are close to attention over the raw biased keys, which the same
+    pages read without the correction are not."""
+    from kvrepro.vllm_backend.fa_prefill import FlashPrefill
+    from kvrepro.vllm_backend.runtime import token_positions
+
+    hq, hkv, d, bs = 8, 2, 64, 16
+    g = torch.Generator().manual_seed(3)
+    prefill = FlashPrefill(get_format("k4v4"), hkv, d, fa=_fa_standin) if with_fa else None
+    rt = _rope_mean_runtime(prefill)
+    assert rt.offset_keys(torch.ones(2, hkv, d)).eq(1).all()            # chunk keys are never shifted
+    layout = rt.fmt.layout(d, bs)
+    pool = torch.zeros(20, hkv, layout.page_bytes, dtype=torch.uint8)
+    bt = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]], dtype=torch.int32)
+    seqs = {r: (_biased_keys(60, g), torch.randn(60, hkv, d, generator=g).bfloat16()) for r in range(3)}
+    slot = lambda r, i: int(bt[r, i // bs]) * bs + i % bs  # noqa: E731
+    # step 1: each request's history as prefills of 40 / 30 / 40 tokens (the first calibrates)
+    for r, n in ((0, 40), (1, 30), (2, 40)):
+        k, v = seqs[r]
+        sl1, qsl1 = torch.tensor([n], dtype=torch.int32), torch.tensor([0, n], dtype=torch.int32)
+        with pytest.raises(ValueError, match="positions="):
+            rt.store(k[:n].reshape(n, -1), v[:n].reshape(n, -1), pool, torch.tensor([slot(r, i) for i in range(n)]))
+        rt.store(k[:n].reshape(n, -1), v[:n].reshape(n, -1), pool, torch.tensor([slot(r, i) for i in range(n)]),
+                 calibrate=(0, n), positions=token_positions(sl1, qsl1, n))
+    rm = rt.key_offset
+    assert rm.calibrated and rm.tokens == 40 and rm.kept == [2, 2]
+    # step 2: decodes at position 40 (req 0) and 30 (req 1), a chunk of 9 at 40..48 (req 2), 2 padding rows
+    rows = [(0, 40), (1, 30)] + [(2, i) for i in range(40, 49)]
+    t = len(rows)
+    k = torch.cat([seqs[r][0][i:i + 1] for r, i in rows] + [torch.zeros(2, hkv, d).bfloat16()])
+    v = torch.cat([seqs[r][1][i:i + 1] for r, i in rows] + [torch.zeros(2, hkv, d).bfloat16()])
+    q = torch.randn(t + 2, hq, d, generator=g).bfloat16()
+    sl = torch.tensor([41, 31, 49], dtype=torch.int32)
+    qsl = torch.tensor([0, 1, 2, 11], dtype=torch.int32)
+    pos = token_positions(sl, qsl, t + 2)
+    assert pos[:t].tolist() == [i for _, i in rows]
+    rt.store(k.reshape(t + 2, -1), v.reshape(t + 2, -1), pool, torch.tensor([slot(r, i) for r, i in rows] + [-1, -1]),
+             positions=pos)
+    out = torch.full((t + 2, hq, d), float("nan"), dtype=torch.bfloat16)
+    rt.attend(q, k, v, pool, bt, sl, qsl, t, 2, 2, out, max_query_len=9)
+    ref = reference_attend(rt, q, k, v, pool, bt, sl, qsl, t, 2)
+    assert (out[:t].double() - ref).abs().max() / ref.abs().max() < 2e-2
+    exact = torch.cat([attention_ref(q[j:j + 1], seqs[r][0][:i + 1].double(), seqs[r][1][:i + 1].double(),
+                                     d ** -0.5, torch.float64) for j, (r, i) in enumerate(rows[:2])]
+                      + [attention_ref(q[2:t], seqs[2][0][:49].double(), seqs[2][1][:49].double(), d ** -0.5,
+                                       torch.float64)])
+    err = (out[:t].double() - exact).norm() / exact.norm()
+    assert err < 0.2, err
+    plain = torch.empty_like(out)                                      # the same pages, no correction
+    rt.ops.decode_attention(q[:2], pool, bt[:2], sl[:2], layout, rt.rotation, rt.scale, out=plain[:2])
+    assert (plain[:2].double() - exact[:2]).norm() / exact[:2].norm() > 2 * err
+
+
+def test_rope_mean_refuses_the_cuda_decode_kernel_and_prefill_paths_without_restore():
+    from kvrepro.vllm_backend.fa_prefill import RotatedDequantPrefill
+
+    with pytest.raises(ValueError, match="KVREPRO_KEY_OFFSET=rope-mean needs the Triton decode kernel"):
+        _rope_mean_runtime(decode_impl="cuda")
+    with pytest.raises(ValueError, match="rope-mean: the prefill path RotatedDequantPrefill"):
+        _rope_mean_runtime(prefill=RotatedDequantPrefill(64, fa=_fa_standin))
+    with pytest.raises(ValueError, match="'rope-mean' needs the model's RoPE"):
+        LayerRuntime("k4v4", 8, 2, 64, 0.125, key_offset="rope-mean")
+    rt = _rope_mean_runtime()
+    layout = rt.fmt.layout(64, 16)
+    assert rt.record_impl(layout, torch.device("cpu")) == "triton"
+    rt.rope["neox"] = None                                              # vLLM's layout could not be read
+    pool = torch.zeros(4, 2, layout.page_bytes, dtype=torch.uint8)
+    k = torch.randn(5, 128).bfloat16()
+    with pytest.raises(ValueError, match="needs the RoPE pair layout"):
+        rt.store(k, k, pool, torch.arange(5), calibrate=(0, 5), positions=torch.arange(5))

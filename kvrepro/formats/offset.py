@@ -239,7 +239,9 @@ class RopeMean:
 
     Args:
         num_kv_heads, head_dim: the layer's KV geometry (positive ints).
-        rope: ``{"rope_theta", "rotary_dim" (default head_dim), "neox" (bool)}`` (``rope_of_config`` plus the layout).
+        rope: ``{"rope_theta", "rotary_dim" (default head_dim), "neox"}`` (``rope_of_config`` plus the pair layout:
+            True / False, or None until :meth:`calibrate`, which needs it: the vLLM backend reads it from vLLM's rotary
+            embeddings then; ``self.rope`` may be updated before).
         device: where the buffers live (persistent: :meth:`calibrate` copies in place, so CUDA graphs captured
             before it read the calibrated values).
 
@@ -250,7 +252,7 @@ class RopeMean:
         calibrated, tokens: whether :meth:`calibrate` ran and on how many keys; kept: pairs kept per KV head.
 
     Raises:
-        ValueError: bad geometry, ``rope`` without a theta or a bool ``neox``.
+        ValueError: bad geometry, ``rope`` without a theta, ``neox`` not a bool or None.
     """
 
     def __init__(self, num_kv_heads: int, head_dim: int, rope: dict, device: torch.device | str = "cpu") -> None:
@@ -259,11 +261,11 @@ class RopeMean:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
         if not rope or "rope_theta" not in rope:
             raise ValueError("key_offset='rope-mean' needs the model's RoPE (rope_theta; offset.rope_of_config)")
+        if rope.get("neox") is not None and not isinstance(rope.get("neox"), bool):
+            raise ValueError(f"rope['neox'] must be True, False or None (read at calibration), got {rope['neox']!r}")
         rotary = int(rope.get("rotary_dim") or head_dim)
+        rope_pairs(head_dim, rotary, True)        # checks rotary_dim
         self.num_kv_heads, self.head_dim, self.rope = num_kv_heads, head_dim, dict(rope)
-        self.all_x, self.all_y = rope_pairs(head_dim, rotary, rope.get("neox"))
-        n_tail = self.all_x.numel() - rotary // 2
-        self.all_inv = torch.cat([rope_inv_freq(rotary, rope["rope_theta"]), torch.zeros(n_tail)])
         self.x_ch = torch.zeros(num_kv_heads, MAX_PAIRS, dtype=torch.int64, device=device)
         self.y_ch = torch.zeros_like(self.x_ch)
         self.inv_freq = torch.zeros(num_kv_heads, MAX_PAIRS, dtype=torch.float32, device=device)
@@ -271,6 +273,17 @@ class RopeMean:
         self.calibrated = False
         self.tokens = 0
         self.kept: list[int] = [0] * num_kv_heads
+
+    def all_pairs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(x channels, y channels, float32 frequencies)`` of every pair (:func:`rope_pairs`, frequency-0 tail).
+
+        Raises:
+            ValueError: ``rope["neox"]`` is not a bool (the layout is still unknown).
+        """
+        rotary = int(self.rope.get("rotary_dim") or self.head_dim)
+        x, y = rope_pairs(self.head_dim, rotary, self.rope.get("neox"))
+        inv = torch.cat([rope_inv_freq(rotary, self.rope["rope_theta"]), torch.zeros(x.numel() - rotary // 2)])
+        return x, y, inv
 
     def to(self, device: torch.device | str) -> "RopeMean":
         """Move the buffers to ``device`` (before any CUDA-graph capture that reads them)."""
@@ -290,7 +303,8 @@ class RopeMean:
         (int ``[T]``), in place; later calls do nothing (one offset for the engine's lifetime).
 
         Raises:
-            ValueError: a shape other than ``[T >= 1, num_kv_heads, head_dim]`` or ``pos`` not ``[T]``.
+            ValueError: a shape other than ``[T >= 1, num_kv_heads, head_dim]``, ``pos`` not ``[T]``, or the pair
+                layout still unknown (``rope["neox"]`` None).
         """
         if self.calibrated:
             return
@@ -300,7 +314,7 @@ class RopeMean:
         if pos.dim() != 1 or pos.shape[0] != key.shape[0]:
             raise ValueError(f"pos must be [T={key.shape[0]}], got {tuple(pos.shape)}")
         dev = key.device
-        ax, ay, inv = self.all_x.to(dev), self.all_y.to(dev), self.all_inv.to(dev)
+        ax, ay, inv = (t.to(dev) for t in self.all_pairs())
         a = self.angles(pos, inv)                               # [T, P]
         c, s = a.cos()[:, None], a.sin()[:, None]               # [T, 1, P]
         x, y = key.float()[..., ax], key.float()[..., ay]       # [T, H, P]

@@ -247,7 +247,7 @@ class KVReproAttentionImpl(AttentionImpl[KVReproMetadata]):
                                s.num_splits, prefill=prefill, graph_sizes=shape["graph_sizes"],
                                max_batch=shape["max_batch"], store_rotate=s.store_rotate,
                                decode_impl=s.decode_impl_arg, key_offset=s.key_offset,
-                               rope=engine_rope() if s.key_offset == "slow-pairs" else None)
+                               rope=engine_rope() if s.key_offset in ("slow-pairs", "rope-mean") else None)
         dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         self.rt.check_decode_impl(shape["block_size"] or 16, dev)
         self._shape = shape
@@ -271,7 +271,25 @@ class KVReproAttentionImpl(AttentionImpl[KVReproMetadata]):
 
     def do_kv_cache_update(self, layer, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                            slot_mapping: torch.Tensor) -> None:
-        self.rt.store(key, value, kv_cache, slot_mapping, calibrate=self._calibration_rows(layer))
+        self.rt.store(key, value, kv_cache, slot_mapping, calibrate=self._calibration_rows(layer),
+                      positions=self._positions(layer, slot_mapping.shape[0]))
+
+    def _positions(self, layer, num_tokens: int) -> torch.Tensor | None:
+        """Under KVREPRO_KEY_OFFSET=rope-mean: each stored row's position from this step's attention metadata
+        (``runtime.token_positions``; no host sync); else None. Without metadata (vLLM's profiling run, which stores
+        nothing that is read later) positions 0."""
+        from kvrepro.formats.offset import RopeMean
+
+        if not isinstance(self.rt.key_offset, RopeMean):
+            return None
+        from vllm.model_executor.layers.attention.attention import get_attention_context
+
+        from kvrepro.vllm_backend.runtime import token_positions
+
+        m = get_attention_context(layer.layer_name)[0]
+        if not isinstance(m, KVReproMetadata):
+            return torch.zeros(num_tokens, dtype=torch.int64, device=self.rt.key_offset.bias.device)
+        return token_positions(m.seq_lens, m.query_start_loc, num_tokens)
 
     def _calibration_rows(self, layer) -> tuple[int, int] | None:
         """The prefill rows of this step, while the key offset waits for its calibration; else None. vLLM's dummy

@@ -74,6 +74,9 @@ class FlashPrefill:
         self.chunk_from_pages = chunk_from_pages
         self.fmt, self.num_kv_heads, self.head_size = fmt, num_kv_heads, head_size
         self._pool = None
+        # key offset rope-mean (LayerRuntime sets it): ``(keys [n, Hkv, D], positions [n]) -> float32 keys`` putting
+        # R(p) b_hat back on keys read from the pages (the chunk's fresh keys are unshifted); None: keys as read.
+        self.key_restore = None
 
     def _pool_obj(self, pool: torch.Tensor, layout):
         if self._pool is None or self._pool.block_size != layout.block_size:
@@ -105,6 +108,8 @@ class FlashPrefill:
                 k = torch.empty(s, self.num_kv_heads, self.head_size, dtype=key.dtype, device=dev)
                 v = torch.empty_like(k)
                 dequant_context(pool_obj, block_tables[b], from_pages, rotation, key.dtype, k, v)
+                if self.key_restore is not None:
+                    k[:from_pages] = self.key_restore(k[:from_pages], torch.arange(from_pages, device=dev)).to(k.dtype)
                 if from_pages < s:
                     k[ctx:] = key[qs:qe]
                     v[ctx:] = value[qs:qe]
@@ -141,7 +146,10 @@ class FlashPrefill:
         for s in range(0, ctx, SLICE_TOKENS):
             n = min(SLICE_TOKENS, ctx - s)
             k_rot, v_rot = pool_obj.gather_rotated(block_row[s // bs:], n)
-            o_s, lse_s = self._fa(q, (k_rot @ rt).to(q.dtype), (v_rot @ rt).to(q.dtype), scale, False, True)
+            k_s = k_rot @ rt
+            if self.key_restore is not None:
+                k_s = self.key_restore(k_s, torch.arange(s, s + n, device=k_s.device))
+            o_s, lse_s = self._fa(q, k_s.to(q.dtype), (v_rot @ rt).to(q.dtype), scale, False, True)
             o, lse = merge_partials(o, lse, o_s.float(), lse_s.float())
         return o.to(q.dtype)
 

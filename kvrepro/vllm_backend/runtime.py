@@ -9,7 +9,7 @@ import torch
 
 from kvrepro.formats import get_format
 from kvrepro.formats.hadamard import rotation_matrix
-from kvrepro.formats.offset import KeyOffset, check_mode, mode_channels
+from kvrepro.formats.offset import KeyOffset, RopeMean, check_mode, mode_channels
 
 _ROTATIONS: dict[tuple[int, int, str], torch.Tensor] = {}
 # One split-K decode workspace per device, shared by every layer (layers run one after another on
@@ -21,7 +21,16 @@ _WORKSPACES: dict[str, list[torch.Tensor]] = {}
 DECODE_IMPL_USED: dict[str, str] = {}
 # Key-offset calibrations seen in this process, one entry per layer: ({"tokens": n}); the first is logged.
 OFFSET_CALIBRATIONS: list[dict] = []
+_ROPE_MEAN_WARNED: set = set()   # layer geometries whose rope-mean switch to the Triton decode kernel was logged
 MIN_TOKENS_PER_SPLIT = 256   # as kvrepro.ops.decode
+
+
+def _cuda_would_apply(decode_impl: str | None, layout, group: int, device: torch.device) -> bool:
+    """Whether the default decode rule (``decode_impl`` None / auto) would have picked the CUDA kernel for this shape
+    on ``device`` (``cuda_decode.unsupported_reason`` finds nothing to refuse; its fatbin is not loaded here)."""
+    from kvrepro.ops import cuda_decode
+
+    return decode_impl in (None, "auto") and cuda_decode.unsupported_reason(layout, group, device) is None
 MAX_SPLITS = 256
 
 
@@ -99,10 +108,24 @@ def shared_rotation(head_dim: int, seed: int, device: torch.device) -> torch.Ten
     return _ROTATIONS[key]
 
 
+def token_positions(seq_lens: torch.Tensor, query_start_loc: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """int64 ``[num_tokens]``: the position of each token row of a vLLM batch (vLLM v1 keeps a request's KV token
+    ``j`` at position ``j``): for row ``t`` of request ``r``, ``seq_lens[r] - q_len[r] + (t - query_start_loc[r])``.
+    Rows past ``query_start_loc[-1]`` (padding, slot -1) get position 0. No host sync (CUDA-graph safe)."""
+    qsl = query_start_loc.to(torch.int64)
+    t = torch.arange(num_tokens, device=qsl.device)
+    r = torch.searchsorted(qsl[1:], t, right=True).clamp(max=max(qsl.shape[0] - 2, 0))
+    pos = seq_lens.to(torch.int64)[r] - (qsl[r + 1] - qsl[r]) + t - qsl[r]
+    return torch.where(t < qsl[-1], pos, 0).clamp(min=0)
+
+
 def log_calibration(rt: "LayerRuntime", tokens: int) -> None:
     """Record a layer's key-offset calibration; log the first of the process (one line, not one per layer)."""
-    ch = rt.key_offset.channels
-    n = rt.head_size if ch is None else int(ch.sum())
+    if isinstance(rt.key_offset, RopeMean):
+        n = 2 * max(rt.key_offset.kept)
+    else:
+        ch = rt.key_offset.channels
+        n = rt.head_size if ch is None else int(ch.sum())
     OFFSET_CALIBRATIONS.append({"tokens": int(tokens), "channels": n})
     if len(OFFSET_CALIBRATIONS) == 1:
         import logging
@@ -111,9 +134,14 @@ def log_calibration(rt: "LayerRuntime", tokens: int) -> None:
 
         r = rt.rope or {}
         layout = {True: "half-split", False: "interleaved"}.get(r.get("neox"), "layout unknown: slow in both")
-        which = (f"{n} of {rt.head_size} channels: RoPE pairs turning < pi/4 over {r.get('max_positions')} positions "
-                 f"(theta {r.get('rope_theta')}, {layout} pairs)" if rt.key_offset_mode == "slow-pairs"
-                 else f"all {n} channels")
+        if rt.key_offset_mode == "rope-mean":
+            which = (f"pre-RoPE mean, per position, in up to {n // 2} pairs per KV head (kept per KV head: "
+                     f"{rt.key_offset.kept}; {layout} pairs, theta {r.get('rope_theta')}); scores restored exactly")
+        elif rt.key_offset_mode == "slow-pairs":
+            which = (f"{n} of {rt.head_size} channels: RoPE pairs turning < pi/4 over {r.get('max_positions')} "
+                     f"positions (theta {r.get('rope_theta')}, {layout} pairs)")
+        else:
+            which = f"all {n} channels"
         logging.getLogger(LOGGER_NAME).info(
             "kvrepro key offset (%s): calibrated on the first prefill (%d tokens; one constant per layer and KV head, "
             "fixed from now on; %s)", rt.key_offset_mode, tokens, which)
@@ -142,14 +170,21 @@ class LayerRuntime:
             ``kvrepro.ops.decode.resolve_impl``; ``Settings.decode_impl_arg``).
         key_offset: ``"slow-pairs"`` (the backend's default setting) or ``"first-prefill"``: every stored key and
             every prefill chunk's own keys minus the constant ``kvrepro.formats.offset.KeyOffset`` that the first
-            :meth:`store` with ``calibrate`` sets (in RoPE's slow pairs, or in every channel); ``"off"`` (the default
-            here: the backend passes the engine's setting).
-        rope: the model's RoPE for ``"slow-pairs"`` (``offset.rope_of_config`` with ``max_positions`` = the longest
-            context, plus ``"neox"``: True / False / None = unknown, read at calibration, so it may be set later).
+            :meth:`store` with ``calibrate`` sets (in RoPE's slow pairs, or in every channel); ``"rope-mean"``: every
+            stored key minus ``R(p) b_hat`` at its position (``offset.RopeMean``, calibrated by the first :meth:`store`
+            with ``calibrate``; :meth:`store` then needs ``positions``), added back to the scores by the Triton
+            kernels (``rope_bias``) or to the dequantized context by ``prefill`` (its ``key_restore``); the chunk's
+            own keys stay unshifted. Decode runs the Triton kernel (the CUDA kernel lacks the correction: ``decode_impl
+            ="cuda"`` is refused, auto takes Triton with a logged warning). ``"off"`` (the default here: the backend
+            passes the engine's setting).
+        rope: the model's RoPE for ``"slow-pairs"`` / ``"rope-mean"`` (``offset.rope_of_config`` with
+            ``max_positions`` = the longest context, plus ``"neox"``: True / False / None = unknown, read at
+            calibration, so it may be set later; rope-mean refuses to calibrate while it is None).
 
     Raises:
         ValueError: a bad ``max_batch``, ``store_rotate``, ``decode_impl`` or ``key_offset`` (naming it and the
-            allowed values); ``"slow-pairs"`` without ``rope``.
+            allowed values); ``"slow-pairs"`` / ``"rope-mean"`` without ``rope``; ``"rope-mean"`` with
+            ``decode_impl="cuda"`` or a ``prefill`` without a ``key_restore`` attribute.
     """
 
     def __init__(self, preset: str, num_heads: int, num_kv_heads: int, head_size: int, scale: float,
@@ -158,11 +193,24 @@ class LayerRuntime:
                  key_offset: str = "off", rope: dict | None = None) -> None:
         self.fmt = get_format(preset)
         self.key_offset_mode = check_mode(key_offset)
-        if key_offset == "slow-pairs" and rope is None:
-            raise ValueError("key_offset='slow-pairs' needs the model's RoPE (rope=offset.rope_of_config(...)); "
+        if key_offset in ("slow-pairs", "rope-mean") and rope is None:
+            raise ValueError(f"key_offset={key_offset!r} needs the model's RoPE (rope=offset.rope_of_config(...)); "
                              "or KVREPRO_KEY_OFFSET=first-prefill / off")
+        if key_offset == "rope-mean" and decode_impl == "cuda":
+            raise ValueError("KVREPRO_KEY_OFFSET=rope-mean needs the Triton decode kernel (the CUDA decode kernel has "
+                             "no rope-mean score correction): set KVREPRO_DECODE_IMPL=triton or auto")
+        if key_offset == "rope-mean" and prefill is not None and not hasattr(prefill, "key_restore"):
+            raise ValueError(f"KVREPRO_KEY_OFFSET=rope-mean: the prefill path {type(prefill).__name__} cannot add "
+                             "R(p) b_hat back to the context keys; use KVREPRO_PREFILL=triton, fa, fa-pages or "
+                             "fa-sliced")
         self.rope = rope
-        self.key_offset = KeyOffset(num_kv_heads, head_size) if key_offset != "off" else None
+        self.key_offset: KeyOffset | RopeMean | None = None
+        if key_offset == "rope-mean":
+            self.key_offset = RopeMean(num_kv_heads, head_size, rope)
+            if prefill is not None:
+                prefill.key_restore = self.key_offset.restore
+        elif key_offset != "off":
+            self.key_offset = KeyOffset(num_kv_heads, head_size)
         self.num_heads, self.num_kv_heads, self.head_size = num_heads, num_kv_heads, head_size
         self.scale = scale
         self.num_splits = num_splits
@@ -231,7 +279,7 @@ class LayerRuntime:
         vLLM's memory profiling); returns the rotation."""
         if self.rotation is None or self.rotation.device != torch.device(device):
             self.rotation = shared_rotation(self.head_size, self.fmt.seed, torch.device(device))
-            if self.key_offset is not None and self.key_offset.offset.device != self.rotation.device:
+            if self.key_offset is not None:
                 self.key_offset.to(self.rotation.device)
             if self.max_batch:
                 decode_workspace(device, self.reserve_numel(device))
@@ -267,16 +315,35 @@ class LayerRuntime:
             lens = torch.ones(b, dtype=torch.int32, device=device)
             ws = decode_workspace(device, self.workspace_numel(b, s))
             self.ops.decode_attention(q, pool, bt, lens, layout, rot, self.scale, out=torch.empty_like(q),
-                                      num_splits=s, workspace=ws, impl=self.impl_used)
+                                      num_splits=s, workspace=ws, impl=self.impl_used, **self.rope_bias(q))
         return sorted(by_splits)
+
+    def rope_bias(self, query: torch.Tensor) -> dict:
+        """``{"rope_bias": (terms, inv_freq)}`` of ``query`` ``[T, Hq, D]`` for the kernels under rope-mean
+        (``RopeMean.score_terms``: zeros before calibration), else ``{}``."""
+        if not isinstance(self.key_offset, RopeMean):
+            return {}
+        a_, b_ = self.key_offset.score_terms(query)
+        return {"rope_bias": (torch.cat([a_, b_], -1).contiguous(), self.key_offset.inv_freq)}
 
     def record_impl(self, layout, device: torch.device) -> str:
         """Resolve and record in ``DECODE_IMPL_USED`` which decode kernel this layer runs on ``device``."""
         from kvrepro.ops.decode import resolve_impl
 
         key = f"{self.fmt.name} {self.num_heads}q/{self.num_kv_heads}kv d{self.head_size} bs{layout.block_size}"
+        rope_mean = self.key_offset_mode == "rope-mean"
         self.impl_used = resolve_impl(self.decode_impl, layout, self.num_heads // self.num_kv_heads,
-                                      torch.device(device))
+                                      torch.device(device), ("rope_bias",) if rope_mean else ())
+        if rope_mean and key not in _ROPE_MEAN_WARNED and _cuda_would_apply(
+                self.decode_impl, layout, self.num_heads // self.num_kv_heads, torch.device(device)):
+            _ROPE_MEAN_WARNED.add(key)
+            import logging
+
+            from kvrepro.vllm_backend.config import LOGGER_NAME
+
+            logging.getLogger(LOGGER_NAME).warning(
+                "kvrepro: KVREPRO_KEY_OFFSET=rope-mean runs the Triton decode kernel for %s (the CUDA decode "
+                "kernel, the default here, has no rope-mean score correction)", key)
         DECODE_IMPL_USED[key] = self.impl_used
         return self.impl_used
 
@@ -322,17 +389,31 @@ class LayerRuntime:
         return self._layouts[page_bytes]
 
     def store(self, key: torch.Tensor, value: torch.Tensor, pool: torch.Tensor, slot_mapping: torch.Tensor,
-              calibrate: tuple[int, int] | None = None) -> None:
+              calibrate: tuple[int, int] | None = None, positions: torch.Tensor | None = None) -> None:
         """Compress this step's K/V (``[>= num_tokens, Hkv * D]`` or ``[.., Hkv, D]``) into ``pool``;
         ``slot_mapping`` ``[num_tokens]`` (-1 = padding). ``calibrate = (start, end)``: the token rows of a real
-        prefill in this step; the first such call sets the key offset from them (no host sync)."""
+        prefill in this step; the first such call sets the key offset from them (no host sync). ``positions``: int
+        ``[>= num_tokens]`` position of each row (:func:`token_positions`), needed under rope-mean.
+
+        Raises:
+            ValueError: rope-mean without ``positions``; its calibration while the pair layout is unknown.
+        """
         n = slot_mapping.shape[0]
         if n == 0:
             return
         k = key[:n].view(n, self.num_kv_heads, self.head_size)
         v = value[:n].view(n, self.num_kv_heads, self.head_size)
         rot = self.prepare(pool.device)
-        if self.key_offset is not None:
+        if isinstance(self.key_offset, RopeMean):
+            if positions is None:
+                raise ValueError("key_offset='rope-mean' stores keys at their positions: store(..., positions=...)")
+            pos = positions[:n]
+            if calibrate is not None and not self.key_offset.calibrated and calibrate[1] > calibrate[0]:
+                self.key_offset.rope["neox"] = self.rope.get("neox")
+                self.key_offset.calibrate(k[calibrate[0]:calibrate[1]], pos[calibrate[0]:calibrate[1]])
+                log_calibration(self, calibrate[1] - calibrate[0])
+            k = self.key_offset.remove(k, pos)
+        elif self.key_offset is not None:
             if calibrate is not None and not self.key_offset.calibrated and calibrate[1] > calibrate[0]:
                 self.key_offset.channels = mode_channels(self.key_offset_mode, self.head_size, self.rope)
                 self.key_offset.calibrate(k[calibrate[0]:calibrate[1]])
@@ -341,8 +422,10 @@ class LayerRuntime:
         self.ops.store_kv(k, v, pool, slot_mapping, self.layout(pool), rot, rotate=self.store_rotate)
 
     def offset_keys(self, key: torch.Tensor) -> torch.Tensor:
-        """``key`` ``[T, Hkv, D]`` as the pages hold it: minus the key offset (unchanged when it is off)."""
-        return key if self.key_offset is None else self.key_offset.apply(key)
+        """``key`` ``[T, Hkv, D]`` as the prefill kernels take the chunk's own keys: minus the constant key offset
+        (softmax-invariant only if every key a query sees has it); unchanged when it is off or rope-mean (whose
+        scores the kernels restore, so the chunk's keys are attended exact)."""
+        return key if not isinstance(self.key_offset, KeyOffset) else self.key_offset.apply(key)
 
     def attend(self, query, key, value, pool, block_table, seq_lens, query_start_loc, num_actual_tokens: int,
                num_decodes: int, num_decode_tokens: int, out: torch.Tensor,
@@ -375,13 +458,15 @@ class LayerRuntime:
             splits = self.splits(nd, block_table.shape[1] * layout.block_size, pool.device)
             ws = decode_workspace(pool.device, self.workspace_numel(nd, splits))
             self.ops.decode_attention(q[:nd], pool, block_table[:nd], seq_lens[:nd], layout, rot, self.scale,
-                                      out=out[:nd], num_splits=splits, workspace=ws, impl=self.impl_used)
+                                      out=out[:nd], num_splits=splits, workspace=ws, impl=self.impl_used,
+                                      **self.rope_bias(q[:nd]))
         if ndt < t:
             k = self.offset_keys(key[:t].view(t, hkv, d)[ndt:])
             v = value[:t].view(t, hkv, d)[ndt:]
             qsl = query_start_loc[nd:] - ndt if nd else query_start_loc
+            extra = self.rope_bias(q[ndt:]) if self.prefill is None else {}   # prefill objects restore the keys
             (self.prefill or self.ops.prefill_attention)(q[ndt:], k, v, pool, block_table[nd:], seq_lens[nd:], qsl, layout, rot,
-                                       self.scale, out=out[ndt:t], max_query_len=max_query_len)
+                                       self.scale, out=out[ndt:t], max_query_len=max_query_len, **extra)
         return out
 
 
@@ -390,7 +475,8 @@ def reference_attend(rt: LayerRuntime, query, key, value, pool: torch.Tensor, bl
                      dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """What :meth:`LayerRuntime.attend` must compute, in PyTorch (``dtype``, default float64):
     decode rows attend to their dequantized pages (``kvrepro.formats.compressed``); prefill rows to
-    the dequantized context pages plus the chunk's own K/V unquantized. Returns ``[T, Hq, D]``."""
+    the dequantized context pages plus the chunk's own K/V unquantized (under rope-mean the pages' keys plus
+    ``R(p) b_hat`` at positions ``0 .. n - 1``). Returns ``[T, Hq, D]``."""
     from kvrepro.reference import attention_ref
 
     t, hq, hkv, d = num_actual_tokens, rt.num_heads, rt.num_kv_heads, rt.head_size
@@ -407,13 +493,16 @@ def reference_attend(rt: LayerRuntime, query, key, value, pool: torch.Tensor, bl
         qs, qe, s = qsl[b], qsl[b + 1], lens[b]
         if qe <= qs or s == 0:
             continue
+        restore = rt.key_offset.restore if isinstance(rt.key_offset, RopeMean) else (lambda x, p: x)
         if b < num_decodes:
             kc, vc = ref_pool.gather(block_table[b], s)
+            kc = restore(kc, torch.arange(s, device=kc.device))
         else:
             ctx = s - (qe - qs)
             kc, vc = k[qs:qe].to(dtype), v[qs:qe].to(dtype)
             if ctx:
                 kp, vp = ref_pool.gather(block_table[b], ctx)
+                kp = restore(kp, torch.arange(ctx, device=kp.device))
                 kc, vc = torch.cat([kp.to(dtype), kc]), torch.cat([vp.to(dtype), vc])
         out[qs:qe] = attention_ref(q[qs:qe], kc, vc, rt.scale, dtype)
     return out
