@@ -418,3 +418,21 @@ def test_rope_bias_scores_match_float32_rope_at_long_positions():
     big = want64.abs().max()
     assert (out.double() - want64).abs().max() / big < 2e-6
     assert (want.double() - want64).abs().max() / big < 2e-6
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="real shapes: compiled kernels on a GPU")
+@pytest.mark.parametrize("preset", ["k4v4", "k5v4", "k8v4", "k4v2"])
+def test_decode_rope_mean_real_shapes_gpu(preset):
+    """32 query / 8 KV heads, head_dim 128, contexts up to 32K (positions where the fastest pair has turned ~5,000
+    times), a bias of norm 1000 before RoPE: the compiled kernel (default key path and dequant) equals float64
+    attention over the restored keys as closely as without the correction's terms."""
+    lens = [32768, 4099, 1]
+    pool, bt, sl, q, rm, raw = _rope_mean_setup(preset, 32, 8, 128, 16, lens, torch.bfloat16, seed=5, base=1e6,
+                                                norm=1000.0)
+    out = decode_attention(q, pool.data, bt, sl, pool.layout, pool.rotation, 128 ** -0.5,
+                           rope_bias=_rope_mean_terms(rm, q))
+    for r, L in enumerate(lens):
+        kd, vd = pool.gather(bt[r], L)
+        pos = torch.arange(L, device=DEV)
+        ref = attention_ref(q[r:r + 1], rm.restore(kd, pos).double(), vd.double(), 128 ** -0.5, torch.float64)
+        assert relerr(out[r:r + 1], ref) < 8e-3, (r, relerr(out[r:r + 1], ref))   # bf16 output rounding ~2e-3
