@@ -170,7 +170,9 @@ def bench_argv(base_url: str, model_dir: str, rate: float, cfg: dict, result_dir
     """The ``vllm bench serve`` arguments of one run (vLLM 0.20.2's flags, ``vllm/benchmarks/serve.py`` add_cli_args and
     ``vllm/benchmarks/datasets/datasets.py``): the random dataset's lengths (:func:`random_dataset_equivalent`, replaced
     by token-id prompts of :func:`input_lengths`), ``--ignore-eos``, greedy, the rate, the goodput SLOs, TTFT / TPOT /
-    ITL / E2EL at p50 and p99, ``--save-result --save-detailed`` into ``result_dir/result_file``."""
+    ITL / E2EL at p50 and p99, ``--save-result --save-detailed`` into ``result_dir/result_file``; no ready-check request
+    (``--ready-check-timeout-sec 0``: the caller has waited for ``/health``, and the check would prefill one more long
+    prompt before the timed run)."""
     eq = random_dataset_equivalent(cfg["input_min"], cfg["input_max"])
     return ["--backend", "openai", "--base-url", base_url, "--endpoint", "/v1/completions", "--model", model_dir,
             "--served-model-name", "model", "--dataset-name", "random", "--num-prompts", str(cfg["num_prompts"]),
@@ -179,7 +181,8 @@ def bench_argv(base_url: str, model_dir: str, rate: float, cfg: dict, result_dir
             "--request-rate", "inf" if math.isinf(rate) else f"{rate:g}", "--burstiness", "1.0",
             "--goodput", *[f"{k}:{v:g}" for k, v in cfg["goodput"].items()],
             "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", ",".join(map(str, PERCENTILES)),
-            "--seed", str(cfg["seed"]), "--disable-tqdm", "--save-result", "--save-detailed",
+            "--seed", str(cfg["seed"]), "--disable-tqdm", "--ready-check-timeout-sec", "0",
+            "--save-result", "--save-detailed",
             "--result-dir", result_dir, "--result-filename", result_file]
 
 

@@ -214,7 +214,7 @@ def measure(cfg: dict) -> tuple[dict, int]:
     run.abort(alive)
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
-    bw = copy_bandwidth(2 << 30)
+    bw = copy_bandwidth()   # 4 GiB, as benchmarks/results/decode_side_by_side.json's 4.28 TB/s
     result["copy_bandwidth"] = bw
     model = capacity.load_model_config()
     per_token = capacity.bytes_per_token(result["kv_format"], model)
