@@ -248,6 +248,7 @@ def main(argv=None) -> int:
             print(f"[serve] {mode} failed: {type(e).__name__}: {str(e)[:3000]}", flush=True)
             status = 1
             continue
+        runs = [dict(r, workload=workload) for r in runs]   # each run self-contained, as the table compares them
         existing = json.loads(out.read_text()) if out.exists() else None
         doc = sb.merge_runs(existing, runs, workload)
         doc["provenance"] = dict(info, kvrepro_src_sha256=src_sha256(), script="scripts/serve_bench.py")

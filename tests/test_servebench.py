@@ -3,6 +3,7 @@ client arguments against vLLM 0.20.2's flags, /metrics parsing, vLLM result summ
 hand-computed ratios. The servers and the client run only on a GPU machine."""
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -201,3 +202,104 @@ def test_serve_bench_on_the_gpu(tmp_path):
     assert run["summary"]["completed"] == 4 and run["summary"]["failed"] == 0
     assert run["summary"]["p99_tpot_ms"] is not None and run["preemptions"] == 0
     assert "| kvrepro:k4v4 | CUSTOM | inf |" in r.stdout
+
+
+FAKE_SERVER = r'''
+import argparse, http.server, json, os, sys
+ap = argparse.ArgumentParser()
+ap.add_argument("cmd"); ap.add_argument("model"); ap.add_argument("--port", type=int)
+a, rest = ap.parse_known_args()
+with open(os.environ["FAKE_ARGS_LOG"], "a") as f:
+    f.write(json.dumps({"argv": sys.argv[1:], "preset": os.environ.get("KVREPRO_PRESET")}) + "\n")
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = b"ok" if self.path == "/health" else (
+            'vllm:num_preemptions_total{engine="0"} 2.0\nvllm:kv_cache_usage_perc{engine="0"} 0.9\n'
+            'vllm:num_requests_running{engine="0"} 3\nvllm:num_requests_waiting{engine="0"} 1\n'
+            'vllm:cache_config_info{block_size="16",cache_dtype="auto",num_gpu_blocks="100"} 1.0\n').encode()
+        self.send_response(200); self.end_headers(); self.wfile.write(body)
+    def log_message(self, *a):
+        pass
+http.server.HTTPServer(("127.0.0.1", a.port), H).serve_forever()
+'''
+
+FAKE_CLIENT = r'''
+import argparse, json, os, urllib.request
+from vllm.benchmarks.datasets import SampleRequest
+def get_samples(args, tokenizer): raise AssertionError("the script must replace get_samples")
+def get_tokenizer(*a, **k): raise AssertionError("the script must replace get_tokenizer")
+def add_cli_args(p):
+    for flag in ("--backend", "--base-url", "--endpoint", "--model", "--served-model-name", "--dataset-name",
+                 "--random-range-ratio", "--percentile-metrics", "--metric-percentiles", "--result-dir",
+                 "--result-filename", "--request-rate", "--burstiness"):
+        p.add_argument(flag)
+    for flag in ("--num-prompts", "--random-input-len", "--random-output-len", "--seed", "--ready-check-timeout-sec"):
+        p.add_argument(flag, type=int)
+    p.add_argument("--temperature", type=float)
+    p.add_argument("--goodput", nargs="+")
+    for flag in ("--ignore-eos", "--disable-tqdm", "--save-result", "--save-detailed"):
+        p.add_argument(flag, action="store_true")
+def main(args):
+    tok = get_tokenizer(args.model)
+    assert tok
+    reqs = get_samples(args, tok)
+    urllib.request.urlopen(args.base_url + "/health").read()
+    n = len(reqs)
+    res = {"duration": 10.0, "completed": n, "failed": 0, "request_throughput": n / 10.0,
+           "output_throughput": n * reqs[0].expected_output_len / 10.0, "request_goodput": n / 20.0,
+           "max_concurrent_requests": n, "p50_ttft_ms": 100.0, "p99_ttft_ms": 300.0, "p50_tpot_ms": 20.0,
+           "p99_tpot_ms": 45.0, "input_lens": [r.prompt_len for r in reqs], "rate": args.request_rate}
+    with open(os.path.join(args.result_dir, args.result_filename), "w") as f:
+        json.dump(res, f)
+    return res
+'''
+
+
+def test_serve_bench_drives_servers_and_client(tmp_path, monkeypatch, capsys):
+    """scripts/serve_bench.py's main on the CPU against stand-ins for `vllm serve` (an HTTP server answering /health
+    and /metrics, started as the script starts vLLM's CLI) and vLLM's bench client module (same entry points): one
+    server per mode with its KV settings, one client run per rate with the token-id prompts, the file and the table."""
+    import importlib.util
+
+    fake = tmp_path / "fake"
+    for pkg in ("vllm", "vllm/entrypoints", "vllm/entrypoints/cli", "vllm/benchmarks"):
+        (fake / pkg).mkdir(parents=True)
+        (fake / pkg / "__init__.py").write_text("__version__ = '0.20.2'\n" if pkg == "vllm" else "")
+    (fake / "vllm/entrypoints/cli/main.py").write_text(FAKE_SERVER)
+    (fake / "vllm/benchmarks/serve.py").write_text(FAKE_CLIENT)
+    (fake / "vllm/benchmarks/datasets.py").write_text(
+        "import dataclasses\n@dataclasses.dataclass\nclass SampleRequest:\n    prompt: object\n    prompt_len: int\n"
+        "    expected_output_len: int\n    request_id: str = ''\n")
+    for m in [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]:
+        monkeypatch.delitem(sys.modules, m)
+    monkeypatch.syspath_prepend(str(fake))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(fake), str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("FAKE_ARGS_LOG", str(tmp_path / "servers.jsonl"))
+    monkeypatch.setenv("KVREPRO_PRESET", "k8v4")            # the caller's preset must not leak into another mode
+    spec = importlib.util.spec_from_file_location("serve_bench_script", ROOT / "scripts" / "serve_bench.py")
+    sbs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sbs)
+    monkeypatch.setattr(sbs.sweep, "measurement_blockers", lambda info=None: [])
+    monkeypatch.setattr(sbs, "total_memory_bytes", lambda: 143771 * 2**20)
+    out = tmp_path / "serve.json"
+    argv = ["--modes", "fp8:flash_attn,kvrepro:k4v4", "--num-prompts", "3", "--input-min", "20", "--input-max", "40",
+            "--output-len", "8", "--request-rates", "0.5,inf", "--out", str(out)]
+    assert sbs.main(argv) == 0
+    servers = [json.loads(x) for x in (tmp_path / "servers.jsonl").read_text().splitlines()]
+    assert [s["preset"] for s in servers] == [None, "k4v4"]
+    fa = servers[0]["argv"]
+    assert fa[fa.index("--attention-backend") + 1] == "FLASH_ATTN" and fa[fa.index("--kv-cache-dtype") + 1] == "fp8"
+    assert fa[fa.index("--gpu-memory-utilization") + 1] == f"{0.9 * 81920 / 143771:.6f}"
+    doc = json.loads(out.read_text())
+    assert [(r["mode"], r["request_rate"]) for r in doc["runs"]] == [
+        ("fp8:flash_attn", "0.5"), ("fp8:flash_attn", "inf"), ("kvrepro:k4v4", "0.5"), ("kvrepro:k4v4", "inf")]
+    run = doc["runs"][0]
+    assert run["kv_tokens"] == 1600 and run["preemptions"] == 0 and run["summary"]["p99_tpot_ms"] == 45.0
+    assert run["bench_command"][:3] == ["vllm", "bench", "serve"] and run["serve_command"][:2] == ["vllm", "serve"]
+    detail = json.loads((tmp_path / "serve_vllm" / run["vllm_result_file"]).read_text())
+    lengths = sb.input_lengths(3, 20, 40, 0)
+    assert detail["input_lens"] == lengths and detail["rate"] == "0.5"      # the token-id prompts reached the client
+    assert doc["workload"]["prompt_tokens_total"] == sum(lengths) and doc["provenance"]["kvrepro_src_sha256"]
+    assert (tmp_path / "serve_logs" / "serve_kvrepro_k4v4.log").is_file()
+    printed = capsys.readouterr().out
+    assert "| kvrepro:k4v4 | CUSTOM | 0.5 | 0.300 | 2.4 | 100.0 | 300.0 | 20.0 | 45.0 | 0 | 0.150 | 1.00x |" in printed

@@ -212,3 +212,116 @@ def test_step_profile_on_the_gpu(tmp_path):
         assert m["attention_ms"] + m["gemm_ms"] + m["rest_ms"] == pytest.approx(m["kernel_ms"])
         assert b["bound"]["step_ms"] < b["timed"]["step_ms"]
         assert b["breakdown"]["top_kernels"]["attention"][0]["name"].startswith("kvrepro_decode_")
+
+
+class _FakeEngine:
+    """vLLM's in-process engine as the script drives it: one token per live request per step; the profiler writes a
+    Chrome trace of the steps it saw (one graph launch per step: attention 0.2 ms x users, GEMM 1 ms)."""
+
+    def __init__(self, trace_dir):
+        import types
+
+        self.live, self.trace_dir, self.profiling, self.seen = {}, Path(trace_dir), False, []
+        self.vllm_config = types.SimpleNamespace(cache_config=types.SimpleNamespace(num_gpu_blocks=1000))
+
+    def add_request(self, rid, prompt, params):
+        self.live[rid] = 0
+
+    def abort_request(self, rids):
+        for r in rids:
+            self.live.pop(r, None)
+
+    def step(self):
+        import types
+
+        outs = []
+        for rid in list(self.live):
+            self.live[rid] += 1
+            outs.append(types.SimpleNamespace(request_id=rid, outputs=[types.SimpleNamespace(token_ids=[7])],
+                                              finished=False))
+        if self.profiling:
+            self.seen.append(len(self.live))
+        return outs
+
+    def write_trace(self):
+        ev, t, corr = [], 1000, 1
+        for n in self.seen:
+            ev.append(_x("user_annotation", f"execute_context_0(0)_generation_{n}({n})", t, 50))
+            ev.append(_x("cuda_runtime", "cudaGraphLaunch", t + 5, 5, correlation=corr))
+            ev.append(_x("kernel", "kvrepro_decode_k4v4", t + 20, 200 * n, correlation=corr, grid=[n, 8, 1]))
+            ev.append(_x("kernel", "nvjet_tst_gemm", t + 30 + 200 * n, 1000, correlation=corr))
+            t, corr = t + 5000, corr + 1
+        path = self.trace_dir / f"rank0.{len(list(self.trace_dir.iterdir()))}.pt.trace.json.gz"
+        with gzip.open(path, "wt") as f:
+            json.dump({"traceEvents": ev}, f)
+        self.seen = []
+
+
+def test_step_profile_drives_the_engine_and_writes_its_file(tmp_path, monkeypatch, capsys):
+    """The script's measure/main on the CPU against a stand-in engine (vLLM's API as the script calls it): batches
+    largest first, one trace per batch read back, bound from kvrepro.capacity and the copy bandwidth, file written."""
+    import types
+
+    import torch
+
+    sp = _script()
+    made = {}
+
+    class LLM:
+        def __init__(self, **kw):
+            made["kw"] = kw
+            self.llm_engine = _FakeEngine(kw["profiler_config"]["torch_profiler_dir"])
+
+        def start_profile(self, prefix=None):
+            self.llm_engine.profiling = True
+
+        def stop_profile(self):
+            self.llm_engine.profiling = False
+            self.llm_engine.write_trace()
+
+        def get_metrics(self):
+            return []
+
+        def collective_rpc(self, fn):
+            return [["CUSTOM"]]
+
+    fake = types.ModuleType("vllm")
+    fake.__version__, fake.LLM = "0.20.2", LLM
+    fake.SamplingParams = lambda **kw: kw
+    sp_mod = types.ModuleType("vllm.sampling_params")
+    sp_mod.RequestOutputKind = types.SimpleNamespace(DELTA="delta")
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    monkeypatch.setitem(sys.modules, "vllm.sampling_params", sp_mod)
+    props = types.SimpleNamespace(name="Fake GPU", total_memory=143771 * 2**20)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i=0: props)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    import benchmarks.common as bc
+
+    monkeypatch.setattr(bc, "copy_bandwidth", lambda nbytes=4 << 30: {"bytes": nbytes, "ms": 1.0,
+                                                                      "GBps_read_plus_write": 4000.0})
+    monkeypatch.setattr(sp.sweep, "measurement_blockers", lambda info=None: [])
+    from kvrepro.vllm_backend import runtime
+
+    monkeypatch.setattr(runtime, "settings_record", lambda: {"preset": "k4v4"})
+    out = tmp_path / "p.json"
+    assert sp.main(["--mode", "kvrepro:k4v4", "--users", "3,1", "--prompt-tokens", "64", "--steps", "4",
+                    "--out", str(out)]) == 0
+    assert made["kw"]["attention_backend"] == "CUSTOM" and made["kw"]["max_model_len"] == 64 + sp.MAX_NEW_TOKENS + 64
+    res = json.loads(out.read_text())
+    assert [b["users"] for b in res["batches"]] == [3, 1] and res["engine"]["attention_backend_resolved"] == ["CUSTOM"]
+    b3, b1 = res["batches"]
+    assert b3["breakdown"]["decode_steps"] == 4 and b3["breakdown"]["users"] == 3
+    assert b3["breakdown"]["mean"]["attention_ms"] == pytest.approx(0.6)     # 0.2 ms x 3 users, as the trace says
+    assert b1["breakdown"]["mean"]["attention_ms"] == pytest.approx(0.2)
+    assert b3["breakdown"]["top_kernels"]["attention"][0]["grid"] == [3, 8, 1]
+    from kvrepro import capacity
+
+    cfg = capacity.load_model_config()
+    want = profile.decode_bound(3, b3["context_tokens_mean"], capacity.bytes_per_token("k4v4", cfg),
+                                cfg.weights_bytes, 4000.0)
+    assert b3["bound"] == pytest.approx(want)
+    assert b3["timed"]["steps"] == 4 and b3["timed"]["tokens"] == 3 * 4
+    assert res["provenance"]["kvrepro_src_sha256"] and res["kv_bytes_per_token"] == 36 * 8 * 134
+    printed = capsys.readouterr().out
+    assert "kvrepro:k4v4 3 users: timed step" in printed and f"wrote {out}" in printed
