@@ -348,3 +348,59 @@ def test_fp8_ratios_cli(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "Against the strongest fp8 at its max clean capacity (fp8, 2 users, 40.0 tok/s): **2.50x**." in out
     assert summary.main(["--fp8-ratios", str(tmp_path / "none.jsonl")]) == 1
+
+
+def _fake_vllm(monkeypatch, fail=None, backends=("TRITON_ATTN",)):
+    """A ``vllm`` module whose ``LLM`` records its arguments and answers the worker's sizing questions (or raises
+    ``fail``, as vLLM does for a backend it refuses)."""
+    import sys
+    import types
+    from types import SimpleNamespace as NS
+
+    import torch
+
+    made = {}
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")   # measure_mode sets it for its own process: undone
+
+    class LLM:
+        def __init__(self, **kw):
+            made.update(kw)
+            if fail:
+                raise fail
+            cfg = NS(cache_config=NS(num_gpu_blocks=3 * 8256 + 1), scheduler_config=NS(max_num_batched_tokens=8192),
+                     compilation_config=NS(cudagraph_mode=NS(name="FULL_AND_PIECEWISE")))
+            self.llm_engine = NS(vllm_config=cfg)
+
+        def collective_rpc(self, fn):
+            groups = [[NS(backend=NS(get_name=lambda b=b: b)) for b in backends]]
+            return [fn(NS(model_runner=NS(attn_groups=groups, model_memory_usage=1)))]
+
+    mod = types.ModuleType("vllm")
+    mod.__version__, mod.LLM = "0.20.2-sim", LLM
+    monkeypatch.setitem(sys.modules, "vllm", mod)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: NS(total_memory=160 * 2**30))
+    return made
+
+
+def test_worker_runs_fp8_on_the_named_backend_and_records_what_resolved(tmp_path, monkeypatch):
+    from kvrepro import sweep_worker
+
+    made = _fake_vllm(monkeypatch)
+    rows = sweep_worker.measure_mode("fp8:triton_attn", str(tmp_path / "r.jsonl"), "r", sizing_only=True)
+    assert made["attention_backend"] == "TRITON_ATTN" and made["kv_cache_dtype"] == "fp8"
+    r = rows[0]
+    assert (r["mode"], r["attention_backend"], r["attention_backend_resolved"]) == \
+        ("fp8:triton_attn", "TRITON_ATTN", ["TRITON_ATTN"])
+    assert r["users_fit_arithmetic"] == 3 and r["measured_by"] == "sizing"
+
+
+def test_worker_records_an_engine_vllm_refused(tmp_path, monkeypatch):
+    from kvrepro import sweep_worker
+
+    _fake_vllm(monkeypatch, fail=ValueError("Selected backend FLASHINFER is not valid for this configuration"))
+    path = tmp_path / "r.jsonl"
+    with pytest.raises(ValueError, match="FLASHINFER"):
+        sweep_worker.measure_mode("fp8:flashinfer", str(path), "r", sizing_only=True)
+    (err,) = sweep.engine_errors(path)
+    assert err["mode"] == "fp8:flashinfer" and err["attention_backend"] == "FLASHINFER"
+    assert err["error"].startswith("ValueError: Selected backend FLASHINFER") and not path.exists()
