@@ -39,7 +39,11 @@ SERVE_MODES = tuple(m for m in sweep.ALL_MODES if not m.startswith("turboquant")
 DEFAULT_MODES = ("fp8:flash_attn", "kvrepro:k4v4")
 GOODPUT_NAMES = ("ttft", "tpot", "e2el")   # vLLM 0.20.2 check_goodput_args VALID_NAMES
 PERCENTILES = (50, 99)
-DEFAULTS = {"num_prompts": 32, "input_min": 8192, "input_max": 131072, "output_len": 512, "request_rates": ("0.25",),
+# Default rate: all at once. The rates an H200 sustains at these prompt lengths are prefill-bound (a 128K prefill of
+# Qwen3-4B takes ~10 s there, notes/vllm.md: ~0.2 requests/s at the mean of 8K-128K), and at such a rate a request
+# decodes long before the next arrives, so the KV cache fills only with outputs of thousands of tokens; a burst fills
+# it as the queued prefills complete. Finite rates are given with --request-rates.
+DEFAULTS = {"num_prompts": 32, "input_min": 8192, "input_max": 131072, "output_len": 1024, "request_rates": ("inf",),
             "goodput": ("tpot:50",), "gpu_memory_gb": 80.0, "max_num_seqs": 32, "block_size": 16, "seed": 0}
 # Workload fields a results file's runs must share to be compared in one table (check_same_workload).
 WORKLOAD_FIELDS = ("num_prompts", "input_min", "input_max", "output_len", "goodput", "gpu_memory_gb", "max_num_seqs",

@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_check_config_defaults_and_errors():
     c = sb.check_config({})
-    assert c["modes"] == ("fp8:flash_attn", "kvrepro:k4v4") and c["request_rates"] == (0.25,)
+    assert c["modes"] == ("fp8:flash_attn", "kvrepro:k4v4") and c["request_rates"] == (math.inf,)
+    assert c["output_len"] == 1024 and c["num_prompts"] == 32
     assert c["goodput"] == {"tpot": 50.0} and (c["input_min"], c["input_max"]) == (8192, 131072)
     c = sb.check_config({"modes": "fp8,kvrepro:k4v2", "request_rates": "0.1,inf", "goodput": ["tpot:50", "ttft:2000"]})
     assert c["modes"] == ("fp8", "kvrepro:k4v2") and c["request_rates"] == (0.1, math.inf)
