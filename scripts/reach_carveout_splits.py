@@ -8,7 +8,7 @@ kernel gets the carveout that caps an SM at that budget (``occupancy.carveout_fo
 says how many of its CTAs an SM then holds, and for each batch (Qwen3-4B shapes: 32 q / 8 KV heads, head_dim 128,
 block 16, ``--ctx`` tokens per sequence) one decode step is timed (CUDA graphs, median of replays after an L2 flush,
 ``benchmarks.common.bench``) at these split counts:
-  - the rule's (``default_num_splits``: one wave of the queried residency);
+  - the rule's (``default_num_splits``: the fewest whole waves of the queried residency filling >= 95%);
   - one wave of 4 CTAs per SM (the count the former constant gave every GPU), when it differs;
   - two and three waves of the queried residency, and 16, 32, 64 (powers of two).
 Each output is checked against float64 attention over the dequantized pages. The table printed at the end shows,

@@ -42,13 +42,14 @@ def gpu(monkeypatch):
 
 
 def test_engine_line_on_a_gpu_names_kernel_rule_residency_and_prefill(gpu):
-    """An A100 answering 3 k4v2 CTAs per SM: the line says the CUDA kernel and why, the one-wave rule, the 3 resident
+    """An A100 answering 3 k4v2 CTAs per SM: the line says the CUDA kernel and why, the whole-wave rule, the 3 resident
     CTAs from the driver's query with the SM count, and the prefill path."""
     gpu(cap=(8, 0), sms=108, answers={(4, 2): 3})
     line = cfg.engine_summary(Settings(preset="k4v2", prefill="dequant"), **QWEN3_4B, device=CUDA)
     assert line == ("kvrepro engine: preset=k4v2 decode=cuda (auto: the CUDA kernel applies, SASS sm_80) "
-                    "split_rule=one wave: resident CTAs per SM x SMs // (batch x KV heads) (CUDA graphs serving a range "
-                    "of batches: <= 12 CTAs per SM, a power of two, >= 32 splits) "
+                    "split_rule=whole waves: w x resident CTAs per SM x SMs // (batch x KV heads) for the fewest w in "
+                    "1..3 that fills >= 95% of the launched waves' slots (CUDA graphs serving a range of batches: <= 12 "
+                    "CTAs per SM, a power of two, >= 32 splits) "
                     "resident_ctas_per_sm=3 (driver occupancy query; 108 SMs) prefill=dequant")
 
 

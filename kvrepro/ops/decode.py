@@ -180,29 +180,36 @@ def resolve_impl(impl: str | None, layout: PageLayout, group: int, device: torch
 MIN_TOKENS_PER_SPLIT = 256
 
 
-# CUDA kernel (impl="cuda"). For a launch of exactly ``batch`` live rows: one wave of the kernel's resident CTAs per SM
-# on the device (cuda_decode.resident_ctas: the driver's occupancy query on a GPU; 4 on the H200, where registers
-# bind; fewer where shared memory binds: 3 k4v2 CTAs on an A100, 2 of any kernel on 100 KB SMs), any integer count.
-# Why: on the H200 at 128K whole waves beat powers of two at every batch, one wave was best at batch 1 and 3 (66 / 22
-# splits) and within 1.8% of the best (two waves) at 6 and 13 (benchmarks/decode_splits.py times this); a count
-# planned for more resident CTAs than fit would launch a partial second wave.
+# CUDA kernel (impl="cuda"). For a launch of exactly ``batch`` live rows: the fewest whole waves of the kernel's resident
+# CTAs (cuda_decode.resident_ctas: the driver's occupancy query on a GPU; 4 on the H200, where registers bind; fewer
+# where shared memory binds: 3 k4v2 CTAs on an A100, 2 of any kernel on 100 KB SMs) that fill the SM slots to
+# >= WAVE_FILL (fill = CTAs / (ceil(waves) x slots)), any integer count. Why: the last wave of a launch idles the slots
+# it leaves empty while the others stream. On the H200 at 128K one wave fills >= 98.5% of the slots at batches 3 / 6 /
+# 13 and is within ~2% of the best count (benchmarks/decode_splits.py; results/reach/carveout_splits_h200.json); under
+# an A100's and an Ada GPU's shared-memory budget (emulated on the H200 by the carveout) one wave at batch 13 fills
+# 79% of the slots and was 1.09-1.23x slower than the 2- or 3-wave count that fills >= 95%
+# (results/reach/carveout_splits_h200.json; kvrepro.reach.carveout_table tabulates it).
 # For a CUDA graph replayed for a range of batches (``padded=True``, vLLM's capture sizes: the batch given is the
 # smallest of the range), rows past the real batch are padding and one wave would leave SMs idle: there a many-wave
 # rule (at most CUDA_PROGRAMS_PER_SM CTAs per SM, a power of two, at least CUDA_MIN_SPLITS), under which the
 # committed capacity results were measured.
+WAVE_FILL = 0.95
+MAX_WAVES = 3
 CUDA_PROGRAMS_PER_SM = 12
 CUDA_MIN_SPLITS = 32
 
 
 def default_num_splits(batch: int, num_kv_heads: int, max_context: int, device: torch.device,
                        impl: str = "triton", padded: bool = False, kernel: tuple[int, int] | None = None) -> int:
-    """Splits per (sequence, KV head), each split >= 256 tokens, at most 256:
-    ``impl="triton"``: ~``PROGRAMS_PER_SM`` programs per SM, a power of two rounded up; ``impl="cuda"``: one wave,
-    ``resident CTAs per SM x SMs // (batch x num_kv_heads)`` with the resident CTAs of the CUDA kernel of ``kernel`` =
-    (key bits, value bits) on ``device`` (``cuda_decode.resident_ctas``; None: the fewest of every kernel, a count
-    that is one wave or less for each), or with ``padded`` (a CUDA graph that serves any batch from ``batch`` up to its
-    capture size) at most ``CUDA_PROGRAMS_PER_SM`` CTAs per SM, a power of two rounded down, at least
-    ``CUDA_MIN_SPLITS`` (the comment above says why).
+    """Splits per (sequence, KV head), each split >= 256 tokens (``MIN_TOKENS_PER_SPLIT``), at most 256:
+    ``impl="triton"``: ~``PROGRAMS_PER_SM`` programs per SM, a power of two rounded up; ``impl="cuda"``: whole waves,
+    :func:`wave_splits` with ``slots`` = resident CTAs per SM x SMs, the resident CTAs of the CUDA kernel of ``kernel``
+    = (key bits, value bits) on ``device`` (``cuda_decode.resident_ctas``; None: the fewest of every kernel), i.e. the
+    fewest waves ``w`` (1, 2, 3) whose count ``floor(w x slots / (batch x num_kv_heads))`` fills the slots to >=
+    ``WAVE_FILL``; or with ``padded`` (a CUDA graph that serves any batch from ``batch`` up to its capture size) at
+    most ``CUDA_PROGRAMS_PER_SM`` CTAs per SM, a power of two rounded down, at least ``CUDA_MIN_SPLITS`` (the comment
+    above says why; source of the wave rule: the H200 timings of results/reach/carveout_splits_h200.json, including
+    the A100 and Ada shared-memory budgets emulated by the carveout, and the wave-quantization argument).
 
     Depends only on shapes (batch, heads, block-table width) and the device, never on ``seq_lens`` values, so
     the launch grid is fixed per batch size (CUDA-graph capturable). Raises ValueError for another ``impl``, a
@@ -217,16 +224,38 @@ def default_num_splits(batch: int, num_kv_heads: int, max_context: int, device: 
                                  ("max_context", max_context, 0, "non-negative")):
         if not isinstance(v, int) or isinstance(v, bool) or v < least:
             raise ValueError(f"{name} must be a {kind} int, got {v!r}")
+    cap = min(max(1, max_context // MIN_TOKENS_PER_SPLIT), 256)
     if impl == "cuda" and not padded:
-        ctas = cuda_decode.ctas_per_sm(device, kernel)
-        want = max(1, (ctas * sm_count(device)) // max(1, batch * num_kv_heads))
-    elif impl == "cuda":
+        return wave_splits(max(1, batch * num_kv_heads), cuda_decode.ctas_per_sm(device, kernel) * sm_count(device), cap)
+    if impl == "cuda":
         most = max(1, (CUDA_PROGRAMS_PER_SM * sm_count(device)) // max(1, batch * num_kv_heads))
         want = max(next_pow2(most + 1) // 2, CUDA_MIN_SPLITS)          # largest power of two <= most
     else:
         want = next_pow2(max(1, (PROGRAMS_PER_SM * sm_count(device)) // max(1, batch * num_kv_heads)))
-    cap = max(1, max_context // MIN_TOKENS_PER_SPLIT)
-    return max(1, min(want, cap, 256))
+    return max(1, min(want, cap))
+
+
+def wave_splits(pairs: int, slots: int, cap: int = 256) -> int:
+    """The CUDA kernel's split count for ``pairs`` (sequence, KV head) pairs on ``slots`` resident CTA slots (resident
+    CTAs per SM x SMs), at most ``cap`` splits: for waves ``w`` = 1 .. ``MAX_WAVES`` the count ``s_w = max(1, min(floor(w
+    x slots / pairs), cap))`` and its fill ``pairs x s_w / (ceil(pairs x s_w / slots) x slots)`` (the share of the
+    launched waves' slots that hold a CTA); the first ``s_w`` whose fill is >= ``WAVE_FILL``, else the ``s_w`` of the
+    best fill (the fewest waves on a tie). E.g. an H200 (4 x 132 slots), 13 x 8 pairs: 5 (one wave, fill 0.985); an
+    A100's k4v2 budget (3 x 132), 13 x 8: 3 fills 0.79, 7 0.92, 11 0.96 -> 11. Raises ValueError unless all three are
+    ints >= 1."""
+    for name, v in (("pairs", pairs), ("slots", slots), ("cap", cap)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+    best, best_fill = None, -1.0
+    for w in range(1, MAX_WAVES + 1):
+        s = max(1, min(w * slots // pairs, cap))
+        ctas = pairs * s
+        fill = ctas / (-(-ctas // slots) * slots)
+        if fill >= WAVE_FILL:
+            return s
+        if fill > best_fill:
+            best, best_fill = s, fill
+    return best
 
 
 def decode_workspace_numel(batch: int, num_q_heads: int, head_dim: int, num_splits: int) -> int:

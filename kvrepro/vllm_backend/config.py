@@ -205,13 +205,14 @@ def serving_plan(*, head_dim: int, num_q_heads: int, num_kv_heads: int, capabili
 
 def split_rule_text(settings: Settings, decode: str) -> str:
     """How the decode launch picks its split-K count, in words (for the engine-start line)."""
-    from kvrepro.ops.decode import CUDA_MIN_SPLITS, CUDA_PROGRAMS_PER_SM, PROGRAMS_PER_SM
+    from kvrepro.ops.decode import CUDA_MIN_SPLITS, CUDA_PROGRAMS_PER_SM, MAX_WAVES, PROGRAMS_PER_SM, WAVE_FILL
 
     if settings.num_splits is not None:
         return f"fixed: KVREPRO_NUM_SPLITS={settings.num_splits}"
     if decode == "cuda":
-        return (f"one wave: resident CTAs per SM x SMs // (batch x KV heads) (CUDA graphs serving a range of batches: "
-                f"<= {CUDA_PROGRAMS_PER_SM} CTAs per SM, a power of two, >= {CUDA_MIN_SPLITS} splits)")
+        return (f"whole waves: w x resident CTAs per SM x SMs // (batch x KV heads) for the fewest w in 1..{MAX_WAVES} "
+                f"that fills >= {WAVE_FILL:.0%} of the launched waves' slots (CUDA graphs serving a range of "
+                f"batches: <= {CUDA_PROGRAMS_PER_SM} CTAs per SM, a power of two, >= {CUDA_MIN_SPLITS} splits)")
     return f"~{PROGRAMS_PER_SM} programs per SM, a power of two (Triton)"
 
 
@@ -219,7 +220,7 @@ def engine_summary(settings: Settings, *, head_dim: int, num_q_heads: int, num_k
                    device) -> str:
     """The engine-start line: preset, the decode kernel and why, the split rule, the resident CTAs per SM it plans
     with (and where that number comes from) and the prefill path, e.g. ``kvrepro engine: preset=k4v4 decode=cuda
-    (auto: the CUDA kernel applies, SASS sm_90) split_rule=one wave: ... resident_ctas_per_sm=4 (driver occupancy
+    (auto: the CUDA kernel applies, SASS sm_90) split_rule=whole waves: ... resident_ctas_per_sm=4 (driver occupancy
     query; 132 SMs) prefill=fa``. A geometry the engine refuses says ``decode=refused (<reasons>)``. On a CUDA device
     the fatbin is loaded (as the decode rule does) to ask the driver."""
     from kvrepro.ops import cuda_decode
