@@ -415,7 +415,11 @@ def plot_cost(df: pd.DataFrame):
 
 SANITY_MIN_PREFIX = 4  # tokens: a mode must reproduce bf16's first 4 greedy tokens on at least half the prompts
 SANITY_MAX_EXTRA_DUP = 0.10  # on every prompt: adjacent-duplicate rate at most 10 points above bf16's
-SANITY_MAX_EXTRA_REP = 0.30  # on every prompt: repeated-3-gram rate at most 30 points above bf16's
+SANITY_MAX_EXTRA_REP = 0.30  # repeated-3-gram rate at most 30 points above bf16's ...
+# ... on all but one prompt: a greedy 135M model falls into a loop on one prompt by chance under any perturbation,
+# the exact-KV control too (bf16-triton_attn on passkey-8000; k8v4, 0 of 1,056 needle answers changed, on 'story').
+# A corrupt format loops on several. With fewer than two prompts, one loop fails.
+SANITY_MIN_LOOP_PROMPTS = 2
 TARGET_MIN_BASELINE = 0.95  # cells where bf16 retrieves >= 95% are the ones the target is judged on
 AGREEMENT_TOLERANCE = 0.05  # engines agree if >= 95% of the shared runs on decided cells get the same verdict
 
@@ -489,9 +493,11 @@ def sanity_table(sanity: pd.DataFrame, baseline: str = BASELINE) -> pd.DataFrame
     divergence, mean and worst-prompt duplicate / repeated-3-gram rates, and ``sanity_pass``:
 
     - median first divergence >= ``SANITY_MIN_PREFIX`` tokens, and
-    - on every prompt, dup_rate <= the exact-KV rate + ``SANITY_MAX_EXTRA_DUP`` and
-      rep3_rate <= the exact-KV rate + ``SANITY_MAX_EXTRA_REP`` (the baseline's, or a control's where higher:
-      :func:`sanity_rows`).
+    - on every prompt, dup_rate <= the exact-KV rate + ``SANITY_MAX_EXTRA_DUP`` (the baseline's, or a control's
+      where higher: :func:`sanity_rows`), and
+    - rep3_rate > the exact-KV rate + ``SANITY_MAX_EXTRA_REP`` (a loop) on fewer than
+      ``min(SANITY_MIN_LOOP_PROMPTS, prompts)`` prompts (``loop_prompts`` counts them): one chance loop is what
+      an engine with the exact KV cache shows too.
 
     Greedy continuations of a 135M model diverge early under any perturbation (the first token of an
     open-ended story may differ), so agreement alone is not a pass criterion; loops are.
@@ -504,10 +510,11 @@ def sanity_table(sanity: pd.DataFrame, baseline: str = BASELINE) -> pd.DataFrame
                       "token_agreement": g["token_agreement"].mean(),
                       "first_divergence_median": g["first_divergence"].median(), "dup_rate": g["dup_rate"].mean(),
                       "rep3_rate": g["rep3_rate"].mean(), "worst_extra_dup": g["extra_dup"].max(),
-                      "worst_extra_rep3": g["extra_rep3"].max()})
+                      "worst_extra_rep3": g["extra_rep3"].max(),
+                      "loop_prompts": g["extra_rep3"].apply(lambda x: int((x > SANITY_MAX_EXTRA_REP + 1e-12).sum()))})
     t["sanity_pass"] = ((t["first_divergence_median"] >= SANITY_MIN_PREFIX)
                         & (t["worst_extra_dup"] <= SANITY_MAX_EXTRA_DUP + 1e-12)
-                        & (t["worst_extra_rep3"] <= SANITY_MAX_EXTRA_REP + 1e-12))
+                        & (t["loop_prompts"] < t["prompts"].clip(upper=SANITY_MIN_LOOP_PROMPTS)))
     return t
 
 
@@ -638,12 +645,17 @@ def sanity_verdicts(sanity: pd.DataFrame, baseline: str = BASELINE) -> pd.DataFr
         if r["first_divergence_median"] < SANITY_MIN_PREFIX:
             why.append(f"median first divergence from {baseline} {r['first_divergence_median']:g} tokens "
                        f"< {SANITY_MIN_PREFIX}")
-        for rate, base, limit, what in (("dup_rate", "base_dup_rate", SANITY_MAX_EXTRA_DUP, "adjacent duplicates"),
-                                        ("rep3_rate", "base_rep3_rate", SANITY_MAX_EXTRA_REP, "repeated 3-grams")):
-            extra = g[rate] - g[base]
-            if (extra > limit + 1e-12).any():
-                w = g.loc[extra.idxmax()]
-                why.append(f"{w[rate]:.0%} {what} vs {ref_name} {w[base]:.0%} on '{w['name']}'")
+        extra = g["dup_rate"] - g["base_dup_rate"]
+        if (extra > SANITY_MAX_EXTRA_DUP + 1e-12).any():
+            w = g.loc[extra.idxmax()]
+            why.append(f"{w['dup_rate']:.0%} adjacent duplicates vs {ref_name} {w['base_dup_rate']:.0%} on "
+                       f"'{w['name']}'")
+        extra = g["rep3_rate"] - g["base_rep3_rate"]
+        loops = g[extra > SANITY_MAX_EXTRA_REP + 1e-12]
+        if len(loops) >= min(SANITY_MIN_LOOP_PROMPTS, len(g)):
+            why.append(f"loops on {len(loops)} of {len(g)} prompts: " + ", ".join(
+                f"{w['rep3_rate']:.0%} repeated 3-grams vs {ref_name} {w['base_rep3_rate']:.0%} on '{w['name']}'"
+                for _, w in loops.iterrows()))
         reasons.append("" if r["sanity_pass"] else "; ".join(why))
     return t.assign(sanity_reason=reasons)
 

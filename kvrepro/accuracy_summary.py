@@ -218,13 +218,24 @@ def needle_source(path: str = NEEDLE, measured_now: bool = False) -> Source:
                   formats=tuple(accuracy.format_order(rows["format"])))
 
 
+def by_default_offset(refs: list) -> list:
+    """Reference sources in the order the summary prefers them: those measured with the default preset's key
+    offset (what a user runs) first, otherwise in the given order."""
+    from kvrepro.formats import get_format
+
+    want = get_format(DEFAULT_PRESET).default_key_offset
+    return sorted(refs, key=lambda s: key_offset_of(s) != want)
+
+
 def default_sources(live: Source | None = None, needle: Source | None = None) -> dict:
     """The sources of the summary: ``{"reference": [H200 reference, committed CPU reference, live], "vllm",
-    "needle"}`` (the reference list in the order they are preferred; ``live`` is this run's measurement, if any;
+    "needle"}`` (the reference list in the order they are preferred: those measured with the default preset's key
+    offset first, then the H200's before the CPU's; ``live`` is this run's measurement, if any;
     ``needle`` default: the committed vLLM run at :data:`NEEDLE`)."""
     refs = [fidelity_source(REFERENCE_GPU), fidelity_source(REFERENCE_CPU)]
     if live is not None:
         refs.append(live)
+    refs = by_default_offset(refs)
     return {"reference": refs, "vllm": fidelity_source(VLLM_FIDELITY, kind="vllm"),
             "needle": needle if needle is not None else needle_source(NEEDLE)}
 

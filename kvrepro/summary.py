@@ -528,7 +528,7 @@ def fidelity_sources(root: str | os.PathLike | None = None) -> dict:
 
     root = Path(root) if root is not None else repo_root()
     refs = [p for p in (acs.REFERENCE_GPU, acs.REFERENCE_CPU) if (root / p).exists()] or [acs.REFERENCE_GPU]
-    return {"reference": [acs.fidelity_source(str(root / p), kind="reference") for p in refs],
+    return {"reference": acs.by_default_offset([acs.fidelity_source(str(root / p), kind="reference") for p in refs]),
             "vllm": acs.fidelity_source(str(root / acs.VLLM_FIDELITY), kind="vllm"),
             "needle": acs.needle_source(str(root / acs.NEEDLE))}
 

@@ -172,6 +172,27 @@ def test_a_loop_an_exact_kv_control_shows_too_is_the_models():
     assert accuracy.sanity_table(only_a).loc["loop", "worst_extra_rep3"] == pytest.approx(0.0)
 
 
+def test_one_chance_loop_is_not_a_corrupt_format_two_are():
+    """A format that loops on one of three prompts only (what the exact-KV control itself does on some prompt) passes;
+    looping on two fails, and the reason lists both prompts. With a single prompt, its loop fails."""
+    rows = _sanity_rows()
+    loop_out = rows[(rows["format"] == "loop")].set_index("name")["output_ids"]
+    good = rows[rows["format"] == "good"].copy()
+    once = good.assign(format="once")
+    once.loc[once["name"] == "a", "output_ids"] = loop_out["a"]
+    twice = good.assign(format="twice")
+    twice.loc[twice["name"].isin(["a", "c"]), "output_ids"] = loop_out[["a", "c"]].values
+    v = accuracy.sanity_verdicts(pd.concat([rows, once, twice]))
+    assert v.loc["once", "loop_prompts"] == 1 and v.loc["once", "sanity_pass"]
+    assert v.loc["once", "worst_extra_rep3"] > accuracy.SANITY_MAX_EXTRA_REP
+    assert v.loc["twice", "loop_prompts"] == 2 and not v.loc["twice", "sanity_pass"]
+    assert "loops on 2 of 3 prompts" in v.loc["twice", "sanity_reason"]
+    assert "on 'a'" in v.loc["twice", "sanity_reason"] and "on 'c'" in v.loc["twice", "sanity_reason"]
+    single = pd.concat([rows, once])
+    single = single[single["name"] == "a"]
+    assert not accuracy.sanity_table(single).loc["once", "sanity_pass"]
+
+
 def _cells(fmt, values, variant="single", engine="cpu"):
     """values: {(length, depth): [correct per key]} -> rows with distinct hashes per (variant, cell, key)."""
     return [dict(format=fmt, variant=variant, engine=engine, context_length=n, depth=d, key=str(10000 + i),
