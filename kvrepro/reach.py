@@ -5,6 +5,7 @@ kernel each bundled model's attention gets and what its KV costs per token.
     python -m kvrepro.reach            print the block
     python -m kvrepro.reach --write    rewrite README.md between <!-- reach:begin --> and <!-- reach:end -->
     python -m kvrepro.reach --check    exit 1 if README.md's block differs
+    python -m kvrepro.reach --carveout print the split-count timings under other GPUs' shared-memory budgets
 
 Sources: the GPU families of ``kvrepro/ops/cuda/gpus.json`` (per-SM limits, with their NVIDIA sources), the committed
 fatbin's manifest (the code it holds: ``kvrepro.ops.cuda_decode.fatbin_code_for``; ptxas's spills per target), the
@@ -87,11 +88,15 @@ def _entries_of(sha: str, manifest: dict, measured: dict) -> dict | None:
 def gpu_rows(root: Path | None = None) -> list[dict]:
     """One row per GPU family of gpus.json: ``family``, ``capability``, ``code`` (what of the fatbin it runs),
     ``decode`` (the kernel at the measured geometry under the default rule), ``ctas`` (resident CTAs of k4v4 / k8v4 /
-    k4v2 by the model), ``status`` (measured, with files, or built only, with ptxas's spills)."""
+    k4v2 by the model), ``status`` (measured, with files, or built only, with ptxas's spills, and whether its
+    shared-memory budget was emulated on the H200 by the carveout: :data:`CARVEOUT_RESULTS`)."""
     manifest = cuda_decode.read_manifest()
     measured = json.loads(MEASURED_FATBINS.read_text(encoding="utf-8")) if MEASURED_FATBINS.is_file() else {}
     runs = cuda_measurements(root)
     current = {e["code"]: e["sha256"] for e in manifest["entries"]}
+    carveout = (root or repo_root()) / CARVEOUT_RESULTS
+    emulated = {r["budget_kb"] for r in json.loads(carveout.read_text(encoding="utf-8"))["rows"]
+                if r.get("ms_graph") is not None} if carveout.is_file() else set()
     rows = []
     for fam in occupancy.families():
         cap = fam.capability
@@ -111,6 +116,9 @@ def gpu_rows(root: Path | None = None) -> list[dict]:
             spilled = ", ".join(f"{k.removeprefix('kvrepro_decode_')} {r['spill_stores']} / {r['spill_loads']} B"
                                 for k, r in sorted(res.items()) if r["spill_stores"] or r["spill_loads"])
             status = "built, not run" + (f" (ptxas spill stores / loads: {spilled})" if spilled else "")
+            if fam.smem_per_sm // 1024 in emulated:
+                status += (f"; its {fam.smem_per_sm // 1024} KB shared-memory budget emulated on the H200 by the "
+                           f"carveout (the H200's sm_90 code, not run on this GPU): split timings below")
         rows.append({"family": fam.family, "capability": f"{cap[0]}.{cap[1]}",
                      "code": ("SASS " if code.startswith("sm_") else "PTX ") + code, "decode": plan.decode,
                      "ctas": ctas, "smem_kb": fam.smem_per_sm // 1024, "status": status})
@@ -218,8 +226,65 @@ def model_runs(root: Path | None = None, gpu_memory_gib: float = 80.0) -> dict:
     return out
 
 
+def measured_memories(root: Path | None = None) -> list[float]:
+    """The GPU memories (GiB) at which ``results/reach/models_*.jsonl`` holds final rows, ascending."""
+    root = root or repo_root()
+    out = set()
+    for path in (root / MODELS_RESULTS).glob("models_*.jsonl"):
+        for line in path.read_text(encoding="utf-8").splitlines():
+            if line.strip() and (r := json.loads(line)).get("status") in MODEL_ROW_DONE:
+                out.add(float(r.get("gpu_memory_gib")))
+    return sorted(out)
+
+
 def _ratio(a, b):
     return round(a / b, 2) if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else None
+
+
+def _swept_models(root: Path | None = None) -> set[str]:
+    """Bundled model names with rows in ``results/capacity/*.jsonl`` (the capacity sweep)."""
+    root = root or repo_root()
+    names = set(model_names())
+    out = set()
+    for path in (root / "results" / "capacity").glob("*.jsonl"):
+        for line in path.read_text(encoding="utf-8").splitlines():
+            if line.strip():
+                n = str(json.loads(line).get("model", "")).split("/")[-1].lower()
+                if n in names:
+                    out.add(n)
+    return out
+
+
+def _capacity_lines(root: Path | None = None, gpu_memory_gib: float = 80.0) -> list[str]:
+    """The README's per-model capacity table (:func:`model_capacity_table`) with the sentence that says how it was
+    measured."""
+    t = model_capacity_table(root, gpu_memory_gib)
+    runs = model_runs(root, gpu_memory_gib)
+    files = sorted({r["_file"] for r in runs.values()})
+    decode = sorted({r.get("decode_tokens") for r in runs.values()})
+    n = int(t["source"].str.contains("measured,").sum())
+
+    def num(v, fmt="{:,}"):
+        return "" if v is None or v != v else fmt.format(v)
+
+    out = [f"**Capacity per model** at {gpu_memory_gib:g} GiB (vLLM 0.20.2, dummy weights), fp8 vs kvrepro k4v4: users "
+           f"that fit {CONTEXT:,} + {WORKLOAD_DECODE:,} tokens each (or the model's window) and their aggregate decode "
+           f"tok/s at full context. {n} of {len(t)} models measured "
+           f"({', '.join(f'[{Path(f).name}]({f})' for f in files) or 'no file yet'}), timing "
+           f"{' / '.join(f'{d:,}' for d in decode) or 'no'} decode tokens per user where the seed's protocol decodes "
+           f"{WORKLOAD_DECODE:,}; the others: users by the capacity arithmetic (`kvrepro.capacity`), not measured, no "
+           f"tok/s. Notebook 02 shows the same table (`kvrepro.reach.model_capacity_table`).", "",
+           "| model | tokens per user | users fp8 / k4v4 | users k4v4 / fp8 | decode tok/s fp8 / k4v4 | "
+           "tok/s k4v4 / fp8 | source |", "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for r in t.to_dict("records"):
+        measured = "measured," in r["source"]
+        src = f"measured, {r['decode_tokens']} decode tokens" if measured else "arithmetic, not measured"
+        if "capacity sweep" in r["source"]:
+            src += "; capacity sweep: results table above"
+        tok = f"{num(r['tok_s_fp8'], '{:,.0f}')} / {num(r['tok_s_k4v4'], '{:,.0f}')}" if measured else ""
+        out.append(f"| `{r['model']}` | {r['tokens_per_user']:,} | {num(r['users_fp8'])} / {num(r['users_k4v4'])} | "
+                   f"{num(r['users_ratio'], '{:.2f}')} | {tok} | {num(r['tok_s_ratio'], '{:.2f}')} | {src} |")
+    return out
 
 
 def model_capacity_table(root: Path | None = None, gpu_memory_gib: float = 80.0):
@@ -230,11 +295,16 @@ def model_capacity_table(root: Path | None = None, gpu_memory_gib: float = 80.0)
     allocated KV cache fits, tok/s = the aggregate decode rate of that many users at full context); otherwise users
     by ``kvrepro.capacity`` arithmetic and no tok/s, labelled "not measured".
 
+    The measured rows time ``decode_tokens`` tokens per user (``scripts/reach_models.py --decode-tokens``; 128 in the
+    committed H200 file), fewer than the 1,024 the users are fitted for and the seed's protocol decodes: tok/s is the
+    rate over that window, at full context.
+
     Returns:
-        pandas DataFrame with columns model, tokens_per_user, users_fp8, users_k4v4, users_ratio (k4v4 / fp8),
-        tok_s_fp8, tok_s_k4v4, tok_s_ratio (k4v4 / fp8; None where either is missing), source (per mode: "measured,
-        <GPU>, <date> (<file>)" with any preemptions, failed smoke or status, or "not measured (arithmetic,
-        kvrepro.capacity)").
+        pandas DataFrame with columns model, tokens_per_user, decode_tokens (decode tokens per user in the timed
+        window of the measured rows; None where neither mode was measured), users_fp8, users_k4v4, users_ratio (k4v4
+        / fp8), tok_s_fp8, tok_s_k4v4, tok_s_ratio (k4v4 / fp8; None where either is missing), source (per mode:
+        "measured, <GPU>, <date> (<file>)" with any preemptions, failed smoke or status, or "not measured (arithmetic,
+        kvrepro.capacity)"; models of the capacity sweep say so).
 
     Raises:
         ValueError: ``gpu_memory_gib`` not a number > 0.
@@ -244,9 +314,13 @@ def model_capacity_table(root: Path | None = None, gpu_memory_gib: float = 80.0)
     if isinstance(gpu_memory_gib, bool) or not isinstance(gpu_memory_gib, (int, float)) or not gpu_memory_gib > 0:
         raise ValueError(f"gpu_memory_gib must be a number of GiB > 0, got {gpu_memory_gib!r}")
     runs = model_runs(root, gpu_memory_gib)
+    swept = _swept_models(root)
     rows = []
     for name in model_names():
         rec = {"model": name, "tokens_per_user": workload(name)["max_model_len"]}
+        timed = {r.get("decode_tokens") for m in REACH_MODES if (r := runs.get((name, m))) is not None}
+        rec["decode_tokens"] = (timed.pop() if len(timed) == 1 else " / ".join(map(str, sorted(timed)))) \
+            if timed else None
         srcs = []
         for mode in REACH_MODES:
             col = kv_format(mode)
@@ -274,10 +348,158 @@ def model_capacity_table(root: Path | None = None, gpu_memory_gib: float = 80.0)
         rec["tok_s_ratio"] = _ratio(rec["tok_s_k4v4"], rec["tok_s_fp8"])
         rec["source"] = ("not measured (arithmetic, kvrepro.capacity)" if all("not measured" in x for x in srcs)
                          else "; ".join(srcs))
+        if name in swept:
+            rec["source"] += ("; measured by the capacity sweep instead (results/capacity, 1,024 decode tokens: the "
+                              "README's results table)")
         rows.append(rec)
-    cols = ["model", "tokens_per_user", "users_fp8", "users_k4v4", "users_ratio", "tok_s_fp8", "tok_s_k4v4",
-            "tok_s_ratio", "source"]
-    return pd.DataFrame(rows, columns=cols)
+    cols = ["model", "tokens_per_user", "decode_tokens", "users_fp8", "users_k4v4", "users_ratio", "tok_s_fp8",
+            "tok_s_k4v4", "tok_s_ratio", "source"]
+    df = pd.DataFrame(rows, columns=cols)
+    if all(r["decode_tokens"] is None or isinstance(r["decode_tokens"], int) for r in rows):
+        df["decode_tokens"] = df["decode_tokens"].astype("Int64")          # 128, not 128.0, beside the missing ones
+    return df
+
+
+CARVEOUT_RESULTS = "results/reach/carveout_splits_h200.json"   # scripts/reach_carveout_splits.py on the H200
+
+
+def _budget_label(kb) -> str:
+    return "H200's own (228 KB)" if kb is None else f"{kb} KB"
+
+
+def carveout_table(root: Path | None = None, path: str = CARVEOUT_RESULTS) -> list[dict]:
+    """The CUDA decode kernel's split-count timings under shared-memory budgets (``scripts/reach_carveout_splits.py``:
+    an H200 with each kernel's carveout capping an SM at an A100's 164 KB or an Ada GPU's 100 KB, or uncapped; CUDA
+    graph replay, ms per decode step at the file's context), one dict per (budget, preset, batch), in the file's order:
+
+    ``budget_kb`` (None: uncapped), ``budget``, ``preset``, ``batch``, ``ctas_per_sm`` (the driver's occupancy query
+    under that budget), ``kv_heads`` (from the rows: CTAs / (batch x splits)), ``rule_splits`` (the current rule,
+    ``kvrepro.ops.decode.wave_splits`` of the row's residency x the file's SM count), ``rule_waves``, ``rule_fill``,
+    ``rule_ms`` (None and ``flag`` set where that count was not timed), ``best_splits`` / ``best_ms`` (the fastest timed
+    count), ``rule_vs_best`` (rule_ms / best_ms), ``one_wave_splits`` / ``one_wave_fill`` / ``one_wave_vs_best`` (the
+    earlier one-wave rule, ``floor(slots / pairs)``; the file's ``rule`` rows), ``flag`` ("" or why a figure is
+    missing or disagrees with the file).
+
+    Raises:
+        FileNotFoundError: no such results file.
+        ValueError: a (budget, preset, batch) with no timed row.
+    """
+    from kvrepro.ops.decode import MIN_TOKENS_PER_SPLIT, wave_splits
+
+    root = root or repo_root()
+    data = json.loads((root / path).read_text(encoding="utf-8"))
+    par = data["provenance"]["parameters"]
+    sms, cap = par["sms"], min(max(1, par["ctx"] // MIN_TOKENS_PER_SPLIT), 256)
+    groups: dict[tuple, list[dict]] = {}
+    for r in data["rows"]:
+        groups.setdefault((r["budget_kb"], r["preset"], r["batch"]), []).append(r)
+    out = []
+    for (kb, preset, batch), grp in groups.items():
+        timed = {r["splits"]: r["ms_graph"] for r in grp if r.get("ms_graph") is not None}
+        if not timed:
+            raise ValueError(f"{path}: no timed row for budget {kb}, {preset}, batch {batch}")
+        ctas = grp[0]["ctas_per_sm"]
+        hkv = {r["ctas"] // (batch * r["splits"]) for r in grp}
+        if len(hkv) != 1:
+            raise ValueError(f"{path}: rows of budget {kb}, {preset}, batch {batch} disagree on KV heads: "
+                             f"{sorted(hkv)}")
+        pairs, slots = batch * hkv.pop(), ctas * sms
+
+        def fill(s):
+            return pairs * s / (-(-pairs * s // slots) * slots)
+
+        rule = wave_splits(pairs, slots, cap)
+        one = max(1, min(slots // pairs, cap))
+        best = min(timed, key=timed.get)
+        flags = []
+        if rule not in timed:
+            flags.append(f"the rule's {rule} splits were not timed")
+        if one not in timed:
+            flags.append(f"the one-wave {one} splits were not timed")
+        marked = [r["splits"] for r in grp if r.get("rule")]
+        if marked != [one]:
+            flags.append(f"the file marks {marked} as its rule's count, not the one-wave {one}")
+        out.append({"budget_kb": kb, "budget": _budget_label(kb), "preset": preset, "batch": batch,
+                    "ctas_per_sm": ctas, "kv_heads": pairs // batch, "rule_splits": rule,
+                    "rule_waves": -(-pairs * rule // slots), "rule_fill": fill(rule), "rule_ms": timed.get(rule),
+                    "best_splits": best, "best_ms": timed[best],
+                    "rule_vs_best": timed[rule] / timed[best] if rule in timed else None,
+                    "one_wave_splits": one, "one_wave_fill": fill(one),
+                    "one_wave_vs_best": timed[one] / timed[best] if one in timed else None, "flag": "; ".join(flags)})
+    return out
+
+
+def carveout_repeat_spread(root: Path | None = None, path: str = CARVEOUT_RESULTS) -> dict:
+    """The table's noise: configurations timed twice (the same preset, batch, split count and resident CTAs per SM
+    under two budgets, e.g. k4v4 uncapped and capped at 164 KB, both 4 CTAs per SM): ``{"pairs": n, "max": the largest
+    |slower / faster - 1|, "worst": (preset, batch, splits, ms_a, ms_b)}``; ``{"pairs": 0, ...}`` if none repeats."""
+    root = root or repo_root()
+    rows = json.loads((root / path).read_text(encoding="utf-8"))["rows"]
+    seen: dict[tuple, list[float]] = {}
+    for r in rows:
+        if r.get("ms_graph") is not None:
+            seen.setdefault((r["preset"], r["batch"], r["splits"], r["ctas_per_sm"]), []).append(r["ms_graph"])
+    spread, worst, n = 0.0, None, 0
+    for k, ms in seen.items():
+        if len(ms) > 1:
+            n += 1
+            d = max(ms) / min(ms) - 1
+            if d > spread:
+                spread, worst = d, (*k[:3], min(ms), max(ms))
+    return {"pairs": n, "max": spread, "worst": worst}
+
+
+def carveout_markdown(rows: list[dict]) -> list[str]:
+    """Markdown table lines of :func:`carveout_table` rows."""
+    out = ["| shared memory per SM | preset | batch | resident CTAs per SM | rule: splits (waves, fill) | rule ms | "
+           "fastest: splits, ms | rule / fastest | one wave: splits (fill), / fastest |",
+           "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        rule_ms = "not timed" if r["rule_ms"] is None else f"{r['rule_ms']:.3f}"
+        vs = "n/a" if r["rule_vs_best"] is None else f"{r['rule_vs_best']:.2f}"
+        one = "n/a" if r["one_wave_vs_best"] is None else f"{r['one_wave_vs_best']:.2f}"
+        out.append(f"| {r['budget']} | {r['preset']} | {r['batch']} | {r['ctas_per_sm']} | {r['rule_splits']} "
+                   f"({r['rule_waves']}, {r['rule_fill']:.2f}) | {rule_ms} | {r['best_splits']}, {r['best_ms']:.3f} | "
+                   f"{vs} | {r['one_wave_splits']} ({r['one_wave_fill']:.2f}), {one} |")
+    return out
+
+
+def _span(xs) -> str:
+    xs = [x for x in xs if x is not None]
+    if not xs:
+        return "n/a"
+    lo, hi = f"{min(xs):.2f}", f"{max(xs):.2f}"
+    return f"{lo}x" if lo == hi else f"{lo}-{hi}x"
+
+
+def _carveout_lines(root: Path | None = None) -> list[str]:
+    """The README's split-rule paragraph (from :func:`carveout_table`) and the rows where the rule's count is not the
+    one-wave count."""
+    rows = carveout_table(root)
+    noise = carveout_repeat_spread(root)
+    full = [r for r in rows if r["one_wave_fill"] >= 0.95]
+    flagged = [r for r in rows if r["flag"]]
+    by_fill: dict[str, list[dict]] = {}
+    for r in rows:
+        if r["one_wave_fill"] < 0.95:
+            by_fill.setdefault(f"{r['one_wave_fill']:.2f}", []).append(r)
+    part = "; ".join(f"fill {f} ({len(rs)} cells): one wave {_span(r['one_wave_vs_best'] for r in rs)} the fastest, "
+                     f"the rule's {'/'.join(str(w) for w in sorted({r['rule_waves'] for r in rs}))}-wave count "
+                     f"{_span(r['rule_vs_best'] for r in rs)}" for f, rs in sorted(by_fill.items()))
+    out = [f"**Split rule under other GPUs' shared-memory budgets** ([{Path(CARVEOUT_RESULTS).name}]"
+           f"({CARVEOUT_RESULTS}), `scripts/reach_carveout_splits.py`; the full table: `python -m kvrepro.reach "
+           f"--carveout`): the A100's (164 KB) and Ada's (100 KB) budgets were emulated on the H200 by capping each "
+           f"kernel's shared-memory carveout, so the residency is theirs but the SMs, clocks and memory are the H200's "
+           f"(not run on those GPUs). The CUDA rule launches the fewest whole waves (1-3) of the resident CTAs whose "
+           f"split count fills >= 95% of their slots (`kvrepro.ops.decode.wave_splits`). Where one wave fills them "
+           f"({len(full)} of {len(rows)} budget / preset / batch cells) that is the one-wave count, "
+           f"{_span(r['rule_vs_best'] for r in full)} the fastest count timed; where it does not: {part}. The same "
+           f"configuration timed under two budgets (same resident CTAs; {noise['pairs']} repeats) differs by up to "
+           f"{noise['max']:.0%}: differences below that are noise."
+           + (f" Flagged: {len(flagged)} cells ({'; '.join(r['flag'] for r in flagged)})." if flagged else
+              " Every count the rule picks there was timed."), "",
+           "The cells where the rule's count is not one wave (ms per decode step, CUDA graph, 128K per sequence):", ""]
+    return out + carveout_markdown([r for r in rows if r["rule_splits"] != r["one_wave_splits"]])
 
 
 def block(root: Path | None = None) -> str:
@@ -301,14 +523,19 @@ def block(root: Path | None = None) -> str:
             f"{r['status']} |" for r in g]
     out += ["", "Resident CTAs: the arithmetic of NVIDIA's occupancy calculator (`kvrepro.ops.occupancy`) from each "
                 "kernel's registers and shared memory as ptxas reports them; on a GPU the split rule asks the driver "
-                "(`cuOccupancyMaxActiveBlocksPerMultiprocessor`) instead, and plans one wave of that many CTAs per SM. "
-                "The Triton kernels run on any of these GPUs for every preset and shape the engine accepts.", "",
+                "(`cuOccupancyMaxActiveBlocksPerMultiprocessor`) instead, and plans whole waves of that many CTAs per "
+                "SM. The Triton kernels run on any of these GPUs for every preset and shape the engine accepts.", ""]
+    if (repo_root() if root is None else root).joinpath(CARVEOUT_RESULTS).is_file():
+        out += _carveout_lines(root) + [""]
+    out += [
+
             "| model (bundled config) | head_dim | query / KV heads (GQA group) | layers | key bias | max positions | "
             f"KV bytes per token, bf16 / fp8 / k4v4 | decode kernel on an H100 / H200, {DEFAULT_PRESET} (default) / "
             "k4v4 | measured |",
             "| --- | ---: | --- | ---: | --- | ---: | ---: | --- | --- |"]
     out += [f"| `{r['model']}` | {r['head_dim']} | {r['heads']} | {r['layers']} | {r['key_bias']} | "
             f"{r['max_positions']:,} | {r['kv']} | {r['decode']} | {r['measured']} |" for r in m]
+    out += [""] + _capacity_lines(root)
     out += ["", "Engine start: head_dim 64 and 128 with GQA groups of 1..32 are served (the CUDA decode kernel for "
                 "k4v4, k8v4 and k4v2 at head_dim 128, block 16 and groups of 1..8; Triton otherwise, the default "
                 f"preset {DEFAULT_PRESET} included); any other "
@@ -333,7 +560,11 @@ def main(argv=None) -> int:
     g = ap.add_mutually_exclusive_group()
     g.add_argument("--write", action="store_true", help=f"rewrite {README}'s reach block")
     g.add_argument("--check", action="store_true", help=f"exit 1 if {README}'s reach block differs")
+    g.add_argument("--carveout", action="store_true", help=f"print the full split-count table of {CARVEOUT_RESULTS}")
     a = ap.parse_args(argv)
+    if a.carveout:
+        print("\n".join(carveout_markdown(carveout_table())))
+        return 0
     new = block()
     if not (a.write or a.check):
         print(new)

@@ -141,7 +141,8 @@ SETTINGS: tuple[Declaration, ...] = (
         "(runtime.decode_splits), which keeps the grid fixed per CUDA-graph batch size.",
         _num_splits,
         "decode time per split count (H200, k4v2 at 128K): [decode_splits.json](benchmarks/results/decode_splits.json); "
-        "under other GPUs' shared-memory budgets not measured yet (scripts/reach_carveout_splits.py measures it)"),
+        "under an A100's and an Ada GPU's shared-memory budget, emulated on the H200 by the carveout: "
+        "[carveout_splits_h200.json](results/reach/carveout_splits_h200.json) (README, Supported GPUs and models)"),
     Declaration(
         "prefill", "KVREPRO_PREFILL", ", ".join(PREFILL_PATHS), "fa",
         "Prefill path. fa: dequantize the context, then vLLM's FlashAttention (measured, the default); fa-sliced: "

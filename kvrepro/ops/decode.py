@@ -180,15 +180,15 @@ def resolve_impl(impl: str | None, layout: PageLayout, group: int, device: torch
 MIN_TOKENS_PER_SPLIT = 256
 
 
-# CUDA kernel (impl="cuda"). For a launch of exactly ``batch`` live rows: the fewest whole waves of the kernel's resident
-# CTAs (cuda_decode.resident_ctas: the driver's occupancy query on a GPU; 4 on the H200, where registers bind; fewer
-# where shared memory binds: 3 k4v2 CTAs on an A100, 2 of any kernel on 100 KB SMs) that fill the SM slots to
-# >= WAVE_FILL (fill = CTAs / (ceil(waves) x slots)), any integer count. Why: the last wave of a launch idles the slots
-# it leaves empty while the others stream. On the H200 at 128K one wave fills >= 98.5% of the slots at batches 3 / 6 /
-# 13 and is within ~2% of the best count (benchmarks/decode_splits.py; results/reach/carveout_splits_h200.json); under
-# an A100's and an Ada GPU's shared-memory budget (emulated on the H200 by the carveout) one wave at batch 13 fills
-# 79% of the slots and was 1.09-1.23x slower than the 2- or 3-wave count that fills >= 95%
-# (results/reach/carveout_splits_h200.json; kvrepro.reach.carveout_table tabulates it).
+# CUDA kernel (impl="cuda"). For a launch of exactly ``batch`` live rows: the fewest whole waves of the kernel's
+# resident CTAs (cuda_decode.resident_ctas: the driver's occupancy query on a GPU; 4 on the H200, where registers bind;
+# fewer where shared memory binds: 3 k4v2 CTAs on an A100, 2 of any kernel on 100 KB SMs) that fill the SM slots to >=
+# WAVE_FILL (fill = CTAs / (ceil(waves) x slots)), any integer count. Why: the last wave of a launch idles the slots it
+# leaves empty while the others stream. On the H200 at 128K one wave fills >= 98.5% of the slots at batches 3 / 6 / 13
+# and was within ~2% of the best count in benchmarks/decode_splits.py, within the repeat noise (up to ~9%) in
+# results/reach/carveout_splits_h200.json; under an A100's and an Ada GPU's shared-memory budget (emulated on the H200
+# by the carveout) one wave at batch 13 fills 79% of the slots and was 1.09-1.23x slower than the 2- or 3-wave count
+# that fills >= 95% (results/reach/carveout_splits_h200.json; kvrepro.reach.carveout_table tabulates it).
 # For a CUDA graph replayed for a range of batches (``padded=True``, vLLM's capture sizes: the batch given is the
 # smallest of the range), rows past the real batch are padding and one wave would leave SMs idle: there a many-wave
 # rule (at most CUDA_PROGRAMS_PER_SM CTAs per SM, a power of two, at least CUDA_MIN_SPLITS), under which the
@@ -226,7 +226,8 @@ def default_num_splits(batch: int, num_kv_heads: int, max_context: int, device: 
             raise ValueError(f"{name} must be a {kind} int, got {v!r}")
     cap = min(max(1, max_context // MIN_TOKENS_PER_SPLIT), 256)
     if impl == "cuda" and not padded:
-        return wave_splits(max(1, batch * num_kv_heads), cuda_decode.ctas_per_sm(device, kernel) * sm_count(device), cap)
+        slots = cuda_decode.ctas_per_sm(device, kernel) * sm_count(device)
+        return wave_splits(max(1, batch * num_kv_heads), slots, cap)
     if impl == "cuda":
         most = max(1, (CUDA_PROGRAMS_PER_SM * sm_count(device)) // max(1, batch * num_kv_heads))
         want = max(next_pow2(most + 1) // 2, CUDA_MIN_SPLITS)          # largest power of two <= most
@@ -236,9 +237,9 @@ def default_num_splits(batch: int, num_kv_heads: int, max_context: int, device: 
 
 
 def wave_splits(pairs: int, slots: int, cap: int = 256) -> int:
-    """The CUDA kernel's split count for ``pairs`` (sequence, KV head) pairs on ``slots`` resident CTA slots (resident
-    CTAs per SM x SMs), at most ``cap`` splits: for waves ``w`` = 1 .. ``MAX_WAVES`` the count ``s_w = max(1, min(floor(w
-    x slots / pairs), cap))`` and its fill ``pairs x s_w / (ceil(pairs x s_w / slots) x slots)`` (the share of the
+    """The CUDA kernel's split count for ``pairs`` (sequence, KV head) pairs on ``slots`` resident CTA slots (CTAs
+    per SM x SMs), at most ``cap`` splits: for waves ``w`` = 1 .. ``MAX_WAVES`` the count ``s_w = max(1, min(floor(w x
+    slots / pairs), cap))`` and its fill ``pairs x s_w / (ceil(pairs x s_w / slots) x slots)`` (the share of the
     launched waves' slots that hold a CTA); the first ``s_w`` whose fill is >= ``WAVE_FILL``, else the ``s_w`` of the
     best fill (the fewest waves on a tie). E.g. an H200 (4 x 132 slots), 13 x 8 pairs: 5 (one wave, fill 0.985); an
     A100's k4v2 budget (3 x 132), 13 x 8: 3 fills 0.79, 7 0.92, 11 0.96 -> 11. Raises ValueError unless all three are

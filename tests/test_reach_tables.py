@@ -1,0 +1,96 @@
+"""The generated reach tables (issue 22): the split-count timings under other GPUs' shared-memory budgets
+(kvrepro.reach.carveout_table) on a synthetic file with figures worked by hand and on the committed H200 file, and the
+per-model capacity table on the committed results/reach/models_h200.jsonl (6 measured rows, 128 decode tokens)."""
+import json
+
+import pytest
+
+from kvrepro import reach
+from kvrepro.configs import model_names
+
+
+def _row(kb, preset, batch, ctas, splits, ms, rule=False):
+    return {"budget_kb": kb, "preset": preset, "batch": batch, "ctas_per_sm": ctas, "splits": splits,
+            "ctas": batch * 8 * splits, "waves": batch * 8 * splits / (ctas * 132), "rule": rule,
+            "old_constant": False, "ms_graph": ms, "graph_error": "", "relerr_vs_f64": 1e-3}
+
+
+def _write(root, rows):
+    path = root / reach.CARVEOUT_RESULTS
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"provenance": {"parameters": {"sms": 132, "ctx": 131072}}, "rows": rows}))
+
+
+def test_carveout_table_by_hand(tmp_path):
+    """An A100 k4v2 budget (3 x 132 = 396 slots), batch 13 x 8 KV heads = 104 pairs: one wave is 3 splits (312 / 396
+    = 0.79), the rule 11 (3 waves, 1144 / 1188 = 0.963); fastest 11. Uncapped (4 x 132 = 528), batch 3: rule = one
+    wave = 22 (1.0), fastest 16. A 100 KB cell where the rule's count (5) was not timed is flagged."""
+    rows = [_row(164, "k4v2", 13, 3, 3, 0.50, rule=True), _row(164, "k4v2", 13, 3, 7, 0.44),
+            _row(164, "k4v2", 13, 3, 11, 0.40),
+            _row(None, "k4v4", 3, 4, 16, 0.099), _row(None, "k4v4", 3, 4, 22, 0.100, rule=True),
+            _row(164, "k4v4", 3, 4, 16, 0.103), _row(164, "k4v4", 3, 4, 22, 0.105, rule=True),
+            _row(100, "k8v4", 13, 2, 2, 0.80, rule=True), _row(100, "k8v4", 13, 2, 16, 0.70)]
+    _write(tmp_path, rows)
+    t = {(r["budget_kb"], r["preset"], r["batch"]): r for r in reach.carveout_table(tmp_path)}
+    a = t[164, "k4v2", 13]
+    got = (a["kv_heads"], a["rule_splits"], a["rule_waves"], a["one_wave_splits"], a["best_splits"])
+    assert got == (8, 11, 3, 3, 11)
+    assert a["rule_fill"] == pytest.approx(1144 / 1188) and a["one_wave_fill"] == pytest.approx(312 / 396)
+    assert a["rule_vs_best"] == pytest.approx(1.0) and a["one_wave_vs_best"] == pytest.approx(0.50 / 0.40)
+    assert a["flag"] == ""
+    h = t[None, "k4v4", 3]
+    assert (h["rule_splits"], h["one_wave_splits"], h["best_splits"]) == (22, 22, 16)
+    assert h["rule_vs_best"] == pytest.approx(0.100 / 0.099) and h["budget"] == "H200's own (228 KB)"
+    f = t[100, "k8v4", 13]
+    assert f["rule_splits"] == 5 and f["rule_ms"] is None and f["rule_vs_best"] is None
+    assert f["flag"] == "the rule's 5 splits were not timed"
+    noise = reach.carveout_repeat_spread(tmp_path)      # k4v4 batch 3 at 16 and 22 splits, 4 CTAs, twice each
+    assert noise["pairs"] == 2 and noise["max"] == pytest.approx(0.105 / 0.100 - 1)
+    assert "Flagged: 1 cells (the rule's 5 splits were not timed)" in "\n".join(reach._carveout_lines(tmp_path))
+
+
+def test_carveout_table_refuses_a_cell_without_timings(tmp_path):
+    _write(tmp_path, [_row(100, "k4v4", 6, 2, 5, None, rule=True)])
+    with pytest.raises(ValueError, match="no timed row for budget 100, k4v4, batch 6"):
+        reach.carveout_table(tmp_path)
+
+
+def test_committed_carveout_table():
+    """Every count the rule picks for the committed H200 rows was timed and the file's marked rule rows are the
+    one-wave counts; the rule's counts are the issue's (H200 22 / 11 / 5, A100 k4v2 batch 13: 11, Ada batch 13: 5);
+    it is within 10% of the fastest count everywhere (the repeat spread is ~9%) and within 3% where it is not the
+    one-wave count, which is slower than the spread's half where one wave fills < 80% of the slots."""
+    rows = reach.carveout_table()
+    assert len(rows) == 27 and not [r["flag"] for r in rows if r["flag"]]
+    got = {(r["budget_kb"], r["preset"], r["batch"]): r["rule_splits"] for r in rows}
+    for preset in ("k4v4", "k8v4", "k4v2"):
+        assert [got[None, preset, b] for b in (3, 6, 13)] == [22, 11, 5]
+        assert got[100, preset, 13] == 5
+    assert got[164, "k4v2", 13] == 11
+    spread = reach.carveout_repeat_spread()["max"]
+    assert 0 < spread < 0.15
+    assert max(r["rule_vs_best"] for r in rows) < 1.1                  # the worst: a cell whose repeat differs ~9%
+    changed = [r for r in rows if r["rule_splits"] != r["one_wave_splits"]]
+    assert len(changed) == 7 and all(r["rule_vs_best"] < 1.03 for r in changed)
+    slow_one_wave = [r for r in rows if r["one_wave_fill"] < 0.8]
+    assert slow_one_wave and all(r["one_wave_vs_best"] > 1 + spread / 2 for r in slow_one_wave)
+
+
+def test_committed_model_table_shows_the_measured_rows_and_their_decode_tokens():
+    t = reach.model_capacity_table().set_index("model")
+    measured = {"qwen3-0.6b", "llama-3.2-1b-instruct", "llama-3.2-3b-instruct"}
+    rows = [json.loads(x) for x in (reach.repo_root() / "results/reach/models_h200.jsonl").read_text().splitlines()]
+    assert len(rows) == 6 and {r["model"] for r in rows} == measured
+    for r in rows:
+        col = reach.kv_format(r["mode"])
+        assert t.loc[r["model"], f"users_{col}"] == r["users_fit"]
+        assert t.loc[r["model"], f"tok_s_{col}"] == round(r["aggregate_decode_tok_s"], 1)
+        assert t.loc[r["model"], "decode_tokens"] == r["decode_tokens"] == 128
+    for name in set(model_names()) - measured:
+        assert t.loc[name, "source"].startswith("not measured (arithmetic, kvrepro.capacity)")
+        assert t.isna().loc[name, "decode_tokens"]
+    assert "capacity sweep" in t.loc["qwen3-4b-instruct-2507", "source"]
+    text = "\n".join(reach._capacity_lines())
+    assert "3 of 9 models measured" in text and "timing 128 decode tokens per user where the seed's protocol decodes " \
+        "1,024" in text
+    assert "| `qwen3-0.6b` | 40,960 | 32 / 61 | 1.91 | 1,258 / 2,632 | 2.09 | measured, 128 decode tokens |" in text
