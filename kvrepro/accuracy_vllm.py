@@ -26,7 +26,8 @@ timeout keeps what was done. Every row records the bundle file's SHA-256 (``bund
 
 Grids (``GRIDS``): "default" = the committed bundle (280 prompts); "stat" = the statistical verdict's 1,056
 single-needle and 528 multi-needle prompts per mode (``kvrepro.accuracy.mode_verdicts``), built on the CPU by
-``scripts/vllm_accuracy.py build-bundle --grid stat``.
+``scripts/vllm_accuracy.py build-bundle --grid stat``; "stat-replica" = 2,112 other single-needle prompts (seed 1,
+24 keys a cell), an independent replication of the single-needle verdict.
 
 Model weights (``weights``): ``dequant`` (the device script's default) = the GGUF de-quantized by
 transformers (as the CPU path does) and saved as bf16 safetensors, loaded by vLLM's default loader;
@@ -225,6 +226,12 @@ GRIDS = {
                      multi=({"name": "vault-4", "num_keys": 3},
                             {"name": "room-4", "key_names": list(ROOMS), "num_keys": 3}),
                      sanity_lengths=(2048, 4096, 8000)),
+    # an independent replication of the single-needle verdict, twice the size: the same cells with 24 keys of another
+    # seed (2,112 prompts, none shared with "stat"), fixed before it ran; a bound near the 1 pp bar on "stat" (a few
+    # prompts either way) is decided on its own prompts here, not by adding prompts to the first grid
+    "stat-replica": VllmGrid(context_lengths=(1024, 2048, 3072, 4096, 5120, 6144, 7168, 8184),
+                             depths=tuple(round(0.1 * i, 1) for i in range(11)), num_keys=24, seed=1,
+                             variants=("single",), sanity_lengths=(2048, 4096, 8000)),
 }
 
 

@@ -8,7 +8,9 @@
 #                                            format, resumable per window (REF_TIMEOUT_S caps it; a rerun with
 #                                            REF_RESUME=csv continues): $OUT/fidelity/reference_h200_smollm2.csv
 #   bash scripts/h200_accuracy.sh needle     the statistical needle grid through vLLM (scripts/vllm_accuracy.py),
-#                                            NEEDLE_GPUS (default 0,0,0: three modes at once): $OUT/needle/vllm_*.csv
+#                                            NEEDLE_GPUS (default 0,0,0: three modes at once): $OUT/needle/vllm_*.csv;
+#                                            NEEDLE_BUNDLE=results/accuracy/vllm_prompts_replica.json.gz runs the
+#                                            independent 2,112-prompt replication (kvrepro.accuracy_vllm.GRIDS)
 # FORMATS (default below) and FID_ARGS (extra kvrepro.fidelity arguments) override the fidelity runs. Without the
 # datasets package (the H200), FIDELITY_WINDOWS_FILE must name windows saved by kvrepro.fidelity.save_windows.
 set -u
@@ -49,7 +51,7 @@ for step in "$@"; do
     needle)
       mkdir -p "$OUT/needle"
       VLLM_ENABLE_V1_MULTIPROCESSING=0 python3 scripts/vllm_accuracy.py --gguf "$GGUF" \
-        --bundle results/accuracy/vllm_prompts_stat.json.gz --gpus "${NEEDLE_GPUS:-0,0,0}" \
+        --bundle "${NEEDLE_BUNDLE:-results/accuracy/vllm_prompts_stat.json.gz}" --gpus "${NEEDLE_GPUS:-0,0,0}" \
         --gpu-memory-utilization "${NEEDLE_MEM:-0.28}" --kv-cache-gib "${NEEDLE_KV_GIB:-6}" ${NEEDLE_ARGS:---key-logprobs none} --out "$OUT/needle" 2>&1 | tail -25
       ;;
     *) echo "unknown step $step (fidelity, reference, needle)"; exit 2 ;;

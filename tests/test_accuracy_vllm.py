@@ -543,3 +543,18 @@ def test_device_script_end_to_end_with_fake_engine(stat_bundle, tmp_path, fake_e
     df.assign(prompt_sha256="0" * 64).to_csv(out / "vllm_accuracy.csv", index=False)
     with pytest.raises(ValueError, match="--merge-from .* not in this bundle"):
         _script().load_previous(str(out), av.load_bundle(stat_bundle), ("fp8",))
+
+
+def test_the_replica_grid_shares_no_prompt_with_the_stat_grid():
+    """The replication must be judged on its own prompts: its keys (seed 1) and the stat grid's (seed 0) are disjoint
+    and it has at least twice the single-needle prompts; the committed replica bundle matches its grid."""
+    from kvrepro.needle import make_keys
+
+    stat, rep = av.GRIDS["stat"], av.GRIDS["stat-replica"]
+    assert not set(make_keys(stat.num_keys, stat.seed)) & set(make_keys(rep.num_keys, rep.seed))
+    assert rep.variants == ("single",) and rep.prompts() == 2 * len(stat.context_lengths) * len(stat.depths) * 12
+    path = os.path.join(ROOT, "results", "accuracy", "vllm_prompts_replica.json.gz")
+    b = av.load_bundle(path)
+    assert b["meta"]["grid_name"] == "stat-replica" and len(b["prompts"]) == rep.prompts() == 2112
+    assert not {p["prompt_sha256"] for p in b["prompts"]} & \
+        {p["prompt_sha256"] for p in av.load_bundle(os.path.join(ROOT, "results", "accuracy", "vllm_prompts_stat.json.gz"))["prompts"]}
