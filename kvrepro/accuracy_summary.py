@@ -351,6 +351,11 @@ def summary_rows(sources: dict, formats=None, cpu_sanity: pd.DataFrame | None = 
                 if t]
         r["sources"] = " ".join(tags)
         out.append(r)
+    # a row whose reference figures come from another source than most rows' names it in its KL cell
+    used = [r["ref_tag"] for r in out if r["ref_tag"] is not None]
+    common = max(set(used), key=lambda t: (used.count(t), -t)) if used else None
+    for r in out:
+        r["ref_tag_shown"] = r["ref_tag"] is not None and r["ref_tag"] != common
     return out
 
 
@@ -412,7 +417,9 @@ def _kl_cell(r: dict) -> str:
         return NOT_MEASURED
     if r["format"] == BASELINE:
         return "0"
-    return f"{r['kl']:.3g} ({r['kl_vs_fp8']:.2f}x fp8)" if r["format"] != GOAL_REFERENCE else f"{r['kl']:.3g}"
+    note = f" [{r['ref_tag']}]" if r.get("ref_tag_shown") else ""
+    return (f"{r['kl']:.3g} ({r['kl_vs_fp8']:.2f}x fp8){note}" if r["format"] != GOAL_REFERENCE
+            else f"{r['kl']:.3g}{note}")
 
 
 def _pct(x, signed: bool = True) -> str:
@@ -492,14 +499,17 @@ def closest_to_fp8(rows: list[dict]) -> str:
 
     Closest: among the presets at >= GOAL_USERS users whose perplexity change is at most fp8's (all of them if
     none is), the lowest KL relative to fp8. All figures of the sentence come from ONE reference source (ratios to
-    fp8 are like for like): the one that measured the most of those presets (ties: the preferred, lowest tag)."""
+    fp8 are like for like): the preferred (lowest tag) one that measured the default preset, else the one that
+    measured the most of those presets (ties: the preferred)."""
     presets = [r for r in rows if r["format"] in COMPRESSED_PRESETS]
     cands = [r for r in presets if r["users"] >= GOAL_USERS]
     tags = sorted({t for r in cands for t in r.get("by_source", {})})
     if not tags:
         return (f"No preset at >= {GOAL_USERS} users has a fidelity measurement with fp8 beside it yet: which one "
                 "is closest to fp8 is not known.")
-    tag = max(tags, key=lambda t: (sum(t in r["by_source"] for r in cands), -t))
+    default = next((r for r in cands if r["format"] == DEFAULT_PRESET), None)
+    with_default = [t for t in tags if default is not None and t in default["by_source"]]
+    tag = min(with_default) if with_default else max(tags, key=lambda t: (sum(t in r["by_source"] for r in cands), -t))
     fp8 = next((r for r in rows if r["format"] == GOAL_REFERENCE), None)
 
     def v(r):

@@ -283,3 +283,28 @@ def test_ratio_to_fp8_on_the_windows_both_measured(tmp_path):
     assert x["windows"] == 3 and x["fp8_kl"] == pytest.approx(0.010) and x["kl_vs_fp8"] == pytest.approx(6.0)
     tie = {"kl": 0.0100001, "fp8_kl": 0.01, "kl_vs_fp8": 1.00001, "ppl_change_pct": 2.2831, "fp8_ppl_change_pct": 2.2829}
     assert acs._short_of(tie) == ["KL 1.00001x fp8's", "perplexity +2.2831% > fp8's +2.2829%"]
+
+
+def test_the_default_offsets_reference_is_preferred_and_other_sources_are_named(tmp_path):
+    """Two reference files: an older one with another key offset measuring every preset, and one with the default
+    offset lacking k4v2. The default's comes first (tag 1) whatever the given order; the table takes each row from
+    it where it measured the row, k4v2's KL cell names its other source, and the closest-to-fp8 sentence uses the
+    default's source only (k4v2 'not measured in [1]')."""
+    from kvrepro.formats import get_format
+
+    default_offset = get_format(DEFAULT_PRESET).default_key_offset
+    other = tmp_path / "other.csv"
+    fidelity_rows().assign(params=json.dumps(dict(PARAMS, key_offset="first-prefill"))).to_csv(other, index=False)
+    mine = tmp_path / "mine.csv"
+    per = {f: v for f, v in PER_TOKEN.items() if f != "k4v2"}
+    per["k5v4"] = (0.012, PER_TOKEN["k5v4"][1])
+    fidelity_rows(per).assign(params=json.dumps(dict(PARAMS, key_offset=default_offset))).to_csv(mine, index=False)
+    refs = acs.by_default_offset([acs.fidelity_source(str(other)), acs.fidelity_source(str(mine))])
+    assert [acs.key_offset_of(s) for s in refs] == [default_offset, "first-prefill"]
+    rows = {r["format"]: r for r in acs.summary_rows({"reference": refs})}
+    assert rows["k5v4"]["kl"] == pytest.approx(0.012) and rows["k5v4"]["ref_tag"] == 1
+    assert rows["k4v2"]["kl"] == pytest.approx(PER_TOKEN["k4v2"][0]) and rows["k4v2"]["ref_tag"] == 2
+    assert acs._kl_cell(rows["k4v2"]).endswith("[2]") and "[" not in acs._kl_cell(rows["k5v4"])
+    text = acs.closest_to_fp8(list(rows.values()))
+    assert "KL 0.012 = 1.20x fp8's" in text and "k4v2 (17 users): not measured in [1]" in text
+    assert text.endswith("(All figures of this sentence from source [1].)")
