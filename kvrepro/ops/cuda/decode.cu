@@ -86,14 +86,22 @@ template <int KB, int VB> struct PageFmt;
 #ifndef KVREPRO_STEP_K4V2
 #define KVREPRO_STEP_K4V2 2
 #endif
+// ROPE_STEP: STEP of the *_rope kernels: one page per step, as rope_add's registers need (two spilled 128 bytes for
+// k4v4 and 40 for k4v2 on sm_90; one none).
+#ifndef KVREPRO_ROPE_STEP_K4V4
+#define KVREPRO_ROPE_STEP_K4V4 1
+#endif
+#ifndef KVREPRO_ROPE_STEP_K4V2
+#define KVREPRO_ROPE_STEP_K4V2 1
+#endif
 template <> struct PageFmt<4, 4> : PageLayout<4, 4> {
-  static constexpr int KSTAGES = KVREPRO_STAGES, STEP = KVREPRO_STEP_K4V4;
+  static constexpr int KSTAGES = KVREPRO_STAGES, STEP = KVREPRO_STEP_K4V4, ROPE_STEP = KVREPRO_ROPE_STEP_K4V4;
 };
 template <> struct PageFmt<8, 4> : PageLayout<8, 4> {
-  static constexpr int KSTAGES = KVREPRO_STAGES_K8V4, STEP = KVREPRO_STEP_K8V4;
+  static constexpr int KSTAGES = KVREPRO_STAGES_K8V4, STEP = KVREPRO_STEP_K8V4, ROPE_STEP = KVREPRO_STEP_K8V4;
 };
 template <> struct PageFmt<4, 2> : PageLayout<4, 2> {
-  static constexpr int KSTAGES = KVREPRO_STAGES_K4V2, STEP = KVREPRO_STEP_K4V2;
+  static constexpr int KSTAGES = KVREPRO_STAGES_K4V2, STEP = KVREPRO_STEP_K4V2, ROPE_STEP = KVREPRO_ROPE_STEP_K4V2;
 };
 constexpr int WARPS = 4;
 // The CTA's ring: WARPS x KSTAGES pages. Past 44 KB it goes to dynamic shared memory (the launch asks for BYTES and the
@@ -212,6 +220,93 @@ __device__ __forceinline__ uint32_t pack_f16x2(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&h);
 }
 
+// ---- key offset rope-mean (the *_rope entry points; kvrepro.formats.offset.RopeMean): the pages hold k_j - R(j) b_hat
+// and each paged key's logit gets c_j = sum_i A_i cos(j theta_i) + B_i sin(j theta_i) back, i over the RPAIRS = 8 kept
+// pairs of the KV head (A, B per query head from the caller, times softmax_scale x log2 e as the Triton path's
+// rb_scale). c of one page is the GEMM C[16 tokens][8 heads] = CS[16][2 x 8] AB[2 x 8][8] of the page's cos / sin
+// table with the group's coefficients, whose accumulator fragment is the key logits' own (rows g, g + 8, heads 2 tq,
+// 2 tq + 1), so TF32 MMAs (mma.m16n8k4, one k4 block per half of the pairs and cos / sin) add it into them; their A
+// fragments ask lane (g, tq) for tokens g, g + 8 and pairs tq, tq + 4 only: 4 angles per lane, none computed twice in
+// the warp. Float32 accuracy from TF32 operands by the 3xTF32
+// split (x = hi + lo, both TF32, rna: |x - hi - lo| <= 2^-22 |x|; hi hi + hi lo + lo hi, the lo lo term < 2^-22 of the
+// product; after NVIDIA CUTLASS's 3xTF32 GEMMs).
+constexpr int RPAIRS = 8;  // kvrepro.formats.offset.MAX_PAIRS
+__device__ __forceinline__ uint32_t tf32_rna(float x) {
+  uint32_t y;
+  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(y) : "f"(x));
+  return y;
+}
+// D (f32) += A (16x4 tf32) * B (4x8 tf32): a0 = (row g, col tq), a1 = (g + 8, tq), b0 = (row tq, col g)
+__device__ __forceinline__ void mma_tf32_k4(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t b0) {
+  asm("mma.sync.aligned.m16n8k4.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(b0));
+}
+// sin and cos of the float32 angle a = j theta >= 0: a - k pi / 2 by three FMAs (Cody-Waite: pi / 2 = 1.5703125 + C2 +
+// C3, the first with 8 significant bits, so that a - k 1.5703125 is exact for every a below 2^20, i.e. positions up to
+// ~1M at theta 1; tests/cuda_emulation.py checks it), then the Cephes single-precision
+// minimax polynomials of sinf / cosf on [-pi / 4, pi / 4] (S. L. Moshier, Cephes Math Library) and the quadrant k mod
+// 4. Absolute error ~1e-7, as a float64 reduction of the same float32 angle followed by a float32 cosine (the Triton
+// kernel's _rope_bias_scores).
+__device__ __forceinline__ void rope_sincos(float a, float& s, float& c) {
+  const float k = rintf(a * 0.636619772367581343f);
+  float r = fmaf(-k, 1.5703125f, a);
+  r = fmaf(-k, 4.838267923332751e-4f, r);
+  r = fmaf(-k, 2.5632829192545614e-12f, r);
+  const int q = (int)k;
+  const float r2 = r * r;
+  const float ps = fmaf(fmaf(fmaf(-1.9515295891e-4f, r2, 8.3321608736e-3f), r2, -1.6666654611e-1f) * r2, r, r);
+  const float pc = fmaf(fmaf(fmaf(2.443315711809948e-5f, r2, -1.388731625493765e-3f), r2, 4.166664568298827e-2f) * r2,
+                        r2, fmaf(-0.5f, r2, 1.0f));
+  const float sn = (q & 1) ? pc : ps, cs = (q & 1) ? ps : pc;  // sin / cos (r + q pi / 2)
+  s = (q & 2) ? -sn : sn;
+  c = ((q + 1) & 2) ? -cs : cs;
+}
+// The group's coefficients as TF32 B fragments of lane (g, tq): head g (n), pairs tq and tq + 4 (k) of the cos block
+// (A) and the sin block (B): rb[0..3] = hi of A_tq, A_tq+4, B_tq, B_tq+4, rb[4..7] = their lo. terms row of head h:
+// rope_terms + (b Hq + kvh group + h) 2 RPAIRS (A_0..7, B_0..7); heads past the group weigh 0.
+__device__ __forceinline__ void rope_coefs(uint32_t (&rb)[8], const float* __restrict__ rope_terms, float rope_scale,
+                                           int b, int hq, int kvh, int group, int g, int tq) {
+  const float* row = rope_terms + ((int64_t)b * hq + kvh * group + g) * (2 * RPAIRS);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float x = g < group ? row[(i >> 1) * RPAIRS + tq + (i & 1) * 4] * rope_scale : 0.f;
+    rb[i] = tf32_rna(x);
+    rb[4 + i] = tf32_rna(x - __uint_as_float(rb[i]));
+  }
+}
+// s[0..3] (tokens pos0 + g, pos0 + g + 8; heads 2 tq, 2 tq + 1) += c of those keys: lane (g, tq) takes the angles of
+// those tokens in pairs tq and tq + 4; the angle is one float32 product of the float32 position (exact below 2^24) and
+// the frequency, as RopeMean.angles (__fmul_rn: no FMA contraction may change its rounding). rope_sm: rope_coefs'
+// fragments in shared memory, [4][32 lanes] uint2 (hi, lo) for cos pair tq, cos tq + 4, sin tq, sin tq + 4, then
+// [32 lanes] float2 (f_tq, f_tq+4). One k4 block per pair half and cos / sin (mma.m16n8k4: 2 A registers per lane, so
+// only one pair's angles are live at a time; the k8 shape, 4 A registers, spilled on sm_90 for k4v2).
+__device__ __forceinline__ void rope_add(float (&s)[4], int pos0, int g, const uint4* rope_sm, int lane) {
+  const float2 f = reinterpret_cast<const float2*>(rope_sm + 64)[lane];
+  const uint2* rb = reinterpret_cast<const uint2*>(rope_sm);
+  const float t0 = (float)(pos0 + g), t1 = (float)(pos0 + g + 8);
+  float c[4] = {0.f, 0.f, 0.f, 0.f};  // per block: the small products first, then the large one; one add to the logits
+#pragma unroll
+  for (int pp = 0; pp < 2; ++pp) {     // pair tq, then tq + 4
+    const float fr = pp ? f.y : f.x;
+    float sn[2], cs[2];                 // A fragment rows g (token pos0 + g), g + 8
+    rope_sincos(__fmul_rn(t0, fr), sn[0], cs[0]);
+    rope_sincos(__fmul_rn(t1, fr), sn[1], cs[1]);
+#pragma unroll
+    for (int blk = 0; blk < 2; ++blk) {  // cos, sin
+      const float* x = blk ? sn : cs;
+      const uint32_t h0 = tf32_rna(x[0]), h1 = tf32_rna(x[1]);
+      const uint32_t l0 = tf32_rna(x[0] - __uint_as_float(h0)), l1 = tf32_rna(x[1] - __uint_as_float(h1));
+      const uint2 b = rb[(2 * blk + pp) * 32 + lane];
+      mma_tf32_k4(c, l0, l1, b.x);
+      mma_tf32_k4(c, h0, h1, b.y);
+      mma_tf32_k4(c, h0, h1, b.x);
+    }
+  }
+#pragma unroll
+  for (int e = 0; e < 4; ++e) s[e] += c[e];
+}
+
 // In-place unnormalized Walsh-Hadamard transform (Sylvester order) of 128 values held 4 per lane, lane l holding
 // elements 4 l .. 4 l + 3: strides 1 and 2 in registers, strides 4 .. 64 with lanes l ^ 1 .. l ^ 16.
 __device__ __forceinline__ void fwht_warp(float (&x)[4], int lane) {
@@ -284,7 +379,7 @@ __device__ unsigned long long kvrepro_trace[KVREPRO_TRACE][8];  // read by cuMod
 // part_lse (log2; -inf for a split without tokens, NaN if a NaN reached the head). Not inlined: its registers do not add
 // to the attention loop's (the kernel runs at the 128-register cap); 1.0 us from a CTA's loop end to its partial's
 // stores, 1.8 us with the earlier block-wide version.
-template <int KB, int VB>
+template <int KB, int VB, bool ROPE>  // ROPE: its own copy per entry point (see merge_splits)
 __device__ __noinline__ void cta_partial(const float* w_o, const float* w_s, float* __restrict__ part_o,
                                          float* __restrict__ part_lse, int b, int kvh, int hq, int group,
                                          int num_splits, int split) {
@@ -334,7 +429,8 @@ __device__ __noinline__ void cta_partial(const float* w_o, const float* w_s, flo
 // warp's own region of the shared buffer), the weighted sum, the rotation back (Walsh-Hadamard transform) and the
 // output. The caller's atom.acq_rel and barrier order these loads after every other CTA's partial stores. Not inlined,
 // as cta_partial. 1.8 us from the count-in to the output's stores, 3.5 us with the earlier block-wide merge.
-template <int KB, int VB>
+template <int KB, int VB, bool ROPE>  // ROPE: one copy per entry point; a callee shared by two kernels changed the
+                                      // code ptxas made for the kernel without the correction
 __device__ __noinline__ void merge_splits(uint8_t* smem, const float* __restrict__ part_o,
                                           const float* __restrict__ part_lse, const float* __restrict__ signs,
                                           void* __restrict__ out, int b, int kvh, int hq, int group, int num_splits,
@@ -412,12 +508,15 @@ __device__ __noinline__ void merge_splits(uint8_t* smem, const float* __restrict
       stride_oh, qmul, flags, stride_bt, num_splits, num_kv_heads, group, rank_div, rank_skew
 
 // The whole decode step for KB-bit keys and VB-bit values (k4v4, k8v4, k4v2); the __global__ entry points below
-// instantiate it.
-template <int KB, int VB>
-__device__ __forceinline__ void decode_step(KVREPRO_DECODE_PARAMS) {
+// instantiate it. ROPE (the *_rope entry points): each paged key's logit gets the rope-mean correction (rope_add) from
+// rope_terms float32 [B, HQ, 2 RPAIRS] (A then B of each query head, unscaled), rope_freq float32 [HKV, RPAIRS] and
+// rope_scale = softmax_scale x log2(e); without it (ROPE false) the code is the kernel without the correction.
+template <int KB, int VB, bool ROPE>
+__device__ __forceinline__ void decode_step(KVREPRO_DECODE_PARAMS, const float* __restrict__ rope_terms,
+                                            const float* __restrict__ rope_freq, float rope_scale) {
   using F = PageFmt<KB, VB>;
   constexpr int PAGE = F::PAGE, V_OFF = F::V_OFF, KM_OFF = F::KM_OFF, VM_OFF = F::VM_OFF, STAGES = F::KSTAGES;
-  constexpr int NP = F::STEP;                     // pages per loop step of a warp
+  constexpr int NP = ROPE ? F::ROPE_STEP : F::STEP;  // pages per loop step of a warp
   constexpr int K_BYTES = BS * D * KB / 8;        // key code region: 1024 (4-bit) / 2048 (8-bit) bytes
   constexpr int V_BYTES = BS * D * VB / 8;        // value code region: 1024 (4-bit) / 512 (2-bit) bytes
   constexpr int META_CHUNKS = (PAGE - K_BYTES - V_BYTES) / 16;  // 16-byte chunks of K and V metadata: 6
@@ -561,6 +660,22 @@ __device__ __forceinline__ void decode_step(KVREPRO_DECODE_PARAMS) {
     for (int o = 16; o; o >>= 1) isum += __shfl_xor_sync(0xffffffffu, isum, o);
     if (lane == 0) { s_q[h] = sq; q_sum[h] = (float)isum * sq; }
   }
+  // ROPE: the group's coefficients as TF32 B fragments per lane (rope_coefs) and each lane's pair frequencies, the same
+  // in every warp: warp 0 puts them in shared memory, read back per page (in registers, ptxas spilled ~200 bytes)
+  const uint4* rope_sm = nullptr;   // [2][32 lanes] hi, lo fragments, then [32 lanes] (f_tq, f_tq+4) as float2
+  if constexpr (ROPE) {
+    __shared__ __align__(16) uint4 rope_s[2 * 32 + 16];
+    rope_sm = rope_s;
+    if (warp == 0) {
+      uint32_t rb[8];
+      rope_coefs(rb, rope_terms, rope_scale, b, hq, kvh, group, g, tq);
+      uint2* frag = reinterpret_cast<uint2*>(rope_s);   // [4][32] (hi, lo): cos tq, cos tq + 4, sin tq, sin tq + 4
+#pragma unroll
+      for (int i = 0; i < 4; ++i) frag[i * 32 + lane] = make_uint2(rb[i], rb[4 + i]);
+      reinterpret_cast<float2*>(rope_s + 64)[lane] =
+          make_float2(rope_freq[kvh * RPAIRS + tq], rope_freq[kvh * RPAIRS + tq + 4]);
+    }
+  }
   __syncthreads();
   TRACE(1, global_ns());
 
@@ -634,6 +749,7 @@ __device__ __forceinline__ void decode_step(KVREPRO_DECODE_PARAMS) {
     s[1] = (float)(chi[1] * 128 + clo[1]) * (kmul1 * ksA) + qs1 * kzA;
     s[2] = (float)(chi[2] * 128 + clo[2]) * (kmul0 * ksB) + qs0 * kzB;
     s[3] = (float)(chi[3] * 128 + clo[3]) * (kmul1 * ksB) + qs1 * kzB;
+    if constexpr (ROPE) rope_add(s, tok0, g, rope_sm, lane);  // tok0: the page's first position in the sequence
     okA = true, okB = true;
     if (masked && tok0 + BS > end) {
       okA = tok0 + g < end;
@@ -744,8 +860,10 @@ __device__ __forceinline__ void decode_step(KVREPRO_DECODE_PARAMS) {
 #pragma unroll
     for (int k = 0; k < NP; ++k) {
       pg[k] = my_ring + rd + k * PAGE;
-      page_logits(pg[k], !masked ? 0 : i + k < my_pages ? (p0 + warp + (i + k) * WARPS) * BS : end, s[k], okA[k],
-                  okB[k], masked);
+      // the page's first token position; past my_pages (masked last step) at or past `end`: every token masked
+      const int tok0 = ROPE ? (p0 + warp + (i + k) * WARPS) * BS
+                            : !masked ? 0 : i + k < my_pages ? (p0 + warp + (i + k) * WARPS) * BS : end;
+      page_logits(pg[k], tok0, s[k], okA[k], okB[k], masked);
     }
     float pm0 = fmaxf(s[0][0], s[0][2]), pm1 = fmaxf(s[0][1], s[0][3]);
 #pragma unroll
@@ -801,7 +919,7 @@ __device__ __forceinline__ void decode_step(KVREPRO_DECODE_PARAMS) {
     w_s[(warp * 8 + h0 + 1) * 3 + 0] = m1; w_s[(warp * 8 + h0 + 1) * 3 + 1] = l1; w_s[(warp * 8 + h0 + 1) * 3 + 2] = z1;
   }
   __syncthreads();
-  cta_partial<KB, VB>(w_o, w_s, part_o, part_lse, b, kvh, hq, group, num_splits, split);
+  cta_partial<KB, VB, ROPE>(w_o, w_s, part_o, part_lse, b, kvh, hq, group, num_splits, split);
 
   // ---- the last CTA of this (sequence, KV head) merges the splits and rotates back. The count-in is one
   // atom.add.acq_rel.gpu by thread 0 after a barrier: the barrier orders the CTA's partial stores before thread 0's
@@ -821,17 +939,24 @@ __device__ __forceinline__ void decode_step(KVREPRO_DECODE_PARAMS) {
   // every CTA of this (sequence, KV head) has counted in: the counter is ready for the next launch (reset before the
   // merge, so that no register stays live across its call)
   if (threadIdx.x == 0) *counter = 0u;
-  merge_splits<KB, VB>(ring, part_o, part_lse, signs, out, b, kvh, hq, group, num_splits, stride_ob, stride_oh,
+  merge_splits<KB, VB, ROPE>(ring, part_o, part_lse, signs, out, b, kvh, hq, group, num_splits, stride_ob, stride_oh,
                o_bf16);
   TRACE(5, global_ns());
 }
 
 // Entry points: one per preset; <name>_dyn_smem = the dynamic shared memory its launch must ask for (0: none), read by
 // the loader (kvrepro.ops.cuda_decode._Module) through cuModuleGetGlobal.
+// NAME##_rope: the same with the rope-mean correction (decode_step's ROPE), three more parameters after the others.
 #define KVREPRO_ENTRY(NAME, KB, VB)                                                                             \
   extern "C" __device__ int NAME##_dyn_smem = Ring<KB, VB>::DYNAMIC ? Ring<KB, VB>::BYTES : 0;                  \
   extern "C" __global__ void __launch_bounds__(WARPS * 32, 4) /* 4 CTAs (16 warps) per SM: <= 128 registers */ \
-  NAME(KVREPRO_DECODE_PARAMS) { decode_step<KB, VB>(KVREPRO_DECODE_ARGS); }
+  NAME(KVREPRO_DECODE_PARAMS) { decode_step<KB, VB, false>(KVREPRO_DECODE_ARGS, nullptr, nullptr, 0.f); }        \
+  extern "C" __device__ int NAME##_rope_dyn_smem = Ring<KB, VB>::DYNAMIC ? Ring<KB, VB>::BYTES : 0;             \
+  extern "C" __global__ void __launch_bounds__(WARPS * 32, 4)                                                   \
+  NAME##_rope(KVREPRO_DECODE_PARAMS, const float* __restrict__ rope_terms, const float* __restrict__ rope_freq, \
+              float rope_scale) {                                                                                \
+    decode_step<KB, VB, true>(KVREPRO_DECODE_ARGS, rope_terms, rope_freq, rope_scale);                          \
+  }
 
 KVREPRO_ENTRY(kvrepro_decode_k4v4, 4, 4)
 KVREPRO_ENTRY(kvrepro_decode_k8v4, 8, 4)
