@@ -261,3 +261,94 @@ def outputs_from_tiles(tc: np.ndarray, first_channel) -> np.ndarray:
             out[h0, ch0 + 2 * g], out[h0 + 1, ch0 + 2 * g] = tc[t8, t, 0], tc[t8, t, 1]
             out[h0, ch0 + 2 * g + 1], out[h0 + 1, ch0 + 2 * g + 1] = tc[t8, t, 2], tc[t8, t, 3]
     return out
+
+
+# --- key offset rope-mean (decode.cu rope_coefs, rope_sincos, rope_add) -----------------------------------------------
+RPAIRS = 8
+
+
+def _fma32(a, b, c):
+    """float32 ``fmaf(a, b, c)``: the product and sum in float64, one rounding to float32 (exact for the kernel's
+    reduction operands: a 17-bit multiple k times a constant of <= 24 bits plus a float32 stays within 53 bits except
+    for the last, tiny C3 term, where the float64 rounding is far below float32's)."""
+    return (np.float64(a) * np.float64(b) + np.float64(c)).astype(np.float32)
+
+
+def tf32_rna(x) -> np.ndarray:
+    """``cvt.rna.tf32.f32``: float32 rounded to 10 mantissa bits, ties away from zero (as uint32 bit patterns)."""
+    bits = np.asarray(x, np.float32).view(np.uint32)
+    return ((bits + np.uint32(0x1000)) & np.uint32(0xFFFFE000)).astype(np.uint32)
+
+
+def _f(bits) -> np.ndarray:
+    return np.asarray(bits, np.uint32).view(np.float32)
+
+
+def rope_sincos(a) -> tuple[np.ndarray, np.ndarray]:
+    """The kernel's ``rope_sincos`` on float32 angles ``a`` (>= 0): ``(sin, cos)`` float32, operation by operation
+    (rintf, three FMAs of the pi / 2 reduction, the Cephes polynomials, the quadrant)."""
+    f = np.float32
+    a = np.asarray(a, np.float32)
+    k = np.rint(a * f(0.636619772367581343)).astype(np.float32)   # rintf: ties to even, as np.rint
+    r = _fma32(-k, f(1.5703125), a)
+    r = _fma32(-k, f(4.838267923332751e-4), r)
+    r = _fma32(-k, f(2.5632829192545614e-12), r)
+    q = k.astype(np.int64)
+    r2 = (r * r).astype(np.float32)
+    ps = _fma32(_fma32(_fma32(f(-1.9515295891e-4), r2, f(8.3321608736e-3)), r2, f(-1.6666654611e-1)) * r2, r, r)
+    pc = _fma32(_fma32(_fma32(f(2.443315711809948e-5), r2, f(-1.388731625493765e-3)), r2,
+                       f(4.166664568298827e-2)) * r2, r2, _fma32(f(-0.5), r2, f(1.0)))
+    sn, cs = np.where(q & 1, pc, ps), np.where(q & 1, ps, pc)
+    return np.where(q & 2, -sn, sn).astype(np.float32), np.where((q + 1) & 2, -cs, cs).astype(np.float32)
+
+
+def mma_tf32_k4(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """m16n8k4 row.col tf32 -> f32: a [32, 2], b [32] uint32 (tf32 bit patterns), c [32, 4] -> c + A B (float64; the
+    tensor core's float32 accumulation is not emulated). a0 = (row g, col tq), a1 = (g + 8, tq), b0 = (row tq, col g)."""
+    A, B = np.zeros((16, 4)), np.zeros((4, 8))
+    for t in range(32):
+        g, q = t // 4, t % 4
+        A[g, q], A[g + 8, q] = _f(a[t, 0]), _f(a[t, 1])
+        B[q, g] = _f(b[t])
+    return c + _c_fragments(A @ B)
+
+
+def rope_shared(terms: np.ndarray, freq: np.ndarray, rope_scale: float, b: int, kvh: int, group: int) -> tuple:
+    """What warp 0 puts in the kernel's ``rope_s`` (``rope_coefs``): ``frag`` [4, 32, 2] uint32 (hi, lo TF32 of the
+    coefficient of head g = lane // 4, pair tq (blocks 0: cos, 2: sin) or tq + 4 (1: cos, 3: sin), tq = lane % 4,
+    times ``rope_scale`` in float32; heads past ``group`` 0) and ``fr`` [32, 2] float32 (f_tq, f_tq+4). ``terms``
+    float32 [B, Hq, 2 RPAIRS] (A then B), ``freq`` float32 [Hkv, RPAIRS]."""
+    hq = terms.shape[1]
+    rows = terms.reshape(-1, 2 * RPAIRS)
+    frag = np.zeros((4, 32, 2), np.uint32)
+    fr = np.zeros((32, 2), np.float32)
+    for lane in range(32):
+        g, tq = lane // 4, lane % 4
+        for i in range(4):
+            x = (rows[b * hq + kvh * group + g, (i >> 1) * RPAIRS + tq + (i & 1) * 4] * np.float32(rope_scale)
+                 if g < group else np.float32(0))
+            hi = tf32_rna(x)
+            frag[i, lane] = hi, tf32_rna(np.float32(x) - _f(hi))   # i: cos tq, cos tq + 4, sin tq, sin tq + 4
+        fr[lane] = freq[kvh, tq], freq[kvh, tq + 4]
+    return frag, fr
+
+
+def rope_add(pos0: int, frag: np.ndarray, fr: np.ndarray) -> np.ndarray:
+    """The kernel's ``rope_add`` for the page whose first token is at ``pos0``: the correction's C fragments [32, 4]
+    (rows g, g + 8 = tokens pos0 + g, + 8; heads 2 tq, 2 tq + 1), lane by lane: angles as ``__fmul_rn`` of the
+    float32 position and frequency, ``rope_sincos``, the 3xTF32 split and the m16n8k4 MMAs in the kernel's order."""
+    c = np.zeros((32, 4))
+    lanes = np.arange(32)
+    t0 = (pos0 + lanes // 4).astype(np.float32)
+    t1 = (pos0 + lanes // 4 + 8).astype(np.float32)
+    for pp in range(2):
+        sn0, cs0 = rope_sincos((t0 * fr[:, pp]).astype(np.float32))   # float32 product: one rounding
+        sn1, cs1 = rope_sincos((t1 * fr[:, pp]).astype(np.float32))
+        for blk, (x0, x1) in enumerate(((cs0, cs1), (sn0, sn1))):
+            h = np.stack([tf32_rna(x0), tf32_rna(x1)], 1)
+            lo = np.stack([tf32_rna(x0 - _f(h[:, 0])), tf32_rna(x1 - _f(h[:, 1]))], 1)
+            b = frag[2 * blk + pp]
+            c = mma_tf32_k4(lo, b[:, 0], c)
+            c = mma_tf32_k4(h, b[:, 1], c)
+            c = mma_tf32_k4(h, b[:, 0], c)
+    return c

@@ -878,3 +878,81 @@ def test_build_refuses_what_is_not_a_fatbin_of_these_kernels(tmp_path, monkeypat
     monkeypatch.setattr(cuda_build.shutil, "which", lambda name: str(junk) if name == "mynvcc" else None)
     assert cuda_build.find_nvcc("mynvcc") == str(junk)                 # a command name: looked up on PATH
     assert cuda_build.main(["--nvcc", str(junk)]) == 1                 # built with it: not a fatbin, exit 1
+
+
+# --- key offset rope-mean: the *_rope kernels' correction (decode.cu rope_coefs / rope_sincos / rope_add) ------------
+
+def test_emulated_rope_sincos_is_float32_accurate_up_to_2_pow_20():
+    """The kernel's sin / cos of float32 angles (Cody-Waite pi / 2 reduction, Cephes polynomials), emulated operation by
+    operation, against float64 sin / cos of the same float32 angles: absolute error < 2.5e-7 (a float32 cosine's ~6e-8
+    plus the reduction's roundings) from 0 to 2^20 rad, including angles next to multiples of pi / 2 (quadrant edges)."""
+    rng = np.random.default_rng(0)
+    k = np.arange(0, 2 ** 20 / (np.pi / 2), 997.0)
+    a = np.concatenate([rng.uniform(0, 2 ** 20, 200_000), rng.uniform(0, 8, 20_000), k * np.pi / 2,
+                        np.nextafter((k * np.pi / 2).astype(np.float32), np.float32(np.inf)),
+                        [0.0, 1e-30, np.pi / 4, 2 ** 20 - 1]]).astype(np.float32)
+    sn, cs = emu.rope_sincos(a)
+    err_s = np.abs(sn.astype(np.float64) - np.sin(a.astype(np.float64))).max()
+    err_c = np.abs(cs.astype(np.float64) - np.cos(a.astype(np.float64))).max()
+    assert err_s < 2.5e-7 and err_c < 2.5e-7, (err_s, err_c)
+
+
+def _rope_mean_set(hkv, d, neox, gen, norm=1000.0):
+    """A RopeMean on the CPU with 8 kept pairs per KV head chosen at random among all of the layout's pairs (the
+    fastest, pair 0, in every head), b_hat of norm ``norm`` per head, as calibrate() would leave it."""
+    from kvrepro.formats.offset import RopeMean
+
+    rm = RopeMean(hkv, d, {"rope_theta": 1e6, "neox": neox})
+    x, y, inv = rm.all_pairs()
+    for h in range(hkv):
+        pick = torch.cat([torch.zeros(1, dtype=torch.int64), 1 + torch.randperm(x.numel() - 1, generator=gen)[:7]])
+        rm.x_ch[h], rm.y_ch[h], rm.inv_freq[h] = x[pick], y[pick], inv[pick]
+        b = torch.randn(8, 2, generator=gen)
+        rm.bias[h] = b / b.norm() * norm
+    rm.kept, rm.calibrated = [8] * hkv, True
+    return rm
+
+
+@pytest.mark.parametrize("neox", [True, False])
+def test_emulated_rope_correction_equals_float64_over_the_restored_keys(neox):
+    """The *_rope kernels' correction for one CTA (sequence b, KV head kvh), emulated lane by lane (rope_coefs' shared
+    fragments, rope_add's angles, sin / cos, 3xTF32 split and m16n8k4 MMAs), against float64 q . R(j) b_hat of the
+    restored keys (RopeMean.offset, channel space: checks the pair order of terms vs inv_freq and the neox /
+    interleaved layout), heads of the CTA's GQA group only (the others 0), at pages from position 0 to 2^20 - 16: within
+    1.5e-6 of the largest correction, as the Triton kernel's float64-reduced one (scale 1: rope_scale multiplies A, B)."""
+    gen = torch.Generator().manual_seed(1 + neox)
+    hq, hkv, d, batch = 32, 8, 128, 2
+    rm = _rope_mean_set(hkv, d, neox, gen)
+    q = torch.randn(batch, hq, d, generator=gen)
+    a_, b_ = rm.score_terms(q)
+    terms = torch.cat([a_, b_], -1).contiguous().numpy()
+    freq = rm.inv_freq.numpy()
+    group = hq // hkv
+    for b, kvh in ((1, 3), (0, 7), (1, 0)):
+        frag, fr = emu.rope_shared(terms, freq, 1.0, b, kvh, group)
+        for pos0 in (0, 16, 4080, 65_520, 105_600, 131_056, 2 ** 20 - 16):
+            got = emu.logits_from_fragments(emu.rope_add(pos0, frag, fr))           # [16 tokens, 8 heads]
+            pos = torch.arange(pos0, pos0 + 16)
+            off = rm.offset(pos)[:, kvh].double()                                  # [16, D]: R(j) b_hat
+            want = (q[b, kvh * group:(kvh + 1) * group].double() @ off.T).T.numpy()  # [16, group]
+            big = np.abs(want).max()
+            assert np.abs(got[:, :group] - want).max() / big < 1.5e-6, (b, kvh, pos0)
+            assert not got[:, group:].any()
+
+
+def test_emulated_rope_correction_reads_each_row_of_terms():
+    """Index check with one-hot coefficients: A_i = 1 for one (head, pair) gives cos(j theta_i) in that head's column
+    only, B_i sin; at GQA groups 1..8 and the last KV head of the last sequence."""
+    freq = np.linspace(0.001, 1.0, 8 * 8, dtype=np.float32).reshape(8, 8)     # [Hkv, 8]
+    for group in (1, 3, 8):
+        hq = 8 * group
+        for col in (0, 5, 11, 15):
+            for h in {0, group - 1}:
+                terms = np.zeros((2, hq, 16), np.float32)
+                terms[1, 7 * group + h, col] = 1.0
+                frag, fr = emu.rope_shared(terms, freq, 1.0, 1, 7, group)
+                got = emu.logits_from_fragments(emu.rope_add(480, frag, fr))
+                ang = (np.arange(480, 496, dtype=np.float32) * freq[7, col % 8]).astype(np.float64)
+                want = np.zeros((16, 8))
+                want[:, h] = np.cos(ang) if col < 8 else np.sin(ang)
+                assert np.abs(got - want).max() < 1e-6, (group, col, h)
