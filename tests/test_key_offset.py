@@ -317,6 +317,25 @@ def test_rope_mean_keeps_at_most_max_pairs_and_only_pairs_above_the_spread_and_r
     assert x.tolist()[-8:] == [64, 66, 68, 70, 72, 74, 76, 78] and (inv[32:] == 0).all()
 
 
+def test_rope_mean_refuses_arguments_on_another_device_than_its_buffers():
+    """Every method names the argument that is not on the buffers' device (here "meta" buffers, CPU arguments: on a
+    GPU, CUDA buffers and a position tensor left on the host) instead of copying it silently."""
+    rope_ = {"rope_theta": 1e4, "neox": True}
+    rm = RopeMean(2, 64, rope_, device="meta")
+    key, pos, q = torch.zeros(3, 2, 64), torch.arange(3), torch.zeros(3, 4, 64)
+    for call, name in ((lambda: rm.calibrate(key, pos), "key"), (lambda: rm.offset(pos), "pos"),
+                       (lambda: rm.remove(key, pos), "key"), (lambda: rm.restore(key, pos), "key"),
+                       (lambda: rm.score_terms(q), "query"), (lambda: rm.score_correction(q, pos), "pos")):
+        with pytest.raises(ValueError, match=f"RopeMean: {name} is on cpu, the offset's buffers on meta"):
+            call()
+    with pytest.raises(ValueError, match="RopeMean.angles: pos is on cpu, inv_freq on meta"):
+        RopeMean.angles(pos, rm.inv_freq)
+    assert not rm.calibrated
+    rm = RopeMean(2, 64, rope_)                                     # buffers where the arguments are: accepted
+    rm.calibrate(key, pos)
+    assert rm.calibrated and rm.remove(key, pos).device == key.device
+
+
 def test_rope_mean_angles_round_as_the_models_rope_does():
     """The float32 cos/sin of position x inv_freq equal transformers' Llama rotary embedding (the cos/sin cache vLLM's
     RotaryEmbedding builds the same way) bit for bit at positions up to 131,071: the removed R(p) b_hat follows the

@@ -46,6 +46,9 @@ def test_rope_mean_meets_the_key_bias_bar_in_both_placements(preset):
     t = bias_table(formats=(preset,), shapes=((32, 8, 128), (9, 3, 64)), bias_norms=(1000.0,), tokens=512,
                    key_offset="rope-mean")
     assert (t["key_offset"] == "rope-mean").all() and len(t) == 4
+    for shape, grp in t.groupby("shape"):                 # top1_no_bias is stress() at bias 0 of the same case
+        case = tuple(int(x) for x in shape.strip("()").split(","))
+        assert (grp["top1_no_bias"] == stress(preset, case, 0.0, tokens=512, key_offset="rope-mean")["top1"]).all()
     assert (t["ratio"] <= BAR).all(), t[["shape", "placement", "ratio"]]
     base = t["rel_err_no_bias"].iloc[0]
     fast = stress(preset, (32, 8, 128), 1000.0, "high", tokens=512, key_offset="off")["rel_err"] / base

@@ -1,6 +1,7 @@
 """decode_attention (Triton) vs float64 attention over the dequantized cache; compression error
 vs attention over the raw bf16 K/V reported with its own, looser bound."""
 from test_ops_helpers import DEV, block_tables, fill, make_pool, relerr  # noqa: I001  (TRITON_INTERPRET first)
+from devguard import host_device_guard  # noqa: F401, I001  (fixture: misplaced tensors fail on CPU too)
 
 import pytest
 import torch
@@ -321,12 +322,12 @@ def _rope_mean_setup(preset, hq, hkv, d, bs, lens, dtype, seed, base=1e4, norm=6
         if not L:
             raw.append(None)
             continue
-        pos = torch.arange(L)
-        k = rope(b[:, None] + torch.randn(hkv, L, d, generator=gen, dtype=torch.float64), pos, base).transpose(0, 1)
-        k, v = k.to(DEV, dtype), torch.randn(L, hkv, d, generator=gen).to(DEV, dtype)
-        rm.calibrate(k, pos.to(DEV))
-        slots = (bt[r][pos // bs].long() * bs + pos % bs).to(torch.int32).to(DEV)
-        store_kv(rm.remove(k, pos.to(DEV)), v, pool.data, slots, pool.layout, pool.rotation)
+        pos = torch.arange(L, device=DEV)
+        k = rope(b[:, None] + torch.randn(hkv, L, d, generator=gen, dtype=torch.float64), pos.cpu(), base)
+        k, v = k.transpose(0, 1).to(DEV, dtype), torch.randn(L, hkv, d, generator=gen).to(DEV, dtype)
+        rm.calibrate(k, pos)
+        slots = (bt[r][pos // bs].long() * bs + pos % bs).to(torch.int32)
+        store_kv(rm.remove(k, pos), v, pool.data, slots, pool.layout, pool.rotation)
         raw.append((k, v))
     q = torch.randn(len(lens), hq, d, generator=gen).to(DEV, dtype)
     sl = torch.tensor(lens, dtype=torch.int32, device=DEV)
@@ -343,7 +344,7 @@ def _rope_mean_terms(rm, q):
     ("k4v4", 8, 2, 64, 16), ("k8v4", 9, 3, 64, 32), ("k4v2", 16, 2, 64, 16), ("k5v4", 8, 2, 64, 16),
     ("k4v4", 32, 8, 128, 16),
 ])
-def test_decode_rope_mean_restores_exact_scores(key_mma, preset, hq, hkv, d, bs):
+def test_decode_rope_mean_restores_exact_scores(key_mma, preset, hq, hkv, d, bs, host_device_guard):
     """Against float64 attention over the pages' keys with R(j) b_hat added back (the exact-key scores up to the
     format's rounding of the residual), and against the raw biased keys within the format's own error: a bias of
     norm 600 in a pair turning by 1 rad per position costs nothing once the scores carry it."""
@@ -369,7 +370,7 @@ def test_decode_rope_mean_restores_exact_scores(key_mma, preset, hq, hkv, d, bs)
     assert relerr(plain[:1], exact) > 2 * relerr(out[:1], exact)
 
 
-def test_decode_rope_mean_refuses_bad_terms_and_the_cuda_kernel():
+def test_decode_rope_mean_refuses_bad_terms_and_the_cuda_kernel(host_device_guard):
     pool, bt, sl, q, rm, _ = _rope_mean_setup("k4v4", 8, 2, 64, 16, [5, 9], torch.float16, seed=1)
     terms, freq = _rope_mean_terms(rm, q)
     args = (q, pool.data, bt, sl, pool.layout, pool.rotation, 0.125)
@@ -390,7 +391,7 @@ def _rope_bias_scores_kernel(ab_ptr, f_ptr, n_ptr, o_ptr, M: tl.constexpr, N: tl
     tl.store(o_ptr + m[:, None] * N + tl.arange(0, N)[None, :], _rope_bias_scores(ab, f_ptr, n, NP))
 
 
-def test_rope_bias_scores_match_float32_rope_at_long_positions():
+def test_rope_bias_scores_match_float32_rope_at_long_positions(host_device_guard):
     """The kernel's correction term alone (``_rope_bias_scores`` in a one-program kernel) at positions up to 131,071
     against ``RopeMean.score_correction`` (float32 torch cos/sin of the same float32 angles) and against float64 of
     those angles: the float64 range reduction keeps it to float32 rounding where a float32 one would be off by the

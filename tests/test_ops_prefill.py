@@ -1,5 +1,6 @@
 """prefill_attention (chunked prefill over compressed context + fresh chunk) vs float64."""
 from test_ops_helpers import DEV, block_tables, chunk_reference, fill, make_pool, relerr  # noqa: I001
+from devguard import host_device_guard  # noqa: F401, I001  (fixture: misplaced tensors fail on CPU too)
 
 import pytest
 import torch
@@ -174,7 +175,8 @@ def test_prefill_refuses_inconsistent_lengths_and_options():
 
 @pytest.mark.parametrize("preset,hq,hkv,d,bs", [("k4v4", 8, 2, 64, 16), ("k5v4", 9, 3, 64, 32),
                                                 ("k8v4", 8, 2, 64, 16), ("k4v2", 8, 2, 64, 16)])
-def test_prefill_rope_mean_context_gets_its_bias_back_and_the_chunk_stays_exact(preset, hq, hkv, d, bs):
+def test_prefill_rope_mean_context_gets_its_bias_back_and_the_chunk_stays_exact(preset, hq, hkv, d, bs,
+                                                                              host_device_guard):
     """Context pages stored under the key offset rope-mean (k - R(p) b_hat, bias of norm 600 in fast and slow pairs),
     the chunk's own keys raw: the kernel's output equals float64 attention over [context restored (+ R(p) b_hat) |
     raw chunk], and is close to attention over the raw keys everywhere."""
@@ -195,14 +197,14 @@ def test_prefill_rope_mean_context_gets_its_bias_back_and_the_chunk_stays_exact(
     qs, ks, vs, refs, exacts = [], [], [], [], []
     for r in sorted(range(len(CTXS)), key=lambda i: -CTXS[i]):       # calibrate on the longest context first
         c, ql = CTXS[r], QLENS[r]
-        pos = torch.arange(c + ql)
-        k = rope(b[:, None] + torch.randn(hkv, c + ql, d, generator=gen, dtype=torch.float64), pos, 1e4)
+        pos = torch.arange(c + ql, device=DEV)
+        k = rope(b[:, None] + torch.randn(hkv, c + ql, d, generator=gen, dtype=torch.float64), pos.cpu(), 1e4)
         k = k.transpose(0, 1).to(DEV, torch.float16)
         v = torch.randn(c + ql, hkv, d, generator=gen).to(DEV, torch.float16)
         if c:
-            rm.calibrate(k[:c], pos[:c].to(DEV))
-        slots = (bt[r][pos // bs].long() * bs + pos % bs).to(torch.int32).to(DEV)
-        store_kv(rm.remove(k, pos.to(DEV)), v, pool.data, slots, pool.layout, pool.rotation)
+            rm.calibrate(k[:c], pos[:c])
+        slots = (bt[r][pos // bs].long() * bs + pos % bs).to(torch.int32)
+        store_kv(rm.remove(k, pos), v, pool.data, slots, pool.layout, pool.rotation)
         ks.append((r, k, v))
     ks.sort(key=lambda x: x[0])
     for r, k, v in ks:

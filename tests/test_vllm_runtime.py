@@ -6,6 +6,8 @@ import torch
 from kvrepro.formats import get_format
 from kvrepro.reference import attention_ref
 from kvrepro.vllm_backend.runtime import LayerRuntime, reference_attend
+from test_ops_helpers import DEV  # noqa: I001  (TRITON_INTERPRET before triton)
+from devguard import host_device_guard  # noqa: F401, I001  (fixture: misplaced tensors fail on CPU too)
 
 
 def _batch(seed, hq, hkv, d, bs, seq, ql, pad_rows=0):
@@ -436,7 +438,7 @@ def _biased_keys(n, g, hkv=2, d=64):
                 1e4).transpose(0, 1).bfloat16()
 
 
-def test_token_positions_follow_vllm_metadata():
+def test_token_positions_follow_vllm_metadata(host_device_guard):
     from kvrepro.vllm_backend.runtime import token_positions
 
     sl = torch.tensor([20, 33, 17, 5], dtype=torch.int32)
@@ -446,7 +448,7 @@ def test_token_positions_follow_vllm_metadata():
 
 
 @pytest.mark.parametrize("with_fa", [False, True])
-def test_rope_mean_runtime_stores_by_position_and_attends_exact_keys(monkeypatch, with_fa):
+def test_rope_mean_runtime_stores_by_position_and_attends_exact_keys(monkeypatch, with_fa, host_device_guard):
     """A prefill of 40 tokens (calibrates), then a batch [2 decodes | a 9-token chunk after 40 of context]: the
     pages hold k - R(p) b_hat, the kernels (or the FA prefill path) add the scores back; outputs equal
     reference_attend (float64, keys restored) and are close to attention over the raw biased keys, which the same
@@ -458,35 +460,42 @@ def test_rope_mean_runtime_stores_by_position_and_attends_exact_keys(monkeypatch
     g = torch.Generator().manual_seed(3)
     prefill = FlashPrefill(get_format("k4v4"), hkv, d, fa=_fa_standin) if with_fa else None
     rt = _rope_mean_runtime(prefill)
-    assert rt.offset_keys(torch.ones(2, hkv, d)).eq(1).all()            # chunk keys are never shifted
+    assert rt.offset_keys(torch.ones(2, hkv, d, device=DEV)).eq(1).all()  # chunk keys are never shifted
     layout = rt.fmt.layout(d, bs)
-    pool = torch.zeros(20, hkv, layout.page_bytes, dtype=torch.uint8)
-    bt = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]], dtype=torch.int32)
-    seqs = {r: (_biased_keys(60, g), torch.randn(60, hkv, d, generator=g).bfloat16()) for r in range(3)}
+    pool = torch.zeros(20, hkv, layout.page_bytes, dtype=torch.uint8, device=DEV)
+    bt = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]], dtype=torch.int32, device=DEV)
+    seqs = {r: (_biased_keys(60, g).to(DEV), torch.randn(60, hkv, d, generator=g).bfloat16().to(DEV))
+            for r in range(3)}
     slot = lambda r, i: int(bt[r, i // bs]) * bs + i % bs  # noqa: E731
+    slots = lambda pairs: torch.tensor([slot(r, i) if r >= 0 else -1 for r, i in pairs], device=DEV)  # noqa: E731
     # step 1: each request's history as prefills of 40 / 30 / 40 tokens (the first calibrates)
     for r, n in ((0, 40), (1, 30), (2, 40)):
         k, v = seqs[r]
-        sl1, qsl1 = torch.tensor([n], dtype=torch.int32), torch.tensor([0, n], dtype=torch.int32)
+        sl1 = torch.tensor([n], dtype=torch.int32, device=DEV)
+        qsl1 = torch.tensor([0, n], dtype=torch.int32, device=DEV)
+        sm = slots([(r, i) for i in range(n)])
         with pytest.raises(ValueError, match="positions="):
-            rt.store(k[:n].reshape(n, -1), v[:n].reshape(n, -1), pool, torch.tensor([slot(r, i) for i in range(n)]))
-        rt.store(k[:n].reshape(n, -1), v[:n].reshape(n, -1), pool, torch.tensor([slot(r, i) for i in range(n)]),
-                 calibrate=(0, n), positions=token_positions(sl1, qsl1, n))
+            rt.store(k[:n].reshape(n, -1), v[:n].reshape(n, -1), pool, sm)
+        with pytest.raises(ValueError, match="positions is on meta, the pool on"):
+            rt.store(k[:n].reshape(n, -1), v[:n].reshape(n, -1), pool, sm, calibrate=(0, n),
+                     positions=torch.zeros(n, dtype=torch.int64, device="meta"))
+        rt.store(k[:n].reshape(n, -1), v[:n].reshape(n, -1), pool, sm, calibrate=(0, n),
+                 positions=token_positions(sl1, qsl1, n))
     rm = rt.key_offset
     assert rm.calibrated and rm.tokens == 40 and rm.kept == [2, 2]
     # step 2: decodes at position 40 (req 0) and 30 (req 1), a chunk of 9 at 40..48 (req 2), 2 padding rows
     rows = [(0, 40), (1, 30)] + [(2, i) for i in range(40, 49)]
     t = len(rows)
-    k = torch.cat([seqs[r][0][i:i + 1] for r, i in rows] + [torch.zeros(2, hkv, d).bfloat16()])
-    v = torch.cat([seqs[r][1][i:i + 1] for r, i in rows] + [torch.zeros(2, hkv, d).bfloat16()])
-    q = torch.randn(t + 2, hq, d, generator=g).bfloat16()
-    sl = torch.tensor([41, 31, 49], dtype=torch.int32)
-    qsl = torch.tensor([0, 1, 2, 11], dtype=torch.int32)
+    pad = torch.zeros(2, hkv, d, dtype=torch.bfloat16, device=DEV)
+    k = torch.cat([seqs[r][0][i:i + 1] for r, i in rows] + [pad])
+    v = torch.cat([seqs[r][1][i:i + 1] for r, i in rows] + [pad])
+    q = torch.randn(t + 2, hq, d, generator=g).bfloat16().to(DEV)
+    sl = torch.tensor([41, 31, 49], dtype=torch.int32, device=DEV)
+    qsl = torch.tensor([0, 1, 2, 11], dtype=torch.int32, device=DEV)
     pos = token_positions(sl, qsl, t + 2)
-    assert pos[:t].tolist() == [i for _, i in rows]
-    rt.store(k.reshape(t + 2, -1), v.reshape(t + 2, -1), pool, torch.tensor([slot(r, i) for r, i in rows] + [-1, -1]),
-             positions=pos)
-    out = torch.full((t + 2, hq, d), float("nan"), dtype=torch.bfloat16)
+    assert pos.device == pool.device and pos[:t].tolist() == [i for _, i in rows]
+    rt.store(k.reshape(t + 2, -1), v.reshape(t + 2, -1), pool, slots(rows + [(-1, 0), (-1, 0)]), positions=pos)
+    out = torch.full((t + 2, hq, d), float("nan"), dtype=torch.bfloat16, device=DEV)
     rt.attend(q, k, v, pool, bt, sl, qsl, t, 2, 2, out, max_query_len=9)
     ref = reference_attend(rt, q, k, v, pool, bt, sl, qsl, t, 2)
     assert (out[:t].double() - ref).abs().max() / ref.abs().max() < 2e-2
@@ -501,7 +510,48 @@ def test_rope_mean_runtime_stores_by_position_and_attends_exact_keys(monkeypatch
     assert (plain[:2].double() - exact[:2]).norm() / exact[:2].norm() > 2 * err
 
 
-def test_rope_mean_refuses_the_cuda_decode_kernel_and_prefill_paths_without_restore():
+def test_kernels_refuse_cpu_tensors_without_the_interpreter_by_name(monkeypatch):
+    """Where Triton compiles the kernels (a GPU machine: TRITON_INTERPRET unset), CPU tensors get a ValueError naming
+    the pool's device and the fix, not the launcher's unnamed "Pointer argument (at 0) cannot be accessed from
+    Triton"."""
+    from kvrepro.ops import decode_attention, store_kv
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    layout = get_format("k4v4").layout(64, 16)
+    pool = torch.zeros(2, 2, layout.page_bytes, dtype=torch.uint8)
+    rot = torch.eye(64)
+    k = torch.zeros(1, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="pool is on cpu: kvrepro's Triton kernels need CUDA tensors"):
+        store_kv(k, k, pool, torch.zeros(1, dtype=torch.int32), layout, rot)
+    with pytest.raises(ValueError, match="pool is on cpu: kvrepro's Triton kernels need CUDA tensors"):
+        decode_attention(torch.zeros(1, 8, 64, dtype=torch.bfloat16), pool, torch.zeros(1, 1, dtype=torch.int32),
+                         torch.ones(1, dtype=torch.int32), layout, rot, 0.125)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the guard stands in for a GPU's device split on the CPU")
+def test_host_device_guard_raises_where_a_gpu_would(host_device_guard):
+    """The guard that runs the rope-mean tests on the CPU: a host tensor (no device=) meeting a DEV tensor in an op
+    raises as CUDA does (the fault of tests/test_ops_decode.py:328 on the H200), host index tensors and 0-dim host
+    tensors pass as CUDA lets them, and a kernel handed a host tensor raises (the runtime test's fault there)."""
+    from devguard import DeviceMixError
+
+    from kvrepro.ops import store_kv
+
+    bt = torch.arange(8, dtype=torch.int32).reshape(2, 4).to(DEV)
+    pos = torch.arange(7)
+    with pytest.raises(DeviceMixError, match="add: a host tensor"):
+        bt[0][pos // 4].long() * 4 + pos % 4
+    pos_dev = torch.arange(7, device=DEV)
+    assert (bt[0][pos // 4].long() * 4 + pos_dev % 4).tolist() == list(range(7))   # slots of block 0, then 1
+    assert (bt * torch.tensor(2)).sum().item() == 56
+    layout = get_format("k4v4").layout(64, 16)
+    pool = torch.zeros(2, 2, layout.page_bytes, dtype=torch.uint8)        # host: the runtime test's old pool
+    k = torch.zeros(1, 2, 64, dtype=torch.bfloat16, device=DEV)
+    with pytest.raises(DeviceMixError, match="kernel argument pool"):
+        store_kv(k, k, pool, torch.zeros(1, dtype=torch.int32, device=DEV), layout, torch.eye(64, device=DEV))
+
+
+def test_rope_mean_refuses_the_cuda_decode_kernel_and_prefill_paths_without_restore(host_device_guard):
     from kvrepro.vllm_backend.fa_prefill import RotatedDequantPrefill
 
     with pytest.raises(ValueError, match="KVREPRO_KEY_OFFSET=rope-mean needs the Triton decode kernel"):
@@ -514,7 +564,7 @@ def test_rope_mean_refuses_the_cuda_decode_kernel_and_prefill_paths_without_rest
     layout = rt.fmt.layout(64, 16)
     assert rt.record_impl(layout, torch.device("cpu")) == "triton"
     rt.rope["neox"] = None                                              # vLLM's layout could not be read
-    pool = torch.zeros(4, 2, layout.page_bytes, dtype=torch.uint8)
-    k = torch.randn(5, 128).bfloat16()
+    pool = torch.zeros(4, 2, layout.page_bytes, dtype=torch.uint8, device=DEV)
+    k = torch.randn(5, 128).bfloat16().to(DEV)
     with pytest.raises(ValueError, match="needs the RoPE pair layout"):
-        rt.store(k, k, pool, torch.arange(5), calibrate=(0, 5), positions=torch.arange(5))
+        rt.store(k, k, pool, torch.arange(5, device=DEV), calibrate=(0, 5), positions=torch.arange(5, device=DEV))

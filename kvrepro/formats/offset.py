@@ -243,7 +243,9 @@ class RopeMean:
             True / False, or None until :meth:`calibrate`, which needs it: the vLLM backend reads it from vLLM's rotary
             embeddings then; ``self.rope`` may be updated before).
         device: where the buffers live (persistent: :meth:`calibrate` copies in place, so CUDA graphs captured
-            before it read the calibrated values).
+            before it read the calibrated values). Every tensor passed to a method must be on this device (:meth:`to`
+            moves the buffers): a ValueError names the one that is not, where a silent copy would hide a misplaced
+            tensor, sync the host and fail under CUDA-graph capture.
 
     Attributes:
         x_ch, y_ch: int64 ``[num_kv_heads, MAX_PAIRS]`` the channels of each slot's pair.
@@ -252,7 +254,8 @@ class RopeMean:
         calibrated, tokens: whether :meth:`calibrate` ran and on how many keys; kept: pairs kept per KV head.
 
     Raises:
-        ValueError: bad geometry, ``rope`` without a theta, ``neox`` not a bool or None.
+        ValueError: bad geometry, ``rope`` without a theta, ``neox`` not a bool or None; in the methods, a tensor
+            argument on another device than the buffers.
     """
 
     def __init__(self, num_kv_heads: int, head_dim: int, rope: dict, device: torch.device | str = "cpu") -> None:
@@ -274,8 +277,19 @@ class RopeMean:
         self.tokens = 0
         self.kept: list[int] = [0] * num_kv_heads
 
+    def check_device(self, **tensors: torch.Tensor) -> None:
+        """ValueError naming the first of ``tensors`` (name=tensor) that is not on the buffers' device."""
+        dev = self.bias.device
+        for name, t in tensors.items():
+            if not isinstance(t, torch.Tensor):
+                raise ValueError(f"RopeMean: {name} must be a tensor, got {type(t).__name__}")
+            if t.device != dev:
+                raise ValueError(f"RopeMean: {name} is on {t.device}, the offset's buffers on {dev} (every argument on "
+                                 "one device; RopeMean.to(device) moves the buffers)")
+
     def all_pairs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(x channels, y channels, float32 frequencies)`` of every pair (:func:`rope_pairs`, frequency-0 tail).
+        """``(x channels, y channels, float32 frequencies)`` of every pair (:func:`rope_pairs`, frequency-0 tail), on
+        the buffers' device (the frequencies computed on the CPU, as the models compute theirs, then moved).
 
         Raises:
             ValueError: ``rope["neox"]`` is not a bool (the layout is still unknown).
@@ -283,7 +297,8 @@ class RopeMean:
         rotary = int(self.rope.get("rotary_dim") or self.head_dim)
         x, y = rope_pairs(self.head_dim, rotary, self.rope.get("neox"))
         inv = torch.cat([rope_inv_freq(rotary, self.rope["rope_theta"]), torch.zeros(x.numel() - rotary // 2)])
-        return x, y, inv
+        dev = self.bias.device
+        return x.to(dev), y.to(dev), inv.to(dev)
 
     def to(self, device: torch.device | str) -> "RopeMean":
         """Move the buffers to ``device`` (before any CUDA-graph capture that reads them)."""
@@ -294,8 +309,10 @@ class RopeMean:
     @staticmethod
     def angles(pos: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
         """float32 ``pos[:, None, ...] x inv_freq[None]`` (``pos`` int ``[n]``): one float32 rounding of the product,
-        as the models' cos/sin caches."""
-        p = pos.to(device=inv_freq.device, dtype=torch.float32)
+        as the models' cos/sin caches. ValueError if ``pos`` and ``inv_freq`` are on different devices."""
+        if pos.device != inv_freq.device:
+            raise ValueError(f"RopeMean.angles: pos is on {pos.device}, inv_freq on {inv_freq.device}")
+        p = pos.to(dtype=torch.float32)
         return p.view(-1, *([1] * inv_freq.dim())) * inv_freq.unsqueeze(0)
 
     def calibrate(self, key: torch.Tensor, pos: torch.Tensor) -> None:
@@ -303,8 +320,8 @@ class RopeMean:
         (int ``[T]``), in place; later calls do nothing (one offset for the engine's lifetime).
 
         Raises:
-            ValueError: a shape other than ``[T >= 1, num_kv_heads, head_dim]``, ``pos`` not ``[T]``, or the pair
-                layout still unknown (``rope["neox"]`` None).
+            ValueError: a shape other than ``[T >= 1, num_kv_heads, head_dim]``, ``pos`` not ``[T]``, ``key`` or
+                ``pos`` not on the buffers' device, or the pair layout still unknown (``rope["neox"]`` None).
         """
         if self.calibrated:
             return
@@ -313,8 +330,9 @@ class RopeMean:
             raise ValueError(f"key must be [T >= 1, {h}, {d}], got {tuple(key.shape)}")
         if pos.dim() != 1 or pos.shape[0] != key.shape[0]:
             raise ValueError(f"pos must be [T={key.shape[0]}], got {tuple(pos.shape)}")
+        self.check_device(key=key, pos=pos)
         dev = key.device
-        ax, ay, inv = (t.to(dev) for t in self.all_pairs())
+        ax, ay, inv = self.all_pairs()
         a = self.angles(pos, inv)                               # [T, P]
         c, s = a.cos()[:, None], a.sin()[:, None]               # [T, 1, P]
         x, y = key.float()[..., ax], key.float()[..., ay]       # [T, H, P]
@@ -345,6 +363,7 @@ class RopeMean:
     def offset(self, pos: torch.Tensor) -> torch.Tensor:
         """float32 ``[n, num_kv_heads, head_dim]``: ``R(p) b_hat`` at positions ``pos`` (int ``[n]``) in the kept
         pairs, 0 elsewhere."""
+        self.check_device(pos=pos)
         a = self.angles(pos, self.inv_freq)                      # [n, H, M]
         c, s = a.cos(), a.sin()
         bx, by = self.bias[..., 0], self.bias[..., 1]
@@ -358,16 +377,19 @@ class RopeMean:
     def remove(self, key: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """``key - R(p) b_hat`` (``key`` ``[n, num_kv_heads, head_dim]``, ``pos`` int ``[n]``), in ``key``'s dtype:
         what the pages store."""
-        return (key.float() - self.offset(pos).to(key.device)).to(key.dtype)
+        self.check_device(key=key)
+        return (key.float() - self.offset(pos)).to(key.dtype)
 
     def restore(self, key: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """float32 ``key + R(p) b_hat``: keys read from the pages put back where the model had them."""
-        return key.float() + self.offset(pos).to(key.device)
+        self.check_device(key=key)
+        return key.float() + self.offset(pos)
 
     def score_terms(self, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 ``(A, B)``, each ``[T, Hq, MAX_PAIRS]``, of ``query`` ``[T, Hq, head_dim]`` (query head ``h`` reads
         KV head ``h // (Hq / num_kv_heads)``): ``A_i = q_i . b_i``, ``B_i = q_i x b_i = q_y b_x - q_x b_y`` per kept
         pair, so that ``q . R(j) b_hat = sum_i A_i cos(j theta_i) + B_i sin(j theta_i)``."""
+        self.check_device(query=query)
         t, hq, d = query.shape
         h = self.num_kv_heads
         g = hq // h
@@ -380,6 +402,7 @@ class RopeMean:
     def score_correction(self, query: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """float32 ``[T, Hq, n]``: ``q . R(j) b_hat`` for keys at positions ``pos`` (int ``[n]``), from
         :meth:`score_terms` (what the kernels add to each paged key's score)."""
+        self.check_device(pos=pos)
         a_, b_ = self.score_terms(query)
         g = query.shape[1] // self.num_kv_heads
         ang = self.angles(pos, self.inv_freq).repeat_interleave(g, 1)          # [n, Hq, M]

@@ -272,12 +272,13 @@ class KVReproAttentionImpl(AttentionImpl[KVReproMetadata]):
     def do_kv_cache_update(self, layer, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                            slot_mapping: torch.Tensor) -> None:
         self.rt.store(key, value, kv_cache, slot_mapping, calibrate=self._calibration_rows(layer),
-                      positions=self._positions(layer, slot_mapping.shape[0]))
+                      positions=self._positions(layer, slot_mapping.shape[0], kv_cache.device))
 
-    def _positions(self, layer, num_tokens: int) -> torch.Tensor | None:
+    def _positions(self, layer, num_tokens: int, device: torch.device) -> torch.Tensor | None:
         """Under KVREPRO_KEY_OFFSET=rope-mean: each stored row's position from this step's attention metadata
         (``runtime.token_positions``; no host sync); else None. Without metadata (vLLM's profiling run, which stores
-        nothing that is read later) positions 0."""
+        nothing that is read later) positions 0 on ``device`` (the KV cache's: the offset's buffers move there only when
+        the store runs)."""
         from kvrepro.formats.offset import RopeMean
 
         if not isinstance(self.rt.key_offset, RopeMean):
@@ -288,7 +289,7 @@ class KVReproAttentionImpl(AttentionImpl[KVReproMetadata]):
 
         m = get_attention_context(layer.layer_name)[0]
         if not isinstance(m, KVReproMetadata):
-            return torch.zeros(num_tokens, dtype=torch.int64, device=self.rt.key_offset.bias.device)
+            return torch.zeros(num_tokens, dtype=torch.int64, device=device)
         return token_positions(m.seq_lens, m.query_start_loc, num_tokens)
 
     def _calibration_rows(self, layer) -> tuple[int, int] | None:

@@ -396,7 +396,8 @@ class LayerRuntime:
         ``[>= num_tokens]`` position of each row (:func:`token_positions`), needed under rope-mean.
 
         Raises:
-            ValueError: rope-mean without ``positions``; its calibration while the pair layout is unknown.
+            ValueError: rope-mean without ``positions``, or with them on another device than ``pool``; its calibration
+                while the pair layout is unknown.
         """
         n = slot_mapping.shape[0]
         if n == 0:
@@ -407,6 +408,8 @@ class LayerRuntime:
         if isinstance(self.key_offset, RopeMean):
             if positions is None:
                 raise ValueError("key_offset='rope-mean' stores keys at their positions: store(..., positions=...)")
+            if positions.device != pool.device:
+                raise ValueError(f"positions is on {positions.device}, the pool on {pool.device}")
             pos = positions[:n]
             if calibrate is not None and not self.key_offset.calibrated and calibrate[1] > calibrate[0]:
                 self.key_offset.rope["neox"] = self.rope.get("neox")
