@@ -13,6 +13,11 @@ Time per step = median of ``triton.testing.do_bench`` (L2 flushed before every c
 attention layer, kvrepro with its defaults. Every kernel is timed twice in the same process: eager
 launches (``ms``) and one call captured in a CUDA graph and replayed (``ms_graph``; as vLLM serves
 decode; ``graph_error`` if a kernel cannot be captured), so ratios can be taken within one method.
+``--rope``: the cost of the key offset rope-mean's score correction instead (no vLLM needed): kvrepro's default kernel
+for k4v4 / k8v4 / k4v2 (the CUDA kernel) without and with ``rope_bias`` (rows ``kvrepro_<preset>`` and
+``kvrepro_<preset>_rope``) and the Triton kernel with it (``kvrepro_<preset>_triton_rope``), batches 3 / 6 / 13 by
+default, into ``benchmarks/results/decode_rope_mean.json``; the lines printed at the end give each rope row's time
+over its preset's row without the correction (eager and graph).
 "KV bytes" = the bytes of KV (codes + scales) the step must read once. Each row records ``impl``: the kernel that ran
 (``cuda`` / ``triton`` for kvrepro, as ``decode.resolve_impl`` picks it for the row's arguments; ``vLLM`` otherwise).
 """
@@ -33,6 +38,8 @@ from kvrepro.ops import decode, decode_attention  # noqa: E402
 CTXS = (32768, 131072)
 BATCHES = (1, 3, 6, 13)
 OUT = os.path.join(RESULTS, "decode_side_by_side.json")
+OUT_ROPE = os.path.join(RESULTS, "decode_rope_mean.json")
+ROPE_BATCHES = (3, 6, 13)
 
 
 def block_table(batch, ctx, num_blocks, gen):
@@ -84,13 +91,28 @@ def turboquant_case(preset, batch, ctx, gen):
     return bench(fn), batch * ctx * HKV * cfg.slot_size_aligned, "vLLM"
 
 
-def kvrepro_case(preset, batch, ctx, gen, **kw):
+def rope_bias_args(batch, gen):
+    """A rope-mean ``rope_bias`` of the runtime's form: terms float32 [batch, HQ, 16] (A, B of ~|q| x |b_hat| with a
+    bias of norm 1000) and 8 pairs per KV head among RoPE's frequencies at theta 1e6 (the fastest, 1 rad per position,
+    in each)."""
+    from kvrepro.formats.offset import MAX_PAIRS, rope_inv_freq
+    terms = 300 * torch.randn(batch, HQ, 2 * MAX_PAIRS, device="cuda", generator=gen)
+    inv = rope_inv_freq(D, 1e6).to("cuda")
+    pick = torch.stack([torch.cat([torch.zeros(1, dtype=torch.long, device="cuda"),
+                                   1 + torch.randperm(D // 2 - 1, device="cuda", generator=gen)[:MAX_PAIRS - 1]])
+                        for _ in range(HKV)])
+    return terms.contiguous(), inv[pick].contiguous()
+
+
+def kvrepro_case(preset, batch, ctx, gen, rope=False, **kw):
     nb = batch * ctx // BS + 8
     pool = random_pool(preset, nb, HKV, D, BS, "cuda", gen)
     bt = block_table(batch, ctx, nb, gen)
     sl = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
     q = torch.randn(batch, HQ, D, device="cuda", dtype=torch.bfloat16, generator=gen)
     out = torch.empty_like(q)
+    if rope:
+        kw["rope_bias"] = rope_bias_args(batch, gen)
     fn = lambda: decode_attention(q, pool.data, bt, sl, pool.layout, pool.rotation, D ** -0.5, out=out, **kw)  # noqa: E731
     # the kernel decode_attention picks for these arguments (its own rule), recorded with the row
     impl = decode.resolve_impl(kw.get("impl"), pool.layout, HQ // HKV, q.device,
@@ -106,9 +128,15 @@ def main():
                     help="key paths of the Triton kernel to time (rows kvrepro_<preset> for each preset's default "
                          "kernel: the CUDA kernel for k4v4, k8v4 and k4v2; kvrepro_<preset>_triton; "
                          "kvrepro_<preset>_triton_<key_mma> for other key paths)")
+    ap.add_argument("--rope", action="store_true",
+                    help="time the rope-mean correction (kvrepro kernels without / with rope_bias) instead; no vLLM")
+    ap.add_argument("--batches", type=int, nargs="+", default=None,
+                    help=f"batches (default {list(BATCHES)}; {list(ROPE_BATCHES)} with --rope)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("decode_side_by_side.py needs a CUDA device (it times GPU kernels); none found")
+    if args.rope:
+        return main_rope(args)
     try:
         import vllm
     except ImportError as e:
@@ -129,8 +157,13 @@ def main():
         for preset in ("k4v4", "k8v4", "k4v2"):
             name = f"kvrepro_{preset}_triton" + ("" if mma == decode.DEFAULT_KEY_MMA else f"_{mma}")
             cases[name] = lambda b, c, preset=preset, mma=mma: kvrepro_case(preset, b, c, gen, key_mma=mma)
-    for ctx in args.ctxs:
-        for batch in BATCHES:
+    run_cases(cases, args.ctxs, args.batches or BATCHES, res, bw, args.out)
+
+
+def run_cases(cases, ctxs, batches, res, bw, out):
+    """Time every case at every context and batch into ``res["rows"]``, writing ``out`` after each context."""
+    for ctx in ctxs:
+        for batch in batches:
             for name, fn in cases.items():
                 try:
                     (ms, gms, gerr), nbytes, impl = fn(batch, ctx)
@@ -144,11 +177,36 @@ def main():
                     row = {"kernel": name, "ctx": ctx, "batch": batch, "error": "".join(traceback.format_exception(e))[-800:]}
                 res["rows"].append(row)
                 torch.cuda.empty_cache()
-            write_json(args.out, res)
+            write_json(out, res)
     for r in res["rows"]:
         print(r["kernel"], r["ctx"], r["batch"], "eager", round(r.get("ms", -1), 4), "graph",
               round(r.get("ms_graph") or -1, 4), round(r.get("pct_copy_graph") or -1, 1),
               (r.get("error", "") or r.get("graph_error", ""))[-120:])
+
+
+def main_rope(args):
+    """``--rope``: kvrepro's default kernel without / with rope_bias and the Triton kernel with it."""
+    from kvrepro.ops import cuda_decode
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    out = OUT_ROPE if args.out == OUT else args.out
+    res = {"provenance": provenance({"script": "benchmarks/decode_side_by_side.py --rope",
+                                     "rope_kernels": list(cuda_decode.ROPE_KERNELS.values())}),
+           "copy_bandwidth": copy_bandwidth(), "rows": []}
+    cases = {}
+    for preset in ("k4v4", "k8v4", "k4v2"):
+        cases[f"kvrepro_{preset}"] = lambda b, c, preset=preset: kvrepro_case(preset, b, c, gen)
+        cases[f"kvrepro_{preset}_rope"] = lambda b, c, preset=preset: kvrepro_case(preset, b, c, gen, rope=True)
+        cases[f"kvrepro_{preset}_triton_rope"] = lambda b, c, preset=preset: kvrepro_case(preset, b, c, gen, rope=True,
+                                                                                          impl="triton")
+    run_cases(cases, args.ctxs if args.ctxs != list(CTXS) else [131072], args.batches or ROPE_BATCHES, res,
+              res["copy_bandwidth"]["GBps_read_plus_write"], out)
+    base = {(r["kernel"], r["ctx"], r["batch"]): r for r in res["rows"] if "ms" in r}
+    for (name, ctx, batch), r in base.items():
+        ref = base.get((name.replace("_triton_rope", "").replace("_rope", ""), ctx, batch))
+        if name.endswith("rope") and ref:
+            print(f"{name} ({r['impl']}) ctx {ctx} batch {batch}: {r['ms']:.4f} ms eager, x{r['ms'] / ref['ms']:.3f} "
+                  f"of {ref['kernel']} ({ref['impl']}); graph "
+                  + (f"x{r['ms_graph'] / ref['ms_graph']:.3f}" if r.get("ms_graph") and ref.get("ms_graph") else "-"))
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from kvrepro.formats import get_format
 from kvrepro.formats.layout import PageLayout
 from kvrepro.ops import cuda_build, cuda_decode, decode_attention
 from kvrepro.ops.decode import resolve_impl
-from kvrepro.reference import paged_attention_ref
+from kvrepro.reference import attention_ref, paged_attention_ref
 
 K4V4 = get_format("k4v4").layout(128, 16)
 CUDA = torch.device("cuda", 0)
@@ -956,3 +956,83 @@ def test_emulated_rope_correction_reads_each_row_of_terms():
                 want = np.zeros((16, 8))
                 want[:, h] = np.cos(ang) if col < 8 else np.sin(ang)
                 assert np.abs(got - want).max() < 1e-6, (group, col, h)
+
+
+def test_cuda_rope_bias_argument_is_checked_by_name():
+    """The CUDA kernel's rope_bias contract (launch / check_rope_bias_cuda): terms float32 [B, Hq, 16], inv_freq
+    float32 [Hkv, 8], contiguous, on the pool's device; anything else names rope_bias, the 8 pairs and the way out."""
+    terms, freq = torch.zeros(2, 32, 16), torch.zeros(8, 8)
+    assert cuda_decode.check_rope_bias_cuda(None, 2, 32, 8, "cpu") == []
+    got = cuda_decode.check_rope_bias_cuda((terms, freq), 2, 32, 8, "cpu")
+    assert got[0] is terms and got[1] is freq
+    for bad in ((terms[:1], freq), (torch.zeros(2, 32, 32), torch.zeros(8, 16)), (terms.double(), freq),
+                (terms, freq.t()), (terms,), terms):
+        with pytest.raises(ValueError, match=r"rope_bias must be .*it takes 8 pairs per KV head.*impl='triton'"):
+            cuda_decode.check_rope_bias_cuda(bad, 2, 32, 8, "cpu")
+
+
+def _rope_pool(preset, lens, seed):
+    """k4v4 / k8v4 / k4v2 pages (32 / 8 heads, head_dim 128) of sequences of ``lens`` tokens stored as the runtime
+    stores them under rope-mean (RopeMean.remove of keys R(j) b_hat + N(0, 1), b_hat of norm 1000 in 8 pairs per
+    KV head incl. the fastest, neox pairs, theta 1e6). Returns pool, block tables, seq_lens and the RopeMean."""
+    from kvrepro.ops import store_kv
+    gen = torch.Generator().manual_seed(seed)
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    maxb = max(-(-max(n, 1) // 16) for n in lens) + 1
+    nb = len(lens) * maxb + 5
+    pool = make_pool(preset, 8, 128, 16, nb, gen)
+    bt = block_tables(len(lens), maxb, nb, gen)
+    rm = _rope_mean_set(8, 128, True, gen).to(DEV)
+    for r, n in enumerate(lens):
+        if n:
+            pos = torch.arange(n, device=DEV)
+            k = (rm.offset(pos) + torch.randn(n, 8, 128, device=DEV, generator=g)).to(torch.bfloat16)
+            v = torch.randn(n, 8, 128, device=DEV, generator=g).to(torch.bfloat16)
+            slots = (bt[r][pos // 16].long() * 16 + pos % 16).to(torch.int32)
+            store_kv(rm.remove(k, pos), v, pool.data, slots, pool.layout, pool.rotation)
+            del k, v
+    return pool, bt, torch.tensor(lens, dtype=torch.int32, device=DEV), rm
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qscale", [1.0, 0.03])
+@pytest.mark.parametrize("preset", ["k4v4", "k8v4", "k4v2"])
+def test_cuda_rope_mean_matches_float64_over_restored_keys_and_triton(preset, qscale):
+    """The *_rope kernels at 32 / 8 heads, head_dim 128, contexts up to 128K (131,072 and ragged 50,001 / 37 / a padding
+    row), bias norm 1000: within 3e-3 of float64 attention over the restored keys (pool.gather + R(j) b_hat) and of
+    the Triton kernel with the same rope_bias; the same pages read without the correction are far off. qscale 1:
+    logits spread ~90 nats (a few keys carry each head), 0.03: ~3 nats (thousands of keys). The default (auto) picks
+    the CUDA kernel with rope_bias and gives the same bits; a CUDA graph replays it bit for bit."""
+    lens = [131_072, 50_001, 37, 0]
+    pool, bt, sl, rm = _rope_pool(preset, lens, seed=11)
+    q = (torch.randn(4, 32, 128, device=DEV, generator=torch.Generator(device=DEV).manual_seed(3)) * qscale).half()
+    a_, b_ = rm.score_terms(q)
+    rb = (torch.cat([a_, b_], -1).contiguous(), rm.inv_freq.contiguous())
+    args = (q, pool.data, bt, sl, pool.layout, pool.rotation, 128 ** -0.5)
+    out = decode_attention(*args, impl="cuda", rope_bias=rb)
+    tri = decode_attention(*args, impl="triton", rope_bias=rb)
+    auto = decode_attention(*args, rope_bias=rb)
+    plain = decode_attention(*args, impl="cuda")
+    assert torch.equal(auto, out)
+    assert torch.equal(out[3], torch.zeros_like(out[3]))
+    for r, n in enumerate(lens[:3]):
+        kd, vd = pool.gather(bt[r], n)
+        ref = attention_ref(q[r:r + 1], rm.restore(kd, torch.arange(n, device=DEV)).double(), vd.double(),
+                            128 ** -0.5, torch.float64)
+        del kd, vd
+        err = relerr(out[r:r + 1], ref)
+        assert err < 3e-3, (r, err)
+        assert relerr(out[r:r + 1], tri[r:r + 1]) < 3e-3, r
+        assert relerr(plain[r:r + 1], ref) > 10 * err, r
+    ws = torch.empty(1 << 24, dtype=torch.float32, device=DEV)
+    again = torch.empty_like(out)
+    call = lambda: decode_attention(*args, out=again, workspace=ws, num_splits=7, impl="cuda", rope_bias=rb)  # noqa: E731
+    call()
+    eager = again.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    again.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(again, eager)

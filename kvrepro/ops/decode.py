@@ -126,8 +126,9 @@ def check_rope_bias(rope_bias, rows: int, hq: int, hkv: int, dev: torch.device) 
 
 DECODE_IMPLS = ("triton", "cuda")
 _WARNED_LOAD: set = set()
-# decode_attention's arguments that only the Triton kernel takes (setting one selects it, see resolve_impl)
-TRITON_OPTIONS = ("block_n", "num_warps", "num_stages", "dequant", "key_mma", "max_registers", "rope_bias")
+# decode_attention's arguments that only the Triton kernel takes (setting one selects it, see resolve_impl); rope_bias
+# counts as one only with a pair count other than the CUDA kernel's cuda_decode.ROPE_PAIRS
+TRITON_OPTIONS = ("block_n", "num_warps", "num_stages", "dequant", "key_mma", "max_registers")
 
 
 def resolve_impl(impl: str | None, layout: PageLayout, group: int, device: torch.device,
@@ -319,6 +320,9 @@ def decode_attention(query: torch.Tensor, pool, block_tables: torch.Tensor, seq_
             2**-11 of itself, so elements below ~1/16 of the head's max keep fewer bits than in
             float16). Method: SageAttention (Zhang et al. 2024, 2025) quantizes Q and K to int8 for
             attention; here only q is quantized. Values are unchanged.
+        rope_bias: None, or ``(terms, inv_freq)`` (``check_rope_bias``) for pages stored under the key offset
+            rope-mean: each paged key's logit gets ``sum_i A_i cos(j theta_i) + B_i sin(j theta_i)`` back (both
+            kernels; the CUDA kernel takes ``cuda_decode.ROPE_PAIRS`` pairs, another count selects Triton).
 
     Returns:
         ``out`` ``[B, Hq, D]`` in the query dtype. A query head whose softmax meets a NaN (in its query
@@ -371,8 +375,9 @@ def decode_attention(query: torch.Tensor, pool, block_tables: torch.Tensor, seq_
     else:
         check_float("out", out, (b, hq, d), dev)
     npairs = check_rope_bias(rope_bias, b, hq, hkv, dev)
-    options = dict(zip(TRITON_OPTIONS, (block_n, num_warps, num_stages, dequant, key_mma, max_registers,
-                                        rope_bias)))
+    options = dict(zip(TRITON_OPTIONS, (block_n, num_warps, num_stages, dequant, key_mma, max_registers)))
+    if npairs and npairs != cuda_decode.ROPE_PAIRS:
+        options["rope_bias"] = rope_bias       # the CUDA kernel's rope-mean variant takes ROPE_PAIRS pairs only
     impl = resolve_impl(impl, layout, group, dev, tuple(k for k, v in options.items() if v is not None))
     num_stages = DECODE_STAGES if num_stages is None else num_stages
     key_mma = resolve_key_mma(key_mma, layout.key_bits)
@@ -407,7 +412,7 @@ def decode_attention(query: torch.Tensor, pool, block_tables: torch.Tensor, seq_
 
     if impl == "cuda":      # one launch: query rotation, attention and split merge
         cuda_decode.launch(query, rotation, data, block_tables, seq_lens, part_o, part_lse, out, scale, num_splits,
-                           hkv, group, key_bits=layout.key_bits, value_bits=layout.value_bits)
+                           hkv, group, key_bits=layout.key_bits, value_bits=layout.value_bits, rope_bias=rope_bias)
         return out
     rotate_query_kernel[(b * hq,)](query, rotation, q16, query.stride(0), query.stride(1),
                                    float(scale) * LOG2E, HQ=hq, D=d)
