@@ -110,7 +110,7 @@ def bias_table(formats=("fp8", "k8v4", "k5v4", "k4v4", "k4v2"), shapes=SHAPES, b
                 continue
             for placement in placements:
                 for bn in bias_norms:
-                    r = stress(fmt, shape, bn, placement, tokens, seed, ko)
+                    r = base if bn == 0 else stress(fmt, shape, bn, placement, tokens, seed, ko)   # no bias: base
                     ratio = r["rel_err"] / base["rel_err"]
                     rows.append({"format": fmt, "shape": str(shape), "supported": True, "placement": placement,
                                  "bias_norm": bn, "rel_err": r["rel_err"], "rel_err_no_bias": base["rel_err"],
@@ -120,8 +120,9 @@ def bias_table(formats=("fp8", "k8v4", "k5v4", "k4v4", "k4v2"), shapes=SHAPES, b
 
 
 def main(argv=None) -> int:
-    """``python -m kvrepro.keybias [--out CSV] [--tokens N] [--key-offset MODE]``: the full grid with provenance columns,
-    written atomically (``--key-offset``: one mode for every format, ``offset.MODES``; default each format's own)."""
+    """``python -m kvrepro.keybias [--out CSV] [--tokens N] [--key-offset MODE] [--bias-norms N,..] [--placements P,..]``:
+    the grid (default: the full one) with provenance columns, written atomically (``--key-offset``: one mode for every
+    format, ``offset.MODES``; default each format's own)."""
     import argparse
     import json
     import os
@@ -141,11 +142,24 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=2048, help="positions (keys) per case, >= 2 (default 2048)")
     ap.add_argument("--key-offset", default=None, choices=MODES,
                     help="store every format's keys with this key offset (default: each format's own default)")
+    ap.add_argument("--bias-norms", default="300,600,1000",
+                    help="comma-separated bias norms >= 0 (default 300,600,1000; 0: the format without a bias, e.g. "
+                    "its own top-1 agreement)")
+    ap.add_argument("--placements", default=",".join(PLACEMENTS), help=f"comma-separated, from {PLACEMENTS}")
     a = ap.parse_args(argv)
     if a.tokens < 2:
         ap.error(f"--tokens must be an integer >= 2, got {a.tokens}")
+    try:
+        norms = tuple(float(x) for x in a.bias_norms.split(",") if x)
+    except ValueError:
+        ap.error(f"--bias-norms must be comma-separated numbers >= 0, got {a.bias_norms!r}")
+    if not norms or min(norms) < 0:
+        ap.error(f"--bias-norms must be comma-separated numbers >= 0, got {a.bias_norms!r}")
+    places = tuple(x for x in a.placements.split(",") if x)
+    if not places or any(x not in PLACEMENTS for x in places):
+        ap.error(f"--placements must be comma-separated from {PLACEMENTS}, got {a.placements!r}")
     formats = [f for f in FORMAT_NAMES if f != "bf16"]
-    t = bias_table(formats=formats, tokens=a.tokens, key_offset=a.key_offset)
+    t = bias_table(formats=formats, bias_norms=norms, placements=places, tokens=a.tokens, key_offset=a.key_offset)
     t["tokens"] = a.tokens
     t["measured_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     t["provenance"] = json.dumps(collect(), sort_keys=True, default=str)

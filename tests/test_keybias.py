@@ -56,3 +56,26 @@ def test_rope_mean_meets_the_key_bias_bar_in_both_placements(preset):
     assert got < fast                                        # without it the fast-pair bias costs more
     if preset in ("k4v4", "k5v4"):
         assert fast > BAR                                    # and, with 4-/5-bit keys, misses the bar
+
+
+def test_cli_bias_norm_zero_gives_each_formats_own_top1(tmp_path, capsys):
+    """``--bias-norms 0``: one row per supported (format, shape), no bias, so the error ratio is 1 and ``top1`` is the
+    format's own agreement (the one ``top1_no_bias`` reports beside a biased row), as ``stress`` gives it."""
+    import pandas as pd
+
+    from kvrepro.keybias import main
+
+    out = tmp_path / "t.csv"
+    assert main(["--out", str(out), "--tokens", "64", "--bias-norms", "0", "--placements", "high",
+                 "--key-offset", "rope-mean"]) == 0
+    t = pd.read_csv(out)
+    ok = t[t["supported"]]
+    assert len(ok) and (ok["ratio"] == 1).all() and (ok["top1"] == ok["top1_no_bias"]).all()
+    assert set(ok["placement"]) == {"high"} and (ok["bias_norm"] == 0).all() and t["provenance"].notna().all()
+    row = ok[(ok["format"] == "k4v4") & (ok["shape"] == "(9, 3, 64)")].iloc[0]
+    assert row["top1"] == stress("k4v4", (9, 3, 64), 0.0, tokens=64, key_offset="rope-mean")["top1"]
+    for bad in (["--bias-norms", "-1"], ["--bias-norms", "x"], ["--placements", "middle"]):
+        with pytest.raises(SystemExit) as e:
+            main(["--out", str(out), *bad])
+        assert e.value.code == 2
+    assert "--bias-norms" in capsys.readouterr().err
