@@ -551,11 +551,10 @@ def test_host_device_guard_raises_where_a_gpu_would(host_device_guard):
         store_kv(k, k, pool, torch.zeros(1, dtype=torch.int32, device=DEV), layout, torch.eye(64, device=DEV))
 
 
-def test_rope_mean_refuses_the_cuda_decode_kernel_and_prefill_paths_without_restore(host_device_guard):
+def test_rope_mean_takes_the_cuda_decode_kernel_and_refuses_prefill_paths_without_restore(host_device_guard):
     from kvrepro.vllm_backend.fa_prefill import RotatedDequantPrefill
 
-    with pytest.raises(ValueError, match="KVREPRO_KEY_OFFSET=rope-mean needs the Triton decode kernel"):
-        _rope_mean_runtime(decode_impl="cuda")
+    assert _rope_mean_runtime(decode_impl="cuda").decode_impl == "cuda"      # the *_rope CUDA kernels correct scores
     with pytest.raises(ValueError, match="rope-mean: the prefill path RotatedDequantPrefill"):
         _rope_mean_runtime(prefill=RotatedDequantPrefill(64, fa=_fa_standin))
     with pytest.raises(ValueError, match="'rope-mean' needs the model's RoPE"):

@@ -21,16 +21,7 @@ _WORKSPACES: dict[str, list[torch.Tensor]] = {}
 DECODE_IMPL_USED: dict[str, str] = {}
 # Key-offset calibrations seen in this process, one entry per layer: ({"tokens": n}); the first is logged.
 OFFSET_CALIBRATIONS: list[dict] = []
-_ROPE_MEAN_WARNED: set = set()   # layer geometries whose rope-mean switch to the Triton decode kernel was logged
 MIN_TOKENS_PER_SPLIT = 256   # as kvrepro.ops.decode
-
-
-def _cuda_would_apply(decode_impl: str | None, layout, group: int, device: torch.device) -> bool:
-    """Whether the default decode rule (``decode_impl`` None / auto) would have picked the CUDA kernel for this shape
-    on ``device`` (``cuda_decode.unsupported_reason`` finds nothing to refuse; its fatbin is not loaded here)."""
-    from kvrepro.ops import cuda_decode
-
-    return decode_impl in (None, "auto") and cuda_decode.unsupported_reason(layout, group, device) is None
 MAX_SPLITS = 256
 
 
@@ -172,19 +163,18 @@ class LayerRuntime:
             every prefill chunk's own keys minus the constant ``kvrepro.formats.offset.KeyOffset`` that the first
             :meth:`store` with ``calibrate`` sets (in RoPE's slow pairs, or in every channel); ``"rope-mean"``: every
             stored key minus ``R(p) b_hat`` at its position (``offset.RopeMean``, calibrated by the first :meth:`store`
-            with ``calibrate``; :meth:`store` then needs ``positions``), added back to the scores by the Triton
-            kernels (``rope_bias``) or to the dequantized context by ``prefill`` (its ``key_restore``); the chunk's
-            own keys stay unshifted. Decode runs the Triton kernel (the CUDA kernel lacks the correction: ``decode_impl
-            ="cuda"`` is refused, auto takes Triton with a logged warning). ``"off"`` (the default here: the backend
-            passes the engine's setting).
+            with ``calibrate``; :meth:`store` then needs ``positions``), added back to the scores by the decode
+            kernels (Triton and CUDA) and the Triton prefill (``rope_bias``) or to the dequantized context by
+            ``prefill`` (its ``key_restore``); the chunk's own keys stay unshifted. ``"off"`` (the default here: the
+            backend passes the engine's setting).
         rope: the model's RoPE for ``"slow-pairs"`` / ``"rope-mean"`` (``offset.rope_of_config`` with
             ``max_positions`` = the longest context, plus ``"neox"``: True / False / None = unknown, read at
             calibration, so it may be set later; rope-mean refuses to calibrate while it is None).
 
     Raises:
         ValueError: a bad ``max_batch``, ``store_rotate``, ``decode_impl`` or ``key_offset`` (naming it and the
-            allowed values); ``"slow-pairs"`` / ``"rope-mean"`` without ``rope``; ``"rope-mean"`` with
-            ``decode_impl="cuda"`` or a ``prefill`` without a ``key_restore`` attribute.
+            allowed values); ``"slow-pairs"`` / ``"rope-mean"`` without ``rope``; ``"rope-mean"`` with a ``prefill``
+            without a ``key_restore`` attribute.
     """
 
     def __init__(self, preset: str, num_heads: int, num_kv_heads: int, head_size: int, scale: float,
@@ -196,9 +186,6 @@ class LayerRuntime:
         if key_offset in ("slow-pairs", "rope-mean") and rope is None:
             raise ValueError(f"key_offset={key_offset!r} needs the model's RoPE (rope=offset.rope_of_config(...)); "
                              "or KVREPRO_KEY_OFFSET=first-prefill / off")
-        if key_offset == "rope-mean" and decode_impl == "cuda":
-            raise ValueError("KVREPRO_KEY_OFFSET=rope-mean needs the Triton decode kernel (the CUDA decode kernel has "
-                             "no rope-mean score correction): set KVREPRO_DECODE_IMPL=triton or auto")
         if key_offset == "rope-mean" and prefill is not None and not hasattr(prefill, "key_restore"):
             raise ValueError(f"KVREPRO_KEY_OFFSET=rope-mean: the prefill path {type(prefill).__name__} cannot add "
                              "R(p) b_hat back to the context keys; use KVREPRO_PREFILL=triton, fa, fa-pages or "
@@ -331,19 +318,9 @@ class LayerRuntime:
         from kvrepro.ops.decode import resolve_impl
 
         key = f"{self.fmt.name} {self.num_heads}q/{self.num_kv_heads}kv d{self.head_size} bs{layout.block_size}"
-        rope_mean = self.key_offset_mode == "rope-mean"
+        # rope-mean's rope_bias (offset.MAX_PAIRS pairs) runs on both kernels: it selects neither
         self.impl_used = resolve_impl(self.decode_impl, layout, self.num_heads // self.num_kv_heads,
-                                      torch.device(device), ("rope_bias",) if rope_mean else ())
-        if rope_mean and key not in _ROPE_MEAN_WARNED and _cuda_would_apply(
-                self.decode_impl, layout, self.num_heads // self.num_kv_heads, torch.device(device)):
-            _ROPE_MEAN_WARNED.add(key)
-            import logging
-
-            from kvrepro.vllm_backend.config import LOGGER_NAME
-
-            logging.getLogger(LOGGER_NAME).warning(
-                "kvrepro: KVREPRO_KEY_OFFSET=rope-mean runs the Triton decode kernel for %s (the CUDA decode "
-                "kernel, the default here, has no rope-mean score correction)", key)
+                                      torch.device(device))
         DECODE_IMPL_USED[key] = self.impl_used
         return self.impl_used
 
