@@ -175,8 +175,8 @@ SETTINGS: tuple[Declaration, ...] = (
         "when the first prefill is as long as later contexts, no better than off when it is short); off: keys stored "
         "as they are (notes/accuracy.md, 'Key offset'); rope-mean (opt-in): keys minus R(p) b_hat, the first prefill's "
         "pre-RoPE mean turned to each key's position, in up to 8 pairs per layer and KV head, added back to the "
-        "scores by the Triton kernels (exact; robust to a key bias added before RoPE in any pair); decode then runs "
-        "the Triton kernel (the CUDA one lacks it) and KVREPRO_PREFILL may not be dequant.",
+        "scores by the decode kernels, CUDA and Triton (exact; robust to a key bias added before RoPE in any pair; "
+        "the CUDA rope-mean kernels are built, not yet run on a GPU); KVREPRO_PREFILL may not be dequant.",
         _choice("KVREPRO_KEY_OFFSET", KEY_OFFSET_MODES),
         "attention-output error under a key bias (the key_offset column): [key-bias grid](results/keybias/"
         "keybias_cpu.csv), rope-mean: [key-bias grid](results/keybias/keybias_rope_mean_cpu.csv); KL with slow-pairs: "
