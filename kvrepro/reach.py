@@ -12,8 +12,8 @@ fatbin's manifest (the code it holds: ``kvrepro.ops.cuda_decode.fatbin_code_for`
 residency model (``kvrepro.ops.occupancy``), the bundled configs (``kvrepro.configs.facts``), the engine-start rule
 (``kvrepro.vllm_backend.config.serving_plan``), and the committed measurements: a family counts as measured only
 where a result row names one of its GPUs, ran the CUDA kernel, and ran byte for byte the code the committed fatbin
-holds for it (a row's fatbin is the committed one, or one listed with its entries in
-``kvrepro/ops/cuda/measured_fatbins.json``).
+holds for it, kernel by kernel (a row's fatbin is the committed one, or one listed with its entries and per-kernel
+code hashes in ``kvrepro/ops/cuda/measured_fatbins.json``; ``kvrepro.ops.cuda_build.cubin_functions``).
 """
 from __future__ import annotations
 
@@ -48,52 +48,127 @@ def family_of(gpu: str):
     return None
 
 
+def _cuda_presets(settings: dict) -> set[str]:
+    """Presets a row's ``kvrepro_settings.decode_impl`` ran on the CUDA kernel (its keys start with the preset)."""
+    return {k.split()[0] for k, v in (settings.get("decode_impl") or {}).items() if v == "cuda"}
+
+
 def cuda_measurements(root: Path | None = None) -> list[dict]:
-    """Committed measurements that ran kvrepro's CUDA decode kernel: ``[{"file", "gpu", "fatbin_sha256", "date"}]``,
-    one per capacity-row file and GPU (``results/capacity/*.jsonl`` rows whose ``kvrepro_settings.decode_impl``
-    resolved to ``cuda``) and per benchmark file with CUDA rows (``benchmarks/results/*.json``)."""
+    """Committed measurements that ran kvrepro's CUDA decode kernel: ``[{"file", "gpu", "fatbin_sha256", "date",
+    "presets"}]`` (``presets``: those whose CUDA kernel ran), one per file, GPU and fatbin: capacity rows
+    (``results/capacity/*.jsonl``) and per-model rows (``results/reach/models_*.jsonl``) whose
+    ``kvrepro_settings.decode_impl`` resolved to ``cuda``, benchmark files with CUDA rows
+    (``benchmarks/results/*.json``: ``impl`` cuda, preset from the row's ``kernel`` name, or ``kernel`` "committed"
+    with the provenance's preset) and
+    the carveout timings (:data:`CARVEOUT_RESULTS`, its parameters' presets)."""
     root = root or repo_root()
     out: dict[tuple, dict] = {}
-    for path in sorted((root / "results" / "capacity").glob("*.jsonl")):
+
+    def add(path, gpu, sha, date, presets):
+        key = (str(path.relative_to(root)), gpu or "", sha or "")
+        hit = out.setdefault(key, {"file": key[0], "gpu": key[1], "fatbin_sha256": key[2], "date": "",
+                                   "presets": set()})
+        hit["date"] = max(hit["date"], str(date or "")[:10])
+        hit["presets"] |= set(presets)
+
+    row_files = [*sorted((root / "results" / "capacity").glob("*.jsonl")),
+                 *sorted((root / MODELS_RESULTS).glob("models_*.jsonl"))]
+    for path in row_files:
         for line in path.read_text(encoding="utf-8").splitlines():
             if not line.strip():
                 continue
             row = json.loads(line)
             st = row.get("kvrepro_settings") or {}
-            if "cuda" not in (st.get("decode_impl") or {}).values():
-                continue
-            key = (str(path.relative_to(root)), row.get("gpu", ""), st.get("cuda_fatbin_sha256", ""))
-            date = str(row.get("date", ""))[:10]
-            hit = out.setdefault(key, {"file": key[0], "gpu": key[1], "fatbin_sha256": key[2], "date": date})
-            hit["date"] = max(hit["date"], date)
+            if _cuda_presets(st):
+                add(path, row.get("gpu"), st.get("cuda_fatbin_sha256"), row.get("date"), _cuda_presets(st))
     for path in sorted((root / "benchmarks" / "results").glob("*.json")):
         data = json.loads(path.read_text(encoding="utf-8"))
         rows, prov = data.get("rows") or [], data.get("provenance") or {}
-        if any(r.get("impl") == "cuda" or r.get("kernel") == "committed" for r in rows):
-            key = (str(path.relative_to(root)), prov.get("gpu", ""), prov.get("cuda_fatbin_sha256", ""))
-            out[key] = {"file": key[0], "gpu": key[1], "fatbin_sha256": key[2],
-                        "date": str(prov.get("date_utc", ""))[:10]}
-    return list(out.values())
+        presets = {str(r.get("kernel")).removeprefix("kvrepro_") for r in rows if r.get("impl") == "cuda"}
+        if any(r.get("kernel") == "committed" for r in rows):
+            presets.add(prov.get("preset") or (prov.get("parameters") or {}).get("preset") or "k4v4")  # script default
+        if presets:
+            add(path, prov.get("gpu"), prov.get("cuda_fatbin_sha256"), prov.get("date_utc"), presets)
+    carveout = root / CARVEOUT_RESULTS
+    if carveout.is_file():
+        data = json.loads(carveout.read_text(encoding="utf-8"))
+        prov = data.get("provenance") or {}
+        ran = {r["preset"] for r in data.get("rows") or [] if r.get("ms_graph") is not None}
+        if ran:
+            add(carveout, prov.get("gpu"), prov.get("cuda_fatbin_sha256"), prov.get("date_utc"), ran)
+    return [dict(m, presets=sorted(m["presets"])) for m in out.values()]
 
 
-def _entries_of(sha: str, manifest: dict, measured: dict) -> dict | None:
-    """``{code: sha256}`` of the fatbin of SHA-256 ``sha``: the committed one's from its manifest, an earlier one's
-    from measured_fatbins.json; None if unknown."""
+def _kernels_of(sha: str, manifest: dict, measured: dict) -> dict | None:
+    """``{code: {kernel: SHA-256 of its code}}`` of the SASS entries of the fatbin of SHA-256 ``sha``: the committed
+    one's from its manifest, an earlier one's from measured_fatbins.json; None if unknown. An entry listed without
+    per-kernel hashes counts where its whole entry equals the committed fatbin's (then every kernel in it is the
+    committed one's)."""
     if sha == manifest.get("fatbin_sha256"):
-        return {e["code"]: e["sha256"] for e in manifest["entries"]}
-    known = measured.get("fatbins", {}).get(sha)
-    return None if known is None else {e["code"]: e["sha256"] for e in known["entries"]}
+        entries = manifest["entries"]
+    else:
+        known = measured.get("fatbins", {}).get(sha)
+        if known is None:
+            return None
+        entries = known["entries"]
+    current = {e["code"]: e for e in manifest["entries"]}
+    out = {}
+    for e in entries:
+        if "kernels" in e:
+            out[e["code"]] = dict(e["kernels"])
+        elif e["code"] in current and current[e["code"]]["sha256"] == e["sha256"]:
+            out[e["code"]] = dict(current[e["code"]].get("kernels") or {})
+    return out
+
+
+def cuda_status(code: str, runs: list[dict], manifest: dict, measured: dict) -> tuple[str, list[dict]] | None:
+    """What the measurements ``runs`` (:func:`cuda_measurements` of one GPU family) say of SASS target ``code`` of the
+    committed fatbin (``manifest``; earlier fatbins from ``measured``, the content of measured_fatbins.json), per
+    kernel: the plain decode kernels (``cuda_decode.KERNELS``: what the matrix row describes) count as measured where a
+    run of that kernel's preset ran a fatbin whose ``code`` entry held the same code for it (per-kernel SHA-256,
+    ``cuda_build.cubin_functions``); the other kernels of the entry (the rope-mean ones, an opt-in path) are said to
+    be built and not run unless a run ran their code. Returns ``(text, runs that count)`` or None if ``runs`` is
+    empty."""
+    if not runs:
+        return None
+    current = next(e for e in manifest["entries"] if e["code"] == code).get("kernels") or {}
+    preset_of = {k: cuda_decode.PRESETS[b] for b, k in cuda_decode.KERNELS.items()}
+    ran: dict[str, list[dict]] = {}          # kernel -> runs that ran this very code
+    for m in runs:
+        held = (_kernels_of(m["fatbin_sha256"], manifest, measured) or {}).get(code) or {}
+        for k, h in current.items():
+            if h == held.get(k) and (k not in preset_of or preset_of[k] in m["presets"]):
+                ran.setdefault(k, []).append(m)
+    plain = list(cuda_decode.KERNELS.values())
+    done = [k for k in plain if k in ran]
+    if not done:
+        return f"measured with an earlier build; this build's {code} not measured", []
+    same = [m for m in runs if any(m in ran[k] for k in done)]
+    files = ", ".join(f"[{Path(m['file']).name}]({m['file']})" for m in same)
+    gpus = ", ".join(sorted({m["gpu"].replace("NVIDIA ", "") for m in same}))
+    short = " / ".join(preset_of[k] for k in done)
+    date = max(m["date"] for m in same)
+    text = f"**measured** on {gpus}, {short} ({code} code identical to the runs'; {date}: {files})"
+    missing = [preset_of[k] for k in plain if k not in ran]
+    if missing:
+        text += f"; {' / '.join(missing)} not measured"
+    extra = [k for k in current if k not in plain and k not in ran]
+    if extra:
+        rope = set(cuda_decode.ROPE_KERNELS.values())
+        text += ("; rope-mean kernels built, not run" if set(extra) == rope else
+                 f"; {', '.join(k.removeprefix('kvrepro_decode_') for k in extra)} built, not run")
+    return text, same
 
 
 def gpu_rows(root: Path | None = None) -> list[dict]:
     """One row per GPU family of gpus.json: ``family``, ``capability``, ``code`` (what of the fatbin it runs),
     ``decode`` (the kernel at the measured geometry under the default rule), ``ctas`` (resident CTAs of k4v4 / k8v4 /
-    k4v2 by the model), ``status`` (measured, with files, or built only, with ptxas's spills, and whether its
-    shared-memory budget was emulated on the H200 by the carveout: :data:`CARVEOUT_RESULTS`)."""
+    k4v2 by the model), ``status`` (:func:`cuda_status`: measured per kernel, with files, or built only, with
+    ptxas's spills, and whether its shared-memory budget was emulated on the H200 by the carveout:
+    :data:`CARVEOUT_RESULTS`)."""
     manifest = cuda_decode.read_manifest()
     measured = json.loads(MEASURED_FATBINS.read_text(encoding="utf-8")) if MEASURED_FATBINS.is_file() else {}
     runs = cuda_measurements(root)
-    current = {e["code"]: e["sha256"] for e in manifest["entries"]}
     carveout = (root or repo_root()) / CARVEOUT_RESULTS
     emulated = {r["budget_kb"] for r in json.loads(carveout.read_text(encoding="utf-8"))["rows"]
                 if r.get("ms_graph") is not None} if carveout.is_file() else set()
@@ -103,14 +178,9 @@ def gpu_rows(root: Path | None = None) -> list[dict]:
         code = cuda_decode.fatbin_code_for(cap)
         plan = serving_plan(capability=cap, **SHAPE)
         ctas = " / ".join(str(cuda_decode.modelled_ctas(b, cap)) for b in cuda_decode.KERNELS)
-        mine = [m for m in runs if family_of(m["gpu"]) == fam]
-        same = [m for m in mine if (_entries_of(m["fatbin_sha256"], manifest, measured) or {}).get(code) == current[code]]
-        if same:
-            files = ", ".join(f"[{Path(m['file']).name}]({m['file']})" for m in same)
-            gpus = ", ".join(sorted({m["gpu"].replace("NVIDIA ", "") for m in same}))
-            status = f"**measured** on {gpus} ({max(m['date'] for m in same)}: {files})"
-        elif mine:
-            status = f"measured with an earlier build; this build's {code} not measured"
+        said = cuda_status(code, [m for m in runs if family_of(m["gpu"]) == fam], manifest, measured)
+        if said is not None:
+            status = said[0]
         else:
             res = manifest.get("resources", {}).get(code, {})
             spilled = ", ".join(f"{k.removeprefix('kvrepro_decode_')} {r['spill_stores']} / {r['spill_loads']} B"

@@ -133,12 +133,25 @@ def test_the_fatbin_holds_sass_for_every_family_and_ptx_of_the_newest():
 
 
 def test_sm_90_code_is_the_code_the_h200_measurements_ran():
-    """The H200 results (capacity rows, benchmarks) were measured with the fatbin of SHA-256 ea2007...; adding the
-    sm_100 / sm_120 targets left its sm_90 SASS and compute_80 PTX byte for byte as they were (checked when the
-    fatbin was rebuilt: the entries' SHA-256 below are those of the measured fatbin's)."""
-    entries = {e["code"]: e["sha256"] for e in cuda_decode.read_manifest()["entries"]}
-    assert entries["sm_90"] == "19caa3753f302d5e53894b2ba5d98c0fda4587af8968cb8ce2477c463f5b22e8"
-    assert entries["compute_80"] == "b4a223fdae8709040f1dc27f9851925a4ab398e62d9c2e7d0308e30d3c95a9f7"
+    """The H200 results were measured with the fatbins ea2007... (capacity rows, benchmarks) and 970ceb... (carveout,
+    per-model runs); adding sm_100 / sm_120 (970ceb...) left the sm_90 entry and compute_80 PTX of ea2007... as they
+    were; adding the rope-mean kernels changed the sm_90 entry (and the PTX, which holds them too) but not the code of
+    the plain kernels in it (per-kernel hashes of the committed fatbin equal those of the measured one;
+    tests/test_reach_fatbin.py reads them from the fatbins in git history)."""
+    with open(f"{cuda_decode.HERE}/measured_fatbins.json") as f:
+        fatbins = json.load(f)["fatbins"]
+    old, mid = ({e["code"]: e for e in fatbins[sha]["entries"]} for sha in
+                ("ea200779094fc163cd7f133bdbca2112f04d918d84ca7377188cf595a2aaa90e",
+                 "970ceb3112d47cab66b47a927138db2e7e6dfd517fc5f3b2fe654206619af74b"))
+    assert old["sm_90"]["sha256"] == mid["sm_90"]["sha256"] == \
+        "19caa3753f302d5e53894b2ba5d98c0fda4587af8968cb8ce2477c463f5b22e8"
+    assert old["compute_80"]["sha256"] == mid["compute_80"]["sha256"] == \
+        "b4a223fdae8709040f1dc27f9851925a4ab398e62d9c2e7d0308e30d3c95a9f7"
+    entries = {e["code"]: e for e in cuda_decode.read_manifest()["entries"]}
+    assert entries["sm_90"]["sha256"] != old["sm_90"]["sha256"]              # the rope kernels were added
+    assert entries["compute_80"]["sha256"] != old["compute_80"]["sha256"]
+    for name in cuda_decode.KERNELS.values():
+        assert entries["sm_90"]["kernels"][name] == old["sm_90"]["kernels"][name], name
 
 
 def test_manifest_check_names_entries_that_are_not_the_fatbins(tmp_path):

@@ -5,7 +5,8 @@
     python -m kvrepro.ops.cuda_build --check           no nvcc: exit 1 unless the committed header equals the one
                                                       generated from kvrepro.formats, the manifest's hashes match
                                                       the committed sources and fatbin, and its ``entries`` are the
-                                                      code the fatbin holds (read from the fatbin's container)
+                                                      code the fatbin holds (read from the fatbin's container, with
+                                                      each SASS entry's per-kernel code hashes)
 
 The runtime side (loading the fatbin, launching, the split rule) is ``kvrepro.ops.cuda_decode``; nothing here runs at
 serving time. ``cuda/page_layout.h`` is generated from ``kvrepro.formats.layout.PageLayout`` of every preset in
@@ -13,8 +14,9 @@ serving time. ``cuda/page_layout.h`` is generated from ``kvrepro.formats.layout.
 ``source_sha256_comments_stripped``: the SHA-256 of ``decode.cu`` and ``page_layout.h`` with comments, trailing
 whitespace and blank lines removed (``code_text``), so a comment edit changes neither the fatbin nor the manifest.
 It also records which code the fatbin holds (``entries``: SASS ``sm_XY`` and PTX ``compute_XY`` with the SHA-256 of
-each, read back from the fatbin's container by ``fatbin_entries``) and, per SASS target and kernel, the registers,
-static shared memory, stack and spills ptxas reported (``resources``; the residency model
+each, read back from the fatbin's container by ``fatbin_entries``; per SASS entry also ``kernels``, the SHA-256 of
+each function's code section read from the entry's cubin by ``cubin_functions``) and, per SASS target and kernel, the
+registers, static shared memory, stack and spills ptxas reported (``resources``; the residency model
 ``kvrepro.ops.occupancy`` reads them).
 """
 from __future__ import annotations
@@ -156,16 +158,65 @@ def find_nvcc(nvcc: str | None = None) -> str:
     raise FileNotFoundError(f"nvcc not found (looked at {nvcc or 'PATH and /usr/local/cuda*/bin/nvcc'})")
 
 
+ELF_MAGIC = b"\x7fELF"
+SHT_NOBITS = 8                                 # a section that occupies no bytes in the file (ELF gABI)
+
+
+def cubin_functions(elf: bytes) -> dict[str, str]:
+    """``{name: SHA-256}`` of each function's code section of a cubin (the ELF of one SASS entry): the bytes of every
+    section named ``.text.<name>`` (``<name>`` the symbol: an ``extern "C"`` name or a mangled one), sorted by name.
+    The code only: what the function references through relocations (``.rela.text.<name>``), its attributes
+    (``.nv.info.<name>``: they hold symbol and section indices, which shift when other kernels are added) and its
+    shared / constant memory are other sections. Parsed with the ELF64 section-header table (ELF gABI: ``e_shoff`` at
+    byte 0x28, ``e_shentsize`` / ``e_shnum`` / ``e_shstrndx`` at 0x3A; 64-byte headers ``sh_name``, ``sh_type``,
+    ``sh_flags``, ``sh_addr``, ``sh_offset``, ``sh_size``, ...), little-endian as cubins are.
+
+    Raises:
+        RuntimeError: not a little-endian ELF64, or a header / section / name that runs past ``elf``.
+    """
+    import struct
+
+    if len(elf) < 64 or not elf.startswith(ELF_MAGIC) or elf[4] != 2 or elf[5] != 1:
+        raise RuntimeError(f"not a little-endian ELF64 (first bytes {elf[:6].hex()}, expected {ELF_MAGIC.hex()}0201)")
+    shoff, = struct.unpack_from("<Q", elf, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", elf, 0x3A)
+    if shentsize < 64 or shstrndx >= shnum or shoff + shnum * shentsize > len(elf):
+        raise RuntimeError(f"ELF section headers out of range (offset {shoff}, {shnum} x {shentsize} bytes, names in "
+                           f"section {shstrndx}; the ELF has {len(elf)} bytes)")
+    heads = [struct.unpack_from("<IIQQQQ", elf, shoff + i * shentsize) for i in range(shnum)]
+
+    def extent(i):
+        _, kind, _, _, off, size = heads[i]
+        if kind != SHT_NOBITS and off + size > len(elf):
+            raise RuntimeError(f"ELF section {i} runs past the file (bytes {off}..{off + size} of {len(elf)})")
+        return off, size
+
+    names_off, names_size = extent(shstrndx)
+    out = {}
+    for i, (name_at, kind, *_rest) in enumerate(heads):
+        end = elf.find(b"\0", names_off + name_at, names_off + names_size)
+        if name_at >= names_size or end < 0:
+            raise RuntimeError(f"ELF section {i}'s name runs past the section-name table")
+        name = elf[names_off + name_at:end].decode("utf-8", "replace")
+        if name.startswith(".text.") and kind != SHT_NOBITS:
+            off, size = extent(i)
+            out[name[len(".text."):]] = hashlib.sha256(elf[off:off + size]).hexdigest()
+    return dict(sorted(out.items()))
+
+
 def fatbin_entries(path: str) -> list[dict]:
     """The code a fatbin holds, in container order: ``[{"code": "sm_90" | "compute_80", "sha256": ...}]`` (SASS
-    entries as ``sm_XY``, PTX as ``compute_XY``; the SHA-256 of each entry's payload). The container: a 16-byte header
+    entries as ``sm_XY``, PTX as ``compute_XY``; the SHA-256 of each entry's payload); a SASS entry (a cubin) also has
+    ``"kernels": {name: SHA-256 of its code}`` (``cubin_functions``), so that a kernel whose code did not change is
+    recognised when others were added or changed. The container: a 16-byte header
     (magic 0xBA55ED50, version, header size, size of what follows), then entries of a header (kind 1 = PTX, 2 = ELF
     /SASS at byte 0, its own size at byte 4, the payload's padded size at byte 8, the SM version at byte 28) and a
     payload. Layout as cuobjdump reads it (reverse-engineered and documented by github.com/GrigoryEvko/nvopen-tools,
     fatbin/FORMAT_SPECIFICATION.md).
 
     Raises:
-        RuntimeError: not a fatbin (magic), an entry of another kind or one that runs past the container.
+        RuntimeError: not a fatbin (magic), an entry of another kind or one that runs past the container, a SASS
+            entry that is not a cubin ``cubin_functions`` reads.
     """
     import struct
 
@@ -184,7 +235,13 @@ def fatbin_entries(path: str) -> list[dict]:
             raise RuntimeError(f"{path}: unexpected fatbin entry at byte {off} (kind {kind}, header {entry_head}, "
                                f"payload {padded})")
         payload = data[off + entry_head:off + entry_head + padded]
-        out.append({"code": f"{'compute' if kind == 1 else 'sm'}_{sm}", "sha256": hashlib.sha256(payload).hexdigest()})
+        entry = {"code": f"{'compute' if kind == 1 else 'sm'}_{sm}", "sha256": hashlib.sha256(payload).hexdigest()}
+        if kind == 2:
+            try:
+                entry["kernels"] = cubin_functions(payload)
+            except RuntimeError as e:
+                raise RuntimeError(f"{path}: the sm_{sm} entry at byte {off}: {e}") from None
+        out.append(entry)
         off += entry_head + padded
     return out
 
@@ -280,7 +337,9 @@ def check(header: str = HEADER, manifest: str = MANIFEST, fatbin: str = FATBIN) 
     """What is out of date, without nvcc: ``header`` differs from ``page_layout_header()``, the manifest's
     ``source_sha256_comments_stripped`` differs from the sources' (``decode.cu`` changed other than in comments),
     its ``fatbin_sha256`` from ``fatbin``'s, or its ``gencode`` / ``nvcc_flags`` / ``kernels`` from this module's
-    (a build setting changed without a rebuild). Returns one line per problem (empty: all in order)."""
+    (a build setting changed without a rebuild), its ``entries`` (with each SASS entry's per-kernel code hashes)
+    from what ``fatbin`` holds (``fatbin_entries``), or a SASS entry's functions from ``ALL_KERNELS`` (a function
+    ptxas did not inline would show up as one more). Returns one line per problem (empty: all in order)."""
     problems = []
     try:
         with open(header) as f:
@@ -309,8 +368,16 @@ def check(header: str = HEADER, manifest: str = MANIFEST, fatbin: str = FATBIN) 
         except RuntimeError as e:
             problems.append(str(e))
     if held is not None and info.get("entries") != held:
+        listed = {e.get("code"): e for e in info.get("entries") or []}
+        changed = [f"{e['code']} {k}" for e in held for k, h in (e.get("kernels") or {}).items()
+                   if e["code"] in listed and (listed[e["code"]].get("kernels") or {}).get(k) != h]
         problems.append(f"the manifest's entries {[e['code'] for e in info.get('entries') or []]} are not the code "
-                        f"{fatbin} holds ({[e['code'] for e in held]})")
+                        f"{fatbin} holds ({[e['code'] for e in held]})"
+                        + (f"; kernel code hashes differ or are missing: {', '.join(changed)}" if changed else ""))
+    for e in held or []:
+        if e["code"].startswith("sm_") and sorted(e.get("kernels") or {}) != sorted(ALL_KERNELS):
+            problems.append(f"the fatbin's {e['code']} holds the functions {sorted(e.get('kernels') or {})}, the "
+                            f"kernels are {sorted(ALL_KERNELS)}")
     sass = sorted(e["code"] for e in info.get("entries") or [] if e["code"].startswith("sm_"))
     if sorted(info.get("resources") or {}) != sass:
         problems.append(f"the manifest's ptxas resources cover {sorted(info.get('resources') or {})}, its SASS entries "
