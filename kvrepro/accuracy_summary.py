@@ -665,7 +665,7 @@ def readme_table(rows: list[dict]) -> str:
     head = ["mode", f"KV bytes per token and KV head (head_dim {HEAD_DIM})",
             "users (Qwen3-4B, 128K + 1K tokens, 80 GiB)", "KL vs bf16, reference path (nats/token)",
             "KL top-20 vs bf16, vLLM", "perplexity change vs bf16", "needle loss bound, single / multi (pp, 95%)",
-            "needle verdict", "verdict (issue 21's goal)"]
+            "needle verdict", "verdict (the goal below)"]
     lines = ["| " + " | ".join(head) + " |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
     for r in rows:
         if r["format"] == BASELINE:
@@ -688,7 +688,7 @@ def readme_text(sources: dict) -> str:
     return "\n".join([
         readme_table(rows), "",
         closest_to_fp8(rows) + (f" {note}" if note else ""), "",
-        f"Goal (issue 21): fp8's KL and perplexity change at >= {GOAL_USERS} users, needle retrieval non-inferior to "
+        f"Goal: fp8's KL and perplexity change at >= {GOAL_USERS} users, needle retrieval non-inferior to "
         f"bf16 (exact one-sided 95% bound on the loss <= {stats.MARGIN_PP:g} pp) and sane output. Fidelity: "
         "SmolLM2-135M-Instruct on public-domain prose, each format against bf16 on the same engine "
         "(`kvrepro.fidelity`); users: notebook 02's arithmetic. Sources:", "",

@@ -30,7 +30,7 @@ Two engines:
   bf16 is its own baseline.
 
 Result files (CSV, one row per format and window, provenance columns, written atomically; a rerun with the same
-parameters resumes): ``results/fidelity/cpu_*.csv`` and ``results/fidelity/vllm_*.csv``.
+parameters resumes): ``results/fidelity/reference_cpu_*.csv`` and ``results/fidelity/vllm_*.csv``.
 """
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ from kvrepro.provenance import params_as_dict, params_from_dict
 BASELINE = "bf16"
 ROW_COLUMNS = ("format", "window", "scored", "kl_sum", "kl_topk_sum", "topk_missing", "top1_sum", "nll_sum",
                "ref_nll_sum")
-DEFAULT_CPU_RESULTS = "results/fidelity/cpu_smollm2.csv"
+DEFAULT_CPU_RESULTS = "results/fidelity/reference_cpu_smollm2.csv"   # the file the README's fidelity block reads
 DEFAULT_VLLM_RESULTS = "results/fidelity/vllm_h200_smollm2.csv"
 # |kl_topk(vLLM) - kl_topk(CPU)| <= AGREEMENT_REL * kl_topk(CPU) + AGREEMENT_ABS, per format (engine_agreement)
 AGREEMENT_REL = 0.35
@@ -550,8 +550,9 @@ def main(argv=None) -> int:
         p.add_argument("--top-k", type=int, default=FidelityParams.top_k)
         p.add_argument("--key-offset", default=FidelityParams.key_offset,
                        help="how compressed presets store keys (the reference path's KVREPRO_KEY_OFFSET): slow-pairs "
-                       "(default), first-prefill or off")
-    c.add_argument("--out", default=DEFAULT_CPU_RESULTS)
+                       "(default), first-prefill, off or rope-mean")
+    c.add_argument("--out", default=DEFAULT_CPU_RESULTS, help=f"results CSV, appended / resumed (default "
+                   f"{DEFAULT_CPU_RESULTS}, the file the README's fidelity block reads)")
     c.add_argument("--device", default="cpu", help="cpu, or cuda: the same reference path in float32 on a GPU")
     v.add_argument("--out", default=DEFAULT_VLLM_RESULTS)
     v.add_argument("--model", required=True, help="HF model directory (SmolLM2 de-quantized)")

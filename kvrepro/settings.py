@@ -119,8 +119,8 @@ SETTINGS: tuple[Declaration, ...] = (
         "preset", "KVREPRO_PRESET", ", ".join(PRESETS), DEFAULT_PRESET,
         "The compressed KV format of every layer (bits per key / value element; kvrepro.formats). k5v4, the default: "
         "5-bit symmetric keys, 4-bit values with a one-byte log2 scale, 147 B per token and KV head at head_dim 128, "
-        "fp8's fidelity at 12 users of the seed workload, Triton decode; k4v4: 134 B, 13 users, the CUDA decode "
-        "kernel, 1.8x fp8's KL (README, fidelity). "
+        "the preset closest to fp8's fidelity at 12 users of the seed workload, Triton decode; k4v4: 134 B, 13 "
+        "users, the CUDA decode kernel, a larger fidelity cost (README, fidelity). "
         "vLLM runs with kv_cache_dtype='auto' and --attention-backend CUSTOM: the compression is the KV dtype.",
         _preset,
         "users and decode tok/s per preset at 128K on an 80 GiB budget (H200): [capacity rows](results/capacity/h200-20261201-w13.jsonl); "

@@ -59,6 +59,7 @@ README = "README.md"
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 SETTINGS_BEGIN, SETTINGS_END = "<!-- settings:begin -->", "<!-- settings:end -->"
 FIDELITY_BEGIN, FIDELITY_END = "<!-- fidelity:begin -->", "<!-- fidelity:end -->"
+ANSWER_BEGIN, ANSWER_END = "<!-- answer:begin -->", "<!-- answer:end -->"
 CHART = "docs/capacity.png"
 CAPACITY_DIR = "results/capacity"
 CAPACITY_INDEX = "results/capacity/README.md"
@@ -226,12 +227,12 @@ def summary_rows(df, needle=None, modes=MODE_NAMES, workload: dict | None = SEED
         r = dict(mode=mode, name=DISPLAY.get(mode, mode), bytes_per_token_head=nbytes, seed_users=seed[0],
                  seed_tok_s=seed[1], users=None, tok_s=None, vs_fp8_max=None, vs_fp8_best=None, fp8_max=fp8_max,
                  fp8_best=fp8_best, source_file=None, run_id=None, when=None, fp8_source_file=None, fp8_when=None,
-                 setup_differs=[], needle=needle.get(fmt), needle_bf16=needle.get("bf16"))
+                 setup_differs=[], needle=needle.get(fmt), needle_bf16=needle.get("bf16"), gpu=None)
         rows = runs.get(mode)
         if rows is not None:
             cap = max_clean(rows)
             r.update(source_file=_rel(rows["source_file"].iloc[0]), run_id=str(rows["run_id"].iloc[0]),
-                     when=when(rows))
+                     when=when(rows), gpu=str(rows["gpu"].iloc[0]) if "gpu" in rows else None)
             if cap is not None:
                 r.update(users=cap[0], tok_s=cap[1])
             if base is not None:
@@ -533,6 +534,13 @@ def fidelity_sources(root: str | os.PathLike | None = None) -> dict:
             "needle": acs.needle_source(str(root / acs.NEEDLE))}
 
 
+def acs_rows(root: str | os.PathLike | None = None) -> list[dict]:
+    """The fidelity summary rows of the committed sources (``kvrepro.accuracy_summary.summary_rows``)."""
+    from kvrepro import accuracy_summary as acs
+
+    return acs.summary_rows(fidelity_sources(root))
+
+
 def fidelity_block(sources: dict | None = None) -> str:
     """The README's fidelity block, markers included: per preset and fp8 the bytes, users, KL (reference path),
     KL top-20 (vLLM), perplexity change, needle bound and verdict, the closest preset to fp8 at >= 12 users, the
@@ -574,6 +582,61 @@ def verdict(rows: list[dict], default: str | None = None) -> str:
         if k["fp8_source_file"]:
             line += f" (fp8 from another run: {Path(k['fp8_source_file']).name})"
     return line + "."
+
+
+def answer(rows: list[dict], fid_rows: list[dict]) -> str:
+    """The README's opening answer (markdown, two sentences), from the capacity rows (:func:`summary_rows`) and the
+    fidelity rows (``kvrepro.accuracy_summary.summary_rows``): what the capacity preset serves against fp8 and what
+    it costs in fidelity, then the default preset's fidelity against fp8 and its users. Says "not measured" where
+    a figure has no committed row."""
+    from kvrepro import stats
+
+    by = {r["mode"]: r for r in rows}
+    fid = {r["format"]: r for r in fid_rows}
+    cap, f8 = by.get(CAPACITY_PRESET), by.get(BASELINE)
+    cap_fmt = FORMAT_OF.get(CAPACITY_PRESET, CAPACITY_PRESET.split(":")[-1])
+    gib = f"{SEED_WORKLOAD['gpu_memory_gb']:g} GiB"
+
+    def cost(fmt: str) -> str:
+        r = fid.get(fmt)
+        if r is None or r["kl"] is None:
+            return "fidelity not measured"
+        ppl = (f"perplexity {r['ppl_change_pct']:+.2f}% (fp8 {r['fp8_ppl_change_pct']:+.2f}%)"
+               if r["fp8_ppl_change_pct"] is not None else f"perplexity {r['ppl_change_pct']:+.2f}%")
+        needle = (f"needle retrieval {r['needle']} (loss bound {r['single_bound']:.2f} pp, bar "
+                  f"{stats.MARGIN_PP:g} pp)" if r["needle"] in ("NON-INFERIOR", "INFERIOR")
+                  and r["single_bound"] is not None else f"needle {r['needle'] or 'not run'}")
+        return f"KL {r['kl_vs_fp8']:.2f}x fp8's, {ppl}, {needle}"
+
+    if cap and cap["users"] is not None and f8 and f8["users"] is not None:
+        first = (f"**On one {_gpu_words(cap)} at an emulated {gib}, kvrepro's capacity preset {cap_fmt} serves "
+                 f"{cap['users']} users of 128K tokens where fp8 serves {f8['users']}**, at "
+                 + (f"{cap['vs_fp8_max']:.2f}x fp8's aggregate decode tok/s ({cap['vs_fp8_best']:.2f}x fp8's best "
+                    "clean point)" if cap["vs_fp8_max"] is not None else "a decode speed not comparable with fp8's "
+                    "run") + f"; it costs {cost(cap_fmt)}.")
+    else:
+        first = f"The capacity preset {cap_fmt} has no measured run for the seed's workload yet."
+    d = fid.get(DEFAULT_PRESET)
+    dcap = by.get(f"kvrepro:{DEFAULT_PRESET}")
+    users = (f"{dcap['users']} users measured" if dcap and dcap["users"] is not None
+             else f"{d['users']} users by the capacity arithmetic (no 128K run yet)" if d else "users not known")
+    second = f"The default preset, {DEFAULT_PRESET}: {cost(DEFAULT_PRESET)}; {users}."
+    return f"{first} {second} Details, sources and dates: the tables below."
+
+
+def _gpu_words(r: dict) -> str:
+    """The GPU of a capacity row's run, as its result file records it (e.g. "NVIDIA H200"); "GPU" if unknown."""
+    return r.get("gpu") or "GPU"
+
+
+def answer_block(rows: list[dict] | None = None, fid_rows: list[dict] | None = None) -> str:
+    """:func:`answer` between its markers (inputs default to the committed result files)."""
+    from kvrepro import accuracy_summary as acs
+
+    rows = summary_rows(load_capacity(), needle_counts()) if rows is None else rows
+    fid_rows = acs.summary_rows(fidelity_sources()) if fid_rows is None else fid_rows
+    return "\n".join([ANSWER_BEGIN, "<!-- generated by `python -m kvrepro.summary --write` from the results and "
+                      "fidelity blocks' files: edit those, not this block -->", answer(rows, fid_rows), ANSWER_END])
 
 
 # ---------------------------------------------------------------- notebook tables
@@ -825,6 +888,8 @@ def main(argv: list[str] | None = None) -> int:
         new_text = replace_block(text, block, README)
         new_text = replace_block(new_text, fblock, README, FIDELITY_BEGIN, FIDELITY_END)
         new_text = replace_block(new_text, settings_block(), README, SETTINGS_BEGIN, SETTINGS_END)
+        ablock = answer_block(summary_rows(df, needle), acs_rows(root))
+        new_text = replace_block(new_text, ablock, README, ANSWER_BEGIN, ANSWER_END)
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -834,13 +899,14 @@ def main(argv: list[str] | None = None) -> int:
         atomic_write_bytes(index_path, index.encode())
         if new_text != text:
             atomic_write_bytes(readme, new_text.encode())
-        print(f"wrote {README} (results, fidelity and settings blocks), {CHART}, {CAPACITY_INDEX}")
+        print(f"wrote {README} (answer, results, fidelity and settings blocks), {CHART}, {CAPACITY_INDEX}")
         return 0
     problems = []
     if new_text != text:
         problems.append(_diff(current_block(text), block, README))
         problems.append(_diff(current_block(text, README, FIDELITY_BEGIN, FIDELITY_END), fblock, README))
         problems.append(_diff(current_block(text, README, SETTINGS_BEGIN, SETTINGS_END), settings_block(), README))
+        problems.append(_diff(current_block(text, README, ANSWER_BEGIN, ANSWER_END), ablock, README))
     old_index = index_path.read_text(encoding="utf-8") if index_path.is_file() else ""
     if old_index != index:
         problems.append(_diff(old_index, index, CAPACITY_INDEX))

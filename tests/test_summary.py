@@ -229,7 +229,8 @@ def repo(tmp_path, monkeypatch):
     cap = tmp_path / "results" / "capacity"
     cap.mkdir(parents=True)
     write(cap / "r.jsonl", sweep("fp8", FP8, "2026-11-30T09:00:00+00:00") + sweep("bf16", BF16, "2026-11-30T08:00:00Z"))
-    (tmp_path / "README.md").write_text(f"# x\n\n{summary.BEGIN}\nold\n{summary.END}\n\n"
+    (tmp_path / "README.md").write_text(f"# x\n\n{summary.ANSWER_BEGIN}\n{summary.ANSWER_END}\n\n"
+                                        f"{summary.BEGIN}\nold\n{summary.END}\n\n"
                                         f"{summary.FIDELITY_BEGIN}\n{summary.FIDELITY_END}\n\nafter\n"
                                         f"{summary.SETTINGS_BEGIN}\n{summary.SETTINGS_END}\n")
     monkeypatch.setattr(replay, "repo_root", lambda: tmp_path)
@@ -244,7 +245,8 @@ def test_cli_write_then_check(repo, capsys):
     assert "-old" in out.out and "run `python -m kvrepro.summary --write`" in out.err
     assert summary.main(["--write"]) == 0
     text = (repo / "README.md").read_text()
-    assert text.startswith("# x\n\n" + summary.BEGIN) and text.endswith(summary.SETTINGS_END + "\n")
+    assert text.startswith("# x\n\n" + summary.ANSWER_BEGIN) and text.endswith(summary.SETTINGS_END + "\n")
+    assert "The capacity preset k4v4 has no measured run" in text.split(summary.ANSWER_END)[0]  # fp8 and bf16 only
     from kvrepro.formats import COMPRESSED_PRESETS, DEFAULT_PRESET
     assert f"| `KVREPRO_PRESET` | {', '.join(COMPRESSED_PRESETS)} | {DEFAULT_PRESET} |" in text   # settings too
     assert "| bf16 | 512 | 2 (66.6 tok/s) | 3 | 170.0 |" in text
@@ -392,3 +394,27 @@ def test_fidelity_block_says_which_files_are_missing(tmp_path):
               "results/accuracy/vllm_h200/vllm_accuracy.csv"):
         assert f"not measured yet: no `{tmp_path / p}`" in block
     assert "which one is closest to fp8 is not known" in block
+
+
+def test_answer_states_capacity_and_fidelity_from_the_rows(tmp_path):
+    """The README's opening answer: the capacity preset's users and ratio against fp8 from the capacity rows, and its
+    and the default preset's fidelity cost from the fidelity rows; a preset without a fidelity row says so."""
+    from kvrepro.formats import DEFAULT_PRESET
+
+    write(tmp_path / "a.jsonl", sweep("fp8", FP8, "2026-11-30T09:00:00+00:00")
+          + sweep("kvrepro:k4v4", [(13, 480.0, True)], "2026-11-30T10:00:00+00:00"))
+    rows = summary.summary_rows(load(tmp_path))
+    fid = [dict(format="k4v4", kl=0.06, kl_vs_fp8=2.5, ppl_change_pct=6.0, fp8_ppl_change_pct=2.0,
+                needle="INFERIOR", single_bound=1.36, users=13),
+           dict(format=DEFAULT_PRESET, kl=0.02, kl_vs_fp8=0.9, ppl_change_pct=1.5, fp8_ppl_change_pct=2.0,
+                needle="NON-INFERIOR", single_bound=0.8, users=12)]
+    text = summary.answer(rows, fid)
+    k4 = next(r for r in rows if r["mode"] == "kvrepro:k4v4")
+    assert "k4v4 serves 13 users of 128K tokens where fp8 serves 6**" in text
+    assert f"at {480 / 160:.2f}x fp8's aggregate decode tok/s ({k4['vs_fp8_best']:.2f}x fp8's best clean point)" in text
+    assert "it costs KL 2.50x fp8's, perplexity +6.00% (fp8 +2.00%), needle retrieval INFERIOR (loss bound 1.36 pp" in text
+    if DEFAULT_PRESET != "k4v4":
+        assert (f"The default preset, {DEFAULT_PRESET}: KL 0.90x fp8's, perplexity +1.50% (fp8 +2.00%), needle "
+                "retrieval NON-INFERIOR (loss bound 0.80 pp, bar 1 pp); 12 users by the capacity arithmetic") in text
+        assert "fidelity not measured" in summary.answer(rows, fid[:1])
+    assert "no measured run" in summary.answer(summary.summary_rows(None), fid)

@@ -8,7 +8,7 @@
 | k4v4  | compressed: 4-bit K, 4-bit V (capacity and speed: CUDA kernel)     | 134 |
 | k4v2  | compressed: 4-bit K, 2-bit V (sub-4-bit: 3 b/elem)                 | 102 |
 | k5v4  | compressed: 5-bit symmetric K, 4-bit V with a one-byte log2 scale  | 147 |
-|       | (kvrepro's default: fp8's fidelity at 12 users, notes/accuracy.md) |     |
+|       | (kvrepro's default: closest to fp8 at 12 users, notes/accuracy.md) |     |
 
 Every compressed preset stores keys minus a per-layer constant (``kvrepro.formats.offset``).
 """
