@@ -653,9 +653,10 @@ def sanity_verdicts(sanity: pd.DataFrame, baseline: str = BASELINE) -> pd.DataFr
         extra = g["rep3_rate"] - g["base_rep3_rate"]
         loops = g[extra > SANITY_MAX_EXTRA_REP + 1e-12]
         if len(loops) >= min(SANITY_MIN_LOOP_PROMPTS, len(g)):
-            why.append(f"loops on {len(loops)} of {len(g)} prompts: " + ", ".join(
-                f"{w['rep3_rate']:.0%} repeated 3-grams vs {ref_name} {w['base_rep3_rate']:.0%} on '{w['name']}'"
-                for _, w in loops.iterrows()))
+            w = loops.loc[(loops["rep3_rate"] - loops["base_rep3_rate"]).idxmax()]
+            names = ", ".join(f"'{n}'" for n in loops["name"])
+            why.append(f"loops on {len(loops)} of {len(g)} prompts ({names}): up to {w['rep3_rate']:.0%} repeated "
+                       f"3-grams vs {ref_name} {w['base_rep3_rate']:.0%} on '{w['name']}'")
         reasons.append("" if r["sanity_pass"] else "; ".join(why))
     return t.assign(sanity_reason=reasons)
 
@@ -819,7 +820,8 @@ def verdict_table(cpu: pd.DataFrame, vllm: pd.DataFrame | None = None, cpu_sanit
         margin_pp, alpha, min_baseline: as ``mode_verdicts``.
 
     Returns:
-        DataFrame indexed by ``mode``: ``B/token/head`` (stored KV bytes per token and KV head at ``head_dim``),
+        DataFrame indexed by ``mode``: ``B/token/head (head_dim N)`` (stored KV bytes per token and KV head at
+        ``head_dim``),
         per engine and needle variant the correct / runs (e.g. "CPU single", "vLLM multi"), per engine the
         sanity result ("pass" / "FAIL", blank without rows), and ``verdict``: "baseline" for bf16, else per engine
         its overall ``mode_verdicts`` text (FAIL with the sanity reason, NON-INFERIOR / INFERIOR with the bounds, NOT
@@ -836,7 +838,7 @@ def verdict_table(cpu: pd.DataFrame, vllm: pd.DataFrame | None = None, cpu_sanit
         prepared.append((name, d, mv))
     out = []
     for fmt in format_order(set().union(*(set(d["format"]) for _, d, _ in prepared))):
-        row = {"mode": fmt, "B/token/head": _bytes_per_head(fmt, head_dim)}
+        row = {"mode": fmt, f"B/token/head (head_dim {head_dim})": _bytes_per_head(fmt, head_dim)}
         words = []
         for name, d, mv in prepared:
             for v in [v for v in VARIANTS if v in set(d["variant"])]:

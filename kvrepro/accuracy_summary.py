@@ -344,6 +344,7 @@ def summary_rows(sources: dict, formats=None, cpu_sanity: pd.DataFrame | None = 
             for var in ("single", "multi"):
                 if var in mv.index:
                     r[f"{var}_bound"] = _num(mv.loc[var, "bound_pp"])
+                    r[f"{var}_judged"] = str(mv.loc[var, "retrieval"]) != "NOT JUDGED"
             r.update(needle=str(mv.loc[accuracy.OVERALL, "verdict"]), needle_text=str(mv.loc[accuracy.OVERALL, "text"]),
                      sanity=str(mv.loc[accuracy.OVERALL, "sanity"]))
         r["verdict"], r["verdict_why"] = _verdict(r)
@@ -435,7 +436,8 @@ def _bounds(r: dict) -> str:
         return "baseline"
     if r["single_bound"] is None and r["multi_bound"] is None:
         return NOT_MEASURED if not r["needle"] else "–"
-    return " / ".join("–" if b is None else f"{b:.2f}" for b in (r["single_bound"], r["multi_bound"]))
+    return " / ".join("–" if b is None else f"{b:.2f}" + ("" if r.get(f"{v}_judged", True) else " (not judged)")
+                      for v, b in (("single", r["single_bound"]), ("multi", r["multi_bound"])))
 
 
 def _sanity_cell(r: dict) -> str:
@@ -463,7 +465,7 @@ def display_table(rows: list[dict]) -> pd.DataFrame:
         "top-1 agreement": _pct(r["top1_pct"], signed=False), "perplexity change": _ppl_cell(r),
         "needle bound single / multi (pp, 95%)": _bounds(r), "needle verdict": _needle_word(r),
         "output sanity": _sanity_cell(r),
-        "meets fp8": "–" if r["meets_fp8"] is None or r["format"] in (BASELINE, GOAL_REFERENCE)
+        "KL and perplexity within fp8's": "–" if r["meets_fp8"] is None or r["format"] in (BASELINE, GOAL_REFERENCE)
         else ("yes" if r["meets_fp8"] else "no"),
         "verdict": _verdict_cell(r), "sources": r["sources"]} for r in rows])
     return t

@@ -308,3 +308,10 @@ def test_the_default_offsets_reference_is_preferred_and_other_sources_are_named(
     text = acs.closest_to_fp8(list(rows.values()))
     assert "KL 0.012 = 1.20x fp8's" in text and "k4v2 (17 users): not measured in [1]" in text
     assert text.endswith("(All figures of this sentence from source [1].)")
+
+
+def test_a_bound_of_a_variant_not_judged_says_so():
+    r = dict(format="k4v4", single_bound=1.1, multi_bound=5.94, single_judged=True, multi_judged=False,
+             needle="INFERIOR")
+    assert acs._bounds(r) == "1.10 / 5.94 (not judged)"
+    assert acs._bounds(dict(r, multi_judged=True)) == "1.10 / 5.94"
