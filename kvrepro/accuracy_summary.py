@@ -556,6 +556,7 @@ def plot_users_vs_kl(panels: list[tuple[str, Source, str]], formats=None):
     or ``kl_topk``), one colour and marker per format (``kvrepro.style``), fp8's KL as a dashed line, the
     ``GOAL_USERS`` line, the goal's corner shaded. bf16 (KL 0) is not drawn. Returns the figure."""
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     from kvrepro.style import style_of
 
@@ -579,9 +580,10 @@ def plot_users_vs_kl(panels: list[tuple[str, Source, str]], formats=None):
             ax.axvline(GOAL_USERS, color="#555555", linestyle=":", linewidth=1)
             ax.fill_between([GOAL_USERS, max(users.values()) + 2], min(ys) / 3, ref, color="#55a868", alpha=0.12,
                             label=f"goal: >= {GOAL_USERS} users, KL <= fp8")
-            ax.text(GOAL_USERS + 0.15, max(ys) * 1.3, f"{GOAL_USERS} users", fontsize=8.5, color="#333333")
+            ax.text(GOAL_USERS + 0.15, min(ys) / 2.6, f"{GOAL_USERS} users", fontsize=8.5, color="#333333")
             ax.set_ylim(min(ys) / 3, max(ys) * 2.5)
         ax.set_yscale("log")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))      # users are whole
         ax.set_xlim(min(users.values(), default=0) - 1, max(users.values(), default=GOAL_USERS) + 2)
         ax.set_xlabel(f"users that fit (Qwen3-4B, {WORKLOAD[0]:,} + {WORKLOAD[1]:,} tokens, 80 GiB)")
         ax.set_ylabel(("KL vs bf16, full vocabulary" if col == "kl" else "KL vs bf16, top-20") + " (nats/token)")

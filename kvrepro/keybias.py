@@ -134,9 +134,10 @@ def main(argv=None) -> int:
     from kvrepro.provenance import collect
 
     ap = argparse.ArgumentParser(prog="python -m kvrepro.keybias",
-                                 description="Key-bias stress grid (field-faults rows 1-2): each KV format's attention-"
-                                 "output error under a key bias of norm 300-1000 before RoPE, divided by its error "
-                                 "without it (bar: 1.5x).")
+                                 description="Key-bias stress grid: each KV format's attention-output error under a key bias "
+                                 "of norm 300-1000 added before RoPE (as Qwen2-family key projections have), over the "
+                                 "usual (q_heads, kv_heads, head_dim) shapes, divided by its error without it "
+                                 "(bar: 1.5x).")
     ap.add_argument("--out", default="results/keybias/keybias_cpu.csv",
                     help="CSV to write (atomically; default: the committed table, which this replaces)")
     ap.add_argument("--tokens", type=int, default=2048, help="positions (keys) per case, >= 2 (default 2048)")

@@ -1,4 +1,4 @@
-"""Serving under load (issue 23): per KV mode, ``vllm serve`` at the sweep's memory budget, then vLLM 0.20.2's own
+"""Serving under load: per KV mode, ``vllm serve`` at the sweep's memory budget, then vLLM 0.20.2's own
 ``vllm bench serve`` client at each request rate; results with provenance (``kvrepro.servebench`` has the workload,
 why the prompts are token ids, and the table).
 

@@ -1,4 +1,4 @@
-"""Step-time breakdown of vLLM decode steps at 128K per user (issue 23): attention, GEMMs and the rest, from a PyTorch
+"""Step-time breakdown of vLLM decode steps at 128K per user: attention, GEMMs and the rest, from a PyTorch
 profiler trace captured with vLLM 0.20.2's own profiler hooks, against the bandwidth bound.
 
 GPU and vLLM only. One engine per call, built like the capacity sweep's (``kvrepro.sweep_worker``: the mode's
