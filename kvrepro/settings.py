@@ -26,6 +26,7 @@ PRESETS = ("k4v4", "k8v4", "k4v2", "k5v4")  # = kvrepro.formats.COMPRESSED_PRESE
 DEFAULT_PRESET = "k5v4"                     # = kvrepro.formats.DEFAULT_PRESET
 DECODE_IMPLS = ("auto", "cuda", "triton")
 PREFILL_PATHS = ("fa", "fa-sliced", "fa-pages", "dequant", "triton")
+CUDA_PRESETS = ("k4v4", "k8v4", "k4v2")   # the CUDA decode kernel's variants (= kvrepro.ops.cuda_decode.PRESETS)
 STORE_ROTATE_MODES = ("torch", "kernel")
 KEY_OFFSET_MODES = ("slow-pairs", "first-prefill", "off", "rope-mean")   # = kvrepro.formats.offset.MODES
 MAX_NUM_SPLITS = 256
@@ -253,6 +254,20 @@ class Settings:
         environ = os.environ if environ is None else environ
         return cls(**{d.field: d.read(environ) for d in SETTINGS})
 
+    def conflicts(self) -> list[str]:
+        """Combinations of valid values that the engine refuses at start (the runtime and
+        ``kvrepro.vllm_backend.config.serving_plan`` say so there too), one sentence each naming both variables and
+        what to use instead; [] when there is none. ``python -m kvrepro.settings`` exits 1 on any."""
+        out = []
+        if self.key_offset == "rope-mean" and self.prefill == "dequant":
+            others = ", ".join(p for p in PREFILL_PATHS if p != "dequant")
+            out.append("KVREPRO_KEY_OFFSET=rope-mean cannot run with KVREPRO_PREFILL=dequant (that prefill reads the "
+                       f"pages' keys without the per-position offset); use KVREPRO_PREFILL= one of {others}")
+        if self.decode_impl == "cuda" and self.preset not in CUDA_PRESETS:
+            out.append(f"KVREPRO_DECODE_IMPL=cuda: the CUDA decode kernel has no {self.preset} variant (it has "
+                       f"{', '.join(CUDA_PRESETS)}); use KVREPRO_DECODE_IMPL=auto or triton, or another KVREPRO_PRESET")
+        return out
+
     def as_dict(self) -> dict[str, Any]:
         """``{field: value}`` (JSON-serializable), in declaration order."""
         return {d.field: getattr(self, d.field) for d in SETTINGS}
@@ -305,10 +320,14 @@ def markdown_table() -> str:
 
 def _main() -> int:
     try:
-        resolved = Settings.from_env().describe()
+        s = Settings.from_env()
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    if s.conflicts():
+        print("\n".join(f"error: {c}" for c in s.conflicts()), file=sys.stderr)
+        return 1
+    resolved = s.describe()
     print(markdown_table())
     print("\n" + resolved)
     unknown = unknown_variables()

@@ -150,3 +150,23 @@ def test_imports_without_torch_and_prints_the_table():
     assert r.returncode == 0, r.stderr
     assert "| `KVREPRO_PRESET` |" in r.stdout and "kvrepro settings: preset=k8v4" in r.stdout
     assert "unknown KVREPRO_ variables (ignored): KVREPRO_KEY_CENTER" in r.stdout
+
+
+def test_combinations_the_engine_refuses_are_named_by_the_settings_check():
+    """rope-mean with the dequant prefill, and the CUDA decode kernel with a preset it has no variant of, are reported
+    by Settings.conflicts (naming both variables and what to use) and make `python -m kvrepro.settings` exit 1."""
+    from kvrepro.ops import cuda_decode
+
+    assert set(st.CUDA_PRESETS) == set(cuda_decode.PRESETS.values())
+    c = Settings.from_env({"KVREPRO_KEY_OFFSET": "rope-mean", "KVREPRO_PREFILL": "dequant"}).conflicts()
+    assert len(c) == 1 and c[0].startswith("KVREPRO_KEY_OFFSET=rope-mean cannot run with KVREPRO_PREFILL=dequant")
+    assert "fa, fa-sliced, fa-pages, triton" in c[0]
+    c = Settings.from_env({"KVREPRO_DECODE_IMPL": "cuda", "KVREPRO_PRESET": "k5v4"}).conflicts()
+    assert c == ["KVREPRO_DECODE_IMPL=cuda: the CUDA decode kernel has no k5v4 variant (it has k4v4, k8v4, k4v2); use "
+                 "KVREPRO_DECODE_IMPL=auto or triton, or another KVREPRO_PRESET"]
+    assert Settings.from_env({"KVREPRO_DECODE_IMPL": "cuda", "KVREPRO_PRESET": "k4v4"}).conflicts() == []
+    assert Settings().conflicts() == []
+    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("KVREPRO_")}
+    r = subprocess.run([sys.executable, "-m", "kvrepro.settings"], capture_output=True, text=True, timeout=120,
+                       env=dict(env, KVREPRO_DECODE_IMPL="cuda", KVREPRO_PRESET="k5v4"))
+    assert r.returncode == 1 and "no k5v4 variant" in r.stderr
