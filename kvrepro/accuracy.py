@@ -254,9 +254,12 @@ def cell_table(df: pd.DataFrame, value: str) -> dict[str, pd.DataFrame]:
 
 
 def plot_heatmaps(df: pd.DataFrame, value: str, title: str, cmap: str = "viridis",
-                  vmin: float | None = None, vmax: float | None = None, center: float | None = None):
+                  vmin: float | None = None, vmax: float | None = None, center: float | None = None,
+                  min_range: float = 0.1):
     """One seaborn heatmap per format of ``value`` over (context length x depth), one colour scale
-    for all formats (symmetric around ``center`` when given); returns the figure. The figure grows with
+    for all formats (symmetric around ``center`` when given, with a half-range of at least ``min_range`` in the
+    value's units, so that differences near zero stay pale instead of saturating a scale fitted to them); returns
+    the figure. The figure grows with
     the grid (about 0.32 in per context length and 0.42 in per depth), so labels and cell values never
     overlap, and wraps to more rows beyond five formats (three for grids of more than four depths)."""
     import math
@@ -267,7 +270,7 @@ def plot_heatmaps(df: pd.DataFrame, value: str, title: str, cmap: str = "viridis
     tables = cell_table(df, value)
     allv = pd.concat([t.stack() for t in tables.values()])
     if center is not None and vmin is None and vmax is None:  # symmetric around center, one scale for all
-        r = max(float((allv - center).abs().max()), 1e-3)
+        r = max(float((allv - center).abs().max()), min_range)
         vmin, vmax = center - r, center + r
     vmin = float(allv.min()) if vmin is None else vmin
     vmax = float(allv.max()) if vmax is None else vmax
@@ -403,6 +406,8 @@ def plot_cost(df: pd.DataFrame):
     sns.barplot(d, x="context_length", y="prefill_s", hue="format", hue_order=order, palette=pal, ax=axes[0],
                 errorbar=None)
     axes[0].set(title="prefill wall-clock (s), CPU", xlabel="context tokens", ylabel="seconds")
+    sns.move_legend(axes[0], "upper left", bbox_to_anchor=(0, -0.22), ncol=min(len(order), 6), title=None,
+                    frameon=False)                                   # below the axes, clear of the bars
     sns.barplot(d, x="format", y="kv_bytes_per_token", ax=axes[1], errorbar=None, hue="format", hue_order=order,
                 order=order, palette=pal, legend=False, dodge=False)
     axes[1].set(title="stored KV bytes per token (30 layers, whole pages)", xlabel="", ylabel="bytes")

@@ -670,3 +670,22 @@ def test_committed_vllm_results_are_found_compressed_from_any_working_directory(
     src = accuracy_summary.needle_source(accuracy.VLLM_RESULTS)
     assert src.ok and src.path.endswith("vllm_accuracy.csv.gz")
     assert accuracy.existing(str(tmp_path / "none.csv")) == str(tmp_path / "none.csv")
+
+
+@pytest.mark.filterwarnings("ignore:FigureCanvasAgg is non-interactive")
+def test_a_centred_heatmap_keeps_tiny_differences_pale():
+    """A centred scale fitted to a -0.003 nats difference would paint it at full saturation; the scale's half-range is
+    at least min_range (the colour limits are +-0.1 nats, not +-0.003)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [dict(format=f, context_length=512, depth=0.5, d=v) for f, v in (("bf16", 0.0), ("k4v4", -0.003))]
+    fig = accuracy.plot_heatmaps(pd.DataFrame(rows), "d", "t", cmap="RdBu", center=0.0)
+    mesh = [c for ax in fig.axes for c in ax.collections if hasattr(c, "get_clim")][0]
+    assert mesh.get_clim() == pytest.approx((-0.1, 0.1))
+    plt.close(fig)
+    fig = accuracy.plot_heatmaps(pd.DataFrame(rows), "d", "t", cmap="RdBu", center=0.0, min_range=1e-3)
+    mesh = [c for ax in fig.axes for c in ax.collections if hasattr(c, "get_clim")][0]
+    assert mesh.get_clim() == pytest.approx((-0.003, 0.003))
+    plt.close(fig)
