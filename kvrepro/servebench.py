@@ -369,3 +369,15 @@ def default_out(gpu: str, when: str, root: str | os.PathLike) -> Path:
     """``results/serve/<gpu slug>_<YYYYmmdd>.json`` under ``root``."""
     slug = "".join(c if c.isalnum() else "-" for c in gpu.lower()).strip("-")
     return Path(root) / "results" / "serve" / f"{slug}_{when}.json"
+
+
+def section_markdown(root: str | os.PathLike) -> str:
+    """Notebook 02's serving-load section: :func:`table_markdown` of every ``results/serve/*.json`` under ``root``
+    with the files named, or a sentence saying no run is committed and which command makes one."""
+    paths = sorted(Path(root, "results", "serve").glob("*.json"))
+    if not paths:
+        return ("Not measured yet: no `vllm bench serve` run is committed under `results/serve/` "
+                "(`bash scripts/h200_perf.sh serve MODE` on a GPU machine writes one).")
+    df = serve_table(read_results(paths))
+    files = ", ".join(f"`{p.relative_to(root)}`" for p in paths)
+    return f"Replayed from {files}.\n\n" + table_markdown(df)

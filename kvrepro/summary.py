@@ -390,6 +390,16 @@ def fp8_ratios_markdown(r: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def strongest_fp8_markdown(rows: list[dict]) -> str:
+    """Notebook 02's comparison with the strongest fp8: :func:`fp8_ratios_markdown` of the capacity preset's current
+    run file (the fp8 backends that run measured beside it; the missing ones listed), or a sentence when the capacity
+    preset has no current run. ``rows``: :func:`summary_rows`."""
+    cap = next((r for r in rows if r["mode"] == CAPACITY_PRESET), None)
+    if cap is None or not cap["source_file"]:
+        return f"No current run of {DISPLAY.get(CAPACITY_PRESET, CAPACITY_PRESET)}: nothing to compare with fp8."
+    return fp8_ratios_markdown(fp8_ratios(str(repo_root() / cap["source_file"])))
+
+
 def sweep_backend(mode: str) -> str:
     """The attention backend a sweep mode asks vLLM for (``vllm-auto`` where vLLM chooses)."""
     from kvrepro import sweep

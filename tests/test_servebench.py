@@ -304,3 +304,15 @@ def test_serve_bench_drives_servers_and_client(tmp_path, monkeypatch, capsys):
     assert (tmp_path / "serve_logs" / "serve_kvrepro_k4v4.log").is_file()
     printed = capsys.readouterr().out
     assert "| kvrepro:k4v4 | CUSTOM | 0.5 | 0.300 | 2.4 | 100.0 | 300.0 | 20.0 | 45.0 | 0 | 0.150 | 1.00x |" in printed
+
+
+def test_notebook_section_replays_the_committed_files_or_says_none(tmp_path):
+    assert sb.section_markdown(tmp_path).startswith("Not measured yet: no `vllm bench serve` run is committed")
+    d = tmp_path / "results" / "serve"
+    d.mkdir(parents=True)
+    (d / "nvidia-h200_20261202.json").write_text(json.dumps(
+        {"workload": {}, "runs": [_run("kvrepro:k4v4", "0.25", 0.24, 120.0, 0.20, 45.0),
+                                  _run("fp8:triton_attn", "0.25", 0.21, 101.0, 0.10, 60.0)]}))
+    md = sb.section_markdown(tmp_path)
+    assert md.startswith("Replayed from `results/serve/nvidia-h200_20261202.json`.")
+    assert "| kvrepro:k4v4 | CUSTOM | 0.25 | 0.240 | 120.0 | 900.0 | 9000.0 | 22.5 | 45.0 | 0 | 0.200 | 2.00x |" in md

@@ -418,3 +418,16 @@ def test_answer_states_capacity_and_fidelity_from_the_rows(tmp_path):
                 "retrieval NON-INFERIOR (loss bound 0.80 pp, bar 1 pp); 12 users by the capacity arithmetic") in text
         assert "fidelity not measured" in summary.answer(rows, fid[:1])
     assert "no measured run" in summary.answer(summary.summary_rows(None), fid)
+
+
+def test_strongest_fp8_section_of_the_committed_run():
+    """Notebook 02's fp8-backend section on the committed capacity run: the ratios equal the results table's, and the
+    fp8 backends that run lacks are listed as not run."""
+    rows = summary.summary_rows(summary.load_capacity(), summary.needle_counts())
+    cap = next(r for r in rows if r["mode"] == summary.CAPACITY_PRESET)
+    md = summary.strongest_fp8_markdown(rows)
+    assert f"**{cap['vs_fp8_max']:.2f}x**" in md and f"**{cap['vs_fp8_best']:.2f}x**" in md
+    r = summary.fp8_ratios(str(summary.repo_root() / cap["source_file"]))
+    for m in r["missing"]:
+        assert f"| {m} | {summary.sweep_backend(m)} | | | | | |" in md
+    assert "nothing to compare" in summary.strongest_fp8_markdown(summary.summary_rows(None))
