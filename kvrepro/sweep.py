@@ -176,7 +176,11 @@ def row_key(row: dict) -> tuple:
     return tuple(row.get(k) for k in ROW_KEY)
 
 
-def _read_jsonl(path: Path) -> list[dict]:
+def read_jsonl(path: Path) -> list[dict]:
+    """The rows of a JSON-lines results file ([] when it does not exist; blank lines skipped).
+
+    Raises:
+        ValueError: a line that is not JSON, naming the file and line number."""
     rows = []
     if path.exists():
         for i, line in enumerate(path.read_text(encoding="utf-8").splitlines()):
@@ -205,7 +209,7 @@ class ResultsFile:
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
-        self.rows: list[dict] = _read_jsonl(self.path)
+        self.rows: list[dict] = read_jsonl(self.path)
 
     @property
     def superseded_path(self) -> Path:
@@ -259,7 +263,7 @@ class ResultsFile:
         if not moved:
             return 0
         when = now_utc()
-        old = _read_jsonl(self.superseded_path)
+        old = read_jsonl(self.superseded_path)
         _write_jsonl(self.superseded_path, old + [dict(r, superseded=reason, superseded_date=when) for r in moved])
         self.rows = [r for r in self.rows if r.get("mode") != mode]
         _write_jsonl(self.path, self.rows)
@@ -279,14 +283,14 @@ def record_engine_error(results_path, mode: str, run_id: str, settings: dict, er
     rec = {"mode": mode, "run_id": run_id, "kv_cache_dtype": settings.get("kv_cache_dtype"),
            "attention_backend": settings.get("attention_backend"),
            "error": f"{type(error).__name__}: {error}"[:2000], "date": now_utc()}
-    _write_jsonl(path, _read_jsonl(path) + [rec])
+    _write_jsonl(path, read_jsonl(path) + [rec])
     return rec
 
 
 def engine_errors(results_path) -> list[dict]:
     """The records of :func:`record_engine_error` beside ``results_path`` ([] when there are none)."""
     path = Path(os.fspath(results_path))
-    return _read_jsonl(path.with_name(path.name + ENGINE_ERRORS_SUFFIX))
+    return read_jsonl(path.with_name(path.name + ENGINE_ERRORS_SUFFIX))
 
 
 def mode_status(rows: list[dict], mode: str, confirm_edge: bool = False, sizing_only: bool = False) -> tuple[bool, str]:

@@ -41,6 +41,7 @@ import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from kvrepro import capacity, sweep  # noqa: E402
@@ -137,17 +138,7 @@ def row_key(row: dict) -> tuple:
 
 def read_rows(path: str) -> list[dict]:
     """The rows of a results file ([] if it does not exist). Raises ValueError naming a line that is not JSON."""
-    if not os.path.exists(path):
-        return []
-    rows = []
-    with open(path, encoding="utf-8") as fh:
-        for i, line in enumerate(fh):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{i + 1}: not JSON ({e})") from None
-    return rows
+    return sweep.read_jsonl(Path(path))
 
 
 def put_row(path: str, row: dict) -> None:

@@ -119,17 +119,10 @@ def metrics(url: str) -> str:
 
 
 def counter(text: str, name: str) -> float:
-    """Sum over label sets of the Prometheus samples of ``name`` (a counter may carry a ``_total`` suffix)."""
-    total, seen = 0.0, False
-    for line in text.splitlines():
-        if line.startswith(name) and not line.startswith("#"):
-            metric = line.split("{")[0].split(" ")[0]
-            if metric in (name, name + "_total"):
-                total += float(line.rsplit(" ", 1)[1])
-                seen = True
-    if not seen:
-        raise AssertionError(f"{name} not in /metrics")
-    return total
+    """Sum over label sets of the Prometheus samples of ``name`` (``kvrepro.servebench.prometheus_sum``)."""
+    from kvrepro.servebench import prometheus_sum
+
+    return prometheus_sum(text, name)
 
 
 def kv_tokens(server: Server) -> int:
