@@ -156,6 +156,6 @@ vllm:num_preemptions_total{engine="1",model_name="m"} 1.0
 vllm:num_preemptions_created{engine="0"} 1.7e9
 """
     assert serve.counter(text, "vllm:num_preemptions") == 3.0
-    with pytest.raises(AssertionError, match="vllm:num_requests_running not in /metrics"):
+    with pytest.raises(ValueError, match="vllm:num_requests_running not in /metrics"):
         serve.counter(text, "vllm:num_requests_running")
     assert len(serve.PROMPT_LENS) == len(serve.MAX_TOKENS) >= 16 and max(serve.PROMPT_LENS) < serve.MAX_MODEL_LEN
