@@ -11,7 +11,6 @@ prompts with the prompt's own first tokens, and misbehaves on demand through FAK
 """
 import gzip
 import hashlib
-import importlib.util
 import json
 import math
 import os
@@ -24,6 +23,7 @@ import time
 import pandas as pd
 import pytest
 
+import scripts_module
 from kvrepro import accuracy, accuracy_vllm as av
 from kvrepro import needle
 from kvrepro.needle import build_prompt, ids_sha256
@@ -404,10 +404,7 @@ def test_bundle_with_multi_needle_sets(tok, stat_bundle):
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("vllm_accuracy_script", ROOT / "scripts" / "vllm_accuracy.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    return script
+    return scripts_module.load("vllm_accuracy")
 
 
 def test_build_bundle_command_and_its_errors(tok, tmp_path, monkeypatch, capsys):

@@ -10,6 +10,7 @@ import re
 import pytest
 import torch
 
+import scripts_module
 from kvrepro.formats import get_format
 from kvrepro.ops import cuda_build, cuda_decode, occupancy
 from kvrepro.ops.decode import default_num_splits, resolve_impl
@@ -287,14 +288,7 @@ def test_a_fatbin_without_code_for_the_gpu_falls_back_with_a_warning_or_is_refus
 
 
 def _script():
-    import importlib.util
-    import pathlib
-
-    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "reach_carveout_splits.py"
-    spec = importlib.util.spec_from_file_location("reach_carveout_splits", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return scripts_module.load("reach_carveout_splits")
 
 
 def test_carveout_benchmark_plans_and_tabulates_without_a_gpu(capsys):

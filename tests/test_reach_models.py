@@ -10,6 +10,7 @@ import types
 import pytest
 import torch
 
+import scripts_module
 from kvrepro.configs import config_dir, load_config, model_names
 from kvrepro.configs.facts import KV_FORMATS, facts_from_config, model_facts, models_table
 from kvrepro.ops import decode_attention
@@ -209,14 +210,7 @@ def test_configs_are_plain_json_vllm_can_read():
 
 def _script():
     """scripts/reach_models.py as a module (its CPU-side logic; the engine part needs a GPU and vLLM)."""
-    import importlib.util
-    import pathlib
-
-    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "reach_models.py"
-    spec = importlib.util.spec_from_file_location("reach_models", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return scripts_module.load("reach_models")
 
 
 def test_reach_models_refuses_bad_arguments_by_name():

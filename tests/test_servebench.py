@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+import scripts_module
 from kvrepro import servebench as sb
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -260,8 +261,6 @@ def test_serve_bench_drives_servers_and_client(tmp_path, monkeypatch, capsys):
     """scripts/serve_bench.py's main on the CPU against stand-ins for `vllm serve` (an HTTP server answering /health
     and /metrics, started as the script starts vLLM's CLI) and vLLM's bench client module (same entry points): one
     server per mode with its KV settings, one client run per rate with the token-id prompts, the file and the table."""
-    import importlib.util
-
     fake = tmp_path / "fake"
     for pkg in ("vllm", "vllm/entrypoints", "vllm/entrypoints/cli", "vllm/benchmarks"):
         (fake / pkg).mkdir(parents=True)
@@ -277,9 +276,7 @@ def test_serve_bench_drives_servers_and_client(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(fake), str(ROOT), os.environ.get("PYTHONPATH", "")]))
     monkeypatch.setenv("FAKE_ARGS_LOG", str(tmp_path / "servers.jsonl"))
     monkeypatch.setenv("KVREPRO_PRESET", "k8v4")            # the caller's preset must not leak into another mode
-    spec = importlib.util.spec_from_file_location("serve_bench_script", ROOT / "scripts" / "serve_bench.py")
-    sbs = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sbs)
+    sbs = scripts_module.load("serve_bench")
     monkeypatch.setattr(sbs.sweep, "measurement_blockers", lambda info=None: [])
     monkeypatch.setattr(sbs, "total_memory_bytes", lambda: 143771 * 2**20)
     out = tmp_path / "serve.json"

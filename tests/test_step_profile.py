@@ -2,7 +2,6 @@
 cuBLAS, inductor and kvrepro emit them), per-step attribution of a synthetic Chrome trace against hand-summed
 figures, the bandwidth bound against issue 23's arithmetic, argument checks. The engine run itself is GPU-only."""
 import gzip
-import importlib.util
 import json
 import os
 import subprocess
@@ -11,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+import scripts_module
 from kvrepro import profile
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -148,10 +148,7 @@ def test_parse_users():
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("step_profile_script", ROOT / "scripts" / "step_profile.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return scripts_module.load("step_profile")
 
 
 def test_script_settings_and_engine_arguments(tmp_path):
