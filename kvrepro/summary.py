@@ -544,13 +544,6 @@ def fidelity_sources(root: str | os.PathLike | None = None) -> dict:
             "needle": acs.needle_source(str(root / acs.NEEDLE))}
 
 
-def acs_rows(root: str | os.PathLike | None = None) -> list[dict]:
-    """The fidelity summary rows of the committed sources (``kvrepro.accuracy_summary.summary_rows``)."""
-    from kvrepro import accuracy_summary as acs
-
-    return acs.summary_rows(fidelity_sources(root))
-
-
 def fidelity_block(sources: dict | None = None) -> str:
     """The README's fidelity block, markers included: per preset and fp8 the bytes, users, KL (reference path),
     KL top-20 (vLLM), perplexity change, needle bound and verdict, the closest preset to fp8 at >= 12 users, the
@@ -887,7 +880,10 @@ def main(argv: list[str] | None = None) -> int:
     df = load_capacity()
     needle = needle_counts()
     block = readme_block(df, needle)
-    fblock = fidelity_block(fidelity_sources(root))
+    from kvrepro import accuracy_summary as acs
+
+    sources = fidelity_sources(root)      # read once: the fidelity block and the answer both come from them
+    fblock = fidelity_block(sources)
     index = capacity_index(df)
     readme = root / README
     if not (args.write or args.check):
@@ -898,7 +894,7 @@ def main(argv: list[str] | None = None) -> int:
         new_text = replace_block(text, block, README)
         new_text = replace_block(new_text, fblock, README, FIDELITY_BEGIN, FIDELITY_END)
         new_text = replace_block(new_text, settings_block(), README, SETTINGS_BEGIN, SETTINGS_END)
-        ablock = answer_block(summary_rows(df, needle), acs_rows(root))
+        ablock = answer_block(summary_rows(df, needle), acs.summary_rows(sources))
         new_text = replace_block(new_text, ablock, README, ANSWER_BEGIN, ANSWER_END)
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
