@@ -185,11 +185,10 @@ MIN_TOKENS_PER_SPLIT = 256
 # resident CTAs (cuda_decode.resident_ctas: the driver's occupancy query on a GPU; 4 on the H200, where registers bind;
 # fewer where shared memory binds: 3 k4v2 CTAs on an A100, 2 of any kernel on 100 KB SMs) that fill the SM slots to >=
 # WAVE_FILL (fill = CTAs / (ceil(waves) x slots)), any integer count. Why: the last wave of a launch idles the slots it
-# leaves empty while the others stream. On the H200 at 128K one wave fills >= 98.5% of the slots at batches 3 / 6 / 13
-# and was within ~2% of the best count in benchmarks/decode_splits.py, within the repeat noise (up to ~9%) in
-# results/reach/carveout_splits_h200.json; under an A100's and an Ada GPU's shared-memory budget (emulated on the H200
-# by the carveout) one wave at batch 13 fills 79% of the slots and was 1.09-1.23x slower than the 2- or 3-wave count
-# that fills >= 95% (results/reach/carveout_splits_h200.json; kvrepro.reach.carveout_table tabulates it).
+# leaves empty while the others stream. Where one wave fills the slots it is as fast as any count, within the timing
+# noise; where it leaves a fifth of them empty (few resident CTAs, a large batch) the 2- or 3-wave count that fills
+# them is faster. Measured: benchmarks/results/decode_splits.json and results/reach/carveout_splits_h200.json
+# (the A100 and Ada shared-memory budgets emulated on the H200 by the carveout; kvrepro.reach.carveout_table).
 # For a CUDA graph replayed for a range of batches (``padded=True``, vLLM's capture sizes: the batch given is the
 # smallest of the range), rows past the real batch are padding and one wave would leave SMs idle: there a many-wave
 # rule (at most CUDA_PROGRAMS_PER_SM CTAs per SM, a power of two, at least CUDA_MIN_SPLITS), under which the
