@@ -54,12 +54,16 @@ def random_pool(preset: str, num_blocks: int, num_kv_heads: int, head_dim: int, 
     pool = get_format(preset).new_pool(num_blocks, num_kv_heads, head_dim, block_size, device=device)
     pool.data.random_(0, 256, generator=gen)
     kc, vc, km, vm = pool.regions()
-    km16 = torch.empty(km.shape[:-1] + (2,), dtype=torch.float16, device=device)
+    km16 = torch.empty(km.shape[:-1] + (km.shape[-1] // 2,), dtype=torch.float16, device=device)
     km16[..., 0].uniform_(0.05, 0.15, generator=gen)
-    km16[..., 1].uniform_(-1.2, -0.8, generator=gen)
+    if km16.shape[-1] > 1:                     # asymmetric keys: a zero point beside the scale
+        km16[..., 1].uniform_(-1.2, -0.8, generator=gen)
     km.copy_(km16.view(torch.uint8))
-    vm16 = torch.empty(vm.shape[:-1] + (1,), dtype=torch.float16, device=device).uniform_(0.05, 0.15, generator=gen)
-    vm.copy_(vm16.view(torch.uint8))
+    if pool.layout.value_log_scale:            # one-byte log2 scale code: s_hat = 2**((u - 128) / 8), 0.05..0.15
+        vm.random_(93, 107, generator=gen)
+    else:
+        vm16 = torch.empty(vm.shape[:-1] + (1,), dtype=torch.float16, device=device).uniform_(0.05, 0.15, generator=gen)
+        vm.copy_(vm16.view(torch.uint8))
     return pool
 
 

@@ -14,8 +14,9 @@ attention layer, kvrepro with its defaults. Every kernel is timed twice in the s
 launches (``ms``) and one call captured in a CUDA graph and replayed (``ms_graph``; as vLLM serves
 decode; ``graph_error`` if a kernel cannot be captured), so ratios can be taken within one method.
 ``--rope``: the cost of the key offset rope-mean's score correction instead (no vLLM needed): kvrepro's default kernel
-for k4v4 / k8v4 / k4v2 (the CUDA kernel) without and with ``rope_bias`` (rows ``kvrepro_<preset>`` and
-``kvrepro_<preset>_rope``) and the Triton kernel with it (``kvrepro_<preset>_triton_rope``), batches 3 / 6 / 13 by
+for k4v4 / k8v4 / k4v2 (the CUDA kernel) and k5v4 (the Triton kernel) without and with ``rope_bias`` (rows
+``kvrepro_<preset>`` and ``kvrepro_<preset>_rope``) and, for the CUDA presets, the Triton kernel with it
+(``kvrepro_<preset>_triton_rope``), batches 3 / 6 / 13 by
 default, into ``benchmarks/results/decode_rope_mean.json``; the lines printed at the end give each rope row's time
 over its preset's row without the correction (eager and graph).
 "KV bytes" = the bytes of KV (codes + scales) the step must read once. Each row records ``impl``: the kernel that ran
@@ -193,9 +194,11 @@ def main_rope(args):
                                      "rope_kernels": list(cuda_decode.ROPE_KERNELS.values())}),
            "copy_bandwidth": copy_bandwidth(), "rows": []}
     cases = {}
-    for preset in ("k4v4", "k8v4", "k4v2"):
+    for preset in ("k4v4", "k8v4", "k4v2", "k5v4"):
         cases[f"kvrepro_{preset}"] = lambda b, c, preset=preset: kvrepro_case(preset, b, c, gen)
         cases[f"kvrepro_{preset}_rope"] = lambda b, c, preset=preset: kvrepro_case(preset, b, c, gen, rope=True)
+        if preset not in cuda_decode.PRESETS.values():   # no CUDA kernel: the default kernel is the Triton one
+            continue
         cases[f"kvrepro_{preset}_triton_rope"] = lambda b, c, preset=preset: kvrepro_case(preset, b, c, gen, rope=True,
                                                                                           impl="triton")
     run_cases(cases, args.ctxs if args.ctxs != list(CTXS) else [131072], args.batches or ROPE_BATCHES, res,
