@@ -33,6 +33,7 @@ REFERENCE_GPU = "results/fidelity/reference_h200_smollm2.csv"   # the reference 
 REFERENCE_CPU = "results/fidelity/reference_cpu_smollm2.csv"    # the same path on a 2-core CPU (fewer windows)
 VLLM_FIDELITY = fidelity.DEFAULT_VLLM_RESULTS                    # through vLLM, top-20 KL only
 NEEDLE = accuracy.VLLM_RESULTS                                   # the vLLM needle run (statistical verdict)
+NEEDLE_REPLICA = "results/accuracy/vllm_h200_replica/vllm_accuracy.csv"  # its pre-registered replication grid
 KEYBIAS = "results/keybias/keybias_cpu.csv"                      # kvrepro.keybias.bias_table, committed
 NOT_MEASURED = "not measured yet"
 
@@ -55,6 +56,9 @@ class Source:
         rows: the rows of one parameter set (fidelity sources), else None.
         verdicts: ``accuracy.mode_verdicts`` (needle sources), else None.
         tag: its number in a table's legend (set by :func:`summary_rows`).
+        formats: the formats it measured.
+        key_offset: the compressed presets' key offset of a needle run's rows (fidelity sources read theirs from
+            the rows' parameters: :func:`key_offset_of`).
     """
 
     kind: str
@@ -69,6 +73,7 @@ class Source:
     verdicts: pd.DataFrame | None = None
     tag: int = 0
     formats: tuple = field(default_factory=tuple)
+    key_offset: str = ""
 
     @property
     def ok(self) -> bool:
@@ -110,13 +115,24 @@ def _machine(prov: dict) -> str:
     return f"CPU ({prov.get('hostname', '?')}, {prov.get('cpu_count', '?')} cores)"
 
 
+def _params_offset(params: str) -> str:
+    try:
+        return json.loads(params).get("key_offset", "off")
+    except (ValueError, TypeError, AttributeError):
+        return ""
+
+
 def _one_run(rows: pd.DataFrame) -> pd.DataFrame:
-    """The rows of one parameter set (``params_key``) of a fidelity file: the one with the most rows (ties: the
-    newest). A file keeps rows of other parameters (``fidelity.run_cpu`` resumes); they are never mixed."""
+    """The rows of one parameter set (``params_key``) of a fidelity file: the one measured with the default preset's
+    key offset (what a user runs), else the one with the most rows (ties: the newest). A file keeps rows of other
+    parameters (``fidelity.run_cpu`` resumes; one file per engine holds each key offset's run); they are never
+    mixed."""
     if "params_key" not in rows or rows["params_key"].nunique() <= 1:
         return rows
-    g = rows.groupby("params_key").agg(n=("format", "size"), t=("measured_utc", "max"))
-    key = g.sort_values(["n", "t"]).index[-1]
+    want = get_format(DEFAULT_PRESET).default_key_offset
+    g = rows.groupby("params_key").agg(n=("format", "size"), t=("measured_utc", "max"), params=("params", "first"))
+    g["default"] = g["params"].map(_params_offset) == want
+    key = g.sort_values(["default", "n", "t"]).index[-1]
     return rows[rows["params_key"] == key]
 
 
@@ -161,8 +177,10 @@ def fidelity_source(path: str, rows: pd.DataFrame | None = None, measured_now: b
 
 
 def key_offset_of(src: Source) -> str:
-    """The compressed presets' key offset (``kvrepro.formats.offset.MODES``) of a fidelity source's rows ("off" for
-    rows measured before the offset existed; "" without rows)."""
+    """The compressed presets' key offset (``kvrepro.formats.offset.MODES``) of a source's rows ("off" for rows
+    measured before the offset existed; "" without rows or, for a needle run, without compressed presets)."""
+    if src is not None and src.kind == "needle":
+        return src.key_offset
     if src is None or src.rows is None or not len(src.rows) or "params" not in src.rows:
         return ""
     try:
@@ -213,9 +231,48 @@ def needle_source(path: str = NEEDLE, measured_now: bool = False) -> Source:
     size = ", ".join(f"{n[v]:,} {v}-needle" for v in order) + " prompts per mode"
     vllm = ", ".join(sorted(set(rows["vllm_version"].astype(str))))
     gpu = ", ".join(sorted(set(rows["gpu"].astype(str))))
+    ko = needle_key_offset(rows)
+    if ko:
+        size += f", compressed presets' key offset {ko}"
     return Source("needle", "measured now" if measured_now else "replayed", rel, f"vLLM {vllm}", gpu,
                   time_span(rows["date"]), size, verdicts=verdicts,
-                  formats=tuple(accuracy.format_order(rows["format"])))
+                  formats=tuple(accuracy.format_order(rows["format"])), key_offset=ko)
+
+
+def needle_key_offset(rows: pd.DataFrame) -> str:
+    """The key offset the compressed presets of a needle run ran with, from each row's ``kvrepro_settings`` (the
+    engine's settings, JSON; "off" where they predate the setting); several are joined by ", "; "" without
+    compressed rows."""
+    if "kvrepro_settings" not in rows:
+        return ""
+    seen = set()
+    for text in rows.loc[rows["format"].astype(str).isin(COMPRESSED_PRESETS), "kvrepro_settings"].dropna().unique():
+        try:
+            seen.add(json.loads(text).get("key_offset", "off"))
+        except (ValueError, TypeError, AttributeError):
+            continue
+    return ", ".join(sorted(seen))
+
+
+def needle_sources(*paths: str) -> list:
+    """The needle runs of the summary, preferred first: ``paths`` (default the committed replication grid and the
+    first grid, :data:`NEEDLE_REPLICA` and :data:`NEEDLE`) as :func:`needle_source`, those whose compressed presets
+    ran with the default key offset first. Each format's needle figures come from the first run that has it."""
+    return by_default_offset([needle_source(p) for p in (paths or (NEEDLE_REPLICA, NEEDLE))])
+
+
+def needles_for(path: str) -> list:
+    """The needle sources of a summary that names ``path`` (notebook 03's ``vllm_results``): both committed runs,
+    preferred first (:func:`needle_sources`), when ``path`` is one of them; else that run alone."""
+    committed = {os.path.normpath(p) for p in (NEEDLE, NEEDLE_REPLICA)}
+    if path and os.path.normpath(str(path)).removesuffix(".gz") in committed:
+        return needle_sources()
+    return [needle_source(path)]
+
+
+def _needles(sources: dict) -> list:
+    n = sources.get("needle")
+    return [] if n is None else list(n) if isinstance(n, (list, tuple)) else [n]
 
 
 def by_default_offset(refs: list) -> list:
@@ -231,13 +288,14 @@ def default_sources(live: Source | None = None, needle: Source | None = None) ->
     """The sources of the summary: ``{"reference": [H200 reference, committed CPU reference, live], "vllm",
     "needle"}`` (the reference list in the order they are preferred: those measured with the default preset's key
     offset first, then the H200's before the CPU's; ``live`` is this run's measurement, if any;
-    ``needle`` default: the committed vLLM run at :data:`NEEDLE`)."""
+    ``needle``: a :class:`Source` or a list of them, preferred first; default :func:`needle_sources`, the committed
+    vLLM runs)."""
     refs = [fidelity_source(REFERENCE_GPU), fidelity_source(REFERENCE_CPU)]
     if live is not None:
         refs.append(live)
     refs = by_default_offset(refs)
     return {"reference": refs, "vllm": fidelity_source(VLLM_FIDELITY, kind="vllm"),
-            "needle": needle if needle is not None else needle_source(NEEDLE)}
+            "needle": needle if needle is not None else needle_sources()}
 
 
 # ---------------------------------------------------------------- the table
@@ -302,6 +360,8 @@ def summary_rows(sources: dict, formats=None, cpu_sanity: pd.DataFrame | None = 
 
     Returns:
         dicts with: format, name (``(default)`` marked), bytes (per token and KV head at head_dim 128), users,
+        needle_tag (the tag of the needle run its needle figures come from; None without one), needle_tag_shown
+        (that run is not most rows' one, so its cell names it),
         kl, kl_vs_fp8 (ratio to fp8 of the same source), top1_pct, ppl_change_pct, ref_tag (the source's tag;
         None when no reference source measured the mode), kl_topk_vllm, vllm_tag, single_bound / multi_bound
         (pp, the needle's one-sided 95% bound; None if not run), needle (overall verdict word), needle_text,
@@ -310,9 +370,9 @@ def summary_rows(sources: dict, formats=None, cpu_sanity: pd.DataFrame | None = 
         by_source ({tag: kl, kl_vs_fp8, ppl_change_pct, fp8_ppl_change_pct} per reference source that measured the
         mode and fp8), sources (text).
     """
-    refs, vsrc, nsrc = list(sources.get("reference", [])), sources.get("vllm"), sources.get("needle")
+    refs, vsrc, nsrcs = list(sources.get("reference", [])), sources.get("vllm"), _needles(sources)
     tag = 0
-    for s in [*refs, vsrc, nsrc]:
+    for s in [*refs, vsrc, *nsrcs]:
         if s is not None:
             tag += 1
             s.tag = tag
@@ -338,8 +398,11 @@ def summary_rows(sources: dict, formats=None, cpu_sanity: pd.DataFrame | None = 
                 r["meets_fp8"] = x["meets_fp8"]
         if vsrc is not None and vsrc.ok and (v := _row_of(vsrc.summary, fmt)) is not None:
             r.update(kl_topk_vllm=_num(v["kl_topk"]), vllm_tag=vsrc.tag)
-        if nsrc is not None and nsrc.ok and nsrc.verdicts is not None \
-                and fmt in nsrc.verdicts.index.get_level_values(0):
+        nsrc = next((n for n in nsrcs if n.ok and n.verdicts is not None
+                     and fmt in n.verdicts.index.get_level_values(0)), None)   # the preferred run that has it
+        r["needle_tag"] = None
+        if nsrc is not None:
+            r["needle_tag"] = nsrc.tag
             mv = nsrc.verdicts.loc[fmt]
             for var in ("single", "multi"):
                 if var in mv.index:
@@ -348,8 +411,7 @@ def summary_rows(sources: dict, formats=None, cpu_sanity: pd.DataFrame | None = 
             r.update(needle=str(mv.loc[accuracy.OVERALL, "verdict"]), needle_text=str(mv.loc[accuracy.OVERALL, "text"]),
                      sanity=str(mv.loc[accuracy.OVERALL, "sanity"]))
         r["verdict"], r["verdict_why"] = _verdict(r)
-        tags = [f"[{t}]" for t in (r["ref_tag"], r["vllm_tag"], nsrc.tag if nsrc is not None and r["needle"] else None)
-                if t]
+        tags = [f"[{t}]" for t in (r["ref_tag"], r["vllm_tag"], r["needle_tag"] if r["needle"] else None) if t]
         r["sources"] = " ".join(tags)
         out.append(r)
     # a row whose reference figures come from another source than most rows' names it in its KL cell
@@ -357,6 +419,11 @@ def summary_rows(sources: dict, formats=None, cpu_sanity: pd.DataFrame | None = 
     common = max(set(used), key=lambda t: (used.count(t), -t)) if used else None
     for r in out:
         r["ref_tag_shown"] = r["ref_tag"] is not None and r["ref_tag"] != common
+    # the same for the needle cells: a row from another needle run than most rows' names it
+    used = [r["needle_tag"] for r in out if r.get("needle_tag") is not None and r["format"] != BASELINE]
+    common = max(set(used), key=lambda t: (used.count(t), -t)) if used else None
+    for r in out:
+        r["needle_tag_shown"] = r.get("needle_tag") is not None and r["needle_tag"] != common
     return out
 
 
@@ -436,8 +503,9 @@ def _bounds(r: dict) -> str:
         return "baseline"
     if r["single_bound"] is None and r["multi_bound"] is None:
         return NOT_MEASURED if not r["needle"] else "–"
+    note = f" [{r['needle_tag']}]" if r.get("needle_tag_shown") else ""
     return " / ".join("–" if b is None else f"{b:.2f}" + ("" if r.get(f"{v}_judged", True) else " (not judged)")
-                      for v, b in (("single", r["single_bound"]), ("multi", r["multi_bound"])))
+                      for v, b in (("single", r["single_bound"]), ("multi", r["multi_bound"]))) + note
 
 
 def _sanity_cell(r: dict) -> str:
@@ -486,11 +554,17 @@ def table_notes(cpu_sanity_label: str = "") -> str:
 
 def legend(sources: dict) -> str:
     """The numbered sources under the table, one line each (markdown)."""
-    refs, vsrc, nsrc = list(sources.get("reference", [])), sources.get("vllm"), sources.get("needle")
+    refs, vsrc, nsrcs = list(sources.get("reference", [])), sources.get("vllm"), _needles(sources)
     what = {"reference": "KL (full vocabulary), top-1, perplexity", "vllm": "KL top-20 through vLLM",
             "needle": "needle bounds and verdicts, output sanity"}
-    lines = [f"[{s.tag}] {what[s.kind] if s is not nsrc else what['needle']}: {s.label()}"
-             for s in [*refs, vsrc, nsrc] if s is not None and s.tag]
+    later = nsrcs[1:]
+
+    def what_of(s):
+        if any(s is n for n in later):
+            return f"{what['needle']} of the formats the needle runs above lack"
+        return what["needle"] if s.kind == "needle" else what[s.kind]
+
+    lines = [f"[{s.tag}] {what_of(s)}: {s.label()}" for s in [*refs, vsrc, *nsrcs] if s is not None and s.tag]
     return "\n\n".join(lines)
 
 

@@ -74,8 +74,8 @@ class FidelityParams:
         num_windows: consecutive windows of the corpus, >= 1.
         top_k: k of ``kl_topk``, in [1, 100] (vLLM's ``max_logprobs`` default is 20).
         block_size: tokens per KV page, 16, 32 or 64.
-        key_offset: how the compressed presets store keys (``kvrepro.formats.offset.MODES``): ``"slow-pairs"``
-            (the engines' default), ``"first-prefill"`` or ``"off"``; bf16 and fp8 ignore it.
+        key_offset: how the compressed presets store keys (``kvrepro.formats.offset.MODES``): ``"rope-mean"``
+            (the engines' default), ``"slow-pairs"``, ``"first-prefill"`` or ``"off"``; bf16 and fp8 ignore it.
     """
 
     formats: tuple = ("bf16", "fp8", "k8v4", "k4v4", "k4v2")
@@ -85,7 +85,7 @@ class FidelityParams:
     num_windows: int = 50
     top_k: int = 20
     block_size: int = 16
-    key_offset: str = "slow-pairs"
+    key_offset: str = "rope-mean"
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad parameter and its allowed values."""
@@ -549,8 +549,8 @@ def main(argv=None) -> int:
         p.add_argument("--num-windows", type=int, default=FidelityParams.num_windows)
         p.add_argument("--top-k", type=int, default=FidelityParams.top_k)
         p.add_argument("--key-offset", default=FidelityParams.key_offset,
-                       help="how compressed presets store keys (the reference path's KVREPRO_KEY_OFFSET): slow-pairs "
-                       "(default), first-prefill, off or rope-mean")
+                       help="how compressed presets store keys (the reference path's KVREPRO_KEY_OFFSET): rope-mean "
+                       "(default), slow-pairs, first-prefill or off")
     c.add_argument("--out", default=DEFAULT_CPU_RESULTS, help=f"results CSV, appended / resumed (default "
                    f"{DEFAULT_CPU_RESULTS}, the file the README's fidelity block reads)")
     c.add_argument("--device", default="cpu", help="cpu, or cuda: the same reference path in float32 on a GPU")

@@ -100,12 +100,12 @@ class PagedKVLayer(DynamicLayer):
         fmt: a ``KVFormat``.
         block_size: tokens per page (16, 32 or 64 for the compressed formats).
         reserve_tokens: extra slots allocated beyond the first write, to avoid regrowth while decoding.
-        key_offset: ``"slow-pairs"``, ``"first-prefill"`` (keys minus a constant calibrated on the first write, in
+        key_offset: ``"rope-mean"``: keys minus ``R(p) b_hat``, the pre-RoPE mean of the first write un-rotated by
+            position (``offset.RopeMean``), added back exactly after dequantization (the kernels add it to the scores
+            instead); ``"slow-pairs"``, ``"first-prefill"`` (keys minus a constant calibrated on the first write, in
             RoPE's slow channel pairs or in every channel, as the vLLM backend does: ``kvrepro.formats.offset``) or
-            ``"off"``; None = the format's default (``fmt.default_key_offset``: slow-pairs for the compressed
-            presets, off for bf16 and fp8); ``"rope-mean"``: keys minus ``R(p) b_hat``, the pre-RoPE mean of the first
-            write un-rotated by position (``offset.RopeMean``), added back exactly after dequantization (the kernels
-            add it to the scores instead).
+            ``"off"``; None = the format's default (``fmt.default_key_offset``: rope-mean for the compressed
+            presets, off for bf16 and fp8).
         rope: the model's RoPE (``offset.rope_of_config``, :func:`rope_info`); needed by ``"slow-pairs"`` and
             ``"rope-mean"``.
 

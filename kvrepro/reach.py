@@ -126,8 +126,8 @@ def cuda_status(code: str, runs: list[dict], manifest: dict, measured: dict) -> 
     committed fatbin (``manifest``; earlier fatbins from ``measured``, the content of measured_fatbins.json), per
     kernel: the plain decode kernels (``cuda_decode.KERNELS``: what the matrix row describes) count as measured where a
     run of that kernel's preset ran a fatbin whose ``code`` entry held the same code for it (per-kernel SHA-256,
-    ``cuda_build.cubin_functions``); the other kernels of the entry (the rope-mean ones, an opt-in path) are said to
-    be built and not run unless a run ran their code. Returns ``(text, runs that count)`` or None if ``runs`` is
+    ``cuda_build.cubin_functions``); the other kernels of the entry (the rope-mean ones, for the default key
+    offset) are said to be built and not run unless a run ran their code. Returns ``(text, runs that count)`` or None if ``runs`` is
     empty."""
     if not runs:
         return None

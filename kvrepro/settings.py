@@ -167,23 +167,23 @@ SETTINGS: tuple[Declaration, ...] = (
         "KV capacity the in-kernel rotation's spill stack cost on the H200: [notes/vllm.md, Memory accounting]"
         "(notes/vllm.md#memory-accounting-what-was-learned)"),
     Declaration(
-        "key_offset", "KVREPRO_KEY_OFFSET", ", ".join(KEY_OFFSET_MODES), "slow-pairs",
-        "Keys are stored minus a constant per layer and KV head (kvrepro.formats.offset): the mean of the keys of the "
-        "first prefill the engine runs, fixed for its lifetime; attention is unchanged (the shift is the same for "
-        "every key a query sees: softmax-invariant), the quantizer no longer spends its range on the keys' mean or a "
-        "key-projection bias. slow-pairs: the mean only in the RoPE pairs that turn by < pi/4 over max_model_len (a "
-        "constant there at every position, whatever the first prefill was); first-prefill: in every channel (best "
-        "when the first prefill is as long as later contexts, no better than off when it is short); off: keys stored "
-        "as they are (notes/accuracy.md, 'Key offset'); rope-mean (opt-in): keys minus R(p) b_hat, the first prefill's "
-        "pre-RoPE mean turned to each key's position, in up to 8 pairs per layer and KV head, added back to the "
-        "scores by the decode kernels, CUDA and Triton (exact; robust to a key bias added before RoPE in any pair; "
-        "the CUDA rope-mean kernels are built, not yet run on a GPU); KVREPRO_PREFILL may not be dequant.",
+        "key_offset", "KVREPRO_KEY_OFFSET", ", ".join(KEY_OFFSET_MODES), "rope-mean",
+        "How keys are stored (kvrepro.formats.offset); attention sees the exact keys in every mode. rope-mean: keys "
+        "minus R(p) b_hat, the first prefill's pre-RoPE mean turned to each key's position, in up to 8 RoPE pairs "
+        "per layer and KV head, added back to the scores by the decode kernels (CUDA and Triton) and the prefill; "
+        "robust to a key-projection bias added before RoPE in any pair; costs decode time (the correction per key); "
+        "KVREPRO_PREFILL may not be dequant. slow-pairs: a constant per layer and KV head, the first prefill's mean "
+        "only in the RoPE pairs that turn by < pi/4 over max_model_len (no decode cost, not robust to a bias in the "
+        "faster pairs); first-prefill: that constant in every channel; off: keys stored as they are "
+        "(notes/accuracy.md, 'Key offset'). rope-mean is the default because it is the one mode that keeps every "
+        "preset within 1.5x of its unbiased attention error under a key bias, with the lowest KL on both engines; "
+        "slow-pairs is the choice where decode speed matters more than a bias.",
         _choice("KVREPRO_KEY_OFFSET", KEY_OFFSET_MODES),
-        "attention-output error under a key bias (the key_offset column): [key-bias grid](results/keybias/"
-        "keybias_cpu.csv), rope-mean: [key-bias grid](results/keybias/keybias_rope_mean_cpu.csv); KL with slow-pairs: "
-        "[CPU reference rows](results/fidelity/reference_cpu_smollm2.csv), with "
-        "first-prefill: [H200 reference rows](results/fidelity/reference_h200_smollm2.csv); without it: the same CPU "
-        "file's history (git log)"),
+        "attention-output error under a key bias: [rope-mean](results/keybias/keybias_rope_mean_cpu.csv), "
+        "[the others](results/keybias/keybias_cpu.csv); KL per mode: [CPU reference rows](results/fidelity/"
+        "reference_cpu_smollm2.csv) and [vLLM rows](results/fidelity/vllm_h200_smollm2.csv) (rope-mean and "
+        "slow-pairs); decode time of the correction: [decode_rope_mean.json](benchmarks/results/decode_rope_mean.json);"
+        " 128K capacity with rope-mean: [h200-20261202-rope.jsonl](results/capacity/h200-20261202-rope.jsonl)"),
     Declaration(
         "warmup", "KVREPRO_WARMUP", "0, 1", "1",
         "1: compile and load every decode-kernel variant before vLLM's memory profiling, so that no compilation "
@@ -236,7 +236,7 @@ class Settings:
     num_splits: int | None = None
     prefill: str = "fa"
     store_rotate: str = "torch"
-    key_offset: str = "slow-pairs"
+    key_offset: str = "rope-mean"
     warmup: bool = True
     debug_check: bool = False
 

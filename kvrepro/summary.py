@@ -64,6 +64,7 @@ CHART = "docs/capacity.png"
 CAPACITY_DIR = "results/capacity"
 CAPACITY_INDEX = "results/capacity/README.md"
 VLLM_ACCURACY = "results/accuracy/vllm_h200/vllm_accuracy.csv"
+VLLM_ACCURACY_REPLICA = "results/accuracy/vllm_h200_replica/vllm_accuracy.csv"   # its pre-registered replication
 NEEDLE_MODEL = "SmolLM2-135M-Instruct"
 
 # Per mode: colour and marker, so modes differ in both (print, colour-blind readers).
@@ -209,7 +210,8 @@ def summary_rows(df, needle=None, modes=MODE_NAMES, workload: dict | None = SEED
         clean point; None when either is missing or the setups differ), fp8_max / fp8_best ((users, tok/s) of
         fp8's current run), source_file, run_id, when (UTC span), fp8_source_file / fp8_when (when fp8's run is in
         another file), setup_differs (WORKLOAD_KEYS that differ from fp8's run), needle / needle_bf16
-        ((correct, prompts) single-needle through vLLM).
+        ((correct, prompts) single-needle through vLLM, bf16's from the same run), key_offset (the kvrepro run's
+        key offset, :func:`run_key_offset`; None for bf16 / fp8).
     """
     runs = select_current(df, list(dict.fromkeys([*modes, BASELINE])), workload)
     base = runs.get(BASELINE)
@@ -227,12 +229,14 @@ def summary_rows(df, needle=None, modes=MODE_NAMES, workload: dict | None = SEED
         r = dict(mode=mode, name=DISPLAY.get(mode, mode), bytes_per_token_head=nbytes, seed_users=seed[0],
                  seed_tok_s=seed[1], users=None, tok_s=None, vs_fp8_max=None, vs_fp8_best=None, fp8_max=fp8_max,
                  fp8_best=fp8_best, source_file=None, run_id=None, when=None, fp8_source_file=None, fp8_when=None,
-                 setup_differs=[], needle=needle.get(fmt), needle_bf16=needle.get("bf16"), gpu=None)
+                 setup_differs=[], needle=needle.get(fmt),
+                 needle_bf16=needle.get("_bf16", {}).get(fmt, needle.get("bf16")), gpu=None, key_offset=None)
         rows = runs.get(mode)
         if rows is not None:
             cap = max_clean(rows)
             r.update(source_file=_rel(rows["source_file"].iloc[0]), run_id=str(rows["run_id"].iloc[0]),
-                     when=when(rows), gpu=str(rows["gpu"].iloc[0]) if "gpu" in rows else None)
+                     when=when(rows), gpu=str(rows["gpu"].iloc[0]) if "gpu" in rows else None,
+                     key_offset=run_key_offset(rows))
             if cap is not None:
                 r.update(users=cap[0], tok_s=cap[1])
             if base is not None:
@@ -247,30 +251,61 @@ def summary_rows(df, needle=None, modes=MODE_NAMES, workload: dict | None = SEED
     return out
 
 
-def needle_counts(path: str | os.PathLike = VLLM_ACCURACY, variant: str = "single") -> dict:
-    """Needle retrieval through vLLM: format -> (correct, prompts) for ``variant``; {} when the file is absent.
+def run_key_offset(rows) -> str | None:
+    """The key offset a kvrepro mode's run stored keys with, from its rows' ``kvrepro_settings`` ("off" for runs
+    before the setting existed; several joined by ", "); None for a run without kvrepro settings (bf16, fp8)."""
+    if "kvrepro_settings" not in rows:
+        return None
+    seen = {str(x.get("key_offset", "off")) for x in rows["kvrepro_settings"] if isinstance(x, dict)}
+    return ", ".join(sorted(seen)) or None
 
-    Also returns, under the key ``"_meta"``, a dict: gpu, vllm_version, first / last (UTC measurement times),
-    context_lengths (sorted ints), file (relative path)."""
+
+def needle_counts(path: str | os.PathLike | None = None, variant: str = "single") -> dict:
+    """Needle retrieval through vLLM: format -> (correct, prompts) for ``variant``; {} when no file is there.
+
+    ``path``: one run's file; None = the committed runs, :data:`VLLM_ACCURACY_REPLICA` and :data:`VLLM_ACCURACY`,
+    those whose compressed presets ran with the default key offset first, each format from the first run that has it
+    (the fidelity table's order, ``kvrepro.accuracy_summary.needle_sources``). Also returns, under ``"_bf16"``,
+    format -> bf16's (correct, prompts) in the same run, and under ``"_meta"`` a list, one dict per run used: gpu,
+    vllm_version, first / last (UTC measurement times), context_lengths (sorted ints), file (relative path),
+    key_offset, formats."""
     import pandas as pd
 
+    from kvrepro import accuracy_summary as acs
     from kvrepro.accuracy import existing
+    from kvrepro.formats import get_format
 
-    p = Path(path)
-    p = Path(existing(str(p if p.is_absolute() else repo_root() / p)))
-    if not p.is_file():
-        return {}
-    d = pd.read_csv(p, usecols=lambda c: c in {"format", "variant", "correct", "gpu", "vllm_version", "date",
-                                               "context_length"})
-    if "variant" in d.columns:
-        d = d[d["variant"] == variant]
-    out = {str(f): (int(g["correct"].sum()), int(len(g))) for f, g in d.groupby("format", sort=True)}
-    t = utc_times(d["date"]) if "date" in d.columns else None
-    out["_meta"] = dict(gpu=", ".join(sorted(set(map(str, d.get("gpu", []))))),
-                        vllm_version=", ".join(sorted(set(map(str, d.get("vllm_version", []))))),
-                        first=t.min() if t is not None else None, last=t.max() if t is not None else None,
-                        context_lengths=sorted(set(int(x) for x in d.get("context_length", []))),
-                        file=_rel(p))
+    runs = []
+    for one in ([path] if path is not None else [VLLM_ACCURACY_REPLICA, VLLM_ACCURACY]):
+        p = Path(one)
+        p = Path(existing(str(p if p.is_absolute() else repo_root() / p)))
+        if not p.is_file():
+            continue
+        d = pd.read_csv(p, usecols=lambda c: c in {"format", "variant", "correct", "gpu", "vllm_version", "date",
+                                                   "context_length", "kvrepro_settings"})
+        if "variant" in d.columns:
+            d = d[d["variant"] == variant]
+        if len(d):
+            runs.append((p, d, acs.needle_key_offset(d)))
+    want = get_format(acs.DEFAULT_PRESET).default_key_offset
+    runs.sort(key=lambda r: r[2] != want)
+    out, bf16_of, metas = {}, {}, []
+    for p, d, ko in runs:
+        counts = {str(f): (int(g["correct"].sum()), int(len(g))) for f, g in d.groupby("format", sort=True)}
+        new = [f for f in counts if f not in out]
+        if not new:
+            continue
+        for f in new:
+            out[f] = counts[f]
+            bf16_of[f] = counts.get("bf16")
+        t = utc_times(d["date"]) if "date" in d.columns else None
+        metas.append(dict(gpu=", ".join(sorted(set(map(str, d.get("gpu", []))))),
+                          vllm_version=", ".join(sorted(set(map(str, d.get("vllm_version", []))))),
+                          first=t.min() if t is not None else None, last=t.max() if t is not None else None,
+                          context_lengths=sorted(set(int(x) for x in d.get("context_length", []))),
+                          file=_rel(p), key_offset=ko, formats=new))
+    if metas:
+        out["_bf16"], out["_meta"] = bf16_of, metas
     return out
 
 
@@ -428,7 +463,7 @@ def _measured_cell(r: dict, compact: bool = False) -> str:
     if r["source_file"] is None:
         return "no run for this workload"
     file = Path(r["source_file"]).name if compact else _link(r["source_file"])
-    text = f"{r['when']}, {file}"
+    text = f"{r['when']}, {file}" + (f", key offset {r['key_offset']}" if r.get("key_offset") else "")
     if r["fp8_source_file"] and r["mode"] != BASELINE:
         text += (f"; fp8 from another run: {Path(r['fp8_source_file']).name}, {r['fp8_when']}")
     if r["setup_differs"]:
@@ -503,12 +538,14 @@ def notes_lines(df, needle: dict, chart: bool = True) -> list[str]:
         "so user counts are for the same memory budget (the seed's own non-KV memory is not published) and tok/s "
         "are not comparable across GPUs: compare kvrepro with fp8 of the same run.",
     ]
-    meta = needle.get("_meta") if needle else None
-    if meta:
+    metas = (needle.get("_meta") or []) if needle else []
+    for i, meta in enumerate([metas] if isinstance(metas, dict) else metas):
         lens = meta["context_lengths"]
         span = f"{lens[0]:,}-{lens[-1]:,} tokens" if lens else "?"
-        lines.append(f"Needle: {NEEDLE_MODEL} through vLLM {meta['vllm_version']} on {meta['gpu']} "
-                     f"({meta['first']:%Y-%m-%d}), single needle at {span}, `{meta['file']}`.")
+        which = "" if len(metas) < 2 else f" ({', '.join(meta.get('formats', []))})" if i else " (first choice)"
+        ko = f", compressed presets' key offset {meta['key_offset']}" if meta.get("key_offset") else ""
+        lines.append(f"Needle{which}: {NEEDLE_MODEL} through vLLM {meta['vllm_version']} on {meta['gpu']} "
+                     f"({meta['first']:%Y-%m-%d}), single needle at {span}{ko}, `{meta['file']}`.")
     if chart:
         lines.append(f"![Aggregate decode tok/s vs concurrent users, one current run per mode, with the seed's "
                      f"A100 points]({CHART})")
@@ -523,7 +560,7 @@ def readme_block(df=None, needle=None) -> str:
         needle = needle_counts()
     rows = summary_rows(df, needle)
     body = [BEGIN, "<!-- generated by `python -m kvrepro.summary --write` from results/capacity/*.jsonl and "
-                   f"{VLLM_ACCURACY}: edit those, not this block -->",
+                   f"{VLLM_ACCURACY_REPLICA}, {VLLM_ACCURACY}: edit those, not this block -->",
             markdown_table(rows)]
     for line in notes_lines(df, needle):
         body += ["", line]
@@ -541,7 +578,7 @@ def fidelity_sources(root: str | os.PathLike | None = None) -> dict:
     refs = [p for p in (acs.REFERENCE_GPU, acs.REFERENCE_CPU) if (root / p).exists()] or [acs.REFERENCE_GPU]
     return {"reference": acs.by_default_offset([acs.fidelity_source(str(root / p), kind="reference") for p in refs]),
             "vllm": acs.fidelity_source(str(root / acs.VLLM_FIDELITY), kind="vllm"),
-            "needle": acs.needle_source(str(root / acs.NEEDLE))}
+            "needle": acs.needle_sources(*(str(root / p) for p in (acs.NEEDLE_REPLICA, acs.NEEDLE)))}
 
 
 def fidelity_block(sources: dict | None = None) -> str:
@@ -551,7 +588,8 @@ def fidelity_block(sources: dict | None = None) -> str:
     from kvrepro import accuracy_summary as acs
 
     sources = fidelity_sources() if sources is None else sources
-    files = ", ".join(f"{p}" for p in (acs.REFERENCE_GPU, acs.REFERENCE_CPU, acs.VLLM_FIDELITY, acs.NEEDLE))
+    files = ", ".join(f"{p}" for p in (acs.REFERENCE_GPU, acs.REFERENCE_CPU, acs.VLLM_FIDELITY, acs.NEEDLE_REPLICA,
+                                        acs.NEEDLE))
     return "\n".join([
         FIDELITY_BEGIN,
         f"<!-- generated by `python -m kvrepro.summary --write` from {files}: edit those, not this block -->",
@@ -621,8 +659,13 @@ def answer(rows: list[dict], fid_rows: list[dict]) -> str:
         first = f"The capacity preset {cap_fmt} has no measured run for the seed's workload yet."
     d = fid.get(DEFAULT_PRESET)
     dcap = by.get(f"kvrepro:{DEFAULT_PRESET}")
-    users = (f"{dcap['users']} users measured" if dcap and dcap["users"] is not None
-             else f"{d['users']} users by the capacity arithmetic (no 128K run yet)" if d else "users not known")
+    if dcap and dcap["users"] is not None:
+        speed = (f" at {dcap['tok_s']:.1f} tok/s, {dcap['vs_fp8_max']:.2f}x fp8's" if dcap["vs_fp8_max"] is not None
+                 else f" at {dcap['tok_s']:.1f} tok/s")
+        ko = f" (key offset {dcap['key_offset']})" if dcap.get("key_offset") else ""
+        users = f"{dcap['users']} users measured{speed}{ko}"
+    else:
+        users = f"{d['users']} users by the capacity arithmetic (no 128K run yet)" if d else "users not known"
     second = f"The default preset, {DEFAULT_PRESET}: {cost(DEFAULT_PRESET)}; {users}."
     return f"{first} {second} Details, sources and dates: the tables below."
 
@@ -748,7 +791,8 @@ def plot_capacity(runs: dict, seed: bool = True, title: str = "Aggregate decode 
                   fontsize=11)
     ax.set_ylabel("aggregate decode tok/s", fontsize=11)
     ax.set_title(title, fontsize=13)
-    ax.legend(loc="lower right", fontsize=9.5, frameon=True, framealpha=0.95)
+    # outside the axes: any corner inside sits on some mode's curve or star as the runs change
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9.5, frameon=True, framealpha=0.95)
     fig.text(0.01, 0.01, caption(runs), fontsize=8.5, ha="left", va="bottom", color="#333333")
     n_lines = caption(runs).count("\n") + 1
     fig.tight_layout(rect=(0, 0.015 + 0.024 * n_lines, 1, 1))
@@ -845,7 +889,7 @@ def chart_png(runs: dict) -> bytes:
     with matplotlib.rc_context({"backend": "Agg"}):
         fig = plot_capacity(runs)
         buf = io.BytesIO()
-        fig.savefig(buf, format="png", dpi=110, metadata={"Software": None})
+        fig.savefig(buf, format="png", dpi=110, bbox_inches="tight", metadata={"Software": None})
         plt.close(fig)
     return buf.getvalue()
 

@@ -10,7 +10,8 @@
 # it first thing on the command line so that staging counts too), else from this script's start.
 # Modes that no longer fit are not started (a later call resumes them). SIZING_ONLY=modes,... sizes only;
 # MIN_START='{"mode": s}' overrides kvrepro.sweep.MIN_START_S (seconds a mode needs to be started).
-# PREFILL_AUTO=1: kvrepro modes prefill with KVREPRO_PREFILL=dequant if the smoke passed it (see smoke).
+# PREFILL_AUTO=1: kvrepro modes prefill with KVREPRO_PREFILL=dequant if the smoke passed it (see smoke) and the
+# key offset is not rope-mean (the default; that prefill cannot add it back).
 # Results: $OUT/RUN_ID.jsonl (rows of earlier calls resume from results/capacity/RUN_ID.jsonl or from
 # the warm machine's /tmp/kvres copy, whichever has more rows; kvrepro.sweep re-measures a mode whose rows
 # are incomplete and moves its earlier rows to RUN_ID.jsonl.superseded) + $OUT/sweep_log.txt (full vLLM
@@ -62,7 +63,9 @@ sweep() {
   [ -f "$src.engine_errors" ] && cp "$src.engine_errors" $OUT/$run.jsonl.engine_errors
   # PREFILL_AUTO=1: use KVREPRO_PREFILL=dequant for kvrepro modes if this machine's smoke found it
   # right and faster than fa (the rows record the path in env / kvrepro_settings).
-  if [ "${PREFILL_AUTO:-0}" = 1 ] && [ -z "${KVREPRO_PREFILL:-}" ] && [ -f /tmp/kvcache/flags/prefill_dequant_ok ]; then
+  # Not with the key offset rope-mean (the default): that prefill cannot add the offset back (kvrepro.settings).
+  if [ "${PREFILL_AUTO:-0}" = 1 ] && [ -z "${KVREPRO_PREFILL:-}" ] && [ -f /tmp/kvcache/flags/prefill_dequant_ok ] \
+     && [ "$(python3 -c 'from kvrepro.settings import Settings; print(Settings.from_env().key_offset)')" != rope-mean ]; then
     export KVREPRO_PREFILL=dequant; echo "KVREPRO_PREFILL=dequant ($(cat /tmp/kvcache/flags/prefill_dequant_ok))"
   fi
   local budget; budget=$(left)

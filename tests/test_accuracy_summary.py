@@ -315,3 +315,32 @@ def test_a_bound_of_a_variant_not_judged_says_so():
              needle="INFERIOR")
     assert acs._bounds(r) == "1.10 / 5.94 (not judged)"
     assert acs._bounds(dict(r, multi_judged=True)) == "1.10 / 5.94"
+
+
+def test_needle_figures_come_from_the_default_offsets_run_first(tmp_path):
+    """Two needle runs: the one whose compressed presets ran with the default key offset decides each format it
+    has (k5v4 loses 30 of 400 there, NOT NON-INFERIOR); the other (losing nothing) only fills in formats the first
+    lacks, and the rows name that run in their bound cell."""
+    want = get_format(DEFAULT_PRESET).default_key_offset
+    first, second = tmp_path / "a", tmp_path / "b"
+    first.mkdir()
+    second.mkdir()
+    for path, ko, lost in ((first, "slow-pairs" if want != "slow-pairs" else "off", {}),
+                           (second, want, {"k5v4": 30})):
+        p = needle_rows(path, lost)
+        d = pd.read_csv(p)
+        d["kvrepro_settings"] = [json.dumps({"key_offset": ko}) if f in COMPRESSED_PRESETS else None
+                                 for f in d["format"]]
+        if path == second:
+            d = d[d["format"] != "k8v4"]
+        d.to_csv(p, index=False)
+    src = sources(tmp_path)
+    src["needle"] = acs.needle_sources(str(first / "vllm_accuracy.csv"), str(second / "vllm_accuracy.csv"))
+    assert [s.key_offset for s in src["needle"]][0] == want                  # preferred first, whatever the order
+    rows = {r["format"]: r for r in acs.summary_rows(src)}
+    pref, other = src["needle"][0].tag, src["needle"][1].tag
+    assert rows["k5v4"]["needle"] == "INFERIOR" and rows["k5v4"]["needle_tag"] == pref
+    assert rows["k8v4"]["needle"] == "NON-INFERIOR" and rows["k8v4"]["needle_tag"] == other
+    assert rows["k8v4"]["needle_tag_shown"] and not rows["k5v4"]["needle_tag_shown"]
+    assert acs._bounds(rows["k8v4"]).endswith(f"[{other}]")
+    assert f"[{other}] needle bounds and verdicts, output sanity of the formats" in acs.legend(src)

@@ -176,7 +176,7 @@ def test_vllm_runner_runs_modes_at_once_and_writes_rows_per_mode(tmp_path, monke
         got = rows[rows["format"] == fmt].sort_values("window")
         assert list(got["kl_topk_sum"]) == pytest.approx([r["kl_topk_sum"] for r in want], rel=1e-12)
     env = {m: open(f"{work}/{m}.pt.env").read().split() for m in ("bf16", "kvrepro_k4v4")}
-    assert env["kvrepro_k4v4"] == ["slow-pairs", "0.3"] and env["bf16"][0] == "-"
+    assert env["kvrepro_k4v4"] == ["rope-mean", "0.3"] and env["bf16"][0] == "-"
     assert starts[1] - starts[0] < 0.4                 # the first two started together
     with pytest.raises(ValueError, match="parallel must be a positive integer"):
         fidelity.run_vllm(params, path, "m", work, parallel=0)

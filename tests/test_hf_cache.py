@@ -5,8 +5,9 @@ import numpy as np
 import pytest
 import torch
 
-from kvrepro.formats import FORMAT_NAMES, get_format
+from kvrepro.formats import COMPRESSED_PRESETS, FORMAT_NAMES, get_format
 from kvrepro.formats.hadamard import rotation_matrix
+from kvrepro.formats.offset import MAX_PAIRS, KeyOffset, RopeMean
 from kvrepro.hf import PagedKVLayer, forward, make_cache, prefill, rope_info, teacher_forced_logprobs
 
 H, D = 3, 64  # SmolLM2-135M: 3 KV heads, head_dim 64
@@ -68,12 +69,38 @@ def _kv(t, seed, scale=3.0):
     return mk(), mk()
 
 
-@pytest.mark.parametrize("name", FORMAT_NAMES)
-def test_layer_stores_page_bytes_and_attends_over_them(name):
+def rope_offset_float64(rm: RopeMean, seq_len: int) -> np.ndarray:
+    """float64 ``R(p) b_hat`` ``[seq_len, H, D]`` from a calibrated ``RopeMean``'s kept pairs (channels x, y, inverse
+    frequency, pre-RoPE mean): RoPE's rotation of each pair by ``p * inv_freq``, written out here."""
+    out = np.zeros((seq_len, rm.num_kv_heads, rm.head_dim))
+    ang_p = np.arange(seq_len, dtype=np.float64)
+    for h in range(rm.num_kv_heads):
+        for i in range(MAX_PAIRS):
+            bx, by = (float(t) for t in rm.bias[h, i])
+            if bx == 0.0 and by == 0.0:
+                continue
+            x, y, a = int(rm.x_ch[h, i]), int(rm.y_ch[h, i]), ang_p * float(rm.inv_freq[h, i])
+            out[:, h, x] += bx * np.cos(a) - by * np.sin(a)
+            out[:, h, y] += bx * np.sin(a) + by * np.cos(a)
+    return out
+
+
+@pytest.mark.parametrize("name,key_offset", [(n, None) for n in FORMAT_NAMES]
+                         + [(n, "slow-pairs") for n in sorted(COMPRESSED_PRESETS)])
+def test_layer_stores_page_bytes_and_attends_over_them(name, key_offset):
+    """Each format with its default key offset (None: rope-mean for the compressed presets, off for bf16 / fp8) and
+    the compressed presets with slow-pairs: the pages hold the format's bytes of the stored keys, and the layer
+    returns exactly those bytes dequantized, plus the offset where the offset is added back on read (rope-mean)."""
     fmt = get_format(name)
     rope = {"rope_theta": 1e4, "rotary_dim": D, "head_dim": D, "max_positions": 64}
-    layer = PagedKVLayer(fmt, block_size=16, reserve_tokens=0, rope=rope)
+    layer = PagedKVLayer(fmt, block_size=16, reserve_tokens=0, rope=rope, key_offset=key_offset)
+    assert layer.key_offset_mode == (fmt.default_key_offset if key_offset is None else key_offset)
     chunks = [_kv(37, 1), _kv(1, 2), _kv(20, 3)]  # prefill, one decode step, a chunk forcing regrowth
+    unbiased_k = torch.cat([c[0] for c in chunks], dim=2)
+    if layer.key_offset_mode == "rope-mean":      # a key-projection bias before RoPE, so that rope-mean keeps pairs
+        rope["neox"] = True
+        b = _pre_rope_bias(58, rope["rope_theta"])
+        chunks = [(k + b[:, :, p0:p0 + k.shape[2]], v) for (k, v), p0 in zip(chunks, (0, 37, 38))]
     returned, first_k = None, None
     for i, (k, v) in enumerate(chunks):
         returned = layer.update(k, v)
@@ -88,20 +115,38 @@ def test_layer_stores_page_bytes_and_attends_over_them(name):
     assert pool.data.dtype == STORED_DTYPE[name]
     assert pool.nbytes == pool.num_blocks * 16 * H * fmt.bytes_per_token_per_head(D)
     k_ref, v_ref = decode_pages_independently(pool, n)
-    np.testing.assert_allclose(returned[0][0].transpose(0, 1).double().numpy(), k_ref, rtol=1e-5, atol=1e-5)
+    if layer.key_offset_mode == "rope-mean":      # pages hold k - R(p) b_hat; the layer adds R(p) b_hat back
+        assert isinstance(layer.key_offset, RopeMean) and layer.key_offset.calibrated
+        assert int((layer.key_offset.bias.abs().sum(-1) > 0).sum()) >= H * 2     # the biased pairs of every head
+        k_ref = k_ref + rope_offset_float64(layer.key_offset, n)
+    np.testing.assert_allclose(returned[0][0].transpose(0, 1).double().numpy(), k_ref, rtol=1e-5, atol=1e-4)
     np.testing.assert_allclose(returned[1][0].transpose(0, 1).double().numpy(), v_ref, rtol=1e-5, atol=1e-5)
-    # relative error vs the input, K and V: quantized for real (not a bf16 copy), and not broken. The compressed
-    # presets hold keys minus the key offset (kvrepro.formats.offset): add it back to compare with the input.
-    assert (layer.key_offset is not None) == (fmt.default_key_offset != "off")
-    c = 0.0 if layer.key_offset is None else layer.key_offset.offset[:, None, :]
+    # relative error vs the input, K and V: quantized for real (not a bf16 copy), and not broken. A constant key
+    # offset (kvrepro.formats.offset.KeyOffset) stays subtracted in what the layer returns: add it back to compare.
+    assert (layer.key_offset is not None) == (layer.key_offset_mode != "off")
+    c = layer.key_offset.offset[:, None, :] if isinstance(layer.key_offset, KeyOffset) else 0.0
     returned = (returned[0] + c, returned[1])
     bounds = {"bf16": ((0, 0), (0, 0)), "fp8": ((0.01, 0.05), (0.01, 0.05)),
               "k8v4": ((0.002, 0.01), (0.05, 0.15)), "k4v4": ((0.05, 0.13), (0.05, 0.15)),
               "k4v2": ((0.05, 0.13), (0.3, 0.7)), "k5v4": ((0.02, 0.08), (0.05, 0.15))}[name]
-    for j, (lo, hi) in enumerate(bounds):
+    for j, (lo, hi) in enumerate(bounds):    # relative to the keys without the bias (the same with none added)
         x_in = torch.cat([c[j] for c in chunks], dim=2)
-        err = float((returned[j] - x_in).norm() / x_in.norm())
+        err = float((returned[j] - x_in).norm() / (unbiased_k if j == 0 else x_in).norm())
         assert lo <= err <= hi, ("KV"[j], err)
+
+
+def _pre_rope_bias(seq_len: int, theta: float) -> torch.Tensor:
+    """float32 ``[1, H, seq_len, D]``: a bias ``b`` (norm ~60, in two pairs per head, one fast, one slow) added before
+    RoPE and turned to each position, half-split pairs (channel i with i + D/2), as a model's key bias reaches the
+    cache."""
+    out = torch.zeros(1, H, seq_len, D)
+    p = torch.arange(seq_len, dtype=torch.float64)
+    for h in range(H):
+        for i, (bx, by) in ((1 + h, (40.0, -20.0)), (28 - h, (30.0, 25.0))):
+            a = p * theta ** (-2 * i / D)
+            out[0, h, :, i] = (bx * torch.cos(a) - by * torch.sin(a)).float()
+            out[0, h, :, i + D // 2] = (bx * torch.sin(a) + by * torch.cos(a)).float()
+    return out.bfloat16().float()
 
 
 def test_layer_rejects_batch_and_bad_format():

@@ -117,7 +117,7 @@ def test_shift_is_softmax_invariant_so_attention_is_unchanged():
 @pytest.mark.parametrize("preset", sorted(COMPRESSED_PRESETS))
 def test_roundtrip_with_offset_stores_keys_minus_their_mean(preset):
     f = get_format(preset)
-    assert f.default_key_offset == "slow-pairs"
+    assert f.default_key_offset == "rope-mean"
     assert get_format("bf16").default_key_offset == get_format("fp8").default_key_offset == "off"
     k, v = _keys(mean=30.0).float(), torch.randn(96, 2, 64).float()
     c = k.mean(0)
@@ -163,7 +163,8 @@ def test_hf_cache_calibrates_on_the_first_write_and_keeps_the_constant():
     with pytest.raises(ValueError, match="key_offset="):
         PagedKVLayer(f, 16, key_offset="always")
     rope = {"rope_theta": 1e4, "rotary_dim": 64, "head_dim": 64, "max_positions": 40}
-    layer = PagedKVLayer(f, 16, rope=rope)                      # the format's default: slow-pairs
+    assert PagedKVLayer(f, 16, rope=rope).key_offset_mode == "rope-mean"   # the format's default
+    layer = PagedKVLayer(f, 16, rope=rope, key_offset="slow-pairs")
     layer.update(k1.transpose(0, 1)[None], v1.transpose(0, 1)[None])
     ch = slow_channels(64, 1e4, 40)
     assert 0 < int(ch.sum()) < 64

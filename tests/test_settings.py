@@ -14,13 +14,13 @@ def test_defaults_and_declarations():
     s = Settings.from_env({})
     assert s == Settings() and s.as_dict() == {"preset": "k5v4", "decode_impl": "auto", "num_splits": None,
                                                "prefill": "fa", "store_rotate": "torch",
-                                               "key_offset": "slow-pairs", "warmup": True, "debug_check": False}
+                                               "key_offset": "rope-mean", "warmup": True, "debug_check": False}
     assert [d.field for d in st.SETTINGS] == list(s.as_dict())
     assert [d.env for d in st.SETTINGS] == ["KVREPRO_PRESET", "KVREPRO_DECODE_IMPL", "KVREPRO_NUM_SPLITS",
                                             "KVREPRO_PREFILL", "KVREPRO_STORE_ROTATE", "KVREPRO_KEY_OFFSET", "KVREPRO_WARMUP",
                                             "KVREPRO_DEBUG_CHECK"]
     assert s.describe() == ("kvrepro settings: preset=k5v4 decode_impl=auto num_splits=auto prefill=fa "
-                            "store_rotate=torch key_offset=slow-pairs warmup=1 debug_check=0")
+                            "store_rotate=torch key_offset=rope-mean warmup=1 debug_check=0")
     assert s.decode_impl_arg is None and Settings(decode_impl="cuda").decode_impl_arg == "cuda"
     with pytest.raises(dataclasses.FrozenInstanceError):
         s.preset = "k8v4"

@@ -180,9 +180,36 @@ def test_needle_counts_single_variant(tmp_path):
                       "date": "2026-11-30T02:42:41Z", "context_length": [1024, 2048, 8184, 1024] * 2})
     d.to_csv(tmp_path / "v.csv", index=False)
     n = summary.needle_counts(tmp_path / "v.csv")
-    assert n["bf16"] == (2, 3) and n["k4v4"] == (1, 3)
-    assert n["_meta"]["context_lengths"] == [1024, 2048, 8184]
+    assert n["bf16"] == (2, 3) and n["k4v4"] == (1, 3) and n["_bf16"]["k4v4"] == (2, 3)
+    assert [m["context_lengths"] for m in n["_meta"]] == [[1024, 2048, 8184]]
     assert summary.needle_counts(tmp_path / "none.csv") == {}
+
+
+def test_needle_counts_prefers_the_default_key_offsets_run_per_format(tmp_path, monkeypatch):
+    """Two committed runs: each format's counts come from the run whose compressed presets used the default key
+    offset if it has the format, else from the other; bf16 beside each from the same run."""
+    import json
+
+    from kvrepro.formats import DEFAULT_PRESET, get_format
+
+    want = get_format(DEFAULT_PRESET).default_key_offset
+    other = "slow-pairs" if want != "slow-pairs" else "off"
+
+    def run(path, ko, rows):
+        d = pd.DataFrame([{"format": f, "variant": "single", "correct": c, "gpu": "NVIDIA H200",
+                           "vllm_version": "0.20.2", "date": "2026-12-02T02:47:06Z", "context_length": 1024,
+                           "kvrepro_settings": json.dumps({"key_offset": ko}) if f not in ("bf16", "fp8") else None}
+                          for f, cs in rows.items() for c in cs])
+        d.to_csv(path, index=False)
+
+    run(tmp_path / "a.csv", other, {"bf16": [1, 1, 1, 0], "k5v4": [1, 0, 0, 0], "k8v4": [1, 1, 1, 1]})
+    run(tmp_path / "b.csv", want, {"bf16": [1, 1], "k5v4": [1, 1]})
+    monkeypatch.setattr(summary, "VLLM_ACCURACY", str(tmp_path / "a.csv"))     # listed first, preferred second
+    monkeypatch.setattr(summary, "VLLM_ACCURACY_REPLICA", str(tmp_path / "b.csv"))
+    n = summary.needle_counts()
+    assert n["k5v4"] == (2, 2) and n["_bf16"]["k5v4"] == (2, 2)               # the default offset's run
+    assert n["k8v4"] == (4, 4) and n["_bf16"]["k8v4"] == (3, 4)               # only the other run has it
+    assert [(m["key_offset"], m["formats"]) for m in n["_meta"]] == [(want, ["bf16", "k5v4"]), (other, ["k8v4"])]
 
 
 def test_time_span():

@@ -247,7 +247,7 @@ class CompressedFormat(KVFormat):
             unsupported head_dim/block_size when a pool is made.
     """
 
-    default_key_offset = "slow-pairs"
+    default_key_offset = "rope-mean"
 
     def __init__(self, name: str, key_bits: int, value_bits: int, seed: int = 0, *, key_symmetric: bool = False,
                  value_log_scale: bool = False) -> None:

@@ -11,7 +11,7 @@ codes. Smoothing K by its mean over tokens is SageAttention's (Zhang et al., 202
 
 Which channels. A key's mean is only constant over positions where RoPE barely turns it: in a channel pair that
 turns by ``theta_i x position``, a mean taken over the first prefill's positions is the wrong constant far beyond
-them (it is rotated away there, and subtracting it can double that pair's mean instead of removing it). The default
+them (it is rotated away there, and subtracting it can double that pair's mean instead of removing it).
 ``slow-pairs`` therefore subtracts the mean only in the pairs that turn by less than ``MAX_ANGLE`` (pi / 4) over the
 engine's longest context (``slow_channels``; RoPE frequencies ``theta^(-2i / rotary_dim)``, Su et al. 2021,
 arXiv:2104.09864; context-extension scalings only slow the low frequencies down, so the unscaled ones are the safe
@@ -29,9 +29,9 @@ layers already.
 Pages written with one ``c`` are only valid with that ``c``: pages moved between engines (KV transfer, offloading)
 need the same offsets, which kvrepro does not export.
 
-``rope-mean`` (:class:`RopeMean`, opt-in): a per-position offset for a bias added *before* RoPE, as models add their
-key-projection bias. After RoPE such a bias is ``R(p) b`` at position ``p``: in the fast pairs it turns by up to ~1
-rad per position, so no constant removes it. Un-rotating each calibration key by its position gives the pre-RoPE
+``rope-mean`` (:class:`RopeMean`, the compressed presets' default): a per-position offset for a bias added *before*
+RoPE, as models add their key-projection bias. After RoPE such a bias is ``R(p) b`` at position ``p``: in the fast
+pairs it turns by up to ~1 rad per position, so no constant removes it. Un-rotating each calibration key by its position gives the pre-RoPE
 mean ``b_hat = mean_p R(p)^-1 k_p`` per KV head (KVQuant quantizes keys before RoPE for this reason: Hooper et al.
 2024, arXiv:2401.18079, section 3.2; the large means sit in few pairs, mostly low-frequency ones: Jin et al. 2025,
 arXiv:2502.01563). The store keeps ``k_p - R(p) b_hat`` in the kept pairs; the read adds ``q . R(j) b_hat`` back to
@@ -41,7 +41,9 @@ prefill chunk's own keys are attended unshifted. Angles are float32 ``position x
 ``inv_freq = 1 / theta^(arange(0, rotary_dim, 2) / rotary_dim)`` in float32, as vLLM's ``RotaryEmbedding`` and
 transformers' default RoPE compute their cos/sin caches, so the removed ``R(p) b_hat`` follows the model's own rotation
 (the float32 angle at position 131,072 is off the exact product by up to 2^-7 rad; matching it keeps that out of the
-stored residual).
+stored residual). The scores are exact whatever frequencies are used, since the store and the read use the same ones;
+a model whose RoPE is scaled (e.g. Llama 3.1's) gets a less effective offset, never a wrong score. The correction costs
+decode time per key (``benchmarks/results/decode_rope_mean.json``); ``slow-pairs`` costs none.
 """
 from __future__ import annotations
 

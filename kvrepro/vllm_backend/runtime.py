@@ -159,14 +159,14 @@ class LayerRuntime:
             see ``KVREPRO_STORE_ROTATE`` in ``kvrepro.settings``; ``"kernel"``).
         decode_impl: ``decode_attention``'s ``impl`` (``"cuda"``, ``"triton"``, or None = its default
             ``kvrepro.ops.decode.resolve_impl``; ``Settings.decode_impl_arg``).
-        key_offset: ``"slow-pairs"`` (the backend's default setting) or ``"first-prefill"``: every stored key and
+        key_offset: ``"slow-pairs"`` or ``"first-prefill"``: every stored key and
             every prefill chunk's own keys minus the constant ``kvrepro.formats.offset.KeyOffset`` that the first
             :meth:`store` with ``calibrate`` sets (in RoPE's slow pairs, or in every channel); ``"rope-mean"``: every
             stored key minus ``R(p) b_hat`` at its position (``offset.RopeMean``, calibrated by the first :meth:`store`
             with ``calibrate``; :meth:`store` then needs ``positions``), added back to the scores by the decode
             kernels (Triton and CUDA) and the Triton prefill (``rope_bias``) or to the dequantized context by
-            ``prefill`` (its ``key_restore``); the chunk's own keys stay unshifted. ``"off"`` (the default here: the
-            backend passes the engine's setting).
+            ``prefill`` (its ``key_restore``); the chunk's own keys stay unshifted (the backend's default setting,
+            ``KVREPRO_KEY_OFFSET``). ``"off"`` (the default here: the backend passes the engine's setting).
         rope: the model's RoPE for ``"slow-pairs"`` / ``"rope-mean"`` (``offset.rope_of_config`` with
             ``max_positions`` = the longest context, plus ``"neox"``: True / False / None = unknown, read at
             calibration, so it may be set later; rope-mean refuses to calibrate while it is None).
