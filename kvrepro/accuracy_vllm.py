@@ -61,6 +61,7 @@ from dataclasses import dataclass
 
 from kvrepro import formats
 from kvrepro.fileio import atomic_write
+from kvrepro.listarg import comma_list
 from kvrepro.needle import (HAYSTACK_FILLER, KEY_DIGITS, MULTI_NEEDLES, VARIANTS, answer_kind, build_prompt,
                             build_sanity_prompts, check_haystack, check_multi, check_needle_grid, ids_sha256, is_int,
                             make_keys, score_answer)
@@ -239,7 +240,7 @@ def check_modes(modes) -> tuple[str, ...]:
     """Validate modes (a list or a comma-separated string) against ``all_modes()`` (the preset registry at call
     time); ValueError naming ``modes`` and the allowed values."""
     if isinstance(modes, str):
-        modes = [m for m in modes.replace(" ", ",").split(",") if m]
+        modes = comma_list(modes, "modes") if modes.strip() else []
     modes = tuple(modes)
     allowed = all_modes()
     if not modes:
@@ -786,7 +787,7 @@ def check_gpus(gpus) -> list:
     if gpus is None or gpus == "" or gpus == []:
         return [None]
     if isinstance(gpus, str):
-        gpus = [g for g in gpus.replace(" ", ",").split(",") if g]
+        gpus = comma_list(gpus, "gpus")
     try:
         out = [int(g) for g in gpus]
     except (TypeError, ValueError):

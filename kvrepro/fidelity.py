@@ -47,6 +47,7 @@ import pandas as pd
 import torch
 
 from kvrepro.fileio import atomic_write
+from kvrepro.listarg import comma_list
 from kvrepro.formats import FORMAT_NAMES
 from kvrepro.needle import is_int
 from kvrepro.provenance import params_as_dict, params_from_dict
@@ -570,7 +571,7 @@ def main(argv=None) -> int:
         vllm_worker(a.mode, a.windows, a.model, a.out, a.top_k, a.score_from, a.gpu_memory_utilization,
                     int(a.kv_cache_gib * 2**30) or None)
         return 0
-    params = FidelityParams(formats=tuple(f for f in a.formats.split(",") if f), corpus=a.corpus,
+    params = FidelityParams(formats=tuple(comma_list(a.formats, "--formats")), corpus=a.corpus,
                             window_tokens=a.window_tokens, score_from=a.score_from, num_windows=a.num_windows,
                             top_k=a.top_k, key_offset=a.key_offset)
     try:

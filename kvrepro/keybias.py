@@ -23,6 +23,7 @@ import pandas as pd
 import torch
 
 from kvrepro.formats import get_format
+from kvrepro.listarg import comma_list
 
 SHAPES = ((32, 8, 128), (28, 4, 128), (16, 2, 128), (48, 2, 128), (32, 8, 64), (9, 3, 64), (32, 32, 80),
           (16, 4, 192))   # field-faults row 2: (q_heads, kv_heads, head_dim)
@@ -151,12 +152,15 @@ def main(argv=None) -> int:
     if a.tokens < 2:
         ap.error(f"--tokens must be an integer >= 2, got {a.tokens}")
     try:
-        norms = tuple(float(x) for x in a.bias_norms.split(",") if x)
+        norms = tuple(float(x) for x in comma_list(a.bias_norms, "--bias-norms"))
     except ValueError:
         ap.error(f"--bias-norms must be comma-separated numbers >= 0, got {a.bias_norms!r}")
     if not norms or min(norms) < 0:
         ap.error(f"--bias-norms must be comma-separated numbers >= 0, got {a.bias_norms!r}")
-    places = tuple(x for x in a.placements.split(",") if x)
+    try:
+        places = tuple(comma_list(a.placements, "--placements"))
+    except ValueError as e:
+        ap.error(str(e))
     if not places or any(x not in PLACEMENTS for x in places):
         ap.error(f"--placements must be comma-separated from {PLACEMENTS}, got {a.placements!r}")
     formats = [f for f in FORMAT_NAMES if f != "bf16"]

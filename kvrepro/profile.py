@@ -35,6 +35,8 @@ import os
 import re
 from pathlib import Path
 
+from kvrepro.listarg import comma_list
+
 # Kernel classes, in the order they are tried: the first class one of whose patterns occurs in the kernel name (case
 # sensitive) wins. FlashAttention 3's kernels are cutlass::device_kernel<flash::...> templates, so attention is tried
 # before the GEMM patterns that match "cutlass".
@@ -240,9 +242,9 @@ def parse_users(text) -> tuple[int, ...]:
     largest and aborts requests down to the next).
 
     Raises:
-        ValueError: empty, not integers >= 1, or repeated (naming ``users``).
+        ValueError: empty or with an empty item, not integers >= 1, or repeated (naming ``users``).
     """
-    parts = [p.strip() for p in str(text).split(",") if p.strip()]
+    parts = comma_list(str(text), "users")
     try:
         vals = [int(p) for p in parts]
     except ValueError:

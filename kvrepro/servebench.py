@@ -34,6 +34,7 @@ import re
 from pathlib import Path
 
 from kvrepro import sweep
+from kvrepro.listarg import comma_list
 
 SERVE_MODES = tuple(m for m in sweep.ALL_MODES if not m.startswith("turboquant"))
 DEFAULT_MODES = ("fp8:flash_attn", "kvrepro:k4v4")
@@ -106,7 +107,7 @@ def check_config(cfg: dict) -> dict:
     if unknown:
         raise ValueError(f"unknown serve-bench setting(s) {unknown}; allowed: {sorted(DEFAULTS) + ['modes']}")
     c = {**DEFAULTS, "modes": DEFAULT_MODES, **cfg}
-    modes = [m for m in c["modes"].split(",") if m] if isinstance(c["modes"], str) else list(c["modes"])
+    modes = comma_list(c["modes"], "modes") if isinstance(c["modes"], str) else list(c["modes"])
     bad = [m for m in modes if m not in SERVE_MODES]
     if not modes or bad:
         raise ValueError(f"modes: {bad or 'none given'}; allowed: {', '.join(SERVE_MODES)}")
@@ -124,7 +125,8 @@ def check_config(cfg: dict) -> dict:
         raise ValueError(f"block_size must be one of (16, 32, 64), got {c['block_size']!r}")
     if not _is_int(c["seed"]):
         raise ValueError(f"seed must be an integer, got {c['seed']!r}")
-    rates = c["request_rates"].split(",") if isinstance(c["request_rates"], str) else list(c["request_rates"])
+    rates = (comma_list(c["request_rates"], "request_rates") if isinstance(c["request_rates"], str)
+             else list(c["request_rates"]))
     if not rates:
         raise ValueError("request_rates must name at least one rate (requests per second, or inf)")
     return dict(c, modes=tuple(modes), request_rates=tuple(parse_rate(r) for r in rates),

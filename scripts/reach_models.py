@@ -46,6 +46,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from kvrepro import capacity, sweep  # noqa: E402
 from kvrepro.configs import config_dir, model_names  # noqa: E402
+from kvrepro.listarg import comma_list  # noqa: E402
 from kvrepro.configs.facts import model_facts  # noqa: E402
 from kvrepro.fileio import atomic_write_text  # noqa: E402
 from kvrepro.reach import REACH_MODES, WORKLOAD_DECODE, arithmetic_users, kv_format, workload  # noqa: E402
@@ -78,7 +79,7 @@ def check_args(models, modes, gpu_memory_gib, decode_tokens, budget_s=None) -> t
             ``gpu_memory_gib`` not a number > 0, ``decode_tokens`` not an int in 1..1024, ``budget_s`` not > 0.
     """
     if isinstance(models, str):
-        models = [m for m in models.split(",") if m]
+        models = comma_list(models, "models") if models.strip() else []
     models = tuple(models) or model_names()
     bad = [m for m in models if m not in model_names()]
     if bad:
