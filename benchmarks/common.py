@@ -10,6 +10,7 @@ import platform
 import torch
 
 from kvrepro.formats import get_format
+from kvrepro.listarg import comma_list
 
 HQ, HKV, D, BS = 32, 8, 128, 16        # Qwen3-4B: 32 query / 8 KV heads, head_dim 128; vLLM's block of 16 tokens
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -119,3 +120,15 @@ def bench(fn):
     except Exception as e:  # recorded, never replaced by the eager figure
         torch.cuda.synchronize()
         return eager, None, repr(e)[:300]
+
+
+def parse_launch(text: str) -> tuple[int, int]:
+    """``"64,2"`` -> (64, 2): block_n in 16..256 (a power of two), num_warps in 1, 2, 4, 8 (ValueError naming
+    ``--launch``)."""
+    try:
+        bn, w = (int(x) for x in comma_list(text, "--launch"))
+    except ValueError as e:
+        raise ValueError(f"--launch takes block_n,num_warps (e.g. 64,2), got {text!r}: {e}") from None
+    if bn not in (16, 32, 64, 128, 256) or w not in (1, 2, 4, 8):
+        raise ValueError(f"--launch {text!r}: block_n one of 16, 32, 64, 128, 256; num_warps one of 1, 2, 4, 8")
+    return bn, w

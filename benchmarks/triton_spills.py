@@ -25,7 +25,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from benchmarks.common import RESULTS, provenance, write_json  # noqa: E402
+from benchmarks.common import RESULTS, parse_launch, provenance, write_json  # noqa: E402
 from kvrepro.formats import COMPRESSED_PRESETS, get_format  # noqa: E402
 from kvrepro.listarg import comma_list  # noqa: E402
 
@@ -83,18 +83,6 @@ def compile_decode(preset: str, npairs: int, arch: int, launch: tuple[int, int] 
     return {"preset": preset, "npairs": npairs, "key_mma": mma, "block_n": block_n, "num_warps": warps, "arch": sm,
             "registers": int(_REGS.search(text).group(1)), "stack_bytes": stack, "spill_store_bytes": st,
             "spill_load_bytes": ld, "ptx_f64_instructions": len(re.findall(r"\.f64\b", ptx))}
-
-
-def parse_launch(text: str) -> tuple[int, int]:
-    """``"64,2"`` -> (64, 2): block_n in 16..256 (a power of two), num_warps in 1, 2, 4, 8 (ValueError naming
-    ``--launch``)."""
-    try:
-        bn, w = (int(x) for x in comma_list(text, "--launch"))
-    except ValueError as e:
-        raise ValueError(f"--launch takes block_n,num_warps (e.g. 64,2), got {text!r}: {e}") from None
-    if bn not in (16, 32, 64, 128, 256) or w not in (1, 2, 4, 8):
-        raise ValueError(f"--launch {text!r}: block_n one of 16, 32, 64, 128, 256; num_warps one of 1, 2, 4, 8")
-    return bn, w
 
 
 def main(argv=None) -> int:
