@@ -967,8 +967,12 @@ def load_vllm_results(path: str = VLLM_RESULTS) -> dict:
     from kvrepro.replay import time_span
 
     gpu = ", ".join(sorted(set(rows["gpu"].astype(str))))
+    from kvrepro.accuracy_summary import needle_key_offset
+
+    ko = needle_key_offset(rows)
     return {"rows": rows, "sanity": sanity, "meta": meta, "verdicts": verdicts,
-            "label": replay_label(path, gpu, time_span(rows["date"]))}
+            "label": replay_label(path, gpu, time_span(rows["date"]))
+            + (f", compressed presets' key offset {ko}" if ko else "")}
 
 
 def load_cpu_results(paths=CPU_RESULTS) -> dict:

@@ -34,8 +34,9 @@ REFERENCE_CPU = "results/fidelity/reference_cpu_smollm2.csv"    # the same path 
 VLLM_FIDELITY = fidelity.DEFAULT_VLLM_RESULTS                    # through vLLM, top-20 KL only
 NEEDLE = accuracy.VLLM_RESULTS                                   # the vLLM needle run (statistical verdict)
 NEEDLE_REPLICA = "results/accuracy/vllm_h200_replica/vllm_accuracy.csv"  # its pre-registered replication grid
-KEYBIAS = "results/keybias/keybias_cpu.csv"                      # kvrepro.keybias.bias_table, committed
+KEYBIAS = "results/keybias/keybias_rope_mean_cpu.csv"            # kvrepro.keybias.bias_table, the default offset
 NOT_MEASURED = "not measured yet"
+JUDGE_TOKENS = 100_000   # issue 21: fidelity is judged on >= 100,000 scored tokens; fewer only checks the path
 
 
 # ---------------------------------------------------------------- sources
@@ -733,7 +734,11 @@ def load_keybias(path: str = KEYBIAS) -> tuple[pd.DataFrame | None, str]:
     machine = f", {_machine(_prov(t))}" if "provenance" in t else ""
     tokens = f", {int(t['tokens'].dropna().iloc[0]):,} tokens per case" if "tokens" in t and t["tokens"].notna().any() \
         else ""
-    return t, f"replayed from `{_rel(path)}`{machine}{when}{tokens}"
+    ko = ""
+    if "key_offset" in t and "format" in t:
+        modes = sorted(set(t.loc[t["format"].astype(str).isin(COMPRESSED_PRESETS), "key_offset"].dropna().astype(str)))
+        ko = f", compressed presets' key offset {', '.join(modes)}" if modes else ""
+    return t, f"replayed from `{_rel(path)}`{machine}{when}{tokens}{ko}"
 
 
 # ---------------------------------------------------------------- the README block

@@ -79,7 +79,7 @@ class FidelityParams:
             (the engines' default), ``"slow-pairs"``, ``"first-prefill"`` or ``"off"``; bf16 and fp8 ignore it.
     """
 
-    formats: tuple = ("bf16", "fp8", "k8v4", "k4v4", "k4v2")
+    formats: tuple = ("bf16", "fp8", "k8v4", "k5v4", "k4v4", "k4v2")
     corpus: str = "pd-books"
     window_tokens: int = 4096
     score_from: int = 2048
@@ -543,12 +543,18 @@ def main(argv=None) -> int:
     c = sub.add_parser("cpu", help="the CPU reference path (writes/resumes --out)")
     v = sub.add_parser("vllm", help="through vLLM on a GPU (every mode in its own process)")
     for p in (c, v):
-        p.add_argument("--formats", default=",".join(FidelityParams.formats))
-        p.add_argument("--corpus", default=FidelityParams.corpus)
-        p.add_argument("--window-tokens", type=int, default=FidelityParams.window_tokens)
-        p.add_argument("--score-from", type=int, default=FidelityParams.score_from)
-        p.add_argument("--num-windows", type=int, default=FidelityParams.num_windows)
-        p.add_argument("--top-k", type=int, default=FidelityParams.top_k)
+        p.add_argument("--formats", default=",".join(FidelityParams.formats),
+                       help="comma-separated KV formats, bf16 first (default %(default)s)")
+        p.add_argument("--corpus", default=FidelityParams.corpus,
+                       help="kvrepro.corpus.CORPORA name (default %(default)s, offline)")
+        p.add_argument("--window-tokens", type=int, default=FidelityParams.window_tokens,
+                       help="tokens per window, 64..8192 (default %(default)s)")
+        p.add_argument("--score-from", type=int, default=FidelityParams.score_from,
+                       help="first scored position of each window (default %(default)s)")
+        p.add_argument("--num-windows", type=int, default=FidelityParams.num_windows,
+                       help="consecutive corpus windows, >= 1 (default %(default)s)")
+        p.add_argument("--top-k", type=int, default=FidelityParams.top_k,
+                       help="k of the top-k KL, 1..100 (default %(default)s: vLLM's max_logprobs)")
         p.add_argument("--key-offset", default=FidelityParams.key_offset,
                        help="how compressed presets store keys (the reference path's KVREPRO_KEY_OFFSET): rope-mean "
                        "(default), slow-pairs, first-prefill or off")

@@ -120,6 +120,18 @@ def bias_table(formats=("fp8", "k8v4", "k5v4", "k4v4", "k4v2"), shapes=SHAPES, b
     return pd.DataFrame(rows)
 
 
+def default_out(key_offset: str | None, norms) -> str:
+    """The committed table a run of ``main`` replaces by default: ``results/keybias/keybias[_no_bias][_<offset>]_cpu.csv``
+    for the compressed presets' key offset (``key_offset``, None = the default preset's; none in the name for
+    slow-pairs, whose table came first) and ``_no_bias`` when every norm is 0."""
+    from kvrepro.formats import DEFAULT_PRESET
+
+    ko = key_offset or get_format(DEFAULT_PRESET).default_key_offset
+    tag = ("_no_bias" if norms and all(n == 0 for n in norms) else "") + \
+        ("" if ko == "slow-pairs" else "_" + ko.replace("-", "_"))
+    return f"results/keybias/keybias{tag}_cpu.csv"
+
+
 def main(argv=None) -> int:
     """``python -m kvrepro.keybias [--out CSV] [--tokens N] [--key-offset MODE] [--bias-norms N,..] [--placements P,..]``:
     the grid (default: the full one) with provenance columns, written atomically (``--key-offset``: one mode for every
@@ -139,8 +151,9 @@ def main(argv=None) -> int:
                                  "of norm 300-1000 added before RoPE (as Qwen2-family key projections have), over the "
                                  "usual (q_heads, kv_heads, head_dim) shapes, divided by its error without it "
                                  "(bar: 1.5x).")
-    ap.add_argument("--out", default="results/keybias/keybias_cpu.csv",
-                    help="CSV to write (atomically; default: the committed table, which this replaces)")
+    ap.add_argument("--out", default=None,
+                    help="CSV to write (atomically; default: the committed table of the key offset and norms asked "
+                    "for, which this replaces: default_out)")
     ap.add_argument("--tokens", type=int, default=2048, help="positions (keys) per case, >= 2 (default 2048)")
     ap.add_argument("--key-offset", default=None, choices=MODES,
                     help="store every format's keys with this key offset (default: each format's own default)")
@@ -164,12 +177,14 @@ def main(argv=None) -> int:
     if not places or any(x not in PLACEMENTS for x in places):
         ap.error(f"--placements must be comma-separated from {PLACEMENTS}, got {a.placements!r}")
     formats = [f for f in FORMAT_NAMES if f != "bf16"]
+    out = a.out or default_out(a.key_offset, norms)
     t = bias_table(formats=formats, bias_norms=norms, placements=places, tokens=a.tokens, key_offset=a.key_offset)
     t["tokens"] = a.tokens
     t["measured_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     t["provenance"] = json.dumps(collect(), sort_keys=True, default=str)
-    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-    atomic_write(a.out, lambda f: t.to_csv(f, index=False))
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    atomic_write(out, lambda f: t.to_csv(f, index=False))
+    print(f"wrote {out}")
     s = t[t["supported"]].groupby("format")["ratio"].agg(["min", "max"])
     print(s.to_string())
     return 0

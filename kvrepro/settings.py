@@ -29,6 +29,7 @@ PREFILL_PATHS = ("fa", "fa-sliced", "fa-pages", "dequant", "triton")
 CUDA_PRESETS = ("k4v4", "k8v4", "k4v2")   # the CUDA decode kernel's variants (= kvrepro.ops.cuda_decode.PRESETS)
 STORE_ROTATE_MODES = ("torch", "kernel")
 KEY_OFFSET_MODES = ("slow-pairs", "first-prefill", "off", "rope-mean")   # = kvrepro.formats.offset.MODES
+KEY_OFFSET_DEFAULT = "rope-mean"        # = kvrepro.formats.compressed.CompressedFormat.default_key_offset
 MAX_NUM_SPLITS = 256
 # KVREPRO_* variables that are not runtime settings (read by the test harness only), so not reported as unknown.
 NOT_SETTINGS = ("KVREPRO_SMOKE_FLAGS",)
@@ -120,13 +121,16 @@ SETTINGS: tuple[Declaration, ...] = (
         "preset", "KVREPRO_PRESET", ", ".join(PRESETS), DEFAULT_PRESET,
         "The compressed KV format of every layer (bits per key / value element; kvrepro.formats). k5v4, the default: "
         "5-bit symmetric keys, 4-bit values with a one-byte log2 scale, 147 B per token and KV head at head_dim 128, "
-        "the preset closest to fp8's fidelity at 12 users of the seed workload, Triton decode; k4v4: 134 B, 13 "
-        "users, the CUDA decode kernel, a larger fidelity cost (README, fidelity). "
+        "the preset that meets fp8's fidelity at 12 users of the seed workload, Triton decode (slower than fp8's at "
+        "its capacity: README, results); k4v4: 134 B, 13 users, the CUDA decode kernel, a larger fidelity cost "
+        "(README, fidelity). "
         "vLLM runs with kv_cache_dtype='auto' and --attention-backend CUSTOM: the compression is the KV dtype.",
         _preset,
-        "users and decode tok/s per preset at 128K on an 80 GiB budget (H200): [capacity rows](results/capacity/h200-20261201-w13.jsonl); "
-        "KL and perplexity vs bf16: [fidelity rows](results/fidelity/reference_h200_smollm2.csv); needle retrieval through vLLM: "
-        "[accuracy rows](results/accuracy/vllm_h200/vllm_accuracy.csv.gz) (the README's results and fidelity tables)"),
+        "users and decode tok/s per preset at 128K on an 80 GiB budget (H200): [capacity rows](results/capacity/"
+        "h200-20261202-rope.jsonl) (k5v4, k4v4 with the default key offset) and [earlier rows](results/capacity/"
+        "h200-20261201-w13.jsonl) (k8v4, k4v2); KL and perplexity vs bf16: [fidelity rows](results/fidelity/"
+        "reference_cpu_smollm2.csv); needle retrieval through vLLM: [accuracy rows](results/accuracy/vllm_h200_replica/"
+        "vllm_accuracy.csv.gz) (the README's results and fidelity tables)"),
     Declaration(
         "decode_impl", "KVREPRO_DECODE_IMPL", ", ".join(DECODE_IMPLS), "auto",
         "Decode kernel. cuda: kvrepro's CUDA kernels (k4v4, k8v4, k4v2; head_dim 128, block 16, GQA group <= 8, "
@@ -167,7 +171,7 @@ SETTINGS: tuple[Declaration, ...] = (
         "KV capacity the in-kernel rotation's spill stack cost on the H200: [notes/vllm.md, Memory accounting]"
         "(notes/vllm.md#memory-accounting-what-was-learned)"),
     Declaration(
-        "key_offset", "KVREPRO_KEY_OFFSET", ", ".join(KEY_OFFSET_MODES), "rope-mean",
+        "key_offset", "KVREPRO_KEY_OFFSET", ", ".join(KEY_OFFSET_MODES), KEY_OFFSET_DEFAULT,
         "How keys are stored (kvrepro.formats.offset); attention sees the exact keys in every mode. rope-mean: keys "
         "minus R(p) b_hat, the first prefill's pre-RoPE mean turned to each key's position, in up to 8 RoPE pairs "
         "per layer and KV head, added back to the scores by the decode kernels (CUDA and Triton) and the prefill; "
@@ -236,7 +240,7 @@ class Settings:
     num_splits: int | None = None
     prefill: str = "fa"
     store_rotate: str = "torch"
-    key_offset: str = "rope-mean"
+    key_offset: str = KEY_OFFSET_DEFAULT
     warmup: bool = True
     debug_check: bool = False
 
@@ -261,8 +265,10 @@ class Settings:
         out = []
         if self.key_offset == "rope-mean" and self.prefill == "dequant":
             others = ", ".join(p for p in PREFILL_PATHS if p != "dequant")
-            out.append("KVREPRO_KEY_OFFSET=rope-mean cannot run with KVREPRO_PREFILL=dequant (that prefill reads the "
-                       f"pages' keys without the per-position offset); use KVREPRO_PREFILL= one of {others}")
+            default = " (the default)" if self.key_offset == KEY_OFFSET_DEFAULT else ""
+            out.append(f"KVREPRO_KEY_OFFSET=rope-mean{default} cannot run with KVREPRO_PREFILL=dequant (that prefill "
+                       f"reads the pages' keys without the per-position offset); use KVREPRO_PREFILL= one of {others}, "
+                       "or KVREPRO_KEY_OFFSET=slow-pairs to keep the dequant prefill")
         if self.decode_impl == "cuda" and self.preset not in CUDA_PRESETS:
             out.append(f"KVREPRO_DECODE_IMPL=cuda: the CUDA decode kernel has no {self.preset} variant (it has "
                        f"{', '.join(CUDA_PRESETS)}); use KVREPRO_DECODE_IMPL=auto or triton, or another KVREPRO_PRESET")
@@ -318,7 +324,13 @@ def markdown_table() -> str:
     return "\n".join(lines)
 
 
-def _main() -> int:
+def _main(argv=None) -> int:
+    import argparse
+
+    argparse.ArgumentParser(
+        prog="python -m kvrepro.settings",
+        description="Print the table of every KVREPRO_* variable and the settings this environment resolves to (what "
+        "an engine started here would log); exit 1 on a bad value or a combination the engine refuses.").parse_args(argv)
     try:
         s = Settings.from_env()
     except ValueError as e:

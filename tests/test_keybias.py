@@ -80,3 +80,16 @@ def test_cli_bias_norm_zero_gives_each_formats_own_top1(tmp_path, capsys):
             main(["--out", str(out), *bad])
         assert e.value.code == 2
     assert "--bias-norms" in capsys.readouterr().err
+
+
+def test_default_out_is_the_committed_table_of_the_offset_and_norms_asked_for():
+    """``python -m kvrepro.keybias`` without ``--out`` replaces the committed table of what it measures (the default
+    preset's key offset unless one is named; ``_no_bias`` for norm 0), never another offset's."""
+    from kvrepro.formats import DEFAULT_PRESET, get_format
+    from kvrepro.keybias import default_out
+
+    assert get_format(DEFAULT_PRESET).default_key_offset == "rope-mean"
+    assert default_out(None, (300.0, 1000.0)) == "results/keybias/keybias_rope_mean_cpu.csv"
+    assert default_out("slow-pairs", (300.0,)) == "results/keybias/keybias_cpu.csv"
+    assert default_out(None, (0.0,)) == "results/keybias/keybias_no_bias_rope_mean_cpu.csv"
+    assert default_out("first-prefill", (0.0, 600.0)) == "results/keybias/keybias_first_prefill_cpu.csv"

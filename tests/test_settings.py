@@ -158,9 +158,11 @@ def test_combinations_the_engine_refuses_are_named_by_the_settings_check():
     from kvrepro.ops import cuda_decode
 
     assert set(st.CUDA_PRESETS) == set(cuda_decode.PRESETS.values())
-    c = Settings.from_env({"KVREPRO_KEY_OFFSET": "rope-mean", "KVREPRO_PREFILL": "dequant"}).conflicts()
-    assert len(c) == 1 and c[0].startswith("KVREPRO_KEY_OFFSET=rope-mean cannot run with KVREPRO_PREFILL=dequant")
-    assert "fa, fa-sliced, fa-pages, triton" in c[0]
+    c = Settings.from_env({"KVREPRO_PREFILL": "dequant"}).conflicts()         # the default key offset is rope-mean
+    assert len(c) == 1 and c[0].startswith("KVREPRO_KEY_OFFSET=rope-mean (the default) cannot run with "
+                                           "KVREPRO_PREFILL=dequant")
+    assert "fa, fa-sliced, fa-pages, triton" in c[0] and "or KVREPRO_KEY_OFFSET=slow-pairs" in c[0]
+    assert Settings.from_env({"KVREPRO_PREFILL": "dequant", "KVREPRO_KEY_OFFSET": "slow-pairs"}).conflicts() == []
     c = Settings.from_env({"KVREPRO_DECODE_IMPL": "cuda", "KVREPRO_PRESET": "k5v4"}).conflicts()
     assert c == ["KVREPRO_DECODE_IMPL=cuda: the CUDA decode kernel has no k5v4 variant (it has k4v4, k8v4, k4v2); use "
                  "KVREPRO_DECODE_IMPL=auto or triton, or another KVREPRO_PRESET"]
@@ -170,3 +172,7 @@ def test_combinations_the_engine_refuses_are_named_by_the_settings_check():
     r = subprocess.run([sys.executable, "-m", "kvrepro.settings"], capture_output=True, text=True, timeout=120,
                        env=dict(env, KVREPRO_DECODE_IMPL="cuda", KVREPRO_PRESET="k5v4"))
     assert r.returncode == 1 and "no k5v4 variant" in r.stderr
+    for bad in (["--bogus"], ["extra"]):                                # the command takes no arguments
+        r = subprocess.run([sys.executable, "-m", "kvrepro.settings", *bad], capture_output=True, text=True,
+                           timeout=120, env=env)
+        assert r.returncode == 2 and "unrecognized arguments" in r.stderr

@@ -424,26 +424,38 @@ def test_fidelity_block_says_which_files_are_missing(tmp_path):
 
 
 def test_answer_states_capacity_and_fidelity_from_the_rows(tmp_path):
-    """The README's opening answer: the capacity preset's users and ratio against fp8 from the capacity rows, and its
-    and the default preset's fidelity cost from the fidelity rows; a preset without a fidelity row says so."""
+    """The README's opening answer: first the default preset (users against fp8's, fidelity, decode rate against
+    fp8's: "at fp8's fidelity or better" only when its verdict is MET), then the capacity preset's users, ratios and
+    fidelity cost, all from the rows; a preset without a fidelity row or a run says so."""
     from kvrepro.formats import DEFAULT_PRESET
 
     write(tmp_path / "a.jsonl", sweep("fp8", FP8, "2026-11-30T09:00:00+00:00")
           + sweep("kvrepro:k4v4", [(13, 480.0, True)], "2026-11-30T10:00:00+00:00"))
     rows = summary.summary_rows(load(tmp_path))
     fid = [dict(format="k4v4", kl=0.06, kl_vs_fp8=2.5, ppl_change_pct=6.0, fp8_ppl_change_pct=2.0,
-                needle="INFERIOR", single_bound=1.36, users=13),
+                needle="INFERIOR", single_bound=1.36, users=13, verdict="NOT MET"),
            dict(format=DEFAULT_PRESET, kl=0.02, kl_vs_fp8=0.9, ppl_change_pct=1.5, fp8_ppl_change_pct=2.0,
-                needle="NON-INFERIOR", single_bound=0.8, users=12)]
+                needle="NON-INFERIOR", single_bound=0.8, users=12, verdict="MET")]
     text = summary.answer(rows, fid)
     k4 = next(r for r in rows if r["mode"] == "kvrepro:k4v4")
-    assert "k4v4 serves 13 users of 128K tokens where fp8 serves 6**" in text
+    assert "For throughput, the capacity preset k4v4 serves 13 users at " in text
     assert f"at {480 / 160:.2f}x fp8's aggregate decode tok/s ({k4['vs_fp8_best']:.2f}x fp8's best clean point)" in text
     assert "it costs KL 2.50x fp8's, perplexity +6.00% (fp8 +2.00%), needle retrieval INFERIOR (loss bound 1.36 pp" in text
     if DEFAULT_PRESET != "k4v4":
-        assert (f"The default preset, {DEFAULT_PRESET}: KL 0.90x fp8's, perplexity +1.50% (fp8 +2.00%), needle "
-                "retrieval NON-INFERIOR (loss bound 0.80 pp, bar 1 pp); 12 users by the capacity arithmetic") in text
+        assert text.startswith(f"kvrepro's default preset {DEFAULT_PRESET}: KL 0.90x fp8's, perplexity +1.50% (fp8 "
+                               "+2.00%), needle retrieval NON-INFERIOR (loss bound 0.80 pp, bar 1 pp); 12 users by the "
+                               "capacity arithmetic (no 128K run yet).")
         assert "fidelity not measured" in summary.answer(rows, fid[:1])
+        # with a 128K run of the default preset: its users against fp8's and its decode rate against fp8's
+        write(tmp_path / "b.jsonl", sweep(f"kvrepro:{DEFAULT_PRESET}", [(12, 120.0, True)],
+                                          "2026-11-30T11:00:00+00:00"))
+        text = summary.answer(summary.summary_rows(load(tmp_path)), fid)
+        assert text.startswith(f"**On one NVIDIA H200 at an emulated 80 GiB, kvrepro's default preset {DEFAULT_PRESET} "
+                               "serves 12 users of 128K tokens where fp8 serves 6, at fp8's fidelity or better**: KL "
+                               "0.90x fp8's")
+        assert f"its aggregate decode rate is {120 / 160:.2f}x fp8's (120.0 tok/s" in text
+        fid[1]["verdict"] = "NOT MET"
+        assert "at a fidelity cost**" in summary.answer(summary.summary_rows(load(tmp_path)), fid)
     assert "no measured run" in summary.answer(summary.summary_rows(None), fid)
 
 

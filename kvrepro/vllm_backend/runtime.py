@@ -189,7 +189,7 @@ class LayerRuntime:
         if key_offset == "rope-mean" and prefill is not None and not hasattr(prefill, "key_restore"):
             raise ValueError(f"KVREPRO_KEY_OFFSET=rope-mean: the prefill path {type(prefill).__name__} cannot add "
                              "R(p) b_hat back to the context keys; use KVREPRO_PREFILL=triton, fa, fa-pages or "
-                             "fa-sliced")
+                             "fa-sliced, or KVREPRO_KEY_OFFSET=slow-pairs to keep this prefill")
         self.rope = rope
         self.key_offset: KeyOffset | RopeMean | None = None
         if key_offset == "rope-mean":
