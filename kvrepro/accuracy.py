@@ -26,7 +26,7 @@ import torch
 
 from kvrepro.fileio import atomic_write
 from kvrepro.provenance import params_as_dict, params_from_dict
-from kvrepro.formats import FORMAT_NAMES, get_format
+from kvrepro.formats import COMPRESSED_PRESETS, FORMAT_NAMES, get_format
 from kvrepro.hf import (greedy_generate, kv_bytes, load_smollm2, make_cache, prefill, rope_info,
                         teacher_forced_logprobs)
 from kvrepro.needle import (VARIANTS, answer_decided, answer_kind, build_prompt, build_sanity_prompts,
@@ -932,6 +932,22 @@ def replay_label(path: str, gpu: str, date: str) -> str:
     return f"replayed from {path}, measured on {gpu} {date}"
 
 
+def needle_key_offset(rows: pd.DataFrame) -> str:
+    """The key offset the compressed presets of a needle run ran with, from each row's ``kvrepro_settings`` (the
+    engine's settings, JSON; "off" where they predate the setting); several are joined by ", "; "" without
+    compressed rows."""
+    if "kvrepro_settings" not in rows:
+        return ""
+    seen = set()
+    compressed = rows["format"].astype(str).isin(COMPRESSED_PRESETS)
+    for text in rows.loc[compressed, "kvrepro_settings"].dropna().unique():
+        try:
+            seen.add(json.loads(text).get("key_offset", "off"))
+        except (ValueError, TypeError, AttributeError):
+            continue
+    return ", ".join(sorted(seen))
+
+
 def load_vllm_results(path: str = VLLM_RESULTS) -> dict:
     """Committed output of ``scripts/vllm_accuracy.py``: ``{"rows", "sanity" (or None), "meta", "verdicts" (or
     None), "label"}``.
@@ -967,8 +983,6 @@ def load_vllm_results(path: str = VLLM_RESULTS) -> dict:
     from kvrepro.replay import time_span
 
     gpu = ", ".join(sorted(set(rows["gpu"].astype(str))))
-    from kvrepro.accuracy_summary import needle_key_offset
-
     ko = needle_key_offset(rows)
     return {"rows": rows, "sanity": sanity, "meta": meta, "verdicts": verdicts,
             "label": replay_label(path, gpu, time_span(rows["date"]))

@@ -232,27 +232,12 @@ def needle_source(path: str = NEEDLE, measured_now: bool = False) -> Source:
     size = ", ".join(f"{n[v]:,} {v}-needle" for v in order) + " prompts per mode"
     vllm = ", ".join(sorted(set(rows["vllm_version"].astype(str))))
     gpu = ", ".join(sorted(set(rows["gpu"].astype(str))))
-    ko = needle_key_offset(rows)
+    ko = accuracy.needle_key_offset(rows)
     if ko:
         size += f", compressed presets' key offset {ko}"
     return Source("needle", "measured now" if measured_now else "replayed", rel, f"vLLM {vllm}", gpu,
                   time_span(rows["date"]), size, verdicts=verdicts,
                   formats=tuple(accuracy.format_order(rows["format"])), key_offset=ko)
-
-
-def needle_key_offset(rows: pd.DataFrame) -> str:
-    """The key offset the compressed presets of a needle run ran with, from each row's ``kvrepro_settings`` (the
-    engine's settings, JSON; "off" where they predate the setting); several are joined by ", "; "" without
-    compressed rows."""
-    if "kvrepro_settings" not in rows:
-        return ""
-    seen = set()
-    for text in rows.loc[rows["format"].astype(str).isin(COMPRESSED_PRESETS), "kvrepro_settings"].dropna().unique():
-        try:
-            seen.add(json.loads(text).get("key_offset", "off"))
-        except (ValueError, TypeError, AttributeError):
-            continue
-    return ", ".join(sorted(seen))
 
 
 def needle_sources(*paths: str) -> list:

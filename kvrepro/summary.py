@@ -279,7 +279,7 @@ def needle_counts(path: str | os.PathLike | None = None, variant: str = "single"
     import pandas as pd
 
     from kvrepro import accuracy_summary as acs
-    from kvrepro.accuracy import existing
+    from kvrepro.accuracy import existing, needle_key_offset
     from kvrepro.formats import get_format
 
     runs = []
@@ -293,7 +293,7 @@ def needle_counts(path: str | os.PathLike | None = None, variant: str = "single"
         if "variant" in d.columns:
             d = d[d["variant"] == variant]
         if len(d):
-            runs.append((p, d, acs.needle_key_offset(d)))
+            runs.append((p, d, needle_key_offset(d)))
     want = get_format(acs.DEFAULT_PRESET).default_key_offset
     runs.sort(key=lambda r: r[2] != want)
     out, bf16_of, metas = {}, {}, []
