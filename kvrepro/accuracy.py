@@ -950,7 +950,7 @@ def needle_key_offset(rows: pd.DataFrame) -> str:
 
 def load_vllm_results(path: str = VLLM_RESULTS) -> dict:
     """Committed output of ``scripts/vllm_accuracy.py``: ``{"rows", "sanity" (or None), "meta", "verdicts" (or
-    None), "label"}``.
+    None), "key_offset" (:func:`needle_key_offset`), "label"}``.
 
     ``path`` is the ``vllm_accuracy.csv`` (relative to the repo root or absolute; or its ``.gz``: :func:`existing`);
     ``vllm_sanity.csv``,
@@ -984,7 +984,7 @@ def load_vllm_results(path: str = VLLM_RESULTS) -> dict:
 
     gpu = ", ".join(sorted(set(rows["gpu"].astype(str))))
     ko = needle_key_offset(rows)
-    return {"rows": rows, "sanity": sanity, "meta": meta, "verdicts": verdicts,
+    return {"rows": rows, "sanity": sanity, "meta": meta, "verdicts": verdicts, "key_offset": ko,
             "label": replay_label(path, gpu, time_span(rows["date"]))
             + (f", compressed presets' key offset {ko}" if ko else "")}
 

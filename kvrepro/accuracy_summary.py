@@ -232,7 +232,7 @@ def needle_source(path: str = NEEDLE, measured_now: bool = False) -> Source:
     size = ", ".join(f"{n[v]:,} {v}-needle" for v in order) + " prompts per mode"
     vllm = ", ".join(sorted(set(rows["vllm_version"].astype(str))))
     gpu = ", ".join(sorted(set(rows["gpu"].astype(str))))
-    ko = accuracy.needle_key_offset(rows)
+    ko = res["key_offset"]
     if ko:
         size += f", compressed presets' key offset {ko}"
     return Source("needle", "measured now" if measured_now else "replayed", rel, f"vLLM {vllm}", gpu,
@@ -261,13 +261,13 @@ def _needles(sources: dict) -> list:
     return [] if n is None else list(n) if isinstance(n, (list, tuple)) else [n]
 
 
-def by_default_offset(refs: list) -> list:
-    """Reference sources in the order the summary prefers them: those measured with the default preset's key
-    offset (what a user runs) first, otherwise in the given order."""
-    from kvrepro.formats import get_format
-
+def by_default_offset(items: list, offset_of=None) -> list:
+    """``items`` (sources, by default) in the order the summary prefers them: those measured with the default
+    preset's key offset (what a user runs) first, otherwise in the given order. ``offset_of``: an item's key offset
+    (default :func:`key_offset_of`)."""
     want = get_format(DEFAULT_PRESET).default_key_offset
-    return sorted(refs, key=lambda s: key_offset_of(s) != want)
+    offset_of = key_offset_of if offset_of is None else offset_of
+    return sorted(items, key=lambda s: offset_of(s) != want)
 
 
 def default_sources(live: Source | None = None, needle: Source | None = None) -> dict:
@@ -400,17 +400,19 @@ def summary_rows(sources: dict, formats=None, cpu_sanity: pd.DataFrame | None = 
         tags = [f"[{t}]" for t in (r["ref_tag"], r["vllm_tag"], r["needle_tag"] if r["needle"] else None) if t]
         r["sources"] = " ".join(tags)
         out.append(r)
-    # a row whose reference figures come from another source than most rows' names it in its KL cell
-    used = [r["ref_tag"] for r in out if r["ref_tag"] is not None]
-    common = max(set(used), key=lambda t: (used.count(t), -t)) if used else None
-    for r in out:
-        r["ref_tag_shown"] = r["ref_tag"] is not None and r["ref_tag"] != common
-    # the same for the needle cells: a row from another needle run than most rows' names it
-    used = [r["needle_tag"] for r in out if r.get("needle_tag") is not None and r["format"] != BASELINE]
-    common = max(set(used), key=lambda t: (used.count(t), -t)) if used else None
-    for r in out:
-        r["needle_tag_shown"] = r.get("needle_tag") is not None and r["needle_tag"] != common
+    # a row whose reference (needle) figures come from another source than most rows' names it in its KL (bound) cell
+    _mark_uncommon(out, "ref_tag", out)
+    _mark_uncommon(out, "needle_tag", [r for r in out if r["format"] != BASELINE])
     return out
+
+
+def _mark_uncommon(rows: list[dict], key: str, counted: list[dict]) -> None:
+    """Set ``<key>_shown`` on every row whose ``key`` (a source tag) is not the one most ``counted`` rows have (ties:
+    the lowest tag)."""
+    used = [r[key] for r in counted if r.get(key) is not None]
+    common = max(set(used), key=lambda t: (used.count(t), -t)) if used else None
+    for r in rows:
+        r[f"{key}_shown"] = r.get(key) is not None and r[key] != common
 
 
 def _verdict(r: dict) -> tuple[str, str]:

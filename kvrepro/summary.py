@@ -280,7 +280,6 @@ def needle_counts(path: str | os.PathLike | None = None, variant: str = "single"
 
     from kvrepro import accuracy_summary as acs
     from kvrepro.accuracy import existing, needle_key_offset
-    from kvrepro.formats import get_format
 
     runs = []
     for one in ([path] if path is not None else [VLLM_ACCURACY_REPLICA, VLLM_ACCURACY]):
@@ -294,10 +293,8 @@ def needle_counts(path: str | os.PathLike | None = None, variant: str = "single"
             d = d[d["variant"] == variant]
         if len(d):
             runs.append((p, d, needle_key_offset(d)))
-    want = get_format(acs.DEFAULT_PRESET).default_key_offset
-    runs.sort(key=lambda r: r[2] != want)
     out, bf16_of, metas = {}, {}, []
-    for p, d, ko in runs:
+    for p, d, ko in acs.by_default_offset(runs, offset_of=lambda r: r[2]):
         counts = {str(f): (int(g["correct"].sum()), int(len(g))) for f, g in d.groupby("format", sort=True)}
         new = [f for f in counts if f not in out]
         if not new:

@@ -27,9 +27,11 @@ def test_defaults_and_declarations():
 
 
 def test_key_offset(monkeypatch):
+    from kvrepro.formats import DEFAULT_PRESET, get_format
     from kvrepro.formats.offset import MODES
 
     assert st.KEY_OFFSET_MODES == MODES
+    assert st.KEY_OFFSET_DEFAULT == get_format(DEFAULT_PRESET).default_key_offset == Settings().key_offset
     monkeypatch.setenv("KVREPRO_KEY_OFFSET", " OFF ")
     assert Settings.from_env().key_offset == "off"
     monkeypatch.setenv("KVREPRO_KEY_OFFSET", "mean")
