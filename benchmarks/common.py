@@ -123,12 +123,18 @@ def bench(fn):
 
 
 def parse_launch(text: str) -> tuple[int, int]:
-    """``"64,2"`` -> (64, 2): block_n in 16..256 (a power of two), num_warps in 1, 2, 4, 8 (ValueError naming
-    ``--launch``)."""
+    """``"64,2"`` -> (64, 2): block_n as the Triton kernels take it (``kvrepro.ops.common.check_block_n``), num_warps
+    in 1, 2, 4, 8 (ValueError naming ``--launch``)."""
+    from kvrepro.ops.common import check_block_n
+
     try:
         bn, w = (int(x) for x in comma_list(text, "--launch"))
     except ValueError as e:
         raise ValueError(f"--launch takes block_n,num_warps (e.g. 64,2), got {text!r}: {e}") from None
-    if bn not in (16, 32, 64, 128, 256) or w not in (1, 2, 4, 8):
-        raise ValueError(f"--launch {text!r}: block_n one of 16, 32, 64, 128, 256; num_warps one of 1, 2, 4, 8")
+    try:
+        check_block_n(bn)
+    except ValueError as e:
+        raise ValueError(f"--launch {text!r}: {e}") from None
+    if w not in (1, 2, 4, 8):
+        raise ValueError(f"--launch {text!r}: num_warps={w}; allowed: 1, 2, 4, 8")
     return bn, w

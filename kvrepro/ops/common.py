@@ -108,6 +108,15 @@ def page_constexprs(layout: PageLayout, num_kv_heads: int) -> dict:
                 V_META_OFF=layout.v_meta_offset, KSYM=layout.key_symmetric, VLOG=layout.value_log_scale)
 
 
+BLOCK_NS = (16, 32, 64, 128, 256)      # keys per tile of the Triton attention kernels (tl.arange needs a power of two)
+
+
+def check_block_n(block_n) -> None:
+    """ValueError unless ``block_n`` is an int in :data:`BLOCK_NS`."""
+    if not isinstance(block_n, int) or isinstance(block_n, bool) or block_n not in BLOCK_NS:
+        raise ValueError(f"block_n={block_n}; allowed: {', '.join(map(str, BLOCK_NS))}")
+
+
 def check_launch(num_warps, num_stages, max_registers=None) -> None:
     """Triton launch options: ``num_warps`` in 1, 2, 4, 8, 16; ``num_stages`` a positive int;
     ``max_registers`` (Triton's ``maxnreg``) None or a multiple of 8 in [32, 248]."""

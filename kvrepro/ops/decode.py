@@ -7,8 +7,8 @@ import torch
 
 from kvrepro.formats.layout import PageLayout
 from kvrepro.ops import cuda_decode
-from kvrepro.ops.common import (check_block_tables, check_float, check_heads, check_int, check_launch,
-                                check_pool, check_rotation, check_scale, next_pow2, page_constexprs,
+from kvrepro.ops.common import (check_block_n, check_block_tables, check_float, check_heads, check_int,
+                                check_launch, check_pool, check_rotation, check_scale, next_pow2, page_constexprs,
                                 pool_tensor, sm_count, want_checks)
 from kvrepro.ops.triton.attention import paged_attn_kernel
 from kvrepro.ops.triton.rotate import merge_splits_kernel, rotate_query_kernel
@@ -384,8 +384,7 @@ def decode_attention(query: torch.Tensor, pool, block_tables: torch.Tensor, seq_
     launch = default_launch(layout.key_bits, key_mma)
     block_n = launch[0] if block_n is None else block_n
     num_warps = launch[1] if num_warps is None else num_warps
-    if not isinstance(block_n, int) or isinstance(block_n, bool) or block_n not in (16, 32, 64, 128, 256):
-        raise ValueError(f"block_n={block_n}; allowed: 16, 32, 64, 128, 256")
+    check_block_n(block_n)
     dequant = resolve_dequant(dequant, dev)
     if num_splits is None:
         num_splits = default_num_splits(b, hkv, block_tables.shape[1] * layout.block_size, dev, impl,

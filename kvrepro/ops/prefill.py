@@ -5,8 +5,8 @@ import torch
 import triton
 
 from kvrepro.formats.layout import PageLayout
-from kvrepro.ops.common import (check_block_tables, check_float, check_heads, check_int, check_launch,
-                                check_pool, check_rotation, check_scale, next_pow2, page_constexprs,
+from kvrepro.ops.common import (check_block_n, check_block_tables, check_float, check_heads, check_int,
+                                check_launch, check_pool, check_rotation, check_scale, next_pow2, page_constexprs,
                                 pool_tensor, want_checks)
 from kvrepro.ops.decode import LOG2E, _rope_bias_args, check_rope_bias, resolve_dequant
 from kvrepro.ops.triton.attention import paged_attn_kernel
@@ -236,8 +236,7 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         out = torch.empty_like(query)
     else:
         check_float("out", out, (t, hq, d), dev)
-    if block_n not in (16, 32, 64, 128, 256):
-        raise ValueError(f"block_n={block_n}; allowed: 16, 32, 64, 128, 256")
+    check_block_n(block_n)
     check_launch(num_warps, num_stages)
     gp = next_pow2(group)
     if rows not in (16, 32, 64, 128) or rows < gp:
