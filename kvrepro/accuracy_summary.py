@@ -350,7 +350,8 @@ def summary_rows(sources: dict, formats=None, cpu_sanity: pd.DataFrame | None = 
         (that run is not most rows' one, so its cell names it),
         kl, kl_vs_fp8 (ratio to fp8 of the same source), top1_pct, ppl_change_pct, ref_tag (the source's tag;
         None when no reference source measured the mode), kl_topk_vllm, vllm_tag, single_bound / multi_bound
-        (pp, the needle's one-sided 95% bound; None if not run), needle (overall verdict word), needle_text,
+        (pp, the needle's one-sided 95% bound; None if not run; multi_tag: the run the multi-needle bound comes from
+        when the single-needle run has none), needle (overall verdict word), needle_text,
         sanity ("pass" / "FAIL" / ""), cpu_sanity (the same on the CPU path, "" without rows), meets_fp8 (True /
         False; None: not measured), verdict (MET, NOT MET, FAIL, NOT JUDGED, "baseline", "the bar"), verdict_why,
         by_source ({tag: kl, kl_vs_fp8, ppl_change_pct, fp8_ppl_change_pct} per reference source that measured the
@@ -396,6 +397,13 @@ def summary_rows(sources: dict, formats=None, cpu_sanity: pd.DataFrame | None = 
                     r[f"{var}_judged"] = str(mv.loc[var, "retrieval"]) != "NOT JUDGED"
             r.update(needle=str(mv.loc[accuracy.OVERALL, "verdict"]), needle_text=str(mv.loc[accuracy.OVERALL, "text"]),
                      sanity=str(mv.loc[accuracy.OVERALL, "sanity"]))
+            if "multi" not in mv.index:     # a single-needle run: the multi-needle bound of the next run that has it
+                msrc = next((n for n in nsrcs if n.ok and n.verdicts is not None and (fmt, "multi") in n.verdicts.index),
+                            None)
+                if msrc is not None:
+                    mm = msrc.verdicts.loc[(fmt, "multi")]
+                    r.update(multi_bound=_num(mm["bound_pp"]), multi_judged=str(mm["retrieval"]) != "NOT JUDGED",
+                             multi_tag=msrc.tag)
         r["verdict"], r["verdict_why"] = _verdict(r)
         tags = [f"[{t}]" for t in (r["ref_tag"], r["vllm_tag"], r["needle_tag"] if r["needle"] else None) if t]
         r["sources"] = " ".join(tags)
@@ -492,8 +500,9 @@ def _bounds(r: dict) -> str:
     if r["single_bound"] is None and r["multi_bound"] is None:
         return NOT_MEASURED if not r["needle"] else "–"
     note = f" [{r['needle_tag']}]" if r.get("needle_tag_shown") else ""
+    tags = {"multi": f" [{r['multi_tag']}]"} if r.get("multi_tag") not in (None, r.get("needle_tag")) else {}
     return " / ".join("–" if b is None else f"{b:.2f}" + ("" if r.get(f"{v}_judged", True) else " (not judged)")
-                      for v, b in (("single", r["single_bound"]), ("multi", r["multi_bound"]))) + note
+                      + tags.get(v, "") for v, b in (("single", r["single_bound"]), ("multi", r["multi_bound"]))) + note
 
 
 def _sanity_cell(r: dict) -> str:
@@ -549,7 +558,7 @@ def legend(sources: dict) -> str:
 
     def what_of(s):
         if any(s is n for n in later):
-            return f"{what['needle']} of the formats the needle runs above lack"
+            return f"{what['needle']} of the formats or needle variants (single, multi) the needle runs above lack"
         return what["needle"] if s.kind == "needle" else what[s.kind]
 
     lines = [f"[{s.tag}] {what_of(s)}: {s.label()}" for s in [*refs, vsrc, *nsrcs] if s is not None and s.tag]
