@@ -144,7 +144,7 @@ def cuda_status(code: str, runs: list[dict], manifest: dict, measured: dict) -> 
     if not done:
         return f"measured with an earlier build; this build's {code} not measured", []
     same = [m for m in runs if any(m in ran[k] for k in done)]
-    files = ", ".join(f"[{Path(m['file']).name}]({m['file']})" for m in same)
+    files = ", ".join(dict.fromkeys(f"[{Path(m['file']).name}]({m['file']})" for m in same))   # a file per fatbin: once
     gpus = ", ".join(sorted({m["gpu"].replace("NVIDIA ", "") for m in same}))
     short = " / ".join(preset_of[k] for k in done)
     date = max(m["date"] for m in same)
@@ -343,9 +343,12 @@ def _capacity_lines(root: Path | None = None, gpu_memory_gib: float = 80.0) -> l
            f"({', '.join(f'[{Path(f).name}]({f})' for f in files) or 'no file yet'}), timing "
            f"{' / '.join(f'{d:,}' for d in decode) or 'no'} decode tokens per user where the seed's protocol decodes "
            f"{WORKLOAD_DECODE:,}; the others: users by the capacity arithmetic (`kvrepro.capacity`), not measured, no "
-           f"tok/s. Notebook 02 shows the same table (`kvrepro.reach.model_capacity_table`).", "",
+           f"tok/s. The k4v4 key offset is the one its run stored keys with: rope-mean (the default now) adds a "
+           f"correction to every decode step ([decode_rope_mean.json](benchmarks/results/decode_rope_mean.json) times "
+           f"it), so k4v4 tok/s of rows with different offsets are not like for like. Notebook 02 shows the same "
+           f"table (`kvrepro.reach.model_capacity_table`).", "",
            "| model | tokens per user | users fp8 / k4v4 | users k4v4 / fp8 | decode tok/s fp8 / k4v4 | "
-           "tok/s k4v4 / fp8 | source |", "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+           "tok/s k4v4 / fp8 | k4v4 key offset | source |", "| --- | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
     for r in t.to_dict("records"):
         measured = "measured," in r["source"]
         src = f"measured, {r['decode_tokens']} decode tokens" if measured else "arithmetic, not measured"
@@ -353,7 +356,8 @@ def _capacity_lines(root: Path | None = None, gpu_memory_gib: float = 80.0) -> l
             src += "; capacity sweep: results table above"
         tok = f"{num(r['tok_s_fp8'], '{:,.0f}')} / {num(r['tok_s_k4v4'], '{:,.0f}')}" if measured else ""
         out.append(f"| `{r['model']}` | {r['tokens_per_user']:,} | {num(r['users_fp8'])} / {num(r['users_k4v4'])} | "
-                   f"{num(r['users_ratio'], '{:.2f}')} | {tok} | {num(r['tok_s_ratio'], '{:.2f}')} | {src} |")
+                   f"{num(r['users_ratio'], '{:.2f}')} | {tok} | {num(r['tok_s_ratio'], '{:.2f}')} | "
+                   f"{r['key_offset'] if isinstance(r['key_offset'], str) else ''} | {src} |")
     return out
 
 
@@ -372,7 +376,9 @@ def model_capacity_table(root: Path | None = None, gpu_memory_gib: float = 80.0)
     Returns:
         pandas DataFrame with columns model, tokens_per_user, decode_tokens (decode tokens per user in the timed
         window of the measured rows; None where neither mode was measured), users_fp8, users_k4v4, users_ratio (k4v4
-        / fp8), tok_s_fp8, tok_s_k4v4, tok_s_ratio (k4v4 / fp8; None where either is missing), source (per mode:
+        / fp8), tok_s_fp8, tok_s_k4v4, tok_s_ratio (k4v4 / fp8; None where either is missing), key_offset (the key
+        offset the measured k4v4 run stored keys with, from its ``kvrepro_settings``: its decode cost differs, e.g.
+        rope-mean's correction; None where k4v4 was not measured), source (per mode:
         "measured, <GPU>, <date> (<file>)" with any preemptions, failed smoke or status, or "not measured (arithmetic,
         kvrepro.capacity)"; models of the capacity sweep say so).
 
@@ -387,7 +393,7 @@ def model_capacity_table(root: Path | None = None, gpu_memory_gib: float = 80.0)
     swept = _swept_models(root)
     rows = []
     for name in model_names():
-        rec = {"model": name, "tokens_per_user": workload(name)["max_model_len"]}
+        rec = {"model": name, "tokens_per_user": workload(name)["max_model_len"], "key_offset": None}
         timed = {r.get("decode_tokens") for m in REACH_MODES if (r := runs.get((name, m))) is not None}
         rec["decode_tokens"] = (timed.pop() if len(timed) == 1 else " / ".join(map(str, sorted(timed)))) \
             if timed else None
@@ -399,6 +405,8 @@ def model_capacity_table(root: Path | None = None, gpu_memory_gib: float = 80.0)
                 rec[f"users_{col}"], rec[f"tok_s_{col}"] = arithmetic_users(name, mode, gpu_memory_gib), None
                 srcs.append(f"{col}: not measured (arithmetic, kvrepro.capacity)")
                 continue
+            if col != "fp8":
+                rec["key_offset"] = (r.get("kvrepro_settings") or {}).get("key_offset")
             rec[f"users_{col}"] = int(r.get("users_fit") or 0)
             tok = r.get("aggregate_decode_tok_s")
             rec[f"tok_s_{col}"] = round(tok, 1) if isinstance(tok, (int, float)) else None
@@ -423,7 +431,7 @@ def model_capacity_table(root: Path | None = None, gpu_memory_gib: float = 80.0)
                               "README's results table)")
         rows.append(rec)
     cols = ["model", "tokens_per_user", "decode_tokens", "users_fp8", "users_k4v4", "users_ratio", "tok_s_fp8",
-            "tok_s_k4v4", "tok_s_ratio", "source"]
+            "tok_s_k4v4", "tok_s_ratio", "key_offset", "source"]
     df = pd.DataFrame(rows, columns=cols)
     if all(r["decode_tokens"] is None or isinstance(r["decode_tokens"], int) for r in rows):
         df["decode_tokens"] = df["decode_tokens"].astype("Int64")          # 128, not 128.0, beside the missing ones

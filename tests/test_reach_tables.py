@@ -78,19 +78,24 @@ def test_committed_carveout_table():
 
 def test_committed_model_table_shows_the_measured_rows_and_their_decode_tokens():
     t = reach.model_capacity_table().set_index("model")
-    measured = {"qwen3-0.6b", "llama-3.2-1b-instruct", "llama-3.2-3b-instruct"}
     rows = [json.loads(x) for x in (reach.repo_root() / "results/reach/models_h200.jsonl").read_text().splitlines()]
-    assert len(rows) == 6 and {r["model"] for r in rows} == measured
+    measured = {r["model"] for r in rows}
+    assert len(rows) == 2 * len(measured) and {"qwen3-0.6b", "llama-3.1-8b-instruct", "qwen2.5-7b-instruct"} <= measured
     for r in rows:
         col = reach.kv_format(r["mode"])
         assert t.loc[r["model"], f"users_{col}"] == r["users_fit"]
         assert t.loc[r["model"], f"tok_s_{col}"] == round(r["aggregate_decode_tok_s"], 1)
         assert t.loc[r["model"], "decode_tokens"] == r["decode_tokens"] == 128
+        if col == "k4v4":     # the offset the run stored keys with: the committed file holds runs of two defaults
+            assert t.loc[r["model"], "key_offset"] == r["kvrepro_settings"]["key_offset"]
+    assert set(t["key_offset"].dropna()) == {"slow-pairs", "rope-mean"}
     for name in set(model_names()) - measured:
         assert t.loc[name, "source"].startswith("not measured (arithmetic, kvrepro.capacity)")
-        assert t.isna().loc[name, "decode_tokens"]
+        assert t.isna().loc[name, "decode_tokens"] and t.isna().loc[name, "key_offset"]
     assert "capacity sweep" in t.loc["qwen3-4b-instruct-2507", "source"]
     text = "\n".join(reach._capacity_lines())
-    assert "3 of 9 models measured" in text and "timing 128 decode tokens per user where the seed's protocol decodes " \
-        "1,024" in text
-    assert "| `qwen3-0.6b` | 40,960 | 32 / 61 | 1.91 | 1,258 / 2,632 | 2.09 | measured, 128 decode tokens |" in text
+    assert f"{len(measured)} of 9 models measured" in text and "timing 128 decode tokens per user where the seed's " \
+        "protocol decodes 1,024" in text
+    assert "| `qwen3-0.6b` | 40,960 | 32 / 61 | 1.91 | 1,258 / 2,632 | 2.09 | slow-pairs | measured, 128 decode tokens |" \
+        in text
+    assert "| `qwen3-32b` | 40,960 | 1 / 3 | 3.00 |  |  |  | arithmetic, not measured |" in text
