@@ -405,7 +405,8 @@ def summary_rows(sources: dict, formats=None, cpu_sanity: pd.DataFrame | None = 
                     r.update(multi_bound=_num(mm["bound_pp"]), multi_judged=str(mm["retrieval"]) != "NOT JUDGED",
                              multi_tag=msrc.tag)
         r["verdict"], r["verdict_why"] = _verdict(r)
-        tags = [f"[{t}]" for t in (r["ref_tag"], r["vllm_tag"], r["needle_tag"] if r["needle"] else None) if t]
+        tags = [f"[{t}]" for t in (r["ref_tag"], r["vllm_tag"], r["needle_tag"] if r["needle"] else None,
+                                   r.get("multi_tag")) if t]
         r["sources"] = " ".join(tags)
         out.append(r)
     # a row whose reference (needle) figures come from another source than most rows' names it in its KL (bound) cell

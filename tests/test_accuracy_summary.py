@@ -344,3 +344,35 @@ def test_needle_figures_come_from_the_default_offsets_run_first(tmp_path):
     assert rows["k8v4"]["needle_tag_shown"] and not rows["k5v4"]["needle_tag_shown"]
     assert acs._bounds(rows["k8v4"]).endswith(f"[{other}]")
     assert f"[{other}] needle bounds and verdicts, output sanity of the formats" in acs.legend(src)
+
+
+def test_multi_needle_bound_comes_from_the_run_that_has_multi_needle_prompts(tmp_path):
+    """The preferred run (default key offset) has single-needle prompts only; the other run adds multi-needle ones
+    (k4v4 loses 12 of 400 there, bf16 right on all): each row takes its single-needle figures from the first and
+    its multi-needle bound from the second, the cell and the sources column name the second run."""
+    want = get_format(DEFAULT_PRESET).default_key_offset
+    first, second = tmp_path / "a", tmp_path / "b"
+    first.mkdir()
+    second.mkdir()
+    for path, ko in ((first, want), (second, "slow-pairs" if want != "slow-pairs" else "off")):
+        p = needle_rows(path)
+        d = pd.read_csv(p)
+        if path == second:
+            multi = d.assign(variant="multi", prompt_sha256="m" + d["prompt_sha256"])
+            multi.loc[multi["format"] == "k4v4", "correct"] = [int(i >= 12) for i in range(400)]
+            d = pd.concat([d, multi], ignore_index=True)
+        d["kvrepro_settings"] = [json.dumps({"key_offset": ko}) if f in COMPRESSED_PRESETS else None
+                                 for f in d["format"]]
+        d.to_csv(p, index=False)
+    src = sources(tmp_path)
+    src["needle"] = acs.needle_sources(str(second / "vllm_accuracy.csv"), str(first / "vllm_accuracy.csv"))
+    rows = {r["format"]: r for r in acs.summary_rows(src)}
+    pref, other = src["needle"][0].tag, src["needle"][1].tag
+    assert src["needle"][0].key_offset == want
+    k4 = rows["k4v4"]
+    assert k4["needle_tag"] == pref and k4["multi_tag"] == other
+    assert k4["single_bound"] == pytest.approx(stats.mcnemar_noninferiority(0, 0, 400)["bound_pp"], rel=1e-12)
+    assert k4["multi_bound"] == pytest.approx(stats.mcnemar_noninferiority(12, 0, 400)["bound_pp"], rel=1e-12)
+    assert acs._bounds(k4).endswith(f"[{other}]") and f"[{other}]" in k4["sources"].split()
+    assert rows["k8v4"]["multi_bound"] == pytest.approx(stats.mcnemar_noninferiority(0, 0, 400)["bound_pp"])
+    assert f"[{other}] needle bounds and verdicts, output sanity of the formats or needle variants" in acs.legend(src)
