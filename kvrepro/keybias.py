@@ -19,6 +19,8 @@ models' massive key values sit, Jin et al. 2025, arXiv:2502.01563).
 """
 from __future__ import annotations
 
+import math
+
 import pandas as pd
 import torch
 
@@ -153,7 +155,7 @@ def main(argv=None) -> int:
                                  "(bar: 1.5x).")
     ap.add_argument("--out", default=None,
                     help="CSV to write (atomically; default: the committed table of the key offset and norms asked "
-                    "for, which this replaces: default_out)")
+                    "for, results/keybias/keybias[_no_bias][_<offset>]_cpu.csv, which this replaces)")
     ap.add_argument("--tokens", type=int, default=2048, help="positions (keys) per case, >= 2 (default 2048)")
     ap.add_argument("--key-offset", default=None, choices=MODES,
                     help="store every format's keys with this key offset (default: each format's own default)")
@@ -168,16 +170,22 @@ def main(argv=None) -> int:
         norms = tuple(float(x) for x in comma_list(a.bias_norms, "--bias-norms"))
     except ValueError:
         ap.error(f"--bias-norms must be comma-separated numbers >= 0, got {a.bias_norms!r}")
-    if not norms or min(norms) < 0:
-        ap.error(f"--bias-norms must be comma-separated numbers >= 0, got {a.bias_norms!r}")
+    if not norms or not all(math.isfinite(x) and x >= 0 for x in norms):
+        ap.error(f"--bias-norms must be comma-separated finite numbers >= 0, got {a.bias_norms!r}")
+    if len(set(norms)) != len(norms):
+        ap.error(f"--bias-norms has duplicates: {a.bias_norms!r}")
     try:
         places = tuple(comma_list(a.placements, "--placements"))
     except ValueError as e:
         ap.error(str(e))
     if not places or any(x not in PLACEMENTS for x in places):
         ap.error(f"--placements must be comma-separated from {PLACEMENTS}, got {a.placements!r}")
+    if len(set(places)) != len(places):
+        ap.error(f"--placements has duplicates: {a.placements!r}")
     formats = [f for f in FORMAT_NAMES if f != "bf16"]
     out = a.out or default_out(a.key_offset, norms)
+    if os.path.isdir(out):       # checked before the grid runs, not when it is written
+        ap.error(f"--out {out!r} is a folder; give a CSV file path")
     t = bias_table(formats=formats, bias_norms=norms, placements=places, tokens=a.tokens, key_offset=a.key_offset)
     t["tokens"] = a.tokens
     t["measured_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())

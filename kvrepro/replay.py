@@ -55,6 +55,23 @@ def resolve_results_dir(results_dir: str | Path = DEFAULT_RESULTS_DIR) -> Path:
     return p if p.is_absolute() else repo_root() / p
 
 
+def check_replay_params(measure, results_dir) -> None:
+    """Notebook 02's run parameters. ``measure``: True or False (a string such as "no" is refused, not taken as
+    true). ``results_dir``: a string path; without ``measure`` it must be an existing folder (a mistyped path would
+    otherwise replay nothing and render an empty report).
+
+    Raises:
+        ValueError: naming ``measure`` or ``results_dir`` and what is allowed.
+    """
+    if not isinstance(measure, bool):
+        raise ValueError(f"measure must be True or False, got {measure!r}")
+    if not isinstance(results_dir, (str, Path)) or not str(results_dir).strip():
+        raise ValueError(f"results_dir must be a folder path (e.g. {DEFAULT_RESULTS_DIR!r}), got {results_dir!r}")
+    if not measure and not resolve_results_dir(results_dir).is_dir():
+        raise ValueError(f"results_dir={str(results_dir)!r}: no such folder ({resolve_results_dir(results_dir)}); "
+                         f"the committed results are in {DEFAULT_RESULTS_DIR!r}")
+
+
 def _check_record(rec, where: str) -> None:
     if not isinstance(rec, dict):
         raise ValueError(f"{where}: expected a JSON object, got {type(rec).__name__}")

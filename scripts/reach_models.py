@@ -134,7 +134,9 @@ def estimate_s(name: str, mode: str, gpu_memory_gib: float, decode_tokens: int) 
 
 
 def row_key(row: dict) -> tuple:
-    return row.get("model"), row.get("mode")
+    """(model, mode, GPU memory in GiB): one row per pair and emulated card (a file may hold several budgets)."""
+    mem = row.get("gpu_memory_gib")
+    return row.get("model"), row.get("mode"), None if mem is None else float(mem)
 
 
 def read_rows(path: str) -> list[dict]:
@@ -152,9 +154,10 @@ def put_row(path: str, row: dict) -> None:
     atomic_write_text(path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows))
 
 
-def todo(rows: list[dict], models, modes) -> list[tuple[str, str]]:
-    """The (model, mode) pairs still to run: not in ``rows`` with a status of ``DONE``."""
-    done = {row_key(r) for r in rows if r.get("status") in DONE}
+def todo(rows: list[dict], models, modes, gpu_memory_gib: float) -> list[tuple[str, str]]:
+    """The (model, mode) pairs still to run at ``gpu_memory_gib``: not in ``rows`` at that memory with a status of
+    ``DONE``."""
+    done = {row_key(r)[:2] for r in rows if r.get("status") in DONE and row_key(r)[2] == float(gpu_memory_gib)}
     return [(m, mode) for m in models for mode in modes if (m, mode) not in done]
 
 
@@ -305,18 +308,22 @@ def worker_main(a) -> int:
     return 0 if row["status"] != "error" else 1
 
 
-def plan_table(models, modes, gpu_memory_gib, decode_tokens) -> str:
-    """The pairs, their workload, arithmetic users and estimated seconds, with the total (``--plan``)."""
+def plan_table(models, modes, gpu_memory_gib, decode_tokens, rows=()) -> str:
+    """The pairs, their workload, arithmetic users and estimated seconds, with the total of those still to run
+    (``--plan``); a pair ``rows`` already holds at ``gpu_memory_gib`` with a final status (``todo``) says "done"."""
     lines = [f"{'model':<26} {'mode':<14} {'max_model_len':>13} {'users (arith.)':>14} {'est. s':>7}"]
+    left = set(todo(list(rows), models, modes, gpu_memory_gib))
     total = 0.0
     for m in models:
         for mode in modes:
             s = estimate_s(m, mode, gpu_memory_gib, decode_tokens)
-            total += s
             u = arithmetic_users(m, mode, gpu_memory_gib)
+            if (m, mode) in left:
+                total += s
             lines.append(f"{m:<26} {mode:<14} {workload(m)['max_model_len']:>13,} {'-' if u is None else u:>14} "
-                         f"{s:>7.0f}")
-    lines.append(f"total ~{total / 60:.1f} min of engine time ({len(models) * len(modes)} engines)")
+                         + (f"{s:>7.0f}" if (m, mode) in left else f"{'done':>7}"))
+    lines.append(f"to run: {len(left)} of {len(models) * len(modes)} engines, ~{total / 60:.1f} min of engine time "
+                 "(done: a final row in the out-dir's models_*.jsonl at this memory)")
     return "\n".join(lines)
 
 
@@ -346,8 +353,9 @@ def main(argv=None) -> int:
             ap.error("--worker runs one mode and needs --out")
         a.modes = modes[0]
         return worker_main(a)
-    if a.plan:
-        print(plan_table(models, modes, a.gpu_memory_gib, a.decode_tokens))
+    if a.plan:   # no GPU here, so no file name: every GPU's rows in the out-dir count
+        rows = [r for p in sorted(Path(a.out_dir).glob("models_*.jsonl")) for r in read_rows(str(p))]
+        print(plan_table(models, modes, a.gpu_memory_gib, a.decode_tokens, rows))
         return 0
     t0 = time.perf_counter()
     blockers = sweep.measurement_blockers()
@@ -359,7 +367,7 @@ def main(argv=None) -> int:
     out = os.path.join(a.out_dir, f"models_{gpu_slug(torch.cuda.get_device_name(0))}.jsonl")
     os.makedirs(a.out_dir, exist_ok=True)
     failed = []
-    for name, mode in todo(read_rows(out), models, modes):
+    for name, mode in todo(read_rows(out), models, modes, a.gpu_memory_gib):
         need = estimate_s(name, mode, a.gpu_memory_gib, a.decode_tokens)
         left = None if a.budget_s is None else a.budget_s - (time.perf_counter() - t0)
         if left is not None and left < need:

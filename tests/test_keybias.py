@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from kvrepro.keybias import BAR, bias_channels, bias_table, rope, stress
+from kvrepro.keybias import BAR, bias_channels, bias_table, main, rope, stress
 
 
 def test_rope_is_a_rotation_of_each_half_split_pair():
@@ -64,8 +64,6 @@ def test_cli_bias_norm_zero_gives_each_formats_own_top1(tmp_path, capsys):
     format's own agreement (the one ``top1_no_bias`` reports beside a biased row), as ``stress`` gives it."""
     import pandas as pd
 
-    from kvrepro.keybias import main
-
     out = tmp_path / "t.csv"
     assert main(["--out", str(out), "--tokens", "64", "--bias-norms", "0", "--placements", "high",
                  "--key-offset", "rope-mean"]) == 0
@@ -93,3 +91,25 @@ def test_default_out_is_the_committed_table_of_the_offset_and_norms_asked_for():
     assert default_out("slow-pairs", (300.0,)) == "results/keybias/keybias_cpu.csv"
     assert default_out(None, (0.0,)) == "results/keybias/keybias_no_bias_rope_mean_cpu.csv"
     assert default_out("first-prefill", (0.0, 600.0)) == "results/keybias/keybias_first_prefill_cpu.csv"
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--bias-norms", "nan"], "--bias-norms must be comma-separated finite numbers >= 0"),
+    (["--bias-norms", "inf"], "--bias-norms must be comma-separated finite numbers >= 0"),
+    (["--bias-norms", "300,300"], "--bias-norms has duplicates"),
+    (["--placements", "high,high"], "--placements has duplicates"),
+])
+def test_cli_refuses_bad_norms_and_duplicates_before_any_work(tmp_path, capsys, args, message):
+    out = tmp_path / "x.csv"
+    with pytest.raises(SystemExit) as e:
+        main(["--tokens", "2", "--out", str(out), *args])
+    assert e.value.code == 2 and message in capsys.readouterr().err and not out.exists()
+
+
+def test_cli_refuses_a_folder_as_out_before_the_grid_runs(tmp_path, capsys, monkeypatch):
+    import kvrepro.keybias as kb
+
+    monkeypatch.setattr(kb, "bias_table", lambda **kw: pytest.fail("the grid ran before --out was checked"))
+    with pytest.raises(SystemExit) as e:
+        main(["--tokens", "2", "--out", str(tmp_path)])
+    assert e.value.code == 2 and "is a folder; give a CSV file path" in capsys.readouterr().err

@@ -47,7 +47,10 @@ def test_shipped_sweeps_load(name, n):
 def test_capacity_by_gpu_covers_the_cards_and_all_formats():
     sweep = nbsweep.load("capacity-by-gpu")
     assert sweep.axes == {"gpu_memory_gb": [24, 40, 48, 80, 94, 141, 192], "context_tokens": [32768, 131072]}
-    assert sweep.fixed["formats"] == ["bf16", "fp8", "k4v4", "k8v4", "k4v2"]
+    from kvrepro.formats import DEFAULT_PRESET, FORMAT_NAMES
+
+    formats = sweep.fixed["formats"]
+    assert sorted(formats) == sorted(FORMAT_NAMES) and len(formats) == len(FORMAT_NAMES) and DEFAULT_PRESET in formats
     assert sweep.chart["x"] == "gpu_memory_gb" and sweep.chart["y"] == "users_fit"
 
 

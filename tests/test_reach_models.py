@@ -294,12 +294,19 @@ def test_rows_replace_their_pair_and_resume_skips_final_statuses(tmp_path):
     rm.put_row(out, dict(base, status="error", reason="boom"))
     rm.put_row(out, dict(rm.base_row("qwen3-0.6b", "fp8", 80.0, 64), status="measured", users_fit=33))
     models, modes = ("qwen3-0.6b", "qwen3-8b"), ("fp8", "kvrepro:k4v4")
-    assert rm.todo(rm.read_rows(out), models, modes) == [("qwen3-0.6b", "kvrepro:k4v4"), ("qwen3-8b", "fp8"),
+    assert rm.todo(rm.read_rows(out), models, modes, 80.0) == [("qwen3-0.6b", "kvrepro:k4v4"), ("qwen3-8b", "fp8"),
                                                           ("qwen3-8b", "kvrepro:k4v4")]     # the error row runs again
     rm.put_row(out, dict(base, status="fits 0 users", users_fit=0))
     rows = rm.read_rows(out)
     assert len(rows) == 2 and {r["status"] for r in rows} == {"measured", "fits 0 users"}
-    assert rm.todo(rows, models, modes) == [("qwen3-8b", "fp8"), ("qwen3-8b", "kvrepro:k4v4")]
+    assert rm.todo(rows, models, modes, 80.0) == [("qwen3-8b", "fp8"), ("qwen3-8b", "kvrepro:k4v4")]
+    assert rm.todo(rows, models, modes, 40.0) == [(m, mode) for m in models for mode in modes]   # other budget
+    rm.put_row(out, dict(rm.base_row("qwen3-0.6b", "fp8", 40.0, 64), status="measured", users_fit=9))
+    assert len(rm.read_rows(out)) == 3                       # a 40 GiB row does not replace the 80 GiB one
+    plan = rm.plan_table(models, modes, 80.0, 64, rm.read_rows(out))
+    assert plan.count(" done") == 2 and "to run: 2 of 4 engines" in plan
+    est = sum(rm.estimate_s("qwen3-8b", m, 80.0, 64) for m in modes)
+    assert f"~{est / 60:.1f} min" in plan
     with pytest.raises(ValueError, match="status in"):
         rm.put_row(out, dict(base, status="ok"))
     (tmp_path / "bad.jsonl").write_text('{"model": 1}\nnot json\n')
@@ -320,11 +327,15 @@ def test_smoke_verdict_window_end_and_file_name():
         rm.gpu_slug(" -- ")
 
 
-def test_plan_lists_every_pair_and_the_cli_needs_a_gpu_to_measure(capsys, monkeypatch):
+def test_plan_lists_every_pair_and_the_cli_needs_a_gpu_to_measure(capsys, monkeypatch, tmp_path):
     rm = _script()
-    assert rm.main(["--plan", "--models", "qwen3-0.6b,llama-3.2-1b-instruct", "--decode-tokens", "128"]) == 0
+    args = ["--plan", "--models", "qwen3-0.6b,llama-3.2-1b-instruct", "--decode-tokens", "128"]
+    assert rm.main([*args, "--out-dir", str(tmp_path)]) == 0           # nothing run there yet
     text = capsys.readouterr().out
-    assert text.count("qwen3-0.6b") == 2 and "40,960" in text and "131,072" in text and "(4 engines)" in text
+    assert text.count("qwen3-0.6b") == 2 and "40,960" in text and "131,072" in text and "to run: 4 of 4" in text
+    assert rm.main(args) == 0                                            # the committed file holds both models
+    text = capsys.readouterr().out
+    assert text.count(" done") == 4 and "to run: 0 of 4 engines, ~0.0 min" in text
     monkeypatch.setattr(rm.sweep, "measurement_blockers", lambda: ["a CUDA GPU (found none)"])
     assert rm.main(["--models", "qwen3-0.6b"]) == 2
     assert "missing: a CUDA GPU" in capsys.readouterr().err

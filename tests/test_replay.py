@@ -238,3 +238,19 @@ def test_decode_kernel_column_says_which_kernel_ran(tmp_path):
     assert cap.loc["kvrepro:k8v4", "decode_kernel"] == "triton (not recorded)"
     assert cap.loc["bf16", "decode_kernel"] == "vLLM"
     assert cap.loc["kvrepro:k4v2", "decode_kernel"] == "auto (no layer resolved it yet)"   # said as recorded
+
+
+def test_notebook_run_parameters_are_checked(tmp_path):
+    """Notebook 02's ``measure`` must be a bool (papermill's ``-p measure no`` passes the string "no", which is truthy
+    and would start a sweep), and a replay's ``results_dir`` must exist (a typo would render an empty report)."""
+    replay.check_replay_params(False, "results/capacity")
+    replay.check_replay_params(False, str(tmp_path))
+    replay.check_replay_params(True, str(tmp_path / "new"))          # a measurement creates its folder
+    for bad in ("no", "yes", 0, 1, None):
+        with pytest.raises(ValueError, match="measure must be True or False"):
+            replay.check_replay_params(bad, "results/capacity")
+    with pytest.raises(ValueError, match="results_dir='/nonexist': no such folder"):
+        replay.check_replay_params(False, "/nonexist")
+    for bad in ("", "  ", 3, None):
+        with pytest.raises(ValueError, match="results_dir must be a folder path"):
+            replay.check_replay_params(False, bad)
