@@ -658,6 +658,7 @@ def main(argv=None) -> int:
         if updated != text:
             print(f"{README}'s reach block differs: run python -m kvrepro.reach --write", file=sys.stderr)
             return 1
+        print(f"{README} reach block matches the results")
         return 0
     if updated != text:
         from kvrepro.fileio import atomic_write_text

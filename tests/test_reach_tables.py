@@ -99,3 +99,10 @@ def test_committed_model_table_shows_the_measured_rows_and_their_decode_tokens()
     assert "| `qwen3-0.6b` | 40,960 | 32 / 61 | 1.91 | 1,258 / 2,632 | 2.09 | slow-pairs | measured, 128 decode tokens |" \
         in text
     assert "| `qwen3-32b` | 40,960 | 1 / 3 | 3.00 |  |  |  | arithmetic, not measured |" in text
+
+
+def test_check_passes_on_the_committed_readme_and_says_so(capsys):
+    """``python -m kvrepro.reach --check`` (CI and a user after editing results): the committed README's reach block is
+    what the committed files give, and the success is said, not silent."""
+    assert reach.main(["--check"]) == 0
+    assert "reach block matches the results" in capsys.readouterr().out
