@@ -350,8 +350,8 @@ def summary_rows(sources: dict, formats=None, cpu_sanity: pd.DataFrame | None = 
         (that run is not most rows' one, so its cell names it),
         kl, kl_vs_fp8 (ratio to fp8 of the same source), top1_pct, ppl_change_pct, ref_tag (the source's tag;
         None when no reference source measured the mode), kl_topk_vllm, vllm_tag, single_bound / multi_bound
-        (pp, the needle's one-sided 95% bound; None if not run; multi_tag: the run the multi-needle bound comes from
-        when the single-needle run has none), needle (overall verdict word), needle_text,
+        (pp, the needle's one-sided 95% bound, each from the first run that has the variant; None if not run;
+        single_tag / multi_tag: that run's tag where it is not the needle_tag run), needle (overall verdict word), needle_text,
         sanity ("pass" / "FAIL" / ""), cpu_sanity (the same on the CPU path, "" without rows), meets_fp8 (True /
         False; None: not measured), verdict (MET, NOT MET, FAIL, NOT JUDGED, "baseline", "the bar"), verdict_why,
         by_source ({tag: kl, kl_vs_fp8, ppl_change_pct, fp8_ppl_change_pct} per reference source that measured the
@@ -391,22 +391,19 @@ def summary_rows(sources: dict, formats=None, cpu_sanity: pd.DataFrame | None = 
         if nsrc is not None:
             r["needle_tag"] = nsrc.tag
             mv = nsrc.verdicts.loc[fmt]
-            for var in ("single", "multi"):
-                if var in mv.index:
-                    r[f"{var}_bound"] = _num(mv.loc[var, "bound_pp"])
-                    r[f"{var}_judged"] = str(mv.loc[var, "retrieval"]) != "NOT JUDGED"
             r.update(needle=str(mv.loc[accuracy.OVERALL, "verdict"]), needle_text=str(mv.loc[accuracy.OVERALL, "text"]),
                      sanity=str(mv.loc[accuracy.OVERALL, "sanity"]))
-            if "multi" not in mv.index:     # a single-needle run: the multi-needle bound of the next run that has it
-                msrc = next((n for n in nsrcs if n.ok and n.verdicts is not None and (fmt, "multi") in n.verdicts.index),
-                            None)
-                if msrc is not None:
-                    mm = msrc.verdicts.loc[(fmt, "multi")]
-                    r.update(multi_bound=_num(mm["bound_pp"]), multi_judged=str(mm["retrieval"]) != "NOT JUDGED",
-                             multi_tag=msrc.tag)
+            for var in ("single", "multi"):     # each variant's bound from the first run that has it (a run may lack one)
+                vs = next((n for n in nsrcs if n.ok and n.verdicts is not None and (fmt, var) in n.verdicts.index), None)
+                if vs is not None:
+                    v = vs.verdicts.loc[(fmt, var)]
+                    r[f"{var}_bound"] = _num(v["bound_pp"])
+                    r[f"{var}_judged"] = str(v["retrieval"]) != "NOT JUDGED"
+                    if vs is not nsrc:
+                        r[f"{var}_tag"] = vs.tag
         r["verdict"], r["verdict_why"] = _verdict(r)
         tags = [f"[{t}]" for t in (r["ref_tag"], r["vllm_tag"], r["needle_tag"] if r["needle"] else None,
-                                   r.get("multi_tag")) if t]
+                                   r.get("single_tag"), r.get("multi_tag")) if t]
         r["sources"] = " ".join(tags)
         out.append(r)
     # a row whose reference (needle) figures come from another source than most rows' names it in its KL (bound) cell
@@ -501,9 +498,9 @@ def _bounds(r: dict) -> str:
     if r["single_bound"] is None and r["multi_bound"] is None:
         return NOT_MEASURED if not r["needle"] else "–"
     note = f" [{r['needle_tag']}]" if r.get("needle_tag_shown") else ""
-    tags = {"multi": f" [{r['multi_tag']}]"} if r.get("multi_tag") not in (None, r.get("needle_tag")) else {}
     return " / ".join("–" if b is None else f"{b:.2f}" + ("" if r.get(f"{v}_judged", True) else " (not judged)")
-                      + tags.get(v, "") for v, b in (("single", r["single_bound"]), ("multi", r["multi_bound"]))) + note
+                      + (f" [{r[f'{v}_tag']}]" if r.get(f"{v}_tag") is not None else "")
+                      for v, b in (("single", r["single_bound"]), ("multi", r["multi_bound"]))) + note
 
 
 def _sanity_cell(r: dict) -> str:

@@ -338,8 +338,8 @@ def _capacity_lines(root: Path | None = None, gpu_memory_gib: float = 80.0) -> l
         return "" if v is None or v != v else fmt.format(v)
 
     out = [f"**Capacity per model** at {gpu_memory_gib:g} GiB (vLLM 0.20.2, dummy weights), fp8 vs kvrepro k4v4: users "
-           f"that fit {CONTEXT:,} + {WORKLOAD_DECODE:,} tokens each (or, where the model's window is shorter, the window in all) and their aggregate decode "
-           f"tok/s at full context. {n} of {len(t)} models measured "
+           f"that fit {CONTEXT:,} + {WORKLOAD_DECODE:,} tokens each (or, where the model's window is shorter, the "
+           f"window in all) and their aggregate decode tok/s at full context. {n} of {len(t)} models measured "
            f"({', '.join(f'[{Path(f).name}]({f})' for f in files) or 'no file yet'}), timing "
            f"{' / '.join(f'{d:,}' for d in decode) or 'no'} decode tokens per user where the seed's protocol decodes "
            f"{WORKLOAD_DECODE:,}; the others: users by the capacity arithmetic (`kvrepro.capacity`), not measured, no "

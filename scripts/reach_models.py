@@ -157,7 +157,8 @@ def put_row(path: str, row: dict) -> None:
 def todo(rows: list[dict], models, modes, gpu_memory_gib: float) -> list[tuple[str, str]]:
     """The (model, mode) pairs still to run at ``gpu_memory_gib``: not in ``rows`` at that memory with a status of
     ``DONE``."""
-    done = {row_key(r)[:2] for r in rows if r.get("status") in DONE and row_key(r)[2] == float(gpu_memory_gib)}
+    mem = float(gpu_memory_gib)
+    done = {(m, mode) for m, mode, at in (row_key(r) for r in rows if r.get("status") in DONE) if at == mem}
     return [(m, mode) for m in models for mode in modes if (m, mode) not in done]
 
 
