@@ -325,6 +325,42 @@ def _swept_models(root: Path | None = None) -> set[str]:
     return out
 
 
+def sweep_points(root: Path | None = None, gpu_memory_gib: float = 80.0) -> dict:
+    """The capacity sweep's points for the per-model table: per bundled model in ``results/capacity/*.jsonl`` and
+    mode of :data:`REACH_MODES`, the current run at the seed's workload and ``gpu_memory_gib``
+    (``kvrepro.summary.select_current``) at its max clean capacity (``kvrepro.summary.max_clean``).
+
+    Returns:
+        ``{(model, mode): row}`` shaped like a ``models_*.jsonl`` row (status "measured", users_fit,
+        aggregate_decode_tok_s, decode_tokens, preemptions 0, kvrepro_settings, gpu, date, _file), for the pairs
+        whose run has a clean point.
+    """
+    from kvrepro import summary
+
+    root = root or repo_root()
+    df = summary.load_capacity(root / summary.CAPACITY_DIR)
+    if df is None:
+        return {}
+    out = {}
+    workload = dict(summary.SEED_WORKLOAD, gpu_memory_gb=float(gpu_memory_gib))
+    short = df["model"].map(lambda m: str(m).split("/")[-1].lower())
+    for name in set(short) & set(model_names()):
+        runs = summary.select_current(df[short == name], modes=list(REACH_MODES), workload=workload)
+        for mode, rows in runs.items():
+            point = summary.max_clean(rows)
+            if point is None:
+                continue
+            r = rows[rows["num_users"] == point[0]].iloc[-1].to_dict()
+            path = Path(str(r["source_file"]))
+            out[(name, mode)] = {"model": name, "mode": mode, "status": "measured", "users_fit": point[0],
+                                 "aggregate_decode_tok_s": point[1], "decode_tokens": int(r["decode_tokens"]),
+                                 "preemptions": 0, "kvrepro_settings": r.get("kvrepro_settings"),
+                                 "gpu": r.get("gpu"), "date": str(r.get("date", "")),
+                                 "_file": str(path.relative_to(root)) if path.is_absolute() else str(path),
+                                 "_sweep": True}
+    return out
+
+
 def _capacity_lines(root: Path | None = None, gpu_memory_gib: float = 80.0) -> list[str]:
     """The README's per-model capacity table (:func:`model_capacity_table`) with the sentence that says how it was
     measured."""
@@ -333,6 +369,8 @@ def _capacity_lines(root: Path | None = None, gpu_memory_gib: float = 80.0) -> l
     files = sorted({r["_file"] for r in runs.values()})
     decode = sorted({r.get("decode_tokens") for r in runs.values()})
     n = int(t["source"].str.contains("measured,").sum())
+    others = ("" if n == len(t) else "; the others: users by the capacity arithmetic (`kvrepro.capacity`), not "
+              "measured, no tok/s")
 
     def num(v, fmt="{:,}"):
         return "" if v is None or v != v else fmt.format(v)
@@ -342,8 +380,10 @@ def _capacity_lines(root: Path | None = None, gpu_memory_gib: float = 80.0) -> l
            f"window in all) and their aggregate decode tok/s at full context. {n} of {len(t)} models measured "
            f"({', '.join(f'[{Path(f).name}]({f})' for f in files) or 'no file yet'}), timing "
            f"{' / '.join(f'{d:,}' for d in decode) or 'no'} decode tokens per user where the seed's protocol decodes "
-           f"{WORKLOAD_DECODE:,}; the others: users by the capacity arithmetic (`kvrepro.capacity`), not measured, no "
-           f"tok/s. The k4v4 key offset is the one its run stored keys with: rope-mean (the default now) adds a "
+           f"{WORKLOAD_DECODE:,} (a model of the capacity sweep: its max clean capacity, from the results table)"
+           f"{others}. Where vLLM's KV cache held another number of users than the capacity arithmetic "
+           f"(`kvrepro.capacity`, its non-KV memory calibrated on Qwen3-4B) expected, the source cell gives the "
+           f"arithmetic's fp8 / k4v4. The k4v4 key offset is the one its run stored keys with: rope-mean (the default now) adds a "
            f"correction to every decode step ([decode_rope_mean.json](benchmarks/results/decode_rope_mean.json) times "
            f"it), so k4v4 tok/s of rows with different offsets are not like for like. Notebook 02 shows the same "
            f"table (`kvrepro.reach.model_capacity_table`).", "",
@@ -351,9 +391,14 @@ def _capacity_lines(root: Path | None = None, gpu_memory_gib: float = 80.0) -> l
            "tok/s k4v4 / fp8 | k4v4 key offset | source |", "| --- | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
     for r in t.to_dict("records"):
         measured = "measured," in r["source"]
-        src = f"measured, {r['decode_tokens']} decode tokens" if measured else "arithmetic, not measured"
-        if "capacity sweep" in r["source"]:
+        src = f"measured, {r['decode_tokens']:,} decode tokens" if measured else "arithmetic, not measured"
+        if "capacity sweep's max clean" in r["source"]:
+            src = f"capacity sweep's max clean capacity, {r['decode_tokens']:,} decode tokens: results table above"
+        elif "capacity sweep" in r["source"]:
             src += "; capacity sweep: results table above"
+        said = dict(re.findall(r"(\w+): measured[^;]*?the arithmetic said (\d+) users", r["source"]))
+        if said:      # kvrepro.capacity's estimate where vLLM's KV cache held a different number of users
+            src += "; arithmetic: " + " / ".join(said.get(c, num(r[f"users_{c}"])) for c in ("fp8", "k4v4"))
         tok = f"{num(r['tok_s_fp8'], '{:,.0f}')} / {num(r['tok_s_k4v4'], '{:,.0f}')}" if measured else ""
         out.append(f"| `{r['model']}` | {r['tokens_per_user']:,} | {num(r['users_fp8'])} / {num(r['users_k4v4'])} | "
                    f"{num(r['users_ratio'], '{:.2f}')} | {tok} | {num(r['tok_s_ratio'], '{:.2f}')} | "
@@ -389,7 +434,7 @@ def model_capacity_table(root: Path | None = None, gpu_memory_gib: float = 80.0)
 
     if isinstance(gpu_memory_gib, bool) or not isinstance(gpu_memory_gib, (int, float)) or not gpu_memory_gib > 0:
         raise ValueError(f"gpu_memory_gib must be a number of GiB > 0, got {gpu_memory_gib!r}")
-    runs = model_runs(root, gpu_memory_gib)
+    runs = {**sweep_points(root, gpu_memory_gib), **model_runs(root, gpu_memory_gib)}
     swept = _swept_models(root)
     rows = []
     for name in model_names():
@@ -417,6 +462,9 @@ def model_capacity_table(root: Path | None = None, gpu_memory_gib: float = 80.0)
                 notes.append(f"{r['preemptions']} preemptions")
             if r.get("smoke") and not r["smoke"].get("ok"):
                 notes.append("smoke generation failed")
+            arith = r.get("users_fit_arithmetic")
+            if isinstance(arith, int) and arith != rec[f"users_{col}"]:
+                notes.append(f"the arithmetic said {arith} users")
             if r.get("users_capped_by_max_num_seqs"):
                 notes.append(f"tok/s of {r.get('users_measured')} users (max_num_seqs)")
             gpu = str(r.get("gpu", "?")).replace("NVIDIA ", "")
@@ -426,7 +474,9 @@ def model_capacity_table(root: Path | None = None, gpu_memory_gib: float = 80.0)
         rec["tok_s_ratio"] = _ratio(rec["tok_s_k4v4"], rec["tok_s_fp8"])
         rec["source"] = ("not measured (arithmetic, kvrepro.capacity)" if all("not measured" in x for x in srcs)
                          else "; ".join(srcs))
-        if name in swept:
+        if any(runs.get((name, m), {}).get("_sweep") for m in REACH_MODES):
+            rec["source"] += "; the capacity sweep's max clean capacity (the README's results table)"
+        elif name in swept:
             rec["source"] += ("; measured by the capacity sweep instead (results/capacity, 1,024 decode tokens: the "
                               "README's results table)")
         rows.append(rec)

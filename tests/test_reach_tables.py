@@ -89,16 +89,26 @@ def test_committed_model_table_shows_the_measured_rows_and_their_decode_tokens()
         if col == "k4v4":     # the offset the run stored keys with: the committed file holds runs of two defaults
             assert t.loc[r["model"], "key_offset"] == r["kvrepro_settings"]["key_offset"]
     assert set(t["key_offset"].dropna()) == {"slow-pairs", "rope-mean"}
-    for name in set(model_names()) - measured:
-        assert t.loc[name, "source"].startswith("not measured (arithmetic, kvrepro.capacity)")
-        assert t.isna().loc[name, "decode_tokens"] and t.isna().loc[name, "key_offset"]
-    assert "capacity sweep" in t.loc["qwen3-4b-instruct-2507", "source"]
+    # the model of the capacity sweep: its max clean capacity per mode, as the README's results table gives it
+    swept = set(model_names()) - measured
+    assert swept == {"qwen3-4b-instruct-2507"}
+    from kvrepro import summary
+    table = {r["mode"]: r for r in summary.summary_rows(summary.load_capacity())}
+    q = t.loc["qwen3-4b-instruct-2507"]
+    for mode, col in (("fp8", "fp8"), ("kvrepro:k4v4", "k4v4")):
+        assert q[f"users_{col}"] == table[mode]["users"]
+        assert q[f"tok_s_{col}"] == round(table[mode]["tok_s"], 1)
+    assert q["decode_tokens"] == 1024 and "capacity sweep's max clean capacity" in q["source"]
     text = "\n".join(reach._capacity_lines())
-    assert f"{len(measured)} of 9 models measured" in text and "timing 128 decode tokens per user where the seed's " \
-        "protocol decodes 1,024" in text
-    assert "| `qwen3-0.6b` | 40,960 | 32 / 61 | 1.91 | 1,258 / 2,632 | 2.09 | slow-pairs | measured, 128 decode tokens |" \
-        in text
-    assert "| `qwen3-32b` | 40,960 | 1 / 3 | 3.00 |  |  |  | arithmetic, not measured |" in text
+    assert "9 of 9 models measured" in text and "timing 128 decode tokens per user where the seed's " \
+        "protocol decodes 1,024" in text and "the others" not in text
+    assert "| `qwen3-0.6b` | 40,960 | 32 / 61 | 1.91 | 1,258 / 2,632 | 2.09 | slow-pairs | measured, 128 decode tokens; " \
+        "arithmetic: 31 / 60 |" in text
+    assert "| `qwen3-8b` | 40,960 | 19 / 37 | 1.95 | 534 / 1,152 | 2.16 | rope-mean | measured, 128 decode tokens |" in text
+    # vLLM's KV cache held fewer tokens than kvrepro.capacity's arithmetic for the 32B model: the table says so
+    assert "| `qwen3-32b` | 40,960 | 1 / 2 | 2.00 | 48 / 59 | 1.24 | rope-mean | measured, 128 decode tokens; " \
+        "arithmetic: 1 / 3 |" in text
+    assert "capacity sweep's max clean capacity, 1,024 decode tokens" in text
 
 
 def test_check_passes_on_the_committed_readme_and_says_so(capsys):
