@@ -262,20 +262,69 @@ def summarize(vllm_result: dict) -> dict:
     return out
 
 
+STALL_FACTOR = 2.0    # an inter-token gap longer than this x the run's median gap: the step also ran prefill work
+
+
+def stall_split(vllm_result: dict, factor: float = STALL_FACTOR) -> dict:
+    """Where a run's inter-token time went, from vLLM's per-request inter-token latencies (``itls``, seconds, in
+    its ``--save-result`` JSON). vLLM's scheduler (chunked prefill) puts prefill chunks into the same steps as the
+    running requests' decodes, so a gap longer than ``factor`` x the median gap is a step that carried prefill work;
+    the median gap is a decode-only step.
+
+    Returns:
+        dict: step_p50_ms (median gap, ms), stalled_share (fraction of all inter-token time in the long gaps),
+        stalled_gaps (their count), stalled_p50_ms (their median, ms; None without any), gaps (count of all).
+
+    Raises:
+        ValueError: no ``itls`` list with at least one gap, or ``factor`` not a number > 1.
+    """
+    import statistics
+
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 1:
+        raise ValueError(f"factor must be a number > 1, got {factor!r}")
+    itls = vllm_result.get("itls")
+    gaps = [float(x) for r in itls for x in r] if isinstance(itls, list) else []
+    if not gaps:
+        raise ValueError("the vllm bench serve result has no inter-token latencies ('itls'): cannot split its steps")
+    med = statistics.median(gaps)
+    long = [g for g in gaps if g > factor * med]
+    return {"step_p50_ms": 1e3 * med, "stalled_share": sum(long) / sum(gaps), "stalled_gaps": len(long),
+            "stalled_p50_ms": 1e3 * statistics.median(long) if long else None, "gaps": len(gaps)}
+
+
 def read_results(paths) -> list[dict]:
     """The runs of serve-bench result files (``scripts/serve_bench.py``'s JSON: ``{"runs": [...], ...}``), each run
-    with ``source_file`` added.
+    with ``source_file`` added and ``stalls`` (:func:`stall_split` of its vLLM result file in ``<file stem>_vllm/``;
+    None where that file is not there).
 
     Raises:
         ValueError: a file without a ``runs`` list (naming it).
     """
     runs = []
     for p in paths:
-        data = json.loads(Path(p).read_text(encoding="utf-8"))
+        p = Path(p)
+        data = json.loads(p.read_text(encoding="utf-8"))
         if not isinstance(data, dict) or not isinstance(data.get("runs"), list):
             raise ValueError(f"{p}: not a serve-bench result (no 'runs' list)")
-        runs += [dict(r, source_file=str(p)) for r in data["runs"]]
+        for r in data["runs"]:
+            res = p.with_name(p.stem + "_vllm") / str(r.get("vllm_result_file", ""))
+            stalls = stall_split(json.loads(res.read_text(encoding="utf-8"))) if res.is_file() else None
+            log = p.with_name(p.stem + "_logs") / f"serve_{str(r.get('mode', '')).replace(':', '_')}.log"
+            runs.append(dict(r, source_file=str(p), stalls=stalls, kvrepro_settings=logged_settings(log)))
     return runs
+
+
+def logged_settings(log_path: str | os.PathLike) -> dict | None:
+    """The ``kvrepro settings: name=value ...`` line the plugin logs at engine start, from a server log, as a dict
+    (``{"preset": "k4v4", "key_offset": "rope-mean", ...}``); None where the file or the line is not there (fp8 and
+    bf16 servers)."""
+    p = Path(log_path)
+    if not p.is_file():
+        return None
+    for line in p.read_text(encoding="utf-8", errors="replace").splitlines():
+        if "kvrepro settings: " in line:
+            return dict(kv.split("=", 1) for kv in line.split("kvrepro settings: ", 1)[1].split() if "=" in kv)
+    return None
 
 
 def check_same_workload(runs: list[dict]) -> None:
@@ -293,11 +342,13 @@ def check_same_workload(runs: list[dict]) -> None:
 def serve_table(runs: list[dict]):
     """The serving table: one row per (mode, request rate), fp8 modes first, then by mode and rate.
 
-    Columns: mode, backend (what the server was asked for; vLLM's choice = ``vllm-auto``), request_rate (req/s asked;
+    Columns: mode, key_offset (a kvrepro server's, from its logged settings: :func:`logged_settings`; else None),
+    backend (what the server was asked for; vLLM's choice = ``vllm-auto``), request_rate (req/s asked;
     inf = all at once), req_s, out_tok_s, ttft_p50_ms, ttft_p99_ms, tpot_p50_ms, tpot_p99_ms, preemptions, goodput_req_s
     (vLLM's, at the SLOs in ``slo``), goodput_vs_best_fp8 (goodput over the highest goodput of any fp8 mode at the same
-    rate; None where no fp8 mode ran at that rate or its goodput is 0), best_fp8 (that mode), completed, failed,
-    kv_tokens, slo.
+    rate; None where no fp8 mode ran at that rate or its goodput is 0), best_fp8 (that mode), step_p50_ms and
+    stalled_share (:func:`stall_split`: the median inter-token gap, and the share of inter-token time in steps that
+    also ran prefill; None without the run's vLLM result file), completed, failed, kv_tokens, slo.
 
     Raises:
         ValueError: runs of different workloads (:func:`check_same_workload`) or no runs.
@@ -310,12 +361,16 @@ def serve_table(runs: list[dict]):
     rows = []
     for r in runs:
         s = r["summary"]
-        rows.append({"mode": r["mode"], "backend": r.get("attention_backend") or "vllm-auto",
+        offset = (r.get("kvrepro_settings") or {}).get("key_offset")
+        rows.append({"mode": r["mode"], "key_offset": offset,
+                     "backend": r.get("attention_backend") or "vllm-auto",
                      "request_rate": parse_rate(r["request_rate"]), "req_s": s["request_throughput"],
                      "out_tok_s": s["output_throughput"], "ttft_p50_ms": s.get("p50_ttft_ms"),
                      "ttft_p99_ms": s.get("p99_ttft_ms"), "tpot_p50_ms": s.get("p50_tpot_ms"),
                      "tpot_p99_ms": s.get("p99_tpot_ms"), "preemptions": r["preemptions"],
                      "goodput_req_s": s.get("request_goodput"), "goodput_vs_best_fp8": None, "best_fp8": None,
+                     "step_p50_ms": (r.get("stalls") or {}).get("step_p50_ms"),
+                     "stalled_share": (r.get("stalls") or {}).get("stalled_share"),
                      "completed": s["completed"], "failed": s["failed"], "kv_tokens": r.get("kv_tokens"),
                      "slo": ", ".join(f"{k} <= {v:g} ms" for k, v in r["workload"]["goodput"].items())})
     df = pd.DataFrame(rows)
@@ -339,14 +394,17 @@ def table_markdown(df) -> str:
         return fmt.format(v)
 
     head = ["mode", "backend", "rate (req/s)", "req/s", "output tok/s", "TTFT p50 (ms)", "TTFT p99 (ms)",
-            "TPOT p50 (ms)", "TPOT p99 (ms)", "preemptions", "goodput (req/s)", "goodput vs best fp8"]
+            "TPOT p50 (ms)", "TPOT p99 (ms)", "decode step p50 (ms)", "time in prefill steps", "preemptions",
+            "goodput (req/s)", "goodput vs best fp8"]
     lines = ["| " + " | ".join(head) + " |", "| --- | --- | " + " | ".join(["---:"] * (len(head) - 2)) + " |"]
     for _, r in df.iterrows():
         rate = "inf" if math.isinf(r["request_rate"]) else f"{r['request_rate']:g}"
         lines.append("| " + " | ".join([
-            r["mode"], r["backend"], rate, cell(r["req_s"], "{:.3f}"), cell(r["out_tok_s"], "{:.1f}"),
+            r["mode"] + (f" ({r['key_offset']})" if isinstance(r.get("key_offset"), str) else ""), r["backend"], rate, cell(r["req_s"], "{:.3f}"), cell(r["out_tok_s"], "{:.1f}"),
             cell(r["ttft_p50_ms"], "{:.1f}"), cell(r["ttft_p99_ms"], "{:.1f}"), cell(r["tpot_p50_ms"], "{:.1f}"),
-            cell(r["tpot_p99_ms"], "{:.1f}"), str(int(r["preemptions"])), cell(r["goodput_req_s"], "{:.3f}"),
+            cell(r["tpot_p99_ms"], "{:.1f}"), cell(r.get("step_p50_ms"), "{:.1f}"),
+            cell(None if r.get("stalled_share") is None else 100 * r["stalled_share"], "{:.0f}%"),
+            str(int(r["preemptions"])), cell(r["goodput_req_s"], "{:.3f}"),
             cell(r["goodput_vs_best_fp8"], "{:.2f}x")]) + " |")
     return "\n".join(lines)
 
@@ -375,11 +433,26 @@ def default_out(gpu: str, when: str, root: str | os.PathLike) -> Path:
 
 def section_markdown(root: str | os.PathLike) -> str:
     """Notebook 02's serving-load section: :func:`table_markdown` of every ``results/serve/*.json`` under ``root``
-    with the files named, or a sentence saying no run is committed and which command makes one."""
+    with the files and the workload named, or a sentence saying no run is committed and which command makes one.
+
+    Raises:
+        ValueError: the files' runs differ in workload (:func:`check_same_workload`) or lack a workload field."""
     paths = sorted(Path(root, "results", "serve").glob("*.json"))
     if not paths:
         return ("Not measured yet: no `vllm bench serve` run is committed under `results/serve/` "
                 "(`bash scripts/h200_perf.sh serve MODE` on a GPU machine writes one).")
-    df = serve_table(read_results(paths))
+    runs = read_results(paths)
+    w = runs[0]["workload"] if runs else {}
+    missing = [k for k in WORKLOAD_FIELDS if k not in w]
+    if missing:
+        raise ValueError(f"{paths[0]}: the workload lacks {missing}")
+    df = serve_table(runs)
     files = ", ".join(f"`{p.relative_to(root)}`" for p in paths)
-    return f"Replayed from {files}.\n\n" + table_markdown(df)
+    total = f" ({w['prompt_tokens_total']:,} in all)" if "prompt_tokens_total" in w else ""
+    wl = (f"{w['num_prompts']} requests, prompts of {w['input_min']:,}-{w['input_max']:,} tokens{total}, "
+          f"{w['output_len']:,} output tokens each, {w['gpu_memory_gb']:g} GiB emulated, {w['model']} (dummy "
+          f"weights), vLLM {w['vllm_version']}, {w['gpu']}")
+    return (f"Replayed from {files}: {wl}. Decode step p50: the median gap between a request's tokens (a step "
+            f"of decodes only); time in prefill steps: the share of all gaps spent in steps longer than "
+            f"{STALL_FACTOR:g}x that median, which also ran other requests' prefill chunks (vLLM's chunked prefill "
+            f"mixes them into the decode steps).\n\n" + table_markdown(df))

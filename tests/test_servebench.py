@@ -142,7 +142,7 @@ def test_serve_table_goodput_ratio_against_the_best_fp8_per_rate():
     assert inf_row["goodput_vs_best_fp8"] is None and inf_row["best_fp8"] == "fp8:flash_attn"   # fp8's goodput 0
     assert k["tpot_p99_ms"] == 45.0 and k["ttft_p50_ms"] == 900.0 and k["slo"] == "tpot <= 50 ms"
     md = sb.table_markdown(df)
-    assert "| kvrepro:k4v4 | CUSTOM | 0.25 | 0.240 | 120.0 | 900.0 | 9000.0 | 22.5 | 45.0 | 0 | 0.200 | 2.00x |" in md
+    assert "| kvrepro:k4v4 | CUSTOM | 0.25 | 0.240 | 120.0 | 900.0 | 9000.0 | 22.5 | 45.0 |  |  | 0 | 0.200 | 2.00x |" in md
     assert "| kvrepro:k4v4 | CUSTOM | inf | 0.300 | 150.0 |" in md
 
 
@@ -300,16 +300,59 @@ def test_serve_bench_drives_servers_and_client(tmp_path, monkeypatch, capsys):
     assert doc["workload"]["prompt_tokens_total"] == sum(lengths) and doc["provenance"]["kvrepro_src_sha256"]
     assert (tmp_path / "serve_logs" / "serve_kvrepro_k4v4.log").is_file()
     printed = capsys.readouterr().out
-    assert "| kvrepro:k4v4 | CUSTOM | 0.5 | 0.300 | 2.4 | 100.0 | 300.0 | 20.0 | 45.0 | 0 | 0.150 | 1.00x |" in printed
+    # the run's own table: no decode-step split before the vLLM result files are read back (read_results)
+    assert "| kvrepro:k4v4 | CUSTOM | 0.5 | 0.300 | 2.4 | 100.0 | 300.0 | 20.0 | 45.0 |  |  | 0 | 0.150 | 1.00x |" \
+        in printed
 
 
 def test_notebook_section_replays_the_committed_files_or_says_none(tmp_path):
     assert sb.section_markdown(tmp_path).startswith("Not measured yet: no `vllm bench serve` run is committed")
     d = tmp_path / "results" / "serve"
     d.mkdir(parents=True)
-    (d / "nvidia-h200_20261202.json").write_text(json.dumps(
-        {"workload": {}, "runs": [_run("kvrepro:k4v4", "0.25", 0.24, 120.0, 0.20, 45.0),
-                                  _run("fp8:triton_attn", "0.25", 0.21, 101.0, 0.10, 60.0)]}))
+    runs = [dict(_run("kvrepro:k4v4", "0.25", 0.24, 120.0, 0.20, 45.0), vllm_result_file="k.json"),
+            _run("fp8:triton_attn", "0.25", 0.21, 101.0, 0.10, 60.0)]
+    (d / "nvidia-h200_20261202.json").write_text(json.dumps({"workload": runs[0]["workload"], "runs": runs}))
+    # the kvrepro run's vLLM result (inter-token gaps) and server log (settings line) beside the file
+    (d / "nvidia-h200_20261202_vllm").mkdir()
+    (d / "nvidia-h200_20261202_vllm" / "k.json").write_text(json.dumps({"itls": [[0.02, 0.02, 0.2], [0.02, 0.1]]}))
+    (d / "nvidia-h200_20261202_logs").mkdir()
+    (d / "nvidia-h200_20261202_logs" / "serve_kvrepro_k4v4.log").write_text(
+        "INFO [config.py:73] kvrepro settings: preset=k4v4 prefill=fa key_offset=rope-mean warmup=1\n")
     md = sb.section_markdown(tmp_path)
-    assert md.startswith("Replayed from `results/serve/nvidia-h200_20261202.json`.")
-    assert "| kvrepro:k4v4 | CUSTOM | 0.25 | 0.240 | 120.0 | 900.0 | 9000.0 | 22.5 | 45.0 | 0 | 0.200 | 2.00x |" in md
+    assert md.startswith("Replayed from `results/serve/nvidia-h200_20261202.json`: 32 requests, prompts of "
+                         "8,192-131,072 tokens, 512 output tokens each, 80 GiB emulated")
+    # gaps 20, 20, 200, 20, 100 ms: median 20, the two > 40 ms hold 300 of 360 ms
+    assert ("| kvrepro:k4v4 (rope-mean) | CUSTOM | 0.25 | 0.240 | 120.0 | 900.0 | 9000.0 | 22.5 | 45.0 | 20.0 | 83% | "
+            "0 | 0.200 | 2.00x |") in md
+    assert "| fp8:triton_attn | TRITON_ATTN | 0.25 | 0.210 | 101.0 | 900.0 | 9000.0 | 30.0 | 60.0 |  |  | 0 |" in md
+    bad = dict(runs[1], workload={"num_prompts": 32})
+    (d / "nvidia-h200_20261202.json").write_text(json.dumps({"workload": {}, "runs": [bad]}))
+    with pytest.raises(ValueError, match="the workload lacks"):
+        sb.section_markdown(tmp_path)
+
+
+def test_stall_split_against_a_hand_count():
+    """Inter-token gaps (s) of two requests: median 0.03; the gaps > 2 x 0.03 (0.5, 0.6) are the steps that also ran
+    prefill; their share of all inter-token time is 1.1 / 1.26."""
+    r = sb.stall_split({"itls": [[0.03, 0.03, 0.5], [0.03, 0.04, 0.6, 0.03]]})
+    assert r["step_p50_ms"] == pytest.approx(30.0) and r["gaps"] == 7 and r["stalled_gaps"] == 2
+    assert r["stalled_share"] == pytest.approx(1.1 / 1.26) and r["stalled_p50_ms"] == pytest.approx(550.0)
+    assert sb.stall_split({"itls": [[0.03, 0.03, 0.05]]}, factor=1.5)["stalled_gaps"] == 1
+    assert sb.stall_split({"itls": [[0.03, 0.03]]})["stalled_p50_ms"] is None
+    for bad, msg in (({"itls": []}, "no inter-token latencies"), ({}, "no inter-token latencies"),
+                     ({"itls": [[]]}, "no inter-token latencies")):
+        with pytest.raises(ValueError, match=msg):
+            sb.stall_split(bad)
+    for f in (1, 0.5, True, "2"):
+        with pytest.raises(ValueError, match="factor must be a number > 1"):
+            sb.stall_split({"itls": [[0.1]]}, factor=f)
+
+
+def test_logged_settings_reads_the_plugins_start_line(tmp_path):
+    log = tmp_path / "serve.log"
+    log.write_text("INFO boot\n(EngineCore pid=1) INFO 12-02 09:35:26 [config.py:73] kvrepro settings: preset=k4v4 "
+                   "decode_impl=auto key_offset=rope-mean warmup=1\nINFO later\n")
+    assert sb.logged_settings(log) == {"preset": "k4v4", "decode_impl": "auto", "key_offset": "rope-mean",
+                                       "warmup": "1"}
+    log.write_text("INFO an fp8 server logs no kvrepro line\n")
+    assert sb.logged_settings(log) is None and sb.logged_settings(tmp_path / "absent.log") is None
