@@ -280,3 +280,86 @@ def report_lines(result: dict) -> list[str]:
                 line += f", reached {100 * bound['step_ms'] / timed['step_ms']:.1f}%"
         out.append(line)
     return out
+
+
+PROFILE_DIR = "results/profile"
+
+
+def profile_table(paths):
+    """One row per profiled batch of ``scripts/step_profile.py`` result files (``results/profile/*.json``).
+
+    Columns: file (name), date (UTC, to the minute), mode, backend (the attention backend vLLM resolved), key_offset
+    (a kvrepro engine's, from its logged settings; None for fp8 / bf16), users, step_ms and tok_s (the timed steps,
+    without the profiler), attention_ms / gemm_ms / rest_ms / idle_ms (per profiled step: kernel classes and GPU
+    idle, :func:`step_breakdown`), attention_bw (the batch's KV bytes over the attention time, as a fraction of the
+    copy bandwidth), gemm_bw (the weights over the GEMM time, likewise), bound_ms (:func:`decode_bound`) and
+    of_bound (bound_ms / step_ms). Batches that were not profiled keep their timed figures and blank breakdowns.
+
+    Raises:
+        ValueError: a file that is not a step-profile result (no ``batches`` list), naming it.
+    """
+    import pandas as pd
+
+    rows = []
+    for path in paths:
+        path = Path(path)
+        r = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(r, dict) or not isinstance(r.get("batches"), list):
+            raise ValueError(f"{path}: not a step-profile result (no 'batches' list)")
+        eng = r.get("engine") or {}
+        backend = ", ".join(eng.get("attention_backend_resolved") or []) or eng.get("attention_backend")
+        for b in r["batches"]:
+            timed, bound = b.get("timed") or {}, b.get("bound") or {}
+            m = (b.get("breakdown") or {}).get("mean") or {}
+            gbps = bound.get("copy_gbps")
+
+            def bw(nbytes, ms):
+                return nbytes / (ms * 1e-3) / (gbps * 1e9) if nbytes and ms and gbps else None
+
+            rows.append({"file": path.name, "date": str(r.get("date", ""))[:16].replace("T", " "),
+                         "mode": r.get("mode"), "backend": backend,
+                         "key_offset": (eng.get("kvrepro_settings") or {}).get("key_offset"), "users": b.get("users"),
+                         "step_ms": timed.get("step_ms"), "tok_s": timed.get("tok_s"),
+                         "attention_ms": m.get("attention_ms"), "gemm_ms": m.get("gemm_ms"),
+                         "rest_ms": m.get("rest_ms"), "idle_ms": m.get("gpu_idle_ms"),
+                         "attention_bw": bw(bound.get("kv_bytes"), m.get("attention_ms")),
+                         "gemm_bw": bw(bound.get("weights_bytes"), m.get("gemm_ms")),
+                         "bound_ms": bound.get("step_ms"),
+                         "of_bound": bound["step_ms"] / timed["step_ms"] if bound and timed else None})
+    return pd.DataFrame(rows, columns=["file", "date", "mode", "backend", "key_offset", "users", "step_ms", "tok_s",
+                                       "attention_ms", "gemm_ms", "rest_ms", "idle_ms", "attention_bw", "gemm_bw",
+                                       "bound_ms", "of_bound"])
+
+
+def section_markdown(root: str | os.PathLike) -> str:
+    """Notebook 02's step-breakdown section: :func:`profile_table` of every ``results/profile/*.json`` under ``root``
+    as a markdown table with the files named, or a sentence saying none is committed and which command makes one."""
+    paths = sorted(Path(root, PROFILE_DIR).glob("*.json"))
+    if not paths:
+        return ("Not measured yet: no step profile is committed under `results/profile/` "
+                "(`bash scripts/h200_perf.sh profile MODE USERS` on a GPU machine writes one).")
+    t = profile_table(paths)
+    tags = {f: i + 1 for i, f in enumerate(dict.fromkeys(t["file"]))}
+
+    def cell(v, fmt):
+        return "" if v is None or (isinstance(v, float) and math.isnan(v)) else fmt.format(v)
+
+    head = ["mode", "key offset", "users", "step (ms)", "tok/s", "attention (ms)", "attention, % of copy bw",
+            "GEMMs (ms)", "GEMMs, % of copy bw", "rest (ms)", "GPU idle (ms)", "bound (ms)", "% of bound", "file"]
+    lines = ["| " + " | ".join(head) + " |", "| --- | --- | " + " | ".join(["---:"] * (len(head) - 3)) + " | --- |"]
+    for r in t.to_dict("records"):
+        mode = r["mode"] + (f" ({r['backend']})" if r["backend"] and not str(r["mode"]).startswith("kvrepro") else "")
+        lines.append("| " + " | ".join([
+            mode, r["key_offset"] if isinstance(r["key_offset"], str) else "", str(r["users"]), cell(r["step_ms"], "{:.2f}"), cell(r["tok_s"], "{:.0f}"),
+            cell(r["attention_ms"], "{:.2f}"), cell(None if r["attention_bw"] is None else 100 * r["attention_bw"],
+                                                   "{:.0f}%"),
+            cell(r["gemm_ms"], "{:.2f}"), cell(None if r["gemm_bw"] is None else 100 * r["gemm_bw"], "{:.0f}%"),
+            cell(r["rest_ms"], "{:.2f}"), cell(r["idle_ms"], "{:.2f}"), cell(r["bound_ms"], "{:.2f}"),
+            cell(None if r["of_bound"] is None else 100 * r["of_bound"], "{:.1f}%"), f"[{tags[r['file']]}]"]) + " |")
+    return (f"Replayed from `{PROFILE_DIR}/` ({len(paths)} files). Per decode step of 36 layers: the timed step "
+            "(without the profiler), then the profiled kernel time by class (attention; GEMMs; the rest: KV store, "
+            "norms, activations, sampling, a kvrepro mode's own PyTorch ops) and the GPU's idle time; the bound reads "
+            "every weight and KV byte of the batch once at the copy bandwidth measured in the same process "
+            "(`kvrepro.profile.decode_bound`).\n\n" + "\n".join(lines) + "\n\n"
+            + "\n".join(f"- [{i}] `{PROFILE_DIR}/{f}` ({t.loc[t['file'] == f, 'date'].iloc[0]} UTC)"
+                        for f, i in tags.items()))

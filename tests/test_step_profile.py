@@ -192,6 +192,46 @@ def test_report_lines():
     assert lines[1] == "kvrepro:k4v4 1 users: not profiled: no new trace"
 
 
+def _profile_file(path, mode, engine, batches):
+    path.write_text(json.dumps({"mode": mode, "date": "2026-12-02T09:28:29+00:00", "engine": engine,
+                                "batches": batches}))
+
+
+def test_profile_table_and_section_against_hand_figures(tmp_path):
+    """Two result files: the bandwidth shares are bytes / time / copy bandwidth by hand (1e9 KV bytes in 0.5 ms at
+    4000 GB/s = 50%; 8e9 weight bytes in 4 ms = 50%), the share of the bound its step_ms over the timed step."""
+    assert profile.section_markdown(tmp_path).startswith("Not measured yet: no step profile is committed")
+    d = tmp_path / "results" / "profile"
+    d.mkdir(parents=True)
+    mean = {"attention_ms": 0.5, "gemm_ms": 4.0, "rest_ms": 0.25, "gpu_idle_ms": 0.1}
+    bound = {"kv_bytes": 1e9, "weights_bytes": 8e9, "copy_gbps": 4000.0, "step_ms": 2.25}
+    _profile_file(d / "b.json", "kvrepro:k4v4",
+                  {"attention_backend": "CUSTOM", "attention_backend_resolved": ["CUSTOM"],
+                   "kvrepro_settings": {"key_offset": "rope-mean"}},
+                  [{"users": 13, "timed": {"step_ms": 4.5, "tok_s": 2888.9}, "breakdown": {"mean": mean},
+                    "bound": bound},
+                   {"users": 3, "timed": {"step_ms": 2.0, "tok_s": 1500.0}, "error": "no new trace"}])
+    _profile_file(d / "a.json", "fp8", {"attention_backend": "vllm-auto", "attention_backend_resolved": ["FLASH_ATTN"]},
+                  [{"users": 6, "timed": {"step_ms": 9.0, "tok_s": 666.7}, "breakdown": {"mean": mean},
+                    "bound": dict(bound, step_ms=3.0)}])
+    t = profile.profile_table(sorted(d.glob("*.json")))
+    assert list(t["mode"]) == ["fp8", "kvrepro:k4v4", "kvrepro:k4v4"] and list(t["users"]) == [6, 13, 3]
+    k = t.iloc[1]
+    assert k["attention_bw"] == pytest.approx(0.5) and k["gemm_bw"] == pytest.approx(0.5)
+    assert k["of_bound"] == pytest.approx(0.5) and k["key_offset"] == "rope-mean" and k["backend"] == "CUSTOM"
+    assert t.iloc[0]["of_bound"] == pytest.approx(1 / 3) and t.iloc[0]["backend"] == "FLASH_ATTN"
+    assert t.isna().iloc[2][["attention_ms", "attention_bw", "of_bound"]].all() and t.iloc[2]["step_ms"] == 2.0
+    md = profile.section_markdown(tmp_path)
+    assert "| fp8 (FLASH_ATTN) |  | 6 | 9.00 | 667 | 0.50 | 50% | 4.00 | 50% | 0.25 | 0.10 | 3.00 | 33.3% | [1] |" in md
+    assert "| kvrepro:k4v4 | rope-mean | 13 | 4.50 | 2889 | 0.50 | 50% | 4.00 | 50% | 0.25 | 0.10 | 2.25 | 50.0% | [2] |" \
+        in md
+    assert "| kvrepro:k4v4 | rope-mean | 3 | 2.00 | 1500 |  |  |  |  |  |  |  |  | [2] |" in md
+    assert "- [2] `results/profile/b.json` (2026-12-02 09:28 UTC)" in md
+    (d / "c.json").write_text("{}")
+    with pytest.raises(ValueError, match="c.json: not a step-profile result"):
+        profile.section_markdown(tmp_path)
+
+
 @pytest.mark.gpu
 @pytest.mark.vllm
 def test_step_profile_on_the_gpu(tmp_path):
