@@ -289,6 +289,54 @@ def test_rope_mean_recovers_a_pre_rope_bias_and_restores_exact_scores(neox):
     assert rm.tokens == n
 
 
+@pytest.mark.parametrize("neox", [True, False])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rope_mean_packed_paths_round_as_the_pair_formulas(neox, dtype):
+    """What runs every step (``remove`` at each KV store, ``packed_terms`` at each decode) is one gather / scatter and
+    one multiply-sum over packed slots; it must give bit for bit the float32 pair formulas written out here:
+    ``key - (bx cos - by sin, bx sin + by cos)`` in the kept channels and ``A = qx bx + qy by``,
+    ``B = qy bx - qx by``. Slots written after calibration (``set_slots``) are repacked, and a float32 key passed to
+    ``remove`` is not modified."""
+    g = torch.Generator().manual_seed(3)
+    h, d, n = 4, 128, 300
+    pos = torch.arange(n) * 37 + 5
+    key = (torch.randn(n, h, d, generator=g) + 5 * torch.randn(1, h, d, generator=g)).to(dtype)
+    rm = RopeMean(h, d, {"rope_theta": 1e6, "neox": neox})
+    rm.calibrate(key, pos)
+    assert min(rm.kept) >= 1
+
+    def pair_formulas():
+        a = RopeMean.angles(pos, rm.inv_freq)
+        c, s = a.cos(), a.sin()
+        bx, by = rm.bias[..., 0], rm.bias[..., 1]
+        off = torch.zeros(n, h, d)
+        off.scatter_add_(2, rm.x_ch.expand(n, -1, -1), bx * c - by * s)
+        off.scatter_add_(2, rm.y_ch.expand(n, -1, -1), bx * s + by * c)
+        qv = q.float().view(7, h, 3, d)
+        qx = qv.gather(3, rm.x_ch[None, :, None].expand(7, h, 3, MAX_PAIRS))
+        qy = qv.gather(3, rm.y_ch[None, :, None].expand(7, h, 3, MAX_PAIRS))
+        bx_, by_ = bx[None, :, None], by[None, :, None]
+        return ((key.float() - off).to(dtype), (qx * bx_ + qy * by_).reshape(7, 3 * h, MAX_PAIRS),
+                (qy * bx_ - qx * by_).reshape(7, 3 * h, MAX_PAIRS))
+
+    q = torch.randn(7, 3 * h, d, generator=g).to(dtype)
+    for _ in range(2):
+        want_k, want_a, want_b = pair_formulas()
+        before = key.clone()
+        assert torch.equal(rm.remove(key, pos), want_k) and torch.equal(key, before)
+        ab = rm.packed_terms(q)
+        assert ab.is_contiguous() and ab.shape == (7, 3 * h, 2 * MAX_PAIRS)
+        assert torch.equal(ab[..., :MAX_PAIRS], want_a) and torch.equal(ab[..., MAX_PAIRS:], want_b)
+        a_, b_ = rm.score_terms(q)
+        assert torch.equal(a_, want_a) and torch.equal(b_, want_b)
+        b2, x2, y2 = rm.bias.clone(), rm.x_ch.clone(), rm.y_ch.clone()     # other slots: the next calls must see them
+        b2[1] *= -2.0
+        x2[2], y2[2] = rm.y_ch[2], rm.x_ch[2]
+        rm.set_slots(x2, y2, rm.inv_freq.clone(), b2)
+    with pytest.raises(ValueError, match=r"set_slots: bias must be \[4, 8, 2\]"):
+        rm.set_slots(rm.x_ch, rm.y_ch, rm.inv_freq, rm.bias[:, :, 0])
+
+
 def test_rope_mean_keeps_at_most_max_pairs_and_only_pairs_above_the_spread_and_refuses_bad_input():
     g = torch.Generator().manual_seed(1)
     h, d, n = 1, 64, 256

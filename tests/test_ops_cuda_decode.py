@@ -904,11 +904,13 @@ def _rope_mean_set(hkv, d, neox, gen, norm=1000.0):
 
     rm = RopeMean(hkv, d, {"rope_theta": 1e6, "neox": neox})
     x, y, inv = rm.all_pairs()
+    xs, ys, fs, bs = rm.x_ch.clone(), rm.y_ch.clone(), rm.inv_freq.clone(), rm.bias.clone()
     for h in range(hkv):
         pick = torch.cat([torch.zeros(1, dtype=torch.int64), 1 + torch.randperm(x.numel() - 1, generator=gen)[:7]])
-        rm.x_ch[h], rm.y_ch[h], rm.inv_freq[h] = x[pick], y[pick], inv[pick]
+        xs[h], ys[h], fs[h] = x[pick], y[pick], inv[pick]
         b = torch.randn(8, 2, generator=gen)
-        rm.bias[h] = b / b.norm() * norm
+        bs[h] = b / b.norm() * norm
+    rm.set_slots(xs, ys, fs, bs)
     rm.kept, rm.calibrated = [8] * hkv, True
     return rm
 

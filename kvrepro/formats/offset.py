@@ -253,6 +253,8 @@ class RopeMean:
         x_ch, y_ch: int64 ``[num_kv_heads, MAX_PAIRS]`` the channels of each slot's pair.
         inv_freq: float32 ``[num_kv_heads, MAX_PAIRS]`` each slot's RoPE frequency (radians per position).
         bias: float32 ``[num_kv_heads, MAX_PAIRS, 2]`` ``b_hat`` of each slot's pair (x, y components).
+            These four are written by :meth:`set_slots` only (it repacks the copies each step reads).
+        pair_idx, term_coef, rot_coef, xy_ch: those slots packed for :meth:`packed_terms` and :meth:`remove`.
         calibrated, tokens: whether :meth:`calibrate` ran and on how many keys; kept: pairs kept per KV head.
 
     Raises:
@@ -275,9 +277,51 @@ class RopeMean:
         self.y_ch = torch.zeros_like(self.x_ch)
         self.inv_freq = torch.zeros(num_kv_heads, MAX_PAIRS, dtype=torch.float32, device=device)
         self.bias = torch.zeros(num_kv_heads, MAX_PAIRS, 2, dtype=torch.float32, device=device)
+        # The same slots packed for one gather and one multiply per call (what runs every decode step), derived from
+        # x_ch, y_ch and bias by _pack, in place; set_slots is the one writer of the slots, so they never disagree.
+        self.pair_idx = torch.zeros(num_kv_heads, 4 * MAX_PAIRS, dtype=torch.int64, device=device)
+        self.term_coef = torch.zeros(num_kv_heads, 2, 2 * MAX_PAIRS, dtype=torch.float32, device=device)
+        self.rot_coef = torch.zeros(num_kv_heads, 2, 2, MAX_PAIRS, dtype=torch.float32, device=device)
+        self.xy_ch = torch.zeros(num_kv_heads, 2 * MAX_PAIRS, dtype=torch.int64, device=device)
+        self._pack()          # now, not at a first call that may fall inside a CUDA-graph capture
         self.calibrated = False
         self.tokens = 0
         self.kept: list[int] = [0] * num_kv_heads
+
+    def set_slots(self, x_ch: torch.Tensor, y_ch: torch.Tensor, inv_freq: torch.Tensor, bias: torch.Tensor) -> None:
+        """Write the kept pairs (``x_ch``, ``y_ch`` int ``[H, MAX_PAIRS]``, ``inv_freq`` float32 ``[H, MAX_PAIRS]``,
+        ``bias`` float32 ``[H, MAX_PAIRS, 2]``; unused slots: 0) in place and repack; the one way to change them after
+        construction (:meth:`calibrate` uses it), so the packed copies that every step reads never go stale.
+
+        Raises:
+            ValueError: a shape other than those.
+        """
+        h = self.num_kv_heads
+        for name, t, shape in (("x_ch", x_ch, (h, MAX_PAIRS)), ("y_ch", y_ch, (h, MAX_PAIRS)),
+                               ("inv_freq", inv_freq, (h, MAX_PAIRS)), ("bias", bias, (h, MAX_PAIRS, 2))):
+            if tuple(t.shape) != shape:
+                raise ValueError(f"RopeMean.set_slots: {name} must be {list(shape)}, got {list(t.shape)}")
+        self.x_ch.copy_(x_ch)
+        self.y_ch.copy_(y_ch)
+        self.inv_freq.copy_(inv_freq)
+        self.bias.copy_(bias)
+        self._pack()
+
+    def _pack(self) -> None:
+        """Refresh the packed buffers from ``x_ch``, ``y_ch`` and ``bias``, in place (CUDA graphs captured before read
+        the new values):
+
+        - ``pair_idx`` ``[H, 4M]``: channels ``x, y, y, x`` of the slots (one gather of the query);
+        - ``term_coef`` ``[H, 2, 2M]``: ``[[bx, bx], [by, -by]]``, so that gathered ``[qx, qy]`` x row 0 plus
+          gathered ``[qy, qx]`` x row 1 is ``[A, B]`` (:meth:`score_terms`), each term one product pair as before;
+        - ``rot_coef`` ``[H, 2, 2, M]``: ``[[-bx, -by], [by, -bx]]``: ``[cos, sin]`` x it, summed over the first axis,
+          is ``-R(p) b_hat`` per pair, (x, y) (:meth:`remove` adds it to the key);
+        - ``xy_ch`` ``[H, 2M]``: channels ``x, y`` of the slots (one scatter)."""
+        bx, by = self.bias[..., 0], self.bias[..., 1]
+        self.pair_idx.copy_(torch.cat([self.x_ch, self.y_ch, self.y_ch, self.x_ch], 1))
+        self.term_coef.copy_(torch.stack([torch.cat([bx, bx], 1), torch.cat([by, -by], 1)], 1))
+        self.rot_coef.copy_(torch.stack([torch.stack([-bx, -by], 1), torch.stack([by, -bx], 1)], 1))
+        self.xy_ch.copy_(torch.cat([self.x_ch, self.y_ch], 1))
 
     def check_device(self, **tensors: torch.Tensor) -> None:
         """ValueError naming the first of ``tensors`` (name=tensor) that is not on the buffers' device."""
@@ -304,7 +348,7 @@ class RopeMean:
 
     def to(self, device: torch.device | str) -> "RopeMean":
         """Move the buffers to ``device`` (before any CUDA-graph capture that reads them)."""
-        for name in ("x_ch", "y_ch", "inv_freq", "bias"):
+        for name in ("x_ch", "y_ch", "inv_freq", "bias", "pair_idx", "term_coef", "rot_coef", "xy_ch"):
             setattr(self, name, getattr(self, name).to(device))
         return self
 
@@ -354,10 +398,7 @@ class RopeMean:
         fs[:, :k] = torch.where(keep, inv[idx], 0.0)
         bxs[:, :k] = torch.where(keep, bx.gather(1, idx), 0.0)
         bys[:, :k] = torch.where(keep, by.gather(1, idx), 0.0)
-        self.x_ch.copy_(xs)
-        self.y_ch.copy_(ys)
-        self.inv_freq.copy_(fs)
-        self.bias.copy_(torch.stack([bxs, bys], -1))
+        self.set_slots(xs, ys, fs, torch.stack([bxs, bys], -1))
         self.kept = [int(v) for v in keep.sum(1).tolist()]
         self.calibrated = True
         self.tokens = int(key.shape[0])
@@ -378,9 +419,16 @@ class RopeMean:
 
     def remove(self, key: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """``key - R(p) b_hat`` (``key`` ``[n, num_kv_heads, head_dim]``, ``pos`` int ``[n]``), in ``key``'s dtype:
-        what the pages store."""
-        self.check_device(key=key)
-        return (key.float() - self.offset(pos)).to(key.dtype)
+        what the pages store. The same float32 roundings as ``key.float() - offset(pos)`` (each component one
+        product pair, one subtraction per kept channel), in fewer kernels: this runs at every KV store."""
+        self.check_device(key=key, pos=pos)
+        n, h = key.shape[0], self.num_kv_heads
+        a = self.angles(pos, self.inv_freq)                                      # [n, H, M]
+        cs = torch.stack([a.cos(), a.sin()], 2)                                   # [n, H, 2, M]
+        neg = (cs.unsqueeze(3) * self.rot_coef).sum(2)                            # [n, H, 2, M]: -(ox, oy)
+        out = key.to(torch.float32, copy=True)                                  # never the caller's tensor
+        out.scatter_add_(2, self.xy_ch.expand(n, h, -1), neg.reshape(n, h, 2 * MAX_PAIRS))
+        return out.to(key.dtype)
 
     def restore(self, key: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """float32 ``key + R(p) b_hat``: keys read from the pages put back where the model had them."""
@@ -391,15 +439,21 @@ class RopeMean:
         """float32 ``(A, B)``, each ``[T, Hq, MAX_PAIRS]``, of ``query`` ``[T, Hq, head_dim]`` (query head ``h`` reads
         KV head ``h // (Hq / num_kv_heads)``): ``A_i = q_i . b_i``, ``B_i = q_i x b_i = q_y b_x - q_x b_y`` per kept
         pair, so that ``q . R(j) b_hat = sum_i A_i cos(j theta_i) + B_i sin(j theta_i)``."""
+        ab = self.packed_terms(query)
+        return ab[..., :MAX_PAIRS], ab[..., MAX_PAIRS:]
+
+    def packed_terms(self, query: torch.Tensor) -> torch.Tensor:
+        """float32 ``[T, Hq, 2 MAX_PAIRS]`` contiguous: ``A`` then ``B`` of :meth:`score_terms` (the kernels'
+        ``rope_bias`` terms), from one gather, one multiply and one two-term sum, with the roundings of
+        ``qx * bx + qy * by`` and ``qy * bx - qx * by``: this runs at every decode step."""
         self.check_device(query=query)
         t, hq, d = query.shape
         h = self.num_kv_heads
         g = hq // h
-        qv = query.float().view(t, h, g, d)
-        qx = qv.gather(3, self.x_ch[None, :, None, :].expand(t, h, g, MAX_PAIRS))
-        qy = qv.gather(3, self.y_ch[None, :, None, :].expand(t, h, g, MAX_PAIRS))
-        bx, by = self.bias[None, :, None, :, 0], self.bias[None, :, None, :, 1]
-        return (qx * bx + qy * by).reshape(t, hq, MAX_PAIRS), (qy * bx - qx * by).reshape(t, hq, MAX_PAIRS)
+        qv = query.reshape(t, h, g, d)
+        q2 = qv.gather(3, self.pair_idx[None, :, None, :].expand(t, h, g, 4 * MAX_PAIRS))   # [qx, qy | qy, qx]
+        ab = (q2.view(t, h, g, 2, 2 * MAX_PAIRS) * self.term_coef[None, :, None]).sum(3)     # float32: the coefs'
+        return ab.view(t, hq, 2 * MAX_PAIRS)
 
     def score_correction(self, query: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """float32 ``[T, Hq, n]``: ``q . R(j) b_hat`` for keys at positions ``pos`` (int ``[n]``), from

@@ -310,8 +310,7 @@ class LayerRuntime:
         (``RopeMean.score_terms``: zeros before calibration), else ``{}``."""
         if not isinstance(self.key_offset, RopeMean):
             return {}
-        a_, b_ = self.key_offset.score_terms(query)
-        return {"rope_bias": (torch.cat([a_, b_], -1).contiguous(), self.key_offset.inv_freq)}
+        return {"rope_bias": (self.key_offset.packed_terms(query), self.key_offset.inv_freq)}
 
     def record_impl(self, layout, device: torch.device) -> str:
         """Resolve and record in ``DECODE_IMPL_USED`` which decode kernel this layer runs on ``device``."""
