@@ -315,16 +315,12 @@ def read_results(paths) -> list[dict]:
 
 
 def logged_settings(log_path: str | os.PathLike) -> dict | None:
-    """The ``kvrepro settings: name=value ...`` line the plugin logs at engine start, from a server log, as a dict
-    (``{"preset": "k4v4", "key_offset": "rope-mean", ...}``); None where the file or the line is not there (fp8 and
-    bf16 servers)."""
+    """The settings line the plugin logs at engine start (``kvrepro.settings.described_in``), from a server log;
+    None where the file or the line is not there (fp8 and bf16 servers)."""
+    from kvrepro.settings import described_in
+
     p = Path(log_path)
-    if not p.is_file():
-        return None
-    for line in p.read_text(encoding="utf-8", errors="replace").splitlines():
-        if "kvrepro settings: " in line:
-            return dict(kv.split("=", 1) for kv in line.split("kvrepro settings: ", 1)[1].split() if "=" in kv)
-    return None
+    return described_in(p.read_text(encoding="utf-8", errors="replace")) if p.is_file() else None
 
 
 def check_same_workload(runs: list[dict]) -> None:

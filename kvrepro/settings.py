@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 PREFIX = "KVREPRO_"
+LOG_PREFIX = "kvrepro settings: "     # Settings.describe's line; read back by described_in
 PRESETS = ("k4v4", "k8v4", "k4v2", "k5v4")  # = kvrepro.formats.COMPRESSED_PRESETS
 DEFAULT_PRESET = "k5v4"                     # = kvrepro.formats.DEFAULT_PRESET
 DECODE_IMPLS = ("auto", "cuda", "triton")
@@ -299,7 +300,17 @@ class Settings:
         for d in SETTINGS:
             v = getattr(self, d.field)
             parts.append(f"{d.field}={'auto' if v is None else int(v) if isinstance(v, bool) else v}")
-        return "kvrepro settings: " + " ".join(parts)
+        return LOG_PREFIX + " ".join(parts)
+
+
+def described_in(text: str) -> dict[str, str] | None:
+    """The first :meth:`Settings.describe` line in ``text`` (a server or engine log) read back as ``{field: value}``
+    strings (``{"preset": "k4v4", "key_offset": "rope-mean", ...}``); None where no line has it (an fp8 or bf16
+    engine)."""
+    for line in text.splitlines():
+        if LOG_PREFIX in line:
+            return dict(kv.split("=", 1) for kv in line.split(LOG_PREFIX, 1)[1].split() if "=" in kv)
+    return None
 
 
 def unknown_variables(environ: Mapping[str, str] | None = None) -> list[str]:

@@ -24,6 +24,13 @@ def test_defaults_and_declarations():
     assert s.decode_impl_arg is None and Settings(decode_impl="cuda").decode_impl_arg == "cuda"
     with pytest.raises(dataclasses.FrozenInstanceError):
         s.preset = "k8v4"
+    # the log line reads back (kvrepro.servebench reads a server's settings from its log this way)
+    k = Settings(preset="k4v4", key_offset="slow-pairs", num_splits=7)
+    log = f"INFO boot\n(EngineCore pid=1) INFO [config.py:73] {k.describe()}\nINFO later {s.describe()}\n"
+    assert st.described_in(log) == {"preset": "k4v4", "decode_impl": "auto", "num_splits": "7", "prefill": "fa",
+                                    "store_rotate": "torch", "key_offset": "slow-pairs", "warmup": "1",
+                                    "debug_check": "0"}
+    assert st.described_in("INFO an fp8 engine logs no settings line\n") is None
 
 
 def test_key_offset(monkeypatch):
