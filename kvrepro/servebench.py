@@ -292,10 +292,22 @@ def stall_split(vllm_result: dict, factor: float = STALL_FACTOR) -> dict:
             "stalled_p50_ms": 1e3 * statistics.median(long) if long else None, "gaps": len(gaps)}
 
 
+def side_dirs(out: str | os.PathLike) -> tuple[Path, Path]:
+    """Beside a results file ``out``: the folders of vLLM's own result files (``<stem>_vllm/``) and of the servers'
+    logs (``<stem>_logs/``), where ``scripts/serve_bench.py`` writes them and :func:`read_results` reads them."""
+    out = Path(out)
+    return out.with_name(out.stem + "_vllm"), out.with_name(out.stem + "_logs")
+
+
+def server_log(out: str | os.PathLike, mode: str) -> Path:
+    """The log of ``mode``'s server beside ``out``: ``<stem>_logs/serve_<mode, ':' as '_'>.log``."""
+    return side_dirs(out)[1] / f"serve_{mode.replace(':', '_')}.log"
+
+
 def read_results(paths) -> list[dict]:
     """The runs of serve-bench result files (``scripts/serve_bench.py``'s JSON: ``{"runs": [...], ...}``), each run
-    with ``source_file`` added and ``stalls`` (:func:`stall_split` of its vLLM result file in ``<file stem>_vllm/``;
-    None where that file is not there).
+    with ``source_file`` added, ``stalls`` (:func:`stall_split` of its vLLM result file, :func:`side_dirs`; None where
+    that file is not there) and ``kvrepro_settings`` (:func:`logged_settings` of its :func:`server_log`).
 
     Raises:
         ValueError: a file without a ``runs`` list (naming it).
@@ -307,10 +319,10 @@ def read_results(paths) -> list[dict]:
         if not isinstance(data, dict) or not isinstance(data.get("runs"), list):
             raise ValueError(f"{p}: not a serve-bench result (no 'runs' list)")
         for r in data["runs"]:
-            res = p.with_name(p.stem + "_vllm") / str(r.get("vllm_result_file", ""))
+            res = side_dirs(p)[0] / str(r.get("vllm_result_file", ""))
             stalls = stall_split(json.loads(res.read_text(encoding="utf-8"))) if res.is_file() else None
-            log = p.with_name(p.stem + "_logs") / f"serve_{str(r.get('mode', '')).replace(':', '_')}.log"
-            runs.append(dict(r, source_file=str(p), stalls=stalls, kvrepro_settings=logged_settings(log)))
+            runs.append(dict(r, source_file=str(p), stalls=stalls,
+                             kvrepro_settings=logged_settings(server_log(p, str(r.get("mode", ""))))))
     return runs
 
 

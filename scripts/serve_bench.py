@@ -142,14 +142,14 @@ def run_client(argv: list[str], prompts: list[list[int]], output_len: int) -> di
         vs.get_samples, vs.get_tokenizer = saved
 
 
-def bench_mode(mode: str, cfg: dict, util: float, prompts, model_dir: str, log_dir: Path, res_dir: Path) -> list[dict]:
+def bench_mode(mode: str, cfg: dict, util: float, prompts, model_dir: str, out: Path) -> list[dict]:
     """One server for ``mode`` and one client run per request rate; returns the runs (module docstring)."""
     port = free_port()
     argv, extra_env = sb.serve_argv(mode, model_dir, port, util, cfg["input_max"] + cfg["output_len"] + 64, cfg)
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVREPRO_") or k == "KVREPRO_PREFILL"}
     env.update(extra_env, VLLM_ENABLE_V1_MULTIPROCESSING="1")
     cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", *argv]
-    log_path = log_dir / f"serve_{mode.replace(':', '_')}.log"
+    res_dir, log_path = sb.side_dirs(out)[0], sb.server_log(out, mode)
     url = f"http://127.0.0.1:{port}"
     runs = []
     with open(log_path, "w") as log:
@@ -225,9 +225,8 @@ def main(argv=None) -> int:
     info = collect({k: v for k, v in cfg.items()})
     out = Path(a.out) if a.out else sb.default_out(info["gpu"], time.strftime("%Y%m%d", time.gmtime()), ROOT)
     out.parent.mkdir(parents=True, exist_ok=True)
-    log_dir, res_dir = out.with_name(out.stem + "_logs"), out.with_name(out.stem + "_vllm")
-    log_dir.mkdir(exist_ok=True)
-    res_dir.mkdir(exist_ok=True)
+    for d in sb.side_dirs(out):
+        d.mkdir(exist_ok=True)
     model_dir = str(config_dir())
     with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
         vocab = json.load(f)["vocab_size"]
@@ -243,7 +242,7 @@ def main(argv=None) -> int:
     status = 0
     for mode in cfg["modes"]:
         try:
-            runs = bench_mode(mode, cfg, util, prompts, model_dir, log_dir, res_dir)
+            runs = bench_mode(mode, cfg, util, prompts, model_dir, out)
         except Exception as e:  # noqa: BLE001 - one failing mode must not lose the others' runs
             print(f"[serve] {mode} failed: {type(e).__name__}: {str(e)[:3000]}", flush=True)
             status = 1
