@@ -292,8 +292,9 @@ def test_rope_mean_recovers_a_pre_rope_bias_and_restores_exact_scores(neox):
 @pytest.mark.parametrize("neox", [True, False])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_rope_mean_packed_paths_round_as_the_pair_formulas(neox, dtype):
-    """What runs every step (``remove`` at each KV store, ``packed_terms`` at each decode) is one gather / scatter and
-    one multiply-sum over packed slots; it must give bit for bit the float32 pair formulas written out here:
+    """What runs every step (``remove`` at each KV store, ``packed_terms`` at each decode; ``offset`` and ``restore``
+    share ``remove``'s code) is one gather / scatter and one multiply-sum over packed slots; it must give bit for bit
+    the float32 pair formulas written out here:
     ``key - (bx cos - by sin, bx sin + by cos)`` in the kept channels and ``A = qx bx + qy by``,
     ``B = qy bx - qx by``. Slots written after calibration (``set_slots``) are repacked, and a float32 key passed to
     ``remove`` is not modified."""
@@ -316,14 +317,16 @@ def test_rope_mean_packed_paths_round_as_the_pair_formulas(neox, dtype):
         qx = qv.gather(3, rm.x_ch[None, :, None].expand(7, h, 3, MAX_PAIRS))
         qy = qv.gather(3, rm.y_ch[None, :, None].expand(7, h, 3, MAX_PAIRS))
         bx_, by_ = bx[None, :, None], by[None, :, None]
-        return ((key.float() - off).to(dtype), (qx * bx_ + qy * by_).reshape(7, 3 * h, MAX_PAIRS),
+        return (off, (key.float() - off).to(dtype), (qx * bx_ + qy * by_).reshape(7, 3 * h, MAX_PAIRS),
                 (qy * bx_ - qx * by_).reshape(7, 3 * h, MAX_PAIRS))
 
     q = torch.randn(7, 3 * h, d, generator=g).to(dtype)
     for _ in range(2):
-        want_k, want_a, want_b = pair_formulas()
+        want_off, want_k, want_a, want_b = pair_formulas()
         before = key.clone()
         assert torch.equal(rm.remove(key, pos), want_k) and torch.equal(key, before)
+        assert torch.equal(rm.offset(pos), want_off) and torch.equal(rm.restore(key, pos), key.float() + want_off)
+        assert torch.equal(key, before)
         ab = rm.packed_terms(q)
         assert ab.is_contiguous() and ab.shape == (7, 3 * h, 2 * MAX_PAIRS)
         assert torch.equal(ab[..., :MAX_PAIRS], want_a) and torch.equal(ab[..., MAX_PAIRS:], want_b)

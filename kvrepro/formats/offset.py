@@ -403,37 +403,37 @@ class RopeMean:
         self.calibrated = True
         self.tokens = int(key.shape[0])
 
+    def _add_offset(self, base: torch.Tensor, pos: torch.Tensor, sign: int) -> torch.Tensor:
+        """float32 copy of ``base`` ``[n, num_kv_heads, head_dim]`` plus ``sign`` x ``R(p) b_hat`` at positions
+        ``pos`` (int ``[n]``) in the kept channels: per pair ``(bx cos - by sin, bx sin + by cos)``, each component
+        one product pair rounded in float32 (from ``rot_coef``), added with one scatter (unused slots add 0 to
+        channel 0)."""
+        self.check_device(base=base, pos=pos)
+        n, h = base.shape[0], self.num_kv_heads
+        a = self.angles(pos, self.inv_freq)                                      # [n, H, M]
+        cs = torch.stack([a.cos(), a.sin()], 2)                                   # [n, H, 2, M]
+        neg = (cs.unsqueeze(3) * self.rot_coef).sum(2).reshape(n, h, 2 * MAX_PAIRS)   # -(ox, oy)
+        out = base.to(torch.float32, copy=True)                                 # never the caller's tensor
+        out.scatter_add_(2, self.xy_ch.expand(n, h, -1), neg if sign < 0 else -neg)
+        return out
+
     def offset(self, pos: torch.Tensor) -> torch.Tensor:
         """float32 ``[n, num_kv_heads, head_dim]``: ``R(p) b_hat`` at positions ``pos`` (int ``[n]``) in the kept
         pairs, 0 elsewhere."""
         self.check_device(pos=pos)
-        a = self.angles(pos, self.inv_freq)                      # [n, H, M]
-        c, s = a.cos(), a.sin()
-        bx, by = self.bias[..., 0], self.bias[..., 1]
-        ox, oy = bx * c - by * s, bx * s + by * c
-        n = a.shape[0]
-        out = torch.zeros(n, self.num_kv_heads, self.head_dim, dtype=torch.float32, device=self.bias.device)
-        out.scatter_add_(2, self.x_ch.expand(n, -1, -1), ox)     # unused slots add 0 to channel 0
-        out.scatter_add_(2, self.y_ch.expand(n, -1, -1), oy)
-        return out
+        zero = torch.zeros(pos.shape[0], self.num_kv_heads, self.head_dim, device=self.bias.device)
+        return self._add_offset(zero, pos, +1)
 
     def remove(self, key: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """``key - R(p) b_hat`` (``key`` ``[n, num_kv_heads, head_dim]``, ``pos`` int ``[n]``), in ``key``'s dtype:
-        what the pages store. The same float32 roundings as ``key.float() - offset(pos)`` (each component one
-        product pair, one subtraction per kept channel), in fewer kernels: this runs at every KV store."""
-        self.check_device(key=key, pos=pos)
-        n, h = key.shape[0], self.num_kv_heads
-        a = self.angles(pos, self.inv_freq)                                      # [n, H, M]
-        cs = torch.stack([a.cos(), a.sin()], 2)                                   # [n, H, 2, M]
-        neg = (cs.unsqueeze(3) * self.rot_coef).sum(2)                            # [n, H, 2, M]: -(ox, oy)
-        out = key.to(torch.float32, copy=True)                                  # never the caller's tensor
-        out.scatter_add_(2, self.xy_ch.expand(n, h, -1), neg.reshape(n, h, 2 * MAX_PAIRS))
-        return out.to(key.dtype)
+        what the pages store (this runs at every KV store)."""
+        self.check_device(key=key)
+        return self._add_offset(key, pos, -1).to(key.dtype)
 
     def restore(self, key: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """float32 ``key + R(p) b_hat``: keys read from the pages put back where the model had them."""
         self.check_device(key=key)
-        return key.float() + self.offset(pos)
+        return self._add_offset(key, pos, +1)
 
     def score_terms(self, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 ``(A, B)``, each ``[T, Hq, MAX_PAIRS]``, of ``query`` ``[T, Hq, head_dim]`` (query head ``h`` reads
