@@ -36,6 +36,7 @@ import re
 from pathlib import Path
 
 from kvrepro.listarg import comma_list
+from kvrepro.style import formatted
 
 # Kernel classes, in the order they are tried: the first class one of whose patterns occurs in the kernel name (case
 # sensitive) wins. FlashAttention 3's kernels are cutlass::device_kernel<flash::...> templates, so attention is tried
@@ -341,21 +342,18 @@ def section_markdown(root: str | os.PathLike) -> str:
     t = profile_table(paths)
     tags = {f: i + 1 for i, f in enumerate(dict.fromkeys(t["file"]))}
 
-    def cell(v, fmt):
-        return "" if v is None or (isinstance(v, float) and math.isnan(v)) else fmt.format(v)
-
     head = ["mode", "key offset", "users", "step (ms)", "tok/s", "attention (ms)", "attention, % of copy bw",
             "GEMMs (ms)", "GEMMs, % of copy bw", "rest (ms)", "GPU idle (ms)", "bound (ms)", "% of bound", "file"]
     lines = ["| " + " | ".join(head) + " |", "| --- | --- | " + " | ".join(["---:"] * (len(head) - 3)) + " | --- |"]
     for r in t.to_dict("records"):
         mode = r["mode"] + (f" ({r['backend']})" if r["backend"] and not str(r["mode"]).startswith("kvrepro") else "")
         lines.append("| " + " | ".join([
-            mode, r["key_offset"] if isinstance(r["key_offset"], str) else "", str(r["users"]), cell(r["step_ms"], "{:.2f}"), cell(r["tok_s"], "{:.0f}"),
-            cell(r["attention_ms"], "{:.2f}"), cell(None if r["attention_bw"] is None else 100 * r["attention_bw"],
-                                                   "{:.0f}%"),
-            cell(r["gemm_ms"], "{:.2f}"), cell(None if r["gemm_bw"] is None else 100 * r["gemm_bw"], "{:.0f}%"),
-            cell(r["rest_ms"], "{:.2f}"), cell(r["idle_ms"], "{:.2f}"), cell(r["bound_ms"], "{:.2f}"),
-            cell(None if r["of_bound"] is None else 100 * r["of_bound"], "{:.1f}%"), f"[{tags[r['file']]}]"]) + " |")
+            mode, formatted(r["key_offset"]), str(r["users"]), formatted(r["step_ms"], "{:.2f}"),
+            formatted(r["tok_s"], "{:.0f}"),
+            formatted(r["attention_ms"], "{:.2f}"), formatted(r["attention_bw"], "{:.0f}%", 100),
+            formatted(r["gemm_ms"], "{:.2f}"), formatted(r["gemm_bw"], "{:.0f}%", 100),
+            formatted(r["rest_ms"], "{:.2f}"), formatted(r["idle_ms"], "{:.2f}"), formatted(r["bound_ms"], "{:.2f}"),
+            formatted(r["of_bound"], "{:.1f}%", 100), f"[{tags[r['file']]}]"]) + " |")
     return (f"Replayed from `{PROFILE_DIR}/` ({len(paths)} files). Per decode step of 36 layers: the timed step "
             "(without the profiler), then the profiled kernel time by class (attention; GEMMs; the rest: KV store, "
             "norms, activations, sampling, a kvrepro mode's own PyTorch ops) and the GPU's idle time; the bound reads "

@@ -27,6 +27,7 @@ from kvrepro.configs import model_names
 from kvrepro.configs.facts import model_facts
 from kvrepro.ops import cuda_decode, occupancy
 from kvrepro.settings import DEFAULT_PRESET
+from kvrepro.style import formatted
 from kvrepro.vllm_backend.config import serving_plan
 
 README = "README.md"
@@ -372,9 +373,6 @@ def _capacity_lines(root: Path | None = None, gpu_memory_gib: float = 80.0) -> l
     others = ("" if n == len(t) else "; the others: users by the capacity arithmetic (`kvrepro.capacity`), not "
               "measured, no tok/s")
 
-    def num(v, fmt="{:,}"):
-        return "" if v is None or v != v else fmt.format(v)
-
     out = [f"**Capacity per model** at {gpu_memory_gib:g} GiB (vLLM 0.20.2, dummy weights), fp8 vs kvrepro k4v4: users "
            f"that fit {CONTEXT:,} + {WORKLOAD_DECODE:,} tokens each (or, where the model's window is shorter, the "
            f"window in all) and their aggregate decode tok/s at full context. {n} of {len(t)} models measured "
@@ -396,13 +394,13 @@ def _capacity_lines(root: Path | None = None, gpu_memory_gib: float = 80.0) -> l
             src = f"capacity sweep's max clean capacity, {r['decode_tokens']:,} decode tokens: results table above"
         elif "capacity sweep" in r["source"]:
             src += "; capacity sweep: results table above"
-        said = dict(re.findall(r"(\w+): measured[^;]*?the arithmetic said (\d+) users", r["source"]))
-        if said:      # kvrepro.capacity's estimate where vLLM's KV cache held a different number of users
-            src += "; arithmetic: " + " / ".join(said.get(c, num(r[f"users_{c}"])) for c in ("fp8", "k4v4"))
-        tok = f"{num(r['tok_s_fp8'], '{:,.0f}')} / {num(r['tok_s_k4v4'], '{:,.0f}')}" if measured else ""
-        out.append(f"| `{r['model']}` | {r['tokens_per_user']:,} | {num(r['users_fp8'])} / {num(r['users_k4v4'])} | "
-                   f"{num(r['users_ratio'], '{:.2f}')} | {tok} | {num(r['tok_s_ratio'], '{:.2f}')} | "
-                   f"{r['key_offset'] if isinstance(r['key_offset'], str) else ''} | {src} |")
+        arith = {c: formatted(r[f"users_{c}_arithmetic"], "{:,}") for c in ("fp8", "k4v4")}
+        if any(arith.values()):       # kvrepro.capacity's count where vLLM's KV cache held another number of users
+            src += "; arithmetic: " + " / ".join(arith[c] or formatted(r[f"users_{c}"], "{:,}") for c in arith)
+        tok = f"{formatted(r['tok_s_fp8'], '{:,.0f}')} / {formatted(r['tok_s_k4v4'], '{:,.0f}')}" if measured else ""
+        users = f"{formatted(r['users_fp8'], '{:,}')} / {formatted(r['users_k4v4'], '{:,}')}"
+        out.append(f"| `{r['model']}` | {r['tokens_per_user']:,} | {users} | {formatted(r['users_ratio'], '{:.2f}')} | "
+                   f"{tok} | {formatted(r['tok_s_ratio'], '{:.2f}')} | {formatted(r['key_offset'])} | {src} |")
     return out
 
 
@@ -423,7 +421,9 @@ def model_capacity_table(root: Path | None = None, gpu_memory_gib: float = 80.0)
         window of the measured rows; None where neither mode was measured), users_fp8, users_k4v4, users_ratio (k4v4
         / fp8), tok_s_fp8, tok_s_k4v4, tok_s_ratio (k4v4 / fp8; None where either is missing), key_offset (the key
         offset the measured k4v4 run stored keys with, from its ``kvrepro_settings``: its decode cost differs, e.g.
-        rope-mean's correction; None where k4v4 was not measured), source (per mode:
+        rope-mean's correction; None where k4v4 was not measured), users_fp8_arithmetic / users_k4v4_arithmetic
+        (``kvrepro.capacity``'s count recorded with a measured row where vLLM's KV cache held another number of
+        users; None where they agree or the mode was not measured), source (per mode:
         "measured, <GPU>, <date> (<file>)" with any preemptions, failed smoke or status, or "not measured (arithmetic,
         kvrepro.capacity)"; models of the capacity sweep say so).
 
@@ -438,7 +438,8 @@ def model_capacity_table(root: Path | None = None, gpu_memory_gib: float = 80.0)
     swept = _swept_models(root)
     rows = []
     for name in model_names():
-        rec = {"model": name, "tokens_per_user": workload(name)["max_model_len"], "key_offset": None}
+        rec = {"model": name, "tokens_per_user": workload(name)["max_model_len"], "key_offset": None,
+               "users_fp8_arithmetic": None, "users_k4v4_arithmetic": None}
         timed = {r.get("decode_tokens") for m in REACH_MODES if (r := runs.get((name, m))) is not None}
         rec["decode_tokens"] = (timed.pop() if len(timed) == 1 else " / ".join(map(str, sorted(timed)))) \
             if timed else None
@@ -463,8 +464,7 @@ def model_capacity_table(root: Path | None = None, gpu_memory_gib: float = 80.0)
             if r.get("smoke") and not r["smoke"].get("ok"):
                 notes.append("smoke generation failed")
             arith = r.get("users_fit_arithmetic")
-            if isinstance(arith, int) and arith != rec[f"users_{col}"]:
-                notes.append(f"the arithmetic said {arith} users")
+            rec[f"users_{col}_arithmetic"] = arith if isinstance(arith, int) and arith != rec[f"users_{col}"] else None
             if r.get("users_capped_by_max_num_seqs"):
                 notes.append(f"tok/s of {r.get('users_measured')} users (max_num_seqs)")
             gpu = str(r.get("gpu", "?")).replace("NVIDIA ", "")
@@ -481,8 +481,10 @@ def model_capacity_table(root: Path | None = None, gpu_memory_gib: float = 80.0)
                               "README's results table)")
         rows.append(rec)
     cols = ["model", "tokens_per_user", "decode_tokens", "users_fp8", "users_k4v4", "users_ratio", "tok_s_fp8",
-            "tok_s_k4v4", "tok_s_ratio", "key_offset", "source"]
+            "tok_s_k4v4", "tok_s_ratio", "key_offset", "users_fp8_arithmetic", "users_k4v4_arithmetic", "source"]
     df = pd.DataFrame(rows, columns=cols)
+    for c in ("users_fp8_arithmetic", "users_k4v4_arithmetic"):
+        df[c] = df[c].astype("Int64")                                     # counts, blank where they agree
     if all(r["decode_tokens"] is None or isinstance(r["decode_tokens"], int) for r in rows):
         df["decode_tokens"] = df["decode_tokens"].astype("Int64")          # 128, not 128.0, beside the missing ones
     return df

@@ -35,6 +35,7 @@ from pathlib import Path
 
 from kvrepro import sweep
 from kvrepro.listarg import comma_list
+from kvrepro.style import formatted
 
 SERVE_MODES = tuple(m for m in sweep.ALL_MODES if not m.startswith("turboquant"))
 DEFAULT_MODES = ("fp8:flash_attn", "kvrepro:k4v4")
@@ -396,11 +397,6 @@ def serve_table(runs: list[dict]):
 
 def table_markdown(df) -> str:
     """:func:`serve_table` as a markdown table (ms to one decimal, ratios as ``1.23x``, missing values blank)."""
-    def cell(v, fmt):
-        if v is None or (isinstance(v, float) and math.isnan(v)):
-            return ""
-        return fmt.format(v)
-
     head = ["mode", "backend", "rate (req/s)", "req/s", "output tok/s", "TTFT p50 (ms)", "TTFT p99 (ms)",
             "TPOT p50 (ms)", "TPOT p99 (ms)", "decode step p50 (ms)", "time in prefill steps", "preemptions",
             "goodput (req/s)", "goodput vs best fp8"]
@@ -408,12 +404,13 @@ def table_markdown(df) -> str:
     for _, r in df.iterrows():
         rate = "inf" if math.isinf(r["request_rate"]) else f"{r['request_rate']:g}"
         lines.append("| " + " | ".join([
-            r["mode"] + (f" ({r['key_offset']})" if isinstance(r.get("key_offset"), str) else ""), r["backend"], rate, cell(r["req_s"], "{:.3f}"), cell(r["out_tok_s"], "{:.1f}"),
-            cell(r["ttft_p50_ms"], "{:.1f}"), cell(r["ttft_p99_ms"], "{:.1f}"), cell(r["tpot_p50_ms"], "{:.1f}"),
-            cell(r["tpot_p99_ms"], "{:.1f}"), cell(r.get("step_p50_ms"), "{:.1f}"),
-            cell(None if r.get("stalled_share") is None else 100 * r["stalled_share"], "{:.0f}%"),
-            str(int(r["preemptions"])), cell(r["goodput_req_s"], "{:.3f}"),
-            cell(r["goodput_vs_best_fp8"], "{:.2f}x")]) + " |")
+            r["mode"] + formatted(r.get("key_offset"), " ({})"), r["backend"], rate, formatted(r["req_s"], "{:.3f}"),
+            formatted(r["out_tok_s"], "{:.1f}"), formatted(r["ttft_p50_ms"], "{:.1f}"),
+            formatted(r["ttft_p99_ms"], "{:.1f}"), formatted(r["tpot_p50_ms"], "{:.1f}"),
+            formatted(r["tpot_p99_ms"], "{:.1f}"), formatted(r.get("step_p50_ms"), "{:.1f}"),
+            formatted(r.get("stalled_share"), "{:.0f}%", 100),
+            str(int(r["preemptions"])), formatted(r["goodput_req_s"], "{:.3f}"),
+            formatted(r["goodput_vs_best_fp8"], "{:.2f}x")]) + " |")
     return "\n".join(lines)
 
 

@@ -46,6 +46,16 @@ def markers(names) -> dict:
 MISSING = "–"  # the one marker of a missing value in the notebooks' tables
 
 
+def formatted(v, fmt: str = "{}", scale: float = 1) -> str:
+    """One markdown-table cell: ``fmt.format(v x scale)`` (``scale`` 100 for a fraction shown as a percentage), or ""
+    for a missing value (None, NaN, pd.NA): the generated README and report tables leave missing cells blank."""
+    import pandas as pd
+
+    if v is None or (not isinstance(v, (list, tuple, dict)) and pd.isna(v)):
+        return ""
+    return fmt.format(v * scale if scale != 1 else v)
+
+
 def cell_text(v, digits: int = 3) -> str:
     """One table cell as text: integers (and integer-valued floats) without decimals, other floats to ``digits``
     decimals without trailing zeros, every missing value (None, NaN, pd.NA, NaT) as :data:`MISSING`, newlines in

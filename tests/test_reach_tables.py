@@ -3,6 +3,8 @@
 per-model capacity table on the committed results/reach/models_h200.jsonl (6 measured rows, 128 decode tokens)."""
 import json
 
+import pandas as pd
+
 import pytest
 
 from kvrepro import reach
@@ -105,6 +107,12 @@ def test_committed_model_table_shows_the_measured_rows_and_their_decode_tokens()
     assert "| `qwen3-0.6b` | 40,960 | 32 / 61 | 1.91 | 1,258 / 2,632 | 2.09 | slow-pairs | measured, 128 decode tokens; " \
         "arithmetic: 31 / 60 |" in text
     assert "| `qwen3-8b` | 40,960 | 19 / 37 | 1.95 | 534 / 1,152 | 2.16 | rope-mean | measured, 128 decode tokens |" in text
+    # where the arithmetic recorded with a row disagrees with what vLLM fit, the table keeps it; blank where they agree
+    for r in rows:
+        col = reach.kv_format(r["mode"])
+        got = t.loc[r["model"], f"users_{col}_arithmetic"]
+        assert (got == r["users_fit_arithmetic"]) if r["users_fit_arithmetic"] != r["users_fit"] else got is pd.NA
+    assert t.loc["qwen3-32b", "users_k4v4_arithmetic"] == 3 and t.loc["qwen3-32b", "users_fp8_arithmetic"] is pd.NA
     # vLLM's KV cache held fewer tokens than kvrepro.capacity's arithmetic for the 32B model: the table says so
     assert "| `qwen3-32b` | 40,960 | 1 / 2 | 2.00 | 48 / 59 | 1.24 | rope-mean | measured, 128 decode tokens; " \
         "arithmetic: 1 / 3 |" in text

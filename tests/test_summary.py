@@ -344,6 +344,11 @@ def test_styled_tables_hide_index_and_show_integers_and_one_missing_marker():
 
     assert [summary.cell_text(v) for v in (12.0, 23051.3, float("nan"), pd.NA, None, "a\nb", 0.12345)] == [
         "12", "23051.3", summary.MISSING, summary.MISSING, summary.MISSING, "a ⏎ b", "0.123"]
+    from kvrepro.style import formatted      # the generated markdown tables' cells: blank where missing
+
+    assert [formatted(v, "{:.1f}") for v in (0.25, float("nan"), pd.NA, None)] == ["0.2", "", "", ""]
+    assert formatted(0.836, "{:.0f}%", 100) == "84%" and formatted(12345, "{:,}") == "12,345"
+    assert formatted("rope-mean", " ({})") == " (rope-mean)"
     html = summary.styled(pd.DataFrame({"mode": ["fp8"], "users": [6.0]})).to_html()
     assert ">6<" in html and "text-align: left" in html and "row_heading" not in html
 

@@ -452,7 +452,7 @@ class RopeMean:
         g = hq // h
         qv = query.reshape(t, h, g, d)
         q2 = qv.gather(3, self.pair_idx[None, :, None, :].expand(t, h, g, 4 * MAX_PAIRS))   # [qx, qy | qy, qx]
-        ab = (q2.view(t, h, g, 2, 2 * MAX_PAIRS) * self.term_coef[None, :, None]).sum(3)     # float32, the coefficients' dtype
+        ab = (q2.view(t, h, g, 2, 2 * MAX_PAIRS) * self.term_coef[None, :, None]).sum(3)     # float32, as term_coef
         return ab.view(t, hq, 2 * MAX_PAIRS)
 
     def score_correction(self, query: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
