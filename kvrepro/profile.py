@@ -354,8 +354,8 @@ def section_markdown(root: str | os.PathLike) -> str:
             formatted(r["gemm_ms"], "{:.2f}"), formatted(r["gemm_bw"], "{:.0f}%", 100),
             formatted(r["rest_ms"], "{:.2f}"), formatted(r["idle_ms"], "{:.2f}"), formatted(r["bound_ms"], "{:.2f}"),
             formatted(r["of_bound"], "{:.1f}%", 100), f"[{tags[r['file']]}]"]) + " |")
-    return (f"Replayed from `{PROFILE_DIR}/` ({len(paths)} files). Per decode step of 36 layers: the timed step "
-            "(without the profiler), then the profiled kernel time by class (attention; GEMMs; the rest: KV store, "
+    return (f"Replayed from `{PROFILE_DIR}/` ({len(paths)} files). Per decode step (the bundled Qwen3-4B, all 36 "
+            "layers): the timed step (without the profiler), then the profiled kernel time by class (attention; GEMMs; the rest: KV store, "
             "norms, activations, sampling, a kvrepro mode's own PyTorch ops) and the GPU's idle time; the bound reads "
             "every weight and KV byte of the batch once at the copy bandwidth measured in the same process "
             "(`kvrepro.profile.decode_bound`).\n\n" + "\n".join(lines) + "\n\n"
