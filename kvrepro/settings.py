@@ -188,7 +188,8 @@ SETTINGS: tuple[Declaration, ...] = (
         "[the others](results/keybias/keybias_cpu.csv); KL per mode: [CPU reference rows](results/fidelity/"
         "reference_cpu_smollm2.csv) and [vLLM rows](results/fidelity/vllm_h200_smollm2.csv) (rope-mean and "
         "slow-pairs); decode time of the correction: [decode_rope_mean.json](benchmarks/results/decode_rope_mean.json);"
-        " 128K capacity with rope-mean: [h200-20261202-rope.jsonl](results/capacity/h200-20261202-rope.jsonl)"),
+        " 128K capacity with rope-mean: [h200-20261202-k5ang.jsonl](results/capacity/h200-20261202-k5ang.jsonl) (k5v4),"
+        " [h200-20261202-fp8b.jsonl](results/capacity/h200-20261202-fp8b.jsonl) (k4v4)"),
     Declaration(
         "warmup", "KVREPRO_WARMUP", "0, 1", "1",
         "1: compile and load every decode-kernel variant before vLLM's memory profiling, so that no compilation "

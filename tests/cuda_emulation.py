@@ -284,15 +284,16 @@ def _f(bits) -> np.ndarray:
     return np.asarray(bits, np.uint32).view(np.float32)
 
 
-def rope_sincos(a) -> tuple[np.ndarray, np.ndarray]:
-    """The kernel's ``rope_sincos`` on float32 angles ``a`` (>= 0): ``(sin, cos)`` float32, operation by operation
-    (rintf, three FMAs of the pi / 2 reduction, the Cephes polynomials, the quadrant)."""
+def rope_sincos(a, lo=0.0) -> tuple[np.ndarray, np.ndarray]:
+    """The kernel's ``rope_sincos`` on float32 angles ``a`` (>= 0) plus their float32 remainders ``lo`` (the angle is
+    ``a + lo``): ``(sin, cos)`` float32, operation by operation (rintf, three FMAs of the pi / 2 reduction, the add of
+    ``lo``, the Cephes polynomials, the quadrant)."""
     f = np.float32
     a = np.asarray(a, np.float32)
     k = np.rint(a * f(0.636619772367581343)).astype(np.float32)   # rintf: ties to even, as np.rint
     r = _fma32(-k, f(1.5703125), a)
     r = _fma32(-k, f(4.838267923332751e-4), r)
-    r = _fma32(-k, f(2.5632829192545614e-12), r)
+    r = (_fma32(-k, f(2.5632829192545614e-12), r) + np.asarray(lo, np.float32)).astype(np.float32)
     q = k.astype(np.int64)
     r2 = (r * r).astype(np.float32)
     ps = _fma32(_fma32(_fma32(f(-1.9515295891e-4), r2, f(8.3321608736e-3)), r2, f(-1.6666654611e-1)) * r2, r, r)
@@ -336,14 +337,17 @@ def rope_shared(terms: np.ndarray, freq: np.ndarray, rope_scale: float, b: int, 
 def rope_add(pos0: int, frag: np.ndarray, fr: np.ndarray) -> np.ndarray:
     """The kernel's ``rope_add`` for the page whose first token is at ``pos0``: the correction's C fragments [32, 4]
     (rows g, g + 8 = tokens pos0 + g, + 8; heads 2 tq, 2 tq + 1), lane by lane: angles as ``__fmul_rn`` of the
-    float32 position and frequency, ``rope_sincos``, the 3xTF32 split and the m16n8k4 MMAs in the kernel's order."""
+    float32 position and frequency plus the ``__fmaf_rn`` remainder (exact), ``rope_sincos``, the 3xTF32 split and the
+    m16n8k4 MMAs in the kernel's order."""
     c = np.zeros((32, 4))
     lanes = np.arange(32)
     t0 = (pos0 + lanes // 4).astype(np.float32)
     t1 = (pos0 + lanes // 4 + 8).astype(np.float32)
     for pp in range(2):
-        sn0, cs0 = rope_sincos((t0 * fr[:, pp]).astype(np.float32))   # float32 product: one rounding
-        sn1, cs1 = rope_sincos((t1 * fr[:, pp]).astype(np.float32))
+        a0 = (t0 * fr[:, pp]).astype(np.float32)                       # float32 product: one rounding
+        a1 = (t1 * fr[:, pp]).astype(np.float32)
+        sn0, cs0 = rope_sincos(a0, _fma32(t0, fr[:, pp], -a0))          # the remainder: exact in one FMA
+        sn1, cs1 = rope_sincos(a1, _fma32(t1, fr[:, pp], -a1))
         for blk, (x0, x1) in enumerate(((cs0, cs1), (sn0, sn1))):
             h = np.stack([tf32_rna(x0), tf32_rna(x1)], 1)
             lo = np.stack([tf32_rna(x0 - _f(h[:, 0])), tf32_rna(x1 - _f(h[:, 1]))], 1)

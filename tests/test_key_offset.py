@@ -307,8 +307,7 @@ def test_rope_mean_packed_paths_round_as_the_pair_formulas(neox, dtype):
     assert min(rm.kept) >= 1
 
     def pair_formulas():
-        a = RopeMean.angles(pos, rm.inv_freq)
-        c, s = a.cos(), a.sin()
+        c, s = RopeMean.cos_sin(pos, rm.inv_freq)
         bx, by = rm.bias[..., 0], rm.bias[..., 1]
         off = torch.zeros(n, h, d)
         off.scatter_add_(2, rm.x_ch.expand(n, -1, -1), bx * c - by * s)
@@ -388,10 +387,12 @@ def test_rope_mean_refuses_arguments_on_another_device_than_its_buffers():
     assert rm.calibrated and rm.remove(key, pos).device == key.device
 
 
-def test_rope_mean_angles_round_as_the_models_rope_does():
-    """The float32 cos/sin of position x inv_freq equal transformers' Llama rotary embedding (the cos/sin cache vLLM's
-    RotaryEmbedding builds the same way) bit for bit at positions up to 131,071: the removed R(p) b_hat follows the
-    model's own rotation, whose float32 angle at 131,071 is up to 2^-7 rad off the exact product."""
+def test_rope_mean_angles_are_exact_and_stay_within_float32_rounding_of_the_models_rope():
+    """RopeMean's angles are the exact products position x inv_freq (float64), with inv_freq equal to transformers'
+    Llama rotary embedding's (the cos/sin cache vLLM's RotaryEmbedding builds the same way); its float32 cos/sin differ
+    from the model's, whose angle is rounded to float32 first, by at most that rounding (half a float32 ulp of the
+    angle, 2^-8 rad at 131,071 in the fastest pair) plus cos/sin rounding: what the module docstring says stays in the
+    stored residual."""
     from types import SimpleNamespace as NS
 
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
@@ -402,14 +403,19 @@ def test_rope_mean_angles_round_as_the_models_rope_does():
         emb = LlamaRotaryEmbedding(cfg)
     except Exception as e:   # a transformers version reading other config fields
         pytest.skip(f"LlamaRotaryEmbedding does not take this config: {e}")
-    torch.testing.assert_close(emb.inv_freq, rope_inv_freq(128, 1e6), atol=0, rtol=0)
+    inv = rope_inv_freq(128, 1e6)
+    torch.testing.assert_close(emb.inv_freq, inv, atol=0, rtol=0)
     pos = torch.tensor([0, 1, 4095, 65_537, 131_071])
     cos, sin = emb(torch.zeros(1, 5, 128), pos[None])
-    a = RopeMean.angles(pos, rope_inv_freq(128, 1e6))
-    torch.testing.assert_close(cos[0, :, :64], a.cos(), atol=0, rtol=0)
-    torch.testing.assert_close(sin[0, :, :64], a.sin(), atol=0, rtol=0)
-    exact = pos[:, None].double() * 1e6 ** (-torch.arange(64, dtype=torch.float64) / 64)
-    assert (a.double() - exact).abs().max() > 1e-3                  # float32's own angle error at long context
+    a = RopeMean.angles(pos, inv)
+    exact = pos[:, None].double() * inv.double()[None]
+    assert a.dtype == torch.float64 and torch.equal(a, exact)
+    c, s = RopeMean.cos_sin(pos, inv)
+    torch.testing.assert_close(c, exact.cos().float(), atol=0, rtol=0)
+    bound = exact * 2.0 ** -24 + 1.2e-7                   # half an ulp of the angle, plus both cos/sin roundings
+    assert ((cos[0, :, :64].double() - c.double()).abs() <= bound).all()
+    assert ((sin[0, :, :64].double() - s.double()).abs() <= bound).all()
+    assert (cos[0, :, :64].double() - c.double()).abs().max() > 1e-4   # the model's float32 angle at long context
 
 
 @pytest.mark.parametrize("preset", sorted(COMPRESSED_PRESETS))

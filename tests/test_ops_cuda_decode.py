@@ -897,6 +897,23 @@ def test_emulated_rope_sincos_is_float32_accurate_up_to_2_pow_20():
     assert err_s < 2.5e-7 and err_c < 2.5e-7, (err_s, err_c)
 
 
+def test_emulated_rope_sincos_takes_the_exact_angle_of_position_times_theta():
+    """rope_add's angle is the float32 product plus its remainder (one FMA, exact): sin / cos of the exact product
+    ``position x theta`` (RopeMean.angles) within 2.5e-7 at positions up to 2^20 and theta up to 1, where the float32
+    product alone is off by up to 2^-5 rad (so the test would fail without the remainder)."""
+    rng = np.random.default_rng(1)
+    pos = np.concatenate([rng.integers(0, 2 ** 20, 100_000), np.arange(131_000, 131_072)]).astype(np.float32)
+    theta = np.concatenate([rng.uniform(0, 1, 100_000), np.ones(72)]).astype(np.float32)
+    a = (pos * theta).astype(np.float32)
+    lo = emu._fma32(pos, theta, -a)
+    exact = pos.astype(np.float64) * theta.astype(np.float64)
+    assert np.abs(a.astype(np.float64) + lo.astype(np.float64) - exact).max() == 0     # the remainder is exact
+    sn, cs = emu.rope_sincos(a, lo)
+    err = max(np.abs(sn - np.sin(exact)).max(), np.abs(cs - np.cos(exact)).max())
+    assert err < 2.5e-7, err
+    assert np.abs(emu.rope_sincos(a)[1] - np.cos(exact)).max() > 1e-3                  # without it: the float32 angle
+
+
 def _rope_mean_set(hkv, d, neox, gen, norm=1000.0):
     """A RopeMean on the CPU with 8 kept pairs per KV head chosen at random among all of the layout's pairs (the
     fastest, pair 0, in every head), b_hat of norm ``norm`` per head, as calibrate() would leave it."""
@@ -954,7 +971,7 @@ def test_emulated_rope_correction_reads_each_row_of_terms():
                 terms[1, 7 * group + h, col] = 1.0
                 frag, fr = emu.rope_shared(terms, freq, 1.0, 1, 7, group)
                 got = emu.logits_from_fragments(emu.rope_add(480, frag, fr))
-                ang = (np.arange(480, 496, dtype=np.float32) * freq[7, col % 8]).astype(np.float64)
+                ang = np.arange(480, 496, dtype=np.float64) * np.float64(freq[7, col % 8])   # the exact angle
                 want = np.zeros((16, 8))
                 want[:, h] = np.cos(ang) if col < 8 else np.sin(ang)
                 assert np.abs(got - want).max() < 1e-6, (group, col, h)

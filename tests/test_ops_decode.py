@@ -10,7 +10,7 @@ import triton.language as tl
 
 from kvrepro.formats import get_format
 from kvrepro.ops import decode_attention
-from kvrepro.ops.triton.attention import _rope_bias_scores
+from kvrepro.ops.triton.attention import _rope_next, _rope_setup, _rope_tile
 from kvrepro.reference import attention_ref, paged_attention_ref
 
 LENS = [1, 5, 54, 97, 0]        # 0 = CUDA-graph padding row
@@ -382,43 +382,49 @@ def test_decode_rope_mean_refuses_bad_terms_and_the_cuda_kernel(host_device_guar
 
 
 @triton.jit
-def _rope_bias_scores_kernel(ab_ptr, f_ptr, n_ptr, o_ptr, M: tl.constexpr, N: tl.constexpr, NP: tl.constexpr):
-    """``_rope_bias_scores`` alone: o [M, N] from ab [M, 2 NP], freqs [NP], positions [N]."""
+def _rope_tiles_kernel(ab_ptr, f_ptr, o_ptr, start, NT, M: tl.constexpr, N: tl.constexpr, NP: tl.constexpr):
+    """The paged kernel's correction alone over ``NT`` tiles of ``N`` keys from position ``start`` (its helpers, in its
+    order): o [M, NT N] from ab [M, 2 NP] (A | B), freqs [NP]."""
     m = tl.arange(0, M)
     j = tl.arange(0, 2 * NP)
-    n = tl.load(n_ptr + tl.arange(0, N))
     ab = tl.load(ab_ptr + m[:, None] * (2 * NP) + j[None, :])
-    tl.store(o_ptr + m[:, None] * N + tl.arange(0, N)[None, :], _rope_bias_scores(ab, f_ptr, n, NP))
+    ab_sw = tl.load(ab_ptr + m[:, None] * (2 * NP) + ((j + NP) % (2 * NP))[None, :])
+    table, sgn, turn_c, turn_s, step_c, step_s = _rope_setup(f_ptr, start, NP, N)
+    for k in range(0, NT):
+        tile = _rope_tile(ab, ab_sw, sgn, table, turn_c, turn_s)
+        tl.store(o_ptr + m[:, None] * (NT * N) + k * N + tl.arange(0, N)[None, :], tile)
+        turn_c, turn_s = _rope_next(turn_c, turn_s, step_c, step_s)
 
 
-def test_rope_bias_scores_match_float32_rope_at_long_positions(host_device_guard):
-    """The kernel's correction term alone (``_rope_bias_scores`` in a one-program kernel) at positions up to 131,071
-    against ``RopeMean.score_correction`` (float32 torch cos/sin of the same float32 angles) and against float64 of
-    those angles: the float64 range reduction keeps it to float32 rounding where a float32 one would be off by the
-    angle's own ulp."""
+@pytest.mark.parametrize("start,nt,n", [(0, 4, 16), (131_072 - 64 * 32, 64, 32), (2 ** 20 - 8 * 128, 8, 128)])
+def test_rope_tiles_match_float64_at_long_positions(host_device_guard, start, nt, n):
+    """The correction as the paged kernel builds it (a per-program cos / sin table of the offset in the tile, each
+    tile's turn carried by a float64 rotation) over many tiles up to position 2^20, against float64 cos / sin of the
+    exact angles ``position x theta`` (``RopeMean.angles``) and against ``RopeMean.score_correction``: within 2e-6 of
+    the largest term, where the float32 angle alone would be off by its own ulp (up to 2^-5 rad here)."""
     from kvrepro.formats.offset import RopeMean
+    from kvrepro.keybias import rope
 
     gen = torch.Generator().manual_seed(0)
     rm = RopeMean(1, 128, {"rope_theta": 1e6, "neox": True}, device=DEV)
-    from kvrepro.keybias import rope
-
     pre = torch.randn(1, 64, 128, generator=gen, dtype=torch.float64)
     pre[..., [0, 1, 40, 63]] += 300.0                                   # pairs 0 (1 rad per position), 1, 40, 63
     rm.calibrate(rope(pre, torch.arange(64)).transpose(0, 1).float().to(DEV), torch.arange(64, device=DEV))
     assert rm.kept == [4]
     q = torch.randn(16, 1, 128, generator=gen).to(DEV)
-    pos = torch.tensor([0, 1, 2, 1000, 4095, 65_535, 65_537, 100_003, 105_616, 120_000, 125_000, 129_999, 130_001,
-                        131_000, 131_070, 131_071], dtype=torch.int32, device=DEV)
     ab = torch.cat(rm.score_terms(q), -1)[:, 0].contiguous()
-    out = torch.empty(16, 16, device=DEV)
-    _rope_bias_scores_kernel[(1,)](ab, rm.inv_freq[0].contiguous(), pos, out, M=16, N=16, NP=8)
-    want = rm.score_correction(q, pos)[:, 0]
-    a64 = RopeMean.angles(pos, rm.inv_freq[0]).double()                              # [16 positions, 8]
+    out = torch.empty(16, nt * n, device=DEV)
+    _rope_tiles_kernel[(1,)](ab, rm.inv_freq[0].contiguous(), out, start, nt, M=16, N=n, NP=8)
+    pos = torch.arange(start, start + nt * n, device=DEV)
+    a64 = RopeMean.angles(pos, rm.inv_freq[0])                                      # [positions, 8] float64
     a_, b_ = (x[:, 0].double() for x in rm.score_terms(q))
     want64 = a_ @ a64.cos().T + b_ @ a64.sin().T
     big = want64.abs().max()
     assert (out.double() - want64).abs().max() / big < 2e-6
-    assert (want.double() - want64).abs().max() / big < 2e-6
+    assert (rm.score_correction(q, pos)[:, 0].double() - want64).abs().max() / big < 2e-6
+    if start > 2 ** 16:                              # there the float32 angle is off by more than the tolerance
+        f32 = (pos.float()[:, None] * rm.inv_freq[0][None]).double()
+        assert (a_ @ f32.cos().T + b_ @ f32.sin().T - want64).abs().max() / big > 1e-4
 
 
 @pytest.mark.skipif(DEV != "cuda", reason="real shapes: compiled kernels on a GPU")

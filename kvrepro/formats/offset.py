@@ -37,11 +37,14 @@ mean ``b_hat = mean_p R(p)^-1 k_p`` per KV head (KVQuant quantizes keys before R
 arXiv:2502.01563). The store keeps ``k_p - R(p) b_hat`` in the kept pairs; the read adds ``q . R(j) b_hat`` back to
 each paged key's score (``A_i cos(j theta_i) + B_i sin(j theta_i)``, :meth:`RopeMean.score_terms`), so the scores are
 those of the exact keys (to float32 rounding), in every pair, at every position: no softmax invariance is needed and a
-prefill chunk's own keys are attended unshifted. Angles are float32 ``position x inv_freq`` with
-``inv_freq = 1 / theta^(arange(0, rotary_dim, 2) / rotary_dim)`` in float32, as vLLM's ``RotaryEmbedding`` and
-transformers' default RoPE compute their cos/sin caches, so the removed ``R(p) b_hat`` follows the model's own rotation
-(the float32 angle at position 131,072 is off the exact product by up to 2^-7 rad; matching it keeps that out of the
-stored residual). The scores are exact whatever frequencies are used, since the store and the read use the same ones;
+prefill chunk's own keys are attended unshifted. Angles are the exact products ``position x inv_freq`` (float64:
+an int below 2^24 times a float32 frequency), with ``inv_freq = 1 / theta^(arange(0, rotary_dim, 2) / rotary_dim)`` in
+float32 as vLLM's ``RotaryEmbedding`` and transformers' default RoPE compute it, and their cos / sin rounded once to
+float32. Exact angles make the correction separable by angle addition (``j = n0 + t``: a table of ``t theta_i`` per
+kernel and one turn per key tile, no trigonometry per key: ``kvrepro.ops.triton.attention``); the models' own cos/sin
+caches round the angle to float32 first, so at position ``p`` the removed ``R(p) b_hat`` is off the model's rotation
+by at most half a float32 ulp of ``p theta_i`` (2^-24 of the angle: 2^-8 rad in the fastest pair at 131,071), and at
+most that fraction of ``|b_hat|`` stays in the stored residual, never in the scores. The scores are exact whatever frequencies are used, since the store and the read use the same ones;
 a model whose RoPE is scaled (e.g. Llama 3.1's) gets a less effective offset, never a wrong score. The correction costs
 decode time per key (``benchmarks/results/decode_rope_mean.json``); ``slow-pairs`` costs none.
 """
@@ -354,12 +357,19 @@ class RopeMean:
 
     @staticmethod
     def angles(pos: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-        """float32 ``pos[:, None, ...] x inv_freq[None]`` (``pos`` int ``[n]``): one float32 rounding of the product,
-        as the models' cos/sin caches. ValueError if ``pos`` and ``inv_freq`` are on different devices."""
+        """float64 ``pos[:, None, ...] x inv_freq[None]`` (``pos`` int ``[n]``, below 2^24; ``inv_freq`` float32): the
+        exact product, which the kernels' angle addition reproduces (module docstring). ValueError if ``pos`` and
+        ``inv_freq`` are on different devices."""
         if pos.device != inv_freq.device:
             raise ValueError(f"RopeMean.angles: pos is on {pos.device}, inv_freq on {inv_freq.device}")
-        p = pos.to(dtype=torch.float32)
-        return p.view(-1, *([1] * inv_freq.dim())) * inv_freq.unsqueeze(0)
+        p = pos.to(dtype=torch.float64)
+        return p.view(-1, *([1] * inv_freq.dim())) * inv_freq.to(torch.float64).unsqueeze(0)
+
+    @staticmethod
+    def cos_sin(pos: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 ``(cos, sin)`` of :meth:`angles`, each computed in float64 and rounded once."""
+        a = RopeMean.angles(pos, inv_freq)
+        return a.cos().to(torch.float32), a.sin().to(torch.float32)
 
     def calibrate(self, key: torch.Tensor, pos: torch.Tensor) -> None:
         """Set ``b_hat`` and the kept pairs from ``key`` ``[T >= 1, num_kv_heads, head_dim]`` at positions ``pos``
@@ -379,8 +389,8 @@ class RopeMean:
         self.check_device(key=key, pos=pos)
         dev = key.device
         ax, ay, inv = self.all_pairs()
-        a = self.angles(pos, inv)                               # [T, P]
-        c, s = a.cos()[:, None], a.sin()[:, None]               # [T, 1, P]
+        c, s = self.cos_sin(pos, inv)
+        c, s = c[:, None], s[:, None]                           # [T, 1, P]
         x, y = key.float()[..., ax], key.float()[..., ay]       # [T, H, P]
         x0, y0 = x * c + y * s, y * c - x * s                   # R(p)^-1 k_p, pair by pair
         bx, by = x0.mean(0), y0.mean(0)                         # [H, P]
@@ -410,8 +420,7 @@ class RopeMean:
         channel 0)."""
         self.check_device(base=base, pos=pos)
         n, h = base.shape[0], self.num_kv_heads
-        a = self.angles(pos, self.inv_freq)                                      # [n, H, M]
-        cs = torch.stack([a.cos(), a.sin()], 2)                                   # [n, H, 2, M]
+        cs = torch.stack(self.cos_sin(pos, self.inv_freq), 2)                    # [n, H, 2, M]
         neg = (cs.unsqueeze(3) * self.rot_coef).sum(2).reshape(n, h, 2 * MAX_PAIRS)   # -(ox, oy)
         out = base.to(torch.float32, copy=True)                                 # never the caller's tensor
         out.scatter_add_(2, self.xy_ch.expand(n, h, -1), neg if sign < 0 else -neg)
@@ -461,5 +470,5 @@ class RopeMean:
         self.check_device(pos=pos)
         a_, b_ = self.score_terms(query)
         g = query.shape[1] // self.num_kv_heads
-        ang = self.angles(pos, self.inv_freq).repeat_interleave(g, 1)          # [n, Hq, M]
-        return torch.einsum("thm,nhm->thn", a_, ang.cos()) + torch.einsum("thm,nhm->thn", b_, ang.sin())
+        c, s = (x.repeat_interleave(g, 1) for x in self.cos_sin(pos, self.inv_freq))     # [n, Hq, M]
+        return torch.einsum("thm,nhm->thn", a_, c) + torch.einsum("thm,nhm->thn", b_, s)

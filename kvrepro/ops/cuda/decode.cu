@@ -242,17 +242,17 @@ __device__ __forceinline__ void mma_tf32_k4(float (&c)[4], uint32_t a0, uint32_t
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a0), "r"(a1), "r"(b0));
 }
-// sin and cos of the float32 angle a = j theta >= 0: a - k pi / 2 by three FMAs (Cody-Waite: pi / 2 = 1.5703125 + C2 +
-// C3, the first with 8 significant bits, so that a - k 1.5703125 is exact for every a below 2^20, i.e. positions up to
-// ~1M at theta 1; tests/cuda_emulation.py checks it), then the Cephes single-precision
-// minimax polynomials of sinf / cosf on [-pi / 4, pi / 4] (S. L. Moshier, Cephes Math Library) and the quadrant k mod
-// 4. Absolute error ~1e-7, as a float64 reduction of the same float32 angle followed by a float32 cosine (the Triton
-// kernel's _rope_bias_scores).
-__device__ __forceinline__ void rope_sincos(float a, float& s, float& c) {
+// sin and cos of the exact angle a + lo = j theta >= 0 (a = the float32 product, lo its rounding error, both from
+// rope_add): a - k pi / 2 by three FMAs (Cody-Waite: pi / 2 = 1.5703125 + C2 + C3, the first with 8 significant bits,
+// so that a - k 1.5703125 is exact for every a below 2^20, i.e. positions up to ~1M at theta 1;
+// tests/cuda_emulation.py checks it), plus lo, then the Cephes single-precision minimax polynomials of sinf / cosf on
+// [-pi / 4, pi / 4] (S. L. Moshier, Cephes Math Library) and the quadrant k mod 4. Absolute error ~1e-7, as the
+// Triton kernel's float64 reduction followed by a float32 cosine (RopeMean.angles: the exact product).
+__device__ __forceinline__ void rope_sincos(float a, float lo, float& s, float& c) {
   const float k = rintf(a * 0.636619772367581343f);
   float r = fmaf(-k, 1.5703125f, a);
   r = fmaf(-k, 4.838267923332751e-4f, r);
-  r = fmaf(-k, 2.5632829192545614e-12f, r);
+  r = fmaf(-k, 2.5632829192545614e-12f, r) + lo;
   const int q = (int)k;
   const float r2 = r * r;
   const float ps = fmaf(fmaf(fmaf(-1.9515295891e-4f, r2, 8.3321608736e-3f), r2, -1.6666654611e-1f) * r2, r, r);
@@ -276,8 +276,9 @@ __device__ __forceinline__ void rope_coefs(uint32_t (&rb)[8], const float* __res
   }
 }
 // s[0..3] (tokens pos0 + g, pos0 + g + 8; heads 2 tq, 2 tq + 1) += c of those keys: lane (g, tq) takes the angles of
-// those tokens in pairs tq and tq + 4; the angle is one float32 product of the float32 position (exact below 2^24) and
-// the frequency, as RopeMean.angles (__fmul_rn: no FMA contraction may change its rounding). rope_sm: rope_coefs'
+// those tokens in pairs tq and tq + 4; the angle is the exact product of the float32 position (exact below 2^24) and
+// the frequency, as RopeMean.angles: its float32 rounding (__fmul_rn: no FMA contraction may change it) plus the
+// rounding error, exact by one FMA. rope_sm: rope_coefs'
 // fragments in shared memory, [4][32 lanes] uint2 (hi, lo) for cos pair tq, cos tq + 4, sin tq, sin tq + 4, then
 // [32 lanes] float2 (f_tq, f_tq+4). One k4 block per pair half and cos / sin (mma.m16n8k4: 2 A registers per lane, so
 // only one pair's angles are live at a time; the k8 shape, 4 A registers, spilled on sm_90 for k4v2).
@@ -290,8 +291,9 @@ __device__ __forceinline__ void rope_add(float (&s)[4], int pos0, int g, const u
   for (int pp = 0; pp < 2; ++pp) {     // pair tq, then tq + 4
     const float fr = pp ? f.y : f.x;
     float sn[2], cs[2];                 // A fragment rows g (token pos0 + g), g + 8
-    rope_sincos(__fmul_rn(t0, fr), sn[0], cs[0]);
-    rope_sincos(__fmul_rn(t1, fr), sn[1], cs[1]);
+    const float a0 = __fmul_rn(t0, fr), a1 = __fmul_rn(t1, fr);
+    rope_sincos(a0, __fmaf_rn(t0, fr, -a0), sn[0], cs[0]);
+    rope_sincos(a1, __fmaf_rn(t1, fr, -a1), sn[1], cs[1]);
 #pragma unroll
     for (int blk = 0; blk < 2; ++blk) {  // cos, sin
       const float* x = blk ? sn : cs;

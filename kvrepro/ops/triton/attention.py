@@ -38,11 +38,14 @@ codes: int8 ``8 (code - 16)`` (the 4-bit int8 plane ``16 (hi - 8)`` with the low
 ``VLOG`` (``k5v4``): the value scale is ``2**((u - 128) / 8)`` of a uint8 ``u`` (``kvrepro.ops.triton.scales``).
 
 ``NPAIRS > 0`` (key offset ``rope-mean``, ``kvrepro.formats.offset.RopeMean``): the pages hold ``k_j - R(j) b_hat``,
-and each paged key's logit gets ``sum_i A_i cos(j theta_i) + B_i sin(j theta_i)`` back (``_rope_bias_scores``;
-``A``, ``B`` per query row from the caller, float32), so the scores are those of the exact keys. The angle
-``j theta_i`` is rounded to float32 once (an exact float64 product, then one rounding: what the store's float32
-``position x inv_freq`` gives, whatever FMA contraction the compiler does), reduced modulo 2 pi in float64 and taken
-by a float32 cosine on ``[-3 pi / 2, pi]``. The chunk's fresh keys (prefill) are exact and get nothing.
+and each paged key's logit gets ``sum_i A_i cos(j theta_i) + B_i sin(j theta_i)`` back (``A``, ``B`` per query row
+from the caller, float32), so the scores are those of the exact keys. The angle is the exact product ``j theta_i``
+(as ``RopeMean.angles``), which makes the correction separable by angle addition: for the key tile starting at
+``n0``, ``j = n0 + t``, it is ``sum_i A'_i cos(t theta_i) + B'_i sin(t theta_i)`` with ``(A', B')`` the terms turned by
+``n0 theta_i``. The ``[2 NPAIRS, BLOCK_N]`` cos / sin table of ``t theta_i`` is built once per program
+(``_rope_cos``), the turn of the tile start is carried from tile to tile by one float64 rotation by
+``BLOCK_N theta_i`` (seeded once at the split's first key), and each tile adds one 3xTF32 dot of the turned terms
+with the table: no trigonometry per key. The chunk's fresh keys (prefill) are exact and get nothing.
 """
 import triton
 import triton.language as tl
@@ -375,19 +378,45 @@ _HALF_PI = tl.constexpr(1.5707963267948966)
 
 
 @triton.jit
-def _rope_bias_scores(ab, rf_row, n, NPAIRS: tl.constexpr):
-    """``[M, N]`` float32 ``sum_i A_i cos(n theta_i) + B_i sin(n theta_i)`` for key positions ``n`` [N] (int32):
-    ``ab`` [M, 2 NPAIRS] float32 (``A`` then ``B`` per row), ``rf_row`` pointer to this KV head's ``NPAIRS`` float32
-    frequencies ``theta_i``. Row ``j`` of the ``[2 NPAIRS, N]`` cosine tile is ``cos(n theta_j)`` (``j < NPAIRS``) or
-    ``cos(n theta_j - pi / 2) = sin(n theta_j)``; one float32 ``ieee`` dot sums it with ``ab``."""
-    j = tl.arange(0, 2 * NPAIRS)
-    f = tl.load(rf_row + (j % NPAIRS))
-    a = (n.to(tl.float64)[None, :] * f.to(tl.float64)[:, None]).to(tl.float32)   # exact product, one rounding
-    a64 = a.to(tl.float64)
+def _rope_cos(a64, phase):
+    """float32 ``cos(a64 - phase)`` of float64 angles ``a64 >= 0`` (``phase`` 0 or pi / 2, float32, broadcast): ``a64``
+    reduced modulo 2 pi in float64 (three-part 2 pi, Cody-Waite), then one float32 cosine on ``[-3 pi / 2, pi]``:
+    absolute error ~1e-7 at any angle below 2^40."""
     k = tl.floor(a64 * _INV_TWO_PI + 0.5)
     r = (((a64 - k * _TWO_PI_1) - k * _TWO_PI_2) - k * _TWO_PI_3).to(tl.float32)
-    phase = tl.where(j < NPAIRS, 0.0, _HALF_PI)
-    return tl.dot(ab, tl.cos(r - phase[:, None]), input_precision="ieee")
+    return tl.cos(r - phase)
+
+
+@triton.jit
+def _rope_setup(rf_row, start, NPAIRS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Per program, for the key tiles ``[start + k BLOCK_N, + BLOCK_N)`` of one KV head (``rf_row``: its ``NPAIRS``
+    float32 frequencies ``theta_i``): ``(table, sgn, turn_c, turn_s, step_c, step_s)``. ``table`` float32
+    ``[2 NPAIRS, BLOCK_N]``: ``cos(t theta_j)`` for ``j < NPAIRS``, ``sin(t theta_(j - NPAIRS))`` after, ``t`` the
+    key's offset in its tile; ``sgn`` [2 NPAIRS] +1 / -1; ``turn_c, turn_s`` float64 [2 NPAIRS] cos / sin of
+    ``start theta_(j % NPAIRS)`` (the first tile's turn), ``step_c, step_s`` those of ``BLOCK_N theta``: the next tile's
+    turn is the float64 rotation of this one by the step (its error grows ~1e-16 per tile)."""
+    jp = tl.arange(0, 2 * NPAIRS)
+    f64 = tl.load(rf_row + (jp % NPAIRS)).to(tl.float64)
+    phase = tl.where(jp < NPAIRS, 0.0, _HALF_PI)
+    table = _rope_cos(tl.arange(0, BLOCK_N).to(tl.float64)[None, :] * f64[:, None], phase[:, None])
+    sgn = tl.where(jp < NPAIRS, 1.0, -1.0)
+    a_start = start.to(tl.float64) * f64           # exact: a position below 2^24 times a float32 theta
+    return table, sgn, tl.cos(a_start), tl.sin(a_start), tl.cos(f64 * BLOCK_N), tl.sin(f64 * BLOCK_N)
+
+
+@triton.jit
+def _rope_tile(ab, ab_sw, sgn, table, turn_c, turn_s):
+    """``[M, BLOCK_N]`` float32 ``sum_i A_i cos(n theta_i) + B_i sin(n theta_i)`` for the tile's keys ``n = n0 + t``:
+    ``ab`` [M, 2 NPAIRS] (``A | B``), ``ab_sw`` (``B | A``), turned by ``n0 theta`` (``turn_c, turn_s``, float64) to
+    ``A' = A c + B s``, ``B' = B c - A s``, then one 3xTF32 dot with ``table`` (``_rope_setup``)."""
+    abt = ab * turn_c.to(tl.float32)[None, :] + ab_sw * (sgn * turn_s.to(tl.float32))[None, :]
+    return tl.dot(abt, table, input_precision="tf32x3")
+
+
+@triton.jit
+def _rope_next(turn_c, turn_s, step_c, step_s):
+    """The next tile's turn: ``(turn_c, turn_s)`` rotated by the step, in float64."""
+    return turn_c * step_c - turn_s * step_s, turn_s * step_c + turn_c * step_s
 
 
 @triton.jit
@@ -519,18 +548,19 @@ def paged_attn_kernel(
     else:
         q0, q1, q2, q3, qsum = _query_planes(qrow, qmask, dk, KP, KBITS)
 
-    if NPAIRS > 0:                           # rope-mean: A, B of each query row, scaled as q (scale x log2 e)
-        jp = tl.arange(0, 2 * NPAIRS)
-        ab = tl.load(rb_ptr + (tok * HQ + head)[:, None] * (2 * NPAIRS) + jp[None, :], mask=qmask, other=0.0)
-        ab = ab * rb_scale
-        rf_row = rf_ptr + kvh * NPAIRS
-
     # This split's range of paged keys (empty splits skip the loop).
     start, end = _split_range(n_paged, split, NUM_SPLITS, BLOCK_N)
     end = tl.where(qt * BLOCK_Q >= q_len, start, end)   # query tile past this chunk: no work
     m_i, l_i, accz, acc0, acc1, acc2, acc3 = _softmax_state(BLOCK_M, VP)
 
     nn = tl.arange(0, BLOCK_N)
+    if NPAIRS > 0:                           # rope-mean (module docstring): terms scaled as q (scale x log2 e)
+        jp = tl.arange(0, 2 * NPAIRS)
+        rb_row = rb_ptr + (tok * HQ + head)[:, None] * (2 * NPAIRS)
+        ab = tl.load(rb_row + jp[None, :], mask=qmask, other=0.0) * rb_scale                     # [A | B]
+        ab_sw = tl.load(rb_row + ((jp + NPAIRS) % (2 * NPAIRS))[None, :], mask=qmask, other=0.0) * rb_scale  # [B | A]
+        rope_tab, sgn, turn_c, turn_s, step_c, step_s = _rope_setup(rf_ptr + kvh * NPAIRS, start, NPAIRS, BLOCK_N)
+
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
     for n0 in range(start, end, BLOCK_N):
         n = n0 + nn
@@ -564,7 +594,8 @@ def paged_attn_kernel(
             else:
                 s = qk * ks[None, :] + qsum[:, None] * kz[None, :]
         if NPAIRS > 0:
-            s += _rope_bias_scores(ab, rf_row, n, NPAIRS)
+            s += _rope_tile(ab, ab_sw, sgn, rope_tab, turn_c, turn_s)
+            turn_c, turn_s = _rope_next(turn_c, turn_s, step_c, step_s)
         vis = n_ok[None, :] & (n[None, :] <= qpos[:, None])
         s = tl.where(vis, s, float("-inf"))
         m_new, alpha, p = _online_softmax(s, m_i)
