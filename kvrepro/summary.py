@@ -145,10 +145,21 @@ def clean_rows(rows):
     return rows[ok & rows["aggregate_decode_tok_s"].notna()]
 
 
+def capped_at(rows) -> int | None:
+    """The users a run was capped at below what its KV cache fits (the sweep's ``max_users``): its ``full`` row's
+    ``num_users`` where that is below the row's ``users_fit_arithmetic``; None for a run that filled its cache."""
+    if "measured_by" not in rows or "users_fit_arithmetic" not in rows:
+        return None
+    full = rows[(rows["measured_by"] == "full") & rows["users_fit_arithmetic"].notna()]
+    short = full[full["num_users"] < full["users_fit_arithmetic"]]
+    return int(short["num_users"].max()) if len(short) else None
+
+
 def max_clean(rows) -> tuple[int, float] | None:
-    """(users, aggregate decode tok/s) at the largest clean ``num_users`` of one run; None when none is clean."""
+    """(users, aggregate decode tok/s) at the largest clean ``num_users`` of one run; None when none is clean or the
+    run was capped below what its cache fits (:func:`capped_at`: its largest point is not its capacity)."""
     good = clean_rows(rows)
-    if not len(good):
+    if not len(good) or capped_at(rows) is not None:
         return None
     best = good.loc[good["num_users"].idxmax()]
     return int(best["num_users"]), float(best["aggregate_decode_tok_s"])
@@ -336,7 +347,8 @@ def fp8_ratios(source, mode: str = CAPACITY_PRESET) -> dict:
     Returns:
         dict: file, run_id, mode, point ((users, tok/s) of ``mode`` at its max clean capacity, None without a clean
         point); fp8 (one dict per fp8 mode present, in ``FP8_MODES`` order: mode, backend (what the engine resolved,
-        ``attention_backend_resolved``, else the one asked), users_max / tok_s_max (max clean capacity), users_best /
+        ``attention_backend_resolved``, else the one asked), users_max / tok_s_max (max clean capacity; None for a run
+        capped below what its cache fits, whose ``capped_at`` gives the cap: :func:`capped_at`), users_best /
         tok_s_best (highest clean tok/s), vs_max / vs_best (``mode``'s tok/s over those; None when a side has no clean
         point or the setups differ), setup_differs (``kvrepro.replay.WORKLOAD_KEYS`` that differ)); missing (fp8 modes
         without rows), engine_errors (``{mode: error}`` of fp8 modes whose engine did not start);
@@ -382,7 +394,7 @@ def fp8_ratios(source, mode: str = CAPACITY_PRESET) -> dict:
         differs = _same_setup(own, rows)
         ok = point is not None and not differs
         out["fp8"].append(dict(
-            mode=m, backend=backend, users_max=cap and cap[0], tok_s_max=cap and cap[1],
+            mode=m, backend=backend, users_max=cap and cap[0], tok_s_max=cap and cap[1], capped_at=capped_at(rows),
             users_best=best and best[0], tok_s_best=best and best[1],
             vs_max=_ratio(point[1], cap and cap[1]) if ok else None,
             vs_best=_ratio(point[1], best and best[1]) if ok else None, setup_differs=differs))
@@ -413,7 +425,9 @@ def fp8_ratios_markdown(r: dict) -> str:
              f"there | {name} vs max clean | {name} vs best clean |",
              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for f in r["fp8"]:
-        lines.append(f"| {f['mode']} | {f['backend']} | {num(f['users_max'], '{}')} | {num(f['tok_s_max'])} | "
+        users_max = (f"capacity not measured (capped at {f['capped_at']} users)" if f.get("capped_at") is not None
+                     else num(f["users_max"], "{}"))
+        lines.append(f"| {f['mode']} | {f['backend']} | {users_max} | {num(f['tok_s_max'])} | "
                      f"{num(f['users_best'], '{}')} | {num(f['tok_s_best'])} | {_x(f['vs_max'])} | {_x(f['vs_best'])} |")
     for m in r["missing"]:
         why = r["engine_errors"].get(m)

@@ -280,7 +280,8 @@ def _run_file(tmp_path, points: dict, run_id="w1", **kw):
         for u, t in sorted(pts.items(), reverse=True):
             rows.append(_row(mode=mode, num_users=u, aggregate_decode_tok_s=t, run_id=run_id, engine_run_id=mode,
                              measured_by="full" if u == n else "abort-window",
-                             kv_cache_dtype="auto" if mode.startswith("kvrepro") else "fp8", **kw))
+                             kv_cache_dtype="auto" if mode.startswith("kvrepro") else "fp8",
+                             **{"users_fit_arithmetic": n, **kw}))
     path = tmp_path / f"{run_id}.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
@@ -313,6 +314,28 @@ def test_fp8_ratios_both_ways_from_one_run(tmp_path):
     md = summary.fp8_ratios_markdown(r)
     assert "| fp8:triton_attn | TRITON_ATTN | 6 | 190.0 | 6 | 190.0 | 3.32x | 3.32x |" in md
     assert "engine did not start: RuntimeError: FlashInfer" in md and "**2.52x**" in md and "**3.32x**" in md
+
+
+def test_a_run_capped_below_its_cache_has_a_best_point_but_no_capacity(tmp_path):
+    """A mode measured with max_users below what its KV cache fits (the full row's users < users_fit_arithmetic): its
+    largest point is not its capacity, so max_clean gives None and the fp8 table says so, while its best clean point
+    still counts for the ratio against the best fp8 point."""
+    from kvrepro import replay, summary
+
+    path = _run_file(tmp_path, {"kvrepro:k4v4": {13: 630.0, 1: 60.0}, "fp8": {6: 163.0, 4: 245.0}})
+    capped = _run_file(tmp_path, {"fp8:triton_attn": {4: 260.0, 3: 240.0}}, run_id="cap", users_fit_arithmetic=6)
+    path.write_text(path.read_text() + capped.read_text().replace('"run_id": "cap"', '"run_id": "w1"'))
+    rows = replay.load_jsonl(path)
+    tri = rows[rows["mode"] == "fp8:triton_attn"]
+    assert summary.capped_at(tri) == 4 and summary.max_clean(tri) is None and summary.best_clean(tri) == (4, 260.0)
+    assert summary.capped_at(rows[rows["mode"] == "fp8"]) is None
+    r = summary.fp8_ratios(path)
+    by = {f["mode"]: f for f in r["fp8"]}
+    assert by["fp8:triton_attn"]["users_max"] is None and by["fp8:triton_attn"]["capped_at"] == 4
+    assert r["at_capacity"]["fp8_mode"] == "fp8" and r["best_point"] == dict(
+        fp8_mode="fp8:triton_attn", backend="TRITON_ATTN", users=4, tok_s=260.0, ratio=pytest.approx(630 / 260))
+    assert "| fp8:triton_attn | TRITON_ATTN | capacity not measured (capped at 4 users) |  | 4 | 260.0 |" in \
+        summary.fp8_ratios_markdown(r)
 
 
 def test_fp8_ratios_use_the_resolved_backend_and_refuse_mixed_runs(tmp_path):
