@@ -361,3 +361,78 @@ def section_markdown(root: str | os.PathLike) -> str:
             "(`kvrepro.profile.decode_bound`).\n\n" + "\n".join(lines) + "\n\n"
             + "\n".join(f"- [{i}] `{PROFILE_DIR}/{f}` ({t.loc[t['file'] == f, 'date'].iloc[0]} UTC)"
                         for f, i in tags.items()))
+
+
+KERNEL_BENCH = "benchmarks/results/decode_rope_mean.json"
+KERNEL_GOAL = 0.92    # issue 23: the decode kernel at >= 92% of the copy bandwidth at batch 3, 6 and 13, every preset
+
+
+def kernel_bandwidth_table(path):
+    """The decode kernel of each preset alone, one attention layer at one context length, from a
+    ``benchmarks/decode_side_by_side.py --rope`` result (``benchmarks/results/decode_rope_mean.json``): one row per
+    (preset, context, batch) with the kernel that ran (``impl``: cuda / triton), its CUDA-graph time without the
+    rope-mean correction (``ms``; what the ``slow-pairs`` / ``off`` key offsets run) and with it (``ms_rope``), each as a
+    fraction of the copy bandwidth measured in the same run (``bw`` / ``bw_rope``: the KV bytes it must read over its
+    time), and ``rope_ratio`` = ms_rope / ms. Presets without a ``kvrepro_<preset>_rope`` row keep blank rope columns.
+
+    Raises:
+        ValueError: a file without ``rows`` or ``copy_bandwidth`` (not such a result), naming it.
+    """
+    import pandas as pd
+
+    path = Path(path)
+    r = json.loads(path.read_text(encoding="utf-8"))
+    if not isinstance(r, dict) or not isinstance(r.get("rows"), list) or "copy_bandwidth" not in r:
+        raise ValueError(f"{path}: not a decode_side_by_side.py --rope result (no 'rows' / 'copy_bandwidth')")
+    gbps = r["copy_bandwidth"]["GBps_read_plus_write"]
+    by = {(x["kernel"], x["ctx"], x["batch"]): x for x in r["rows"] if x.get("ms_graph")}
+
+    def frac(x):
+        return x["kv_bytes"] / (x["ms_graph"] * 1e-3) / (gbps * 1e9)
+
+    out = []
+    for (kernel, ctx, batch), x in by.items():
+        preset = kernel.removeprefix("kvrepro_")
+        if "_" in preset:                  # a rope or other variant row: read beside its plain row
+            continue
+        rope = by.get((f"{kernel}_rope", ctx, batch))
+        out.append({"preset": preset, "impl": x.get("impl"), "ctx": ctx, "batch": batch, "ms": x["ms_graph"],
+                    "bw": frac(x), "ms_rope": rope and rope["ms_graph"], "bw_rope": rope and frac(rope),
+                    "rope_ratio": rope and rope["ms_graph"] / x["ms_graph"]})
+    cols = ["preset", "impl", "ctx", "batch", "ms", "bw", "ms_rope", "bw_rope", "rope_ratio"]
+    return pd.DataFrame(out, columns=cols).sort_values(["preset", "ctx", "batch"], ignore_index=True)
+
+
+def kernel_section_markdown(root: str | os.PathLike) -> str:
+    """Notebook 02's decode-kernel table: :func:`kernel_bandwidth_table` of ``KERNEL_BENCH`` under ``root`` with its
+    provenance and which (preset, batch) reach ``KERNEL_GOAL`` of the copy bandwidth with and without the correction;
+    a sentence naming the command where no result is committed."""
+    path = Path(root, KERNEL_BENCH)
+    if not path.is_file():
+        return (f"Not measured yet: no `{KERNEL_BENCH}` is committed (`python benchmarks/decode_side_by_side.py "
+                "--rope` on a GPU machine writes it).")
+    t = kernel_bandwidth_table(path)
+    prov = json.loads(path.read_text(encoding="utf-8")).get("provenance", {})
+    head = ["preset", "kernel", "batch", "without correction (ms)", "% of copy bw", "rope-mean (ms)", "% of copy bw ",
+            "rope-mean / without"]
+    lines = ["| " + " | ".join(head) + " |", "| --- | --- | " + " | ".join(["---:"] * (len(head) - 2)) + " |"]
+    for r in t.to_dict("records"):
+        lines.append("| " + " | ".join([
+            r["preset"], str(r["impl"]), str(r["batch"]), formatted(r["ms"], "{:.3f}"),
+            formatted(r["bw"], "{:.1f}%", 100), formatted(r["ms_rope"], "{:.3f}"),
+            formatted(r["bw_rope"], "{:.1f}%", 100), formatted(r["rope_ratio"], "{:.2f}x")]) + " |")
+
+    def met(col):
+        ok = t[t[col].notna() & (t[col] >= KERNEL_GOAL)]
+        return ", ".join(f"{p} at batch {b}" for p, b in zip(ok["preset"], ok["batch"])) or "none"
+
+    ctxs = ", ".join(f"{c:,}" for c in sorted(set(t["ctx"])))
+    return (f"Replayed from `{KERNEL_BENCH}` ({prov.get('gpu', 'GPU not recorded')}, "
+            f"{str(prov.get('date_utc', ''))[:16].replace('T', ' ')} UTC, `{prov.get('script', '')}`, kvrepro source "
+            f"sha256 {str(prov.get('kvrepro_src_sha256') or '?')[:8]}): one attention "
+            f"layer's decode step at {ctxs} tokens of context per sequence, Qwen3-4B shapes, the preset's default kernel "
+            "replayed in a CUDA graph, without and with the key offset rope-mean's score correction (the default offset; "
+            "`slow-pairs` and `off` run the kernel without it); % of copy bw = the KV bytes the step must read over its "
+            "time, against the device-to-device copy bandwidth of the same run.\n\n" + "\n".join(lines) + "\n\n"
+            f"At >= {KERNEL_GOAL:.0%} of the copy bandwidth (issue 23's kernel goal): without the correction "
+            f"{met('bw')}; with it {met('bw_rope')}.")

@@ -127,8 +127,9 @@ SETTINGS: tuple[Declaration, ...] = (
         "(README, fidelity). "
         "vLLM runs with kv_cache_dtype='auto' and --attention-backend CUSTOM: the compression is the KV dtype.",
         _preset,
-        "users and decode tok/s per preset at 128K on an 80 GiB budget (H200): [capacity rows](results/capacity/"
-        "h200-20261202-rope.jsonl) (k5v4, k4v4 with the default key offset) and [earlier rows](results/capacity/"
+        "users and decode tok/s per preset at 128K on an 80 GiB budget (H200): capacity rows with the default key "
+        "offset for [k5v4](results/capacity/h200-20261202-k5ang.jsonl) and [k4v4](results/capacity/"
+        "h200-20261202-fp8b.jsonl), and [earlier rows](results/capacity/"
         "h200-20261201-w13.jsonl) (k8v4, k4v2); KL and perplexity vs bf16: [fidelity rows](results/fidelity/"
         "reference_cpu_smollm2.csv); needle retrieval through vLLM: [accuracy rows](results/accuracy/vllm_h200_replica/"
         "vllm_accuracy.csv.gz) (the README's results and fidelity tables)"),
@@ -176,7 +177,7 @@ SETTINGS: tuple[Declaration, ...] = (
         "How keys are stored (kvrepro.formats.offset); attention sees the exact keys in every mode. rope-mean: keys "
         "minus R(p) b_hat, the first prefill's pre-RoPE mean turned to each key's position, in up to 8 RoPE pairs "
         "per layer and KV head, added back to the scores by the decode kernels (CUDA and Triton) and the prefill; "
-        "robust to a key-projection bias added before RoPE in any pair; costs decode time (the correction per key); "
+        "robust to a key-projection bias added before RoPE in any pair; costs decode time (a correction per paged key); "
         "KVREPRO_PREFILL may not be dequant. slow-pairs: a constant per layer and KV head, the first prefill's mean "
         "only in the RoPE pairs that turn by < pi/4 over max_model_len (no decode cost, not robust to a bias in the "
         "faster pairs); first-prefill: that constant in every channel; off: keys stored as they are "

@@ -10,7 +10,7 @@ import triton.language as tl
 
 from kvrepro.formats import get_format
 from kvrepro.ops import decode_attention
-from kvrepro.ops.triton.attention import _rope_next, _rope_setup, _rope_tile
+from kvrepro.ops.triton.attention import _rope_setup, _rope_tile
 from kvrepro.reference import attention_ref, paged_attention_ref
 
 LENS = [1, 5, 54, 97, 0]        # 0 = CUDA-graph padding row
@@ -370,6 +370,24 @@ def test_decode_rope_mean_restores_exact_scores(key_mma, preset, hq, hkv, d, bs,
     assert relerr(plain[:1], exact) > 2 * relerr(out[:1], exact)
 
 
+@pytest.mark.parametrize("preset", ["k4v4", "k5v4"])
+def test_decode_rope_mean_turns_every_tile_of_a_split(preset, host_device_guard):
+    """block_n 16 and one split: each sequence's keys run through many tiles of one program (up to 19 for 300 keys),
+    so every tile's own start angle must turn the terms (a tile turned by the split's first angle, or not at all, is
+    off by up to the bias itself); against float64 attention over the restored keys. (The interpreter computes the
+    tf32x3 dot in float32; the GPU run of this test checks the 3xTF32 one.)"""
+    lens = [300, 37]
+    pool, bt, sl, q, rm, _ = _rope_mean_setup(preset, 8, 2, 64, 16, lens, torch.float16, seed=11)
+    assert rm.kept == [3, 3]
+    out = decode_attention(q, pool.data, bt, sl, pool.layout, pool.rotation, 64 ** -0.5, num_splits=1, block_n=16,
+                           rope_bias=_rope_mean_terms(rm, q))
+    for r, L in enumerate(lens):
+        kd, vd = pool.gather(bt[r], L)
+        ref = attention_ref(q[r:r + 1], rm.restore(kd, torch.arange(L, device=DEV)).double(), vd.double(),
+                            64 ** -0.5, torch.float64)
+        assert relerr(out[r:r + 1], ref) < 3e-3, (r, relerr(out[r:r + 1], ref))
+
+
 def test_decode_rope_mean_refuses_bad_terms_and_the_cuda_kernel(host_device_guard):
     pool, bt, sl, q, rm, _ = _rope_mean_setup("k4v4", 8, 2, 64, 16, [5, 9], torch.float16, seed=1)
     terms, freq = _rope_mean_terms(rm, q)
@@ -389,17 +407,16 @@ def _rope_tiles_kernel(ab_ptr, f_ptr, o_ptr, start, NT, M: tl.constexpr, N: tl.c
     j = tl.arange(0, 2 * NP)
     ab = tl.load(ab_ptr + m[:, None] * (2 * NP) + j[None, :])
     ab_sw = tl.load(ab_ptr + m[:, None] * (2 * NP) + ((j + NP) % (2 * NP))[None, :])
-    table, sgn, turn_c, turn_s, step_c, step_s = _rope_setup(f_ptr, start, NP, N)
+    f64, table, sgn = _rope_setup(f_ptr, NP, N)
     for k in range(0, NT):
-        tile = _rope_tile(ab, ab_sw, sgn, table, turn_c, turn_s)
+        tile = _rope_tile(ab, ab_sw, f64, sgn, table, start + k * N)
         tl.store(o_ptr + m[:, None] * (NT * N) + k * N + tl.arange(0, N)[None, :], tile)
-        turn_c, turn_s = _rope_next(turn_c, turn_s, step_c, step_s)
 
 
 @pytest.mark.parametrize("start,nt,n", [(0, 4, 16), (131_072 - 64 * 32, 64, 32), (2 ** 20 - 8 * 128, 8, 128)])
 def test_rope_tiles_match_float64_at_long_positions(host_device_guard, start, nt, n):
-    """The correction as the paged kernel builds it (a per-program cos / sin table of the offset in the tile, each
-    tile's turn carried by a float64 rotation) over many tiles up to position 2^20, against float64 cos / sin of the
+    """The correction as the paged kernel builds it (a per-program cos / sin table of the offset in the tile, the terms
+    turned by each tile's start angle) over many tiles up to position 2^20, against float64 cos / sin of the
     exact angles ``position x theta`` (``RopeMean.angles``) and against ``RopeMean.score_correction``: within 2e-6 of
     the largest term, where the float32 angle alone would be off by its own ulp (up to 2^-5 rad here)."""
     from kvrepro.formats.offset import RopeMean

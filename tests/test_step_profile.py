@@ -232,6 +232,41 @@ def test_profile_table_and_section_against_hand_figures(tmp_path):
         profile.section_markdown(tmp_path)
 
 
+def test_kernel_bandwidth_table_and_section_against_hand_figures(tmp_path):
+    """decode_side_by_side.py --rope rows paired per (preset, batch): the bandwidth fraction is KV bytes over the graph
+    time against the copy bandwidth of the file, the ratio rope over plain, a preset without a rope row blank; the
+    section names the file's GPU and which points reach the 92% goal; a file of another kind is refused by name."""
+    rows = [dict(kernel="kvrepro_k4v4", impl="cuda", ctx=131072, batch=3, ms_graph=0.125, kv_bytes=500_000_000),
+            dict(kernel="kvrepro_k4v4_rope", impl="cuda", ctx=131072, batch=3, ms_graph=0.25, kv_bytes=500_000_000),
+            dict(kernel="kvrepro_k4v4_triton_rope", impl="triton", ctx=131072, batch=3, ms_graph=1.0,
+                 kv_bytes=500_000_000),
+            dict(kernel="kvrepro_k5v4", impl="triton", ctx=131072, batch=13, ms_graph=1.0, kv_bytes=3_000_000_000)]
+    path = tmp_path / "decode_rope_mean.json"
+    path.write_text(json.dumps({"provenance": {"gpu": "NVIDIA H200", "date_utc": "2026-12-02T12:10:16+00:00",
+                                               "script": "benchmarks/decode_side_by_side.py --rope"},
+                                "copy_bandwidth": {"GBps_read_plus_write": 4000.0}, "rows": rows}))
+    t = profile.kernel_bandwidth_table(path)
+    assert list(t["preset"]) == ["k4v4", "k5v4"] and list(t["batch"]) == [3, 13]
+    k4 = t.iloc[0]
+    assert k4["bw"] == pytest.approx(500e6 / 0.125e-3 / 4000e9) == pytest.approx(1.0)      # 4 TB/s: the copy rate
+    assert k4["bw_rope"] == pytest.approx(0.5) and k4["rope_ratio"] == pytest.approx(2.0) and k4["impl"] == "cuda"
+    k5 = t.iloc[1]
+    assert k5["bw"] == pytest.approx(0.75)
+    assert all(v is None or v != v for v in (k5["ms_rope"], k5["bw_rope"], k5["rope_ratio"]))   # None or NaN: blank
+    root = tmp_path / "repo"
+    (root / "benchmarks" / "results").mkdir(parents=True)
+    assert "Not measured yet" in profile.kernel_section_markdown(root)
+    (root / profile.KERNEL_BENCH).write_text(path.read_text())
+    md = profile.kernel_section_markdown(root)
+    assert "(NVIDIA H200, 2026-12-02 12:10 UTC" in md and "| k4v4 | cuda | 3 | 0.125 | 100.0% | 0.250 | 50.0% | 2.00x |" in md
+    assert "| k5v4 | triton | 13 | 1.000 | 75.0% |  |  |  |" in md
+    assert md.rstrip().endswith("without the correction k4v4 at batch 3; with it none.")
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"batches": []}))
+    with pytest.raises(ValueError, match="bad.json: not a decode_side_by_side.py --rope result"):
+        profile.kernel_bandwidth_table(bad)
+
+
 @pytest.mark.gpu
 @pytest.mark.vllm
 def test_step_profile_on_the_gpu(tmp_path):

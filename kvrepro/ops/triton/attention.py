@@ -43,9 +43,10 @@ from the caller, float32), so the scores are those of the exact keys. The angle 
 (as ``RopeMean.angles``), which makes the correction separable by angle addition: for the key tile starting at
 ``n0``, ``j = n0 + t``, it is ``sum_i A'_i cos(t theta_i) + B'_i sin(t theta_i)`` with ``(A', B')`` the terms turned by
 ``n0 theta_i``. The ``[2 NPAIRS, BLOCK_N]`` cos / sin table of ``t theta_i`` is built once per program
-(``_rope_cos``), the turn of the tile start is carried from tile to tile by one float64 rotation by
-``BLOCK_N theta_i`` (seeded once at the split's first key), and each tile adds one 3xTF32 dot of the turned terms
-with the table: no trigonometry per key. The chunk's fresh keys (prefill) are exact and get nothing.
+(``_rope_setup``); each tile takes the cos / sin of its ``2 NPAIRS`` start angles (``_rope_cos``: float64 reduction,
+float32 cosine), turns the terms and adds one 3xTF32 dot of them with the table (``_rope_tile``): no trigonometry per
+key, and none in float64 (with libdevice's float64 sine and cosine in the kernel, ptxas spilled the default k5v4
+launch several times more: ``benchmarks/triton_spills.py``). The chunk's fresh keys (prefill) are exact and get nothing.
 """
 import triton
 import triton.language as tl
@@ -388,35 +389,29 @@ def _rope_cos(a64, phase):
 
 
 @triton.jit
-def _rope_setup(rf_row, start, NPAIRS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Per program, for the key tiles ``[start + k BLOCK_N, + BLOCK_N)`` of one KV head (``rf_row``: its ``NPAIRS``
-    float32 frequencies ``theta_i``): ``(table, sgn, turn_c, turn_s, step_c, step_s)``. ``table`` float32
-    ``[2 NPAIRS, BLOCK_N]``: ``cos(t theta_j)`` for ``j < NPAIRS``, ``sin(t theta_(j - NPAIRS))`` after, ``t`` the
-    key's offset in its tile; ``sgn`` [2 NPAIRS] +1 / -1; ``turn_c, turn_s`` float64 [2 NPAIRS] cos / sin of
-    ``start theta_(j % NPAIRS)`` (the first tile's turn), ``step_c, step_s`` those of ``BLOCK_N theta``: the next tile's
-    turn is the float64 rotation of this one by the step (its error grows ~1e-16 per tile)."""
+def _rope_setup(rf_row, NPAIRS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Per program, for key tiles of ``BLOCK_N`` keys of one KV head (``rf_row``: its ``NPAIRS`` float32 frequencies
+    ``theta_i``): ``(f64, table, sgn)``. ``f64`` float64 [2 NPAIRS]: ``theta_(j % NPAIRS)``; ``table`` float32
+    ``[2 NPAIRS, BLOCK_N]``: ``cos(t theta_j)`` for ``j < NPAIRS``, ``sin(t theta_(j - NPAIRS))`` after, ``t`` the key's
+    offset in its tile; ``sgn`` [2 NPAIRS] +1 / -1 (``_rope_tile``)."""
     jp = tl.arange(0, 2 * NPAIRS)
     f64 = tl.load(rf_row + (jp % NPAIRS)).to(tl.float64)
     phase = tl.where(jp < NPAIRS, 0.0, _HALF_PI)
     table = _rope_cos(tl.arange(0, BLOCK_N).to(tl.float64)[None, :] * f64[:, None], phase[:, None])
-    sgn = tl.where(jp < NPAIRS, 1.0, -1.0)
-    a_start = start.to(tl.float64) * f64           # exact: a position below 2^24 times a float32 theta
-    return table, sgn, tl.cos(a_start), tl.sin(a_start), tl.cos(f64 * BLOCK_N), tl.sin(f64 * BLOCK_N)
+    return f64, table, tl.where(jp < NPAIRS, 1.0, -1.0)
 
 
 @triton.jit
-def _rope_tile(ab, ab_sw, sgn, table, turn_c, turn_s):
+def _rope_tile(ab, ab_sw, f64, sgn, table, n0):
     """``[M, BLOCK_N]`` float32 ``sum_i A_i cos(n theta_i) + B_i sin(n theta_i)`` for the tile's keys ``n = n0 + t``:
-    ``ab`` [M, 2 NPAIRS] (``A | B``), ``ab_sw`` (``B | A``), turned by ``n0 theta`` (``turn_c, turn_s``, float64) to
-    ``A' = A c + B s``, ``B' = B c - A s``, then one 3xTF32 dot with ``table`` (``_rope_setup``)."""
-    abt = ab * turn_c.to(tl.float32)[None, :] + ab_sw * (sgn * turn_s.to(tl.float32))[None, :]
+    ``ab`` [M, 2 NPAIRS] (``A | B``), ``ab_sw`` (``B | A``), turned by the exact angle ``n0 theta`` (cos / sin of
+    [2 NPAIRS] angles per tile, ``_rope_cos``) to ``A' = A c + B s``, ``B' = B c - A s``, then one 3xTF32 dot with
+    ``table`` (``_rope_setup``)."""
+    a0 = f64 * n0                                  # exact: a position below 2^24 times a float32 theta
+    c = _rope_cos(a0, 0.0)
+    s = _rope_cos(a0, _HALF_PI)
+    abt = ab * c[None, :] + ab_sw * (sgn * s)[None, :]
     return tl.dot(abt, table, input_precision="tf32x3")
-
-
-@triton.jit
-def _rope_next(turn_c, turn_s, step_c, step_s):
-    """The next tile's turn: ``(turn_c, turn_s)`` rotated by the step, in float64."""
-    return turn_c * step_c - turn_s * step_s, turn_s * step_c + turn_c * step_s
 
 
 @triton.jit
@@ -559,7 +554,7 @@ def paged_attn_kernel(
         rb_row = rb_ptr + (tok * HQ + head)[:, None] * (2 * NPAIRS)
         ab = tl.load(rb_row + jp[None, :], mask=qmask, other=0.0) * rb_scale                     # [A | B]
         ab_sw = tl.load(rb_row + ((jp + NPAIRS) % (2 * NPAIRS))[None, :], mask=qmask, other=0.0) * rb_scale  # [B | A]
-        rope_tab, sgn, turn_c, turn_s, step_c, step_s = _rope_setup(rf_ptr + kvh * NPAIRS, start, NPAIRS, BLOCK_N)
+        rope_f64, rope_tab, rope_sgn = _rope_setup(rf_ptr + kvh * NPAIRS, NPAIRS, BLOCK_N)
 
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
     for n0 in range(start, end, BLOCK_N):
@@ -594,8 +589,7 @@ def paged_attn_kernel(
             else:
                 s = qk * ks[None, :] + qsum[:, None] * kz[None, :]
         if NPAIRS > 0:
-            s += _rope_tile(ab, ab_sw, sgn, rope_tab, turn_c, turn_s)
-            turn_c, turn_s = _rope_next(turn_c, turn_s, step_c, step_s)
+            s += _rope_tile(ab, ab_sw, rope_f64, rope_sgn, rope_tab, n0)
         vis = n_ok[None, :] & (n[None, :] <= qpos[:, None])
         s = tl.where(vis, s, float("-inf"))
         m_new, alpha, p = _online_softmax(s, m_i)
