@@ -286,6 +286,14 @@ def report_lines(result: dict) -> list[str]:
 PROFILE_DIR = "results/profile"
 
 
+def _read_json(path: Path, what: str):
+    """The JSON in ``path``; ValueError naming the file and ``what`` it should be when it is not JSON."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not {what} (not JSON: {e})") from None
+
+
 def profile_table(paths):
     """One row per profiled batch of ``scripts/step_profile.py`` result files (``results/profile/*.json``).
 
@@ -304,7 +312,7 @@ def profile_table(paths):
     rows = []
     for path in paths:
         path = Path(path)
-        r = json.loads(path.read_text(encoding="utf-8"))
+        r = _read_json(path, "a step-profile result")
         if not isinstance(r, dict) or not isinstance(r.get("batches"), list):
             raise ValueError(f"{path}: not a step-profile result (no 'batches' list)")
         eng = r.get("engine") or {}
@@ -381,7 +389,7 @@ def kernel_bandwidth_table(path):
     import pandas as pd
 
     path = Path(path)
-    r = json.loads(path.read_text(encoding="utf-8"))
+    r = _read_json(path, "a decode_side_by_side.py --rope result")
     if not isinstance(r, dict) or not isinstance(r.get("rows"), list) or "copy_bandwidth" not in r:
         raise ValueError(f"{path}: not a decode_side_by_side.py --rope result (no 'rows' / 'copy_bandwidth')")
     gbps = r["copy_bandwidth"]["GBps_read_plus_write"]

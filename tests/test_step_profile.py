@@ -265,6 +265,11 @@ def test_kernel_bandwidth_table_and_section_against_hand_figures(tmp_path):
     bad.write_text(json.dumps({"batches": []}))
     with pytest.raises(ValueError, match="bad.json: not a decode_side_by_side.py --rope result"):
         profile.kernel_bandwidth_table(bad)
+    bad.write_text("| a markdown table |")
+    with pytest.raises(ValueError, match="bad.json: not a decode_side_by_side.py --rope result .not JSON"):
+        profile.kernel_bandwidth_table(bad)
+    with pytest.raises(ValueError, match="bad.json: not a step-profile result .not JSON"):
+        profile.profile_table([bad])
 
 
 @pytest.mark.gpu
