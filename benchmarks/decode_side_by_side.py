@@ -144,6 +144,9 @@ def main():
         ap.error(str(e))
     if args.launch and not args.rope:
         ap.error("--launch goes with --rope")
+    for name, vals in (("--ctxs", args.ctxs), ("--batches", args.batches or [])):
+        if any(v < 1 for v in vals):
+            ap.error(f"{name} takes positive integers, got {vals}")
     if not torch.cuda.is_available():
         raise SystemExit("decode_side_by_side.py needs a CUDA device (it times GPU kernels); none found")
     if args.rope:

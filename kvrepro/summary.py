@@ -429,9 +429,13 @@ def fp8_ratios_markdown(r: dict) -> str:
                      else num(f["users_max"], "{}"))
         lines.append(f"| {f['mode']} | {f['backend']} | {users_max} | {num(f['tok_s_max'])} | "
                      f"{num(f['users_best'], '{}')} | {num(f['tok_s_best'])} | {_x(f['vs_max'])} | {_x(f['vs_best'])} |")
+    ran = {f["backend"]: f["mode"] for f in r["fp8"]}
     for m in r["missing"]:
         why = r["engine_errors"].get(m)
-        lines.append(f"| {m} | {sweep_backend(m)} | | | | | | {'engine did not start: ' + why[:160] if why else 'not run'} |")
+        same = ran.get(sweep_backend(m))
+        text = ("engine did not start: " + why[:160] if why else
+                f"not run on its own (the {same} row ran this backend)" if same else "not run")
+        lines.append(f"| {m} | {sweep_backend(m)} | | | | | | {text} |")
     lines.append("")
     a, b = r["at_capacity"], r["best_point"]
     if a:
@@ -451,6 +455,13 @@ def strongest_fp8_markdown(rows: list[dict]) -> str:
     if cap is None or not cap["source_file"]:
         return f"No current run of {DISPLAY.get(CAPACITY_PRESET, CAPACITY_PRESET)}: nothing to compare with fp8."
     return fp8_ratios_markdown(fp8_ratios(str(repo_root() / cap["source_file"])))
+
+
+def sweep_fp8_modes() -> tuple[str, ...]:
+    """The fp8 KV modes a sweep can measure (``kvrepro.sweep.FP8_MODES``)."""
+    from kvrepro import sweep
+
+    return tuple(sweep.FP8_MODES)
 
 
 def sweep_backend(mode: str) -> str:
@@ -932,13 +943,22 @@ def main(argv: list[str] | None = None) -> int:
                    "of one sweep run's results file (fp8_ratios), as markdown and JSON")
     ap.add_argument("--ratio-mode", default=CAPACITY_PRESET, help=f"mode compared by --fp8-ratios ({CAPACITY_PRESET})")
     args = ap.parse_args(argv)
+    if args.ratio_mode != CAPACITY_PRESET and not args.fp8_ratios:
+        ap.error("--ratio-mode goes with --fp8-ratios FILE")
     if args.fp8_ratios:
         import json
 
+        what = "expected a capacity-sweep results file, results/capacity/<run>.jsonl"
         try:
             r = fp8_ratios(args.fp8_ratios, args.ratio_mode)
-        except (OSError, ValueError) as e:
-            print(f"error: {e}", file=sys.stderr)
+        except (OSError, UnicodeDecodeError, ValueError) as e:
+            why = (e.strerror if isinstance(e, OSError) and e.strerror else
+                   "not a text file (binary or compressed)" if isinstance(e, UnicodeDecodeError) else e)
+            print(f"error: --fp8-ratios {args.fp8_ratios}: {why} ({what})", file=sys.stderr)
+            return 1
+        if not r["fp8"] and not r["engine_errors"]:
+            print(f"error: --fp8-ratios {args.fp8_ratios}: no fp8 mode was measured in this run (allowed fp8 modes: "
+                  f"{', '.join(sweep_fp8_modes())}); ratios are taken within one run", file=sys.stderr)
             return 1
         print(fp8_ratios_markdown(r))
         print(json.dumps(r, indent=1, default=str))

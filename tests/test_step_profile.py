@@ -260,7 +260,7 @@ def test_kernel_bandwidth_table_and_section_against_hand_figures(tmp_path):
     md = profile.kernel_section_markdown(root)
     assert "(NVIDIA H200, 2026-12-02 12:10 UTC" in md and "| k4v4 | cuda | 3 | 0.125 | 100.0% | 0.250 | 50.0% | 2.00x |" in md
     assert "| k5v4 | triton | 13 | 1.000 | 75.0% |  |  |  |" in md
-    assert md.rstrip().endswith("without the correction k4v4 at batch 3; with it none.")
+    assert "Reached here without the correction: k4v4 at batch 3; with it: none." in md
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"batches": []}))
     with pytest.raises(ValueError, match="bad.json: not a decode_side_by_side.py --rope result"):
@@ -402,3 +402,13 @@ def test_step_profile_drives_the_engine_and_writes_its_file(tmp_path, monkeypatc
     assert res["provenance"]["kvrepro_src_sha256"] and res["kv_bytes_per_token"] == 36 * 8 * 134
     printed = capsys.readouterr().out
     assert "kvrepro:k4v4 3 users: timed step" in printed and f"wrote {out}" in printed
+
+
+@pytest.mark.parametrize("args,msg", [(["--rope", "--batches", "-3"], "--batches takes positive integers, got [-3]"),
+                                      (["--ctxs", "0"], "--ctxs takes positive integers, got [0]"),
+                                      (["--launch", "64,2"], "--launch goes with --rope")])
+def test_decode_benchmark_refuses_bad_arguments_before_it_needs_a_gpu(args, msg):
+    """benchmarks/decode_side_by_side.py (the kernel table's source) names a bad argument and exits 2, on any machine."""
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "decode_side_by_side.py"), *args],
+                       capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 2 and msg in r.stderr, (r.returncode, r.stderr[-500:])

@@ -371,6 +371,22 @@ def test_fp8_ratios_cli(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "Against the strongest fp8 at its max clean capacity (fp8, 2 users, 40.0 tok/s): **2.50x**." in out
     assert summary.main(["--fp8-ratios", str(tmp_path / "none.jsonl")]) == 1
+    assert "none.jsonl: No such file or directory (expected a capacity-sweep results file" in capsys.readouterr().err
+    gz = tmp_path / "rows.csv.gz"
+    gz.write_bytes(b"\x1f\x8b\x08\x00binary")
+    assert summary.main(["--fp8-ratios", str(gz)]) == 1
+    assert "rows.csv.gz: not a text file (binary or compressed)" in capsys.readouterr().err
+    no_fp8 = _run_file(tmp_path, {"kvrepro:k5v4": {2: 90.0, 1: 50.0}}, run_id="k5")
+    assert summary.main(["--fp8-ratios", str(no_fp8), "--ratio-mode", "kvrepro:k5v4"]) == 1
+    assert "k5.jsonl: no fp8 mode was measured in this run (allowed fp8 modes: fp8, " in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        summary.main(["--ratio-mode", "kvrepro:k5v4"])
+    assert "--ratio-mode goes with --fp8-ratios FILE" in capsys.readouterr().err
+    both = _run_file(tmp_path, {"kvrepro:k4v4": {2: 100.0}, "fp8": {2: 40.0}}, run_id="fa",
+                     attention_backend_resolved=["FLASH_ATTN"])
+    assert summary.main(["--fp8-ratios", str(both)]) == 0
+    assert "| fp8:flash_attn | FLASH_ATTN | | | | | | not run on its own (the fp8 row ran this backend) |" in \
+        capsys.readouterr().out
 
 
 def _fake_vllm(monkeypatch, fail=None, backends=("TRITON_ATTN",)):
