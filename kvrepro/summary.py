@@ -551,6 +551,22 @@ def _setup_words(df) -> dict:
                 gpu=", ".join(sorted(set(map(str, d["gpu"])))))
 
 
+def uncorrected_point(df, mode: str = CAPACITY_PRESET) -> dict | None:
+    """The newest seed-workload run of ``mode`` whose keys were stored without the rope-mean correction (key offset
+    ``slow-pairs``, ``first-prefill`` or ``off``: the decode kernel without it), at its max clean capacity: dict mode,
+    key_offset, users, tok_s, file (repository-relative), when; None when there is no such run or no clean point."""
+    if df is None or not len(df) or "kvrepro_settings" not in df:
+        return None
+    offs = df["kvrepro_settings"].map(lambda x: str(x.get("key_offset", "off")) if isinstance(x, dict) else None)
+    sub = df[(df["mode"] == mode) & offs.notna() & (offs != "rope-mean")]
+    rows = select_current(sub, [mode]).get(mode)
+    cap = max_clean(rows) if rows is not None else None
+    if cap is None:
+        return None
+    return dict(mode=mode, key_offset=run_key_offset(rows), users=cap[0], tok_s=cap[1],
+                file=_rel(rows["source_file"].iloc[0]), when=when(rows))
+
+
 def notes_lines(df, needle: dict, chart: bool = True) -> list[str]:
     """The lines under the table: the seed footnote, the workload, the GPU / ratios rule, the needle source, and
     (``chart``) the chart image."""
@@ -567,6 +583,11 @@ def notes_lines(df, needle: dict, chart: bool = True) -> list[str]:
         "so user counts are for the same memory budget (the seed's own non-KV memory is not published) and tok/s "
         "are not comparable across GPUs: compare kvrepro with fp8 of the same run.",
     ]
+    u = uncorrected_point(df)
+    if u is not None:
+        lines.append(f"{DISPLAY.get(u['mode'], u['mode'])} without the rope-mean correction (keys stored with key "
+                     f"offset {u['key_offset']}, the speed of `KVREPRO_KEY_OFFSET=slow-pairs`): {u['users']} users, "
+                     f"{u['tok_s']:.1f} tok/s ({u['when']}, [{Path(u['file']).name}]({u['file']})).")
     metas = (needle.get("_meta") or []) if needle else []
     for i, meta in enumerate([metas] if isinstance(metas, dict) else metas):
         lens = meta["context_lengths"]

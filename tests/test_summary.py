@@ -475,3 +475,24 @@ def test_strongest_fp8_section_of_the_committed_run():
     for m in r["missing"]:
         assert f"| {m} | {summary.sweep_backend(m)} | | | | | |" in md
     assert "nothing to compare" in summary.strongest_fp8_markdown(summary.summary_rows(None))
+
+
+def test_the_capacity_preset_without_the_rope_mean_correction_is_its_newest_other_run(tmp_path):
+    """The line under the README table: the newest k4v4 run whose keys were stored without rope-mean (off or
+    slow-pairs), at its max clean capacity, named with its file; runs with rope-mean do not count however new, and
+    without such a run there is no line."""
+    k4 = "kvrepro:k4v4"
+    rows = (sweep(k4, [(13, 600.0, True), (12, 580.0, True)], "2026-12-01T15:00:00+00:00", run_id="old",
+                  engine_run_id="a", kvrepro_settings={"preset": "k4v4"})                   # before the setting: off
+            + sweep(k4, [(13, 610.0, True), (14, None, False)], "2026-12-01T16:00:00+00:00", run_id="sp",
+                    engine_run_id="b", kvrepro_settings={"key_offset": "slow-pairs"})
+            + sweep(k4, [(13, 420.0, True)], "2026-12-02T11:00:00+00:00", run_id="rm", engine_run_id="c",
+                    kvrepro_settings={"key_offset": "rope-mean"}))
+    df = replay.load_jsonl(write(tmp_path / "runs.jsonl", rows))
+    u = summary.uncorrected_point(df)
+    assert (u["key_offset"], u["users"], u["tok_s"]) == ("slow-pairs", 13, 610.0) and u["file"].endswith("runs.jsonl")
+    line = [x for x in summary.notes_lines(df, {}, chart=False) if "without the rope-mean correction" in x]
+    assert line and "13 users, 610.0 tok/s (2026-12-01 16:00 UTC, [runs.jsonl](" in line[0]
+    only_rm = replay.load_jsonl(write(tmp_path / "rm.jsonl", rows[-1:]))
+    assert summary.uncorrected_point(only_rm) is None
+    assert not [x for x in summary.notes_lines(only_rm, {}, chart=False) if "without the rope-mean" in x]
