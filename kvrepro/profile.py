@@ -386,12 +386,21 @@ def kernel_bandwidth_table(path):
     Raises:
         ValueError: a file without ``rows`` or ``copy_bandwidth`` (not such a result), naming it.
     """
-    import pandas as pd
+    return _bandwidth_frame(_kernel_bench(Path(path)))
 
-    path = Path(path)
+
+def _kernel_bench(path: Path) -> dict:
+    """The content of a ``decode_side_by_side.py --rope`` result file; ValueError naming it when it is not one."""
     r = _read_json(path, "a decode_side_by_side.py --rope result")
     if not isinstance(r, dict) or not isinstance(r.get("rows"), list) or "copy_bandwidth" not in r:
         raise ValueError(f"{path}: not a decode_side_by_side.py --rope result (no 'rows' / 'copy_bandwidth')")
+    return r
+
+
+def _bandwidth_frame(r: dict):
+    """:func:`kernel_bandwidth_table` of an already read result."""
+    import pandas as pd
+
     gbps = r["copy_bandwidth"]["GBps_read_plus_write"]
     by = {(x["kernel"], x["ctx"], x["batch"]): x for x in r["rows"] if x.get("ms_graph")}
 
@@ -419,8 +428,8 @@ def kernel_section_markdown(root: str | os.PathLike) -> str:
     if not path.is_file():
         return (f"Not measured yet: no `{KERNEL_BENCH}` is committed (`python benchmarks/decode_side_by_side.py "
                 "--rope` on a GPU machine writes it).")
-    t = kernel_bandwidth_table(path)
-    prov = json.loads(path.read_text(encoding="utf-8")).get("provenance", {})
+    bench = _kernel_bench(path)          # read once: the table and its provenance
+    t, prov = _bandwidth_frame(bench), bench.get("provenance", {})
     head = ["preset", "kernel", "batch", "without correction (ms)", "% of copy bw", "rope-mean (ms)", "% of copy bw ",
             "rope-mean / without"]
     lines = ["| " + " | ".join(head) + " |", "| --- | --- | " + " | ".join(["---:"] * (len(head) - 2)) + " |"]

@@ -274,8 +274,13 @@ def run_key_offset(rows) -> str | None:
     before the setting existed; several joined by ", "); None for a run without kvrepro settings (bf16, fp8)."""
     if "kvrepro_settings" not in rows:
         return None
-    seen = {str(x.get("key_offset", "off")) for x in rows["kvrepro_settings"] if isinstance(x, dict)}
+    seen = {ko for ko in map(_settings_key_offset, rows["kvrepro_settings"]) if ko is not None}
     return ", ".join(sorted(seen)) or None
+
+
+def _settings_key_offset(settings) -> str | None:
+    """One row's key offset from its ``kvrepro_settings`` ("off" before the setting existed; None without settings)."""
+    return str(settings.get("key_offset", "off")) if isinstance(settings, dict) else None
 
 
 def needle_counts(path: str | os.PathLike | None = None, variant: str = "single") -> dict:
@@ -457,13 +462,6 @@ def strongest_fp8_markdown(rows: list[dict]) -> str:
     return fp8_ratios_markdown(fp8_ratios(str(repo_root() / cap["source_file"])))
 
 
-def sweep_fp8_modes() -> tuple[str, ...]:
-    """The fp8 KV modes a sweep can measure (``kvrepro.sweep.FP8_MODES``)."""
-    from kvrepro import sweep
-
-    return tuple(sweep.FP8_MODES)
-
-
 def sweep_backend(mode: str) -> str:
     """The attention backend a sweep mode asks vLLM for (``vllm-auto`` where vLLM chooses)."""
     from kvrepro import sweep
@@ -557,7 +555,7 @@ def uncorrected_point(df, mode: str = CAPACITY_PRESET) -> dict | None:
     key_offset, users, tok_s, file (repository-relative), when; None when there is no such run or no clean point."""
     if df is None or not len(df) or "kvrepro_settings" not in df:
         return None
-    offs = df["kvrepro_settings"].map(lambda x: str(x.get("key_offset", "off")) if isinstance(x, dict) else None)
+    offs = df["kvrepro_settings"].map(_settings_key_offset)
     sub = df[(df["mode"] == mode) & offs.notna() & (offs != "rope-mean")]
     rows = select_current(sub, [mode]).get(mode)
     cap = max_clean(rows) if rows is not None else None
@@ -979,7 +977,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         if not r["fp8"] and not r["engine_errors"]:
             print(f"error: --fp8-ratios {args.fp8_ratios}: no fp8 mode was measured in this run (allowed fp8 modes: "
-                  f"{', '.join(sweep_fp8_modes())}); ratios are taken within one run", file=sys.stderr)
+                  f"{', '.join(r['missing'])}); ratios are taken within one run", file=sys.stderr)
             return 1
         print(fp8_ratios_markdown(r))
         print(json.dumps(r, indent=1, default=str))
