@@ -595,4 +595,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from kvrepro import cli
+
+    raise SystemExit(cli.run(main))

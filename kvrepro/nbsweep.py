@@ -774,6 +774,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from kvrepro import nbsweep as _module   # run the package's module, not __main__ (spawned workers import it)
+    from kvrepro import cli, nbsweep as _module   # run the package's module, not __main__ (spawned workers import it)
 
-    sys.exit(_module.main())
+    raise SystemExit(cli.run(_module.main))

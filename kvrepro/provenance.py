@@ -329,7 +329,9 @@ def _main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(_main())
+    from kvrepro import cli
+
+    raise SystemExit(cli.run(_main))
 
 
 def params_as_dict(params) -> dict:

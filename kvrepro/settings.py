@@ -362,4 +362,6 @@ def _main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(_main())
+    from kvrepro import cli
+
+    raise SystemExit(cli.run(_main))

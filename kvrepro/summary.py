@@ -1033,4 +1033,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from kvrepro import cli
+
+    raise SystemExit(cli.run(main))

@@ -16,7 +16,6 @@ import argparse
 import json
 import logging
 import os
-import sys
 import time
 import uuid
 
@@ -383,4 +382,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from kvrepro import cli
+
+    raise SystemExit(cli.run(main))
