@@ -346,14 +346,15 @@ def summary_rows(sources: dict, formats=None, cpu_sanity: pd.DataFrame | None = 
 
     Returns:
         dicts with: format, name (``(default)`` marked), bytes (per token and KV head at head_dim 128), users,
-        needle_tag (the tag of the needle run its needle figures come from; None without one), needle_tag_shown
-        (that run is not most rows' one, so its cell names it),
+        needle_tag (the tag of the needle run its needle verdict comes from; None without one), needle_tag_shown
+        (that run is not most rows' one, so its bound cell names it: each figure there carries its source),
         kl, kl_vs_fp8 (ratio to fp8 of the same source), top1_pct, ppl_change_pct, ref_tag (the source's tag;
         None when no reference source measured the mode), kl_topk_vllm, vllm_tag, single_bound / multi_bound
         (pp, the needle's one-sided 95% bound, each from the first run that has the variant; None if not run;
-        single_tag / multi_tag: that run's tag where it is not the needle_tag run), needle (overall verdict word), needle_text,
-        sanity ("pass" / "FAIL" / ""), cpu_sanity (the same on the CPU path, "" without rows), meets_fp8 (True /
-        False; None: not measured), verdict (MET, NOT MET, FAIL, NOT JUDGED, "baseline", "the bar"), verdict_why,
+        single_tag / multi_tag: that run's tag where it is not the needle_tag run; the bound cell then marks each
+        figure with its source), needle (overall verdict word), needle_text, sanity ("pass" / "FAIL" / ""),
+        cpu_sanity (the same on the CPU path, "" without rows), meets_fp8 (True / False; None: not measured),
+        verdict (MET, NOT MET, FAIL, NOT JUDGED, "baseline", "the bar"), verdict_why,
         by_source ({tag: kl, kl_vs_fp8, ppl_change_pct, fp8_ppl_change_pct} per reference source that measured the
         mode and fp8), sources (text).
     """
@@ -497,10 +498,12 @@ def _bounds(r: dict) -> str:
         return "baseline"
     if r["single_bound"] is None and r["multi_bound"] is None:
         return NOT_MEASURED if not r["needle"] else "–"
-    note = f" [{r['needle_tag']}]" if r.get("needle_tag_shown") else ""
+    figures = [(v, b, r.get(f"{v}_tag") or r.get("needle_tag"))
+               for v, b in (("single", r["single_bound"]), ("multi", r["multi_bound"]))]
+    # each figure names its own source once any does: a mark at the cell's end could belong to either figure
+    marked = r.get("needle_tag_shown") or len({t for _, b, t in figures if b is not None}) > 1
     return " / ".join("–" if b is None else f"{b:.2f}" + ("" if r.get(f"{v}_judged", True) else " (not judged)")
-                      + (f" [{r[f'{v}_tag']}]" if r.get(f"{v}_tag") is not None else "")
-                      for v, b in (("single", r["single_bound"]), ("multi", r["multi_bound"]))) + note
+                      + (f" [{t}]" if marked and t is not None else "") for v, b, t in figures)
 
 
 def _sanity_cell(r: dict) -> str:

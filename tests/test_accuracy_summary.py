@@ -315,6 +315,11 @@ def test_a_bound_of_a_variant_not_judged_says_so():
              needle="INFERIOR")
     assert acs._bounds(r) == "1.10 / 5.94 (not judged)"
     assert acs._bounds(dict(r, multi_judged=True)) == "1.10 / 5.94"
+    # figures from two runs: each names its own, the judgement note before the mark
+    assert acs._bounds(dict(r, needle_tag=4, multi_tag=5)) == "1.10 [4] / 5.94 (not judged) [5]"
+    # one run for both, that is not most rows' one: both marked, as neither figure is from the common run
+    assert acs._bounds(dict(r, needle_tag=5, needle_tag_shown=True)) == "1.10 [5] / 5.94 (not judged) [5]"
+    assert acs._bounds(dict(r, needle_tag=4, multi_bound=None)) == "1.10 / –"
 
 
 def test_needle_figures_come_from_the_default_offsets_run_first(tmp_path):
@@ -342,7 +347,9 @@ def test_needle_figures_come_from_the_default_offsets_run_first(tmp_path):
     assert rows["k5v4"]["needle"] == "INFERIOR" and rows["k5v4"]["needle_tag"] == pref
     assert rows["k8v4"]["needle"] == "NON-INFERIOR" and rows["k8v4"]["needle_tag"] == other
     assert rows["k8v4"]["needle_tag_shown"] and not rows["k5v4"]["needle_tag_shown"]
-    assert acs._bounds(rows["k8v4"]).endswith(f"[{other}]")
+    none_lost = stats.mcnemar_noninferiority(0, 0, 400)["bound_pp"]
+    assert acs._bounds(rows["k8v4"]) == f"{none_lost:.2f} [{other}] / –"     # its figure names its run
+    assert acs._bounds(rows["k5v4"]) == f"{stats.mcnemar_noninferiority(30, 0, 400)['bound_pp']:.2f} / –"
     assert f"[{other}] needle bounds and verdicts, output sanity of the formats" in acs.legend(src)
 
 
@@ -373,6 +380,9 @@ def test_multi_needle_bound_comes_from_the_run_that_has_multi_needle_prompts(tmp
     assert k4["needle_tag"] == pref and k4["multi_tag"] == other
     assert k4["single_bound"] == pytest.approx(stats.mcnemar_noninferiority(0, 0, 400)["bound_pp"], rel=1e-12)
     assert k4["multi_bound"] == pytest.approx(stats.mcnemar_noninferiority(12, 0, 400)["bound_pp"], rel=1e-12)
-    assert acs._bounds(k4).endswith(f"[{other}]") and f"[{other}]" in k4["sources"].split()
+    # each figure carries its own run's mark: a single mark at the end could belong to either
+    single, multi = k4["single_bound"], k4["multi_bound"]
+    assert acs._bounds(k4) == f"{single:.2f} [{pref}] / {multi:.2f} [{other}]"
+    assert f"[{pref}]" in k4["sources"].split() and f"[{other}]" in k4["sources"].split()
     assert rows["k8v4"]["multi_bound"] == pytest.approx(stats.mcnemar_noninferiority(0, 0, 400)["bound_pp"])
     assert f"[{other}] needle bounds and verdicts, output sanity of the formats or needle variants" in acs.legend(src)

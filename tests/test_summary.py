@@ -420,6 +420,44 @@ def get_bytes(f):
     return get_format(f).bytes_per_token_per_head(summary.HEAD_DIM)
 
 
+def test_fidelity_block_marks_each_needle_figure_with_its_run(tmp_path):
+    """The README's two needle runs: the replication grid (default key offset, single-needle prompts only) gives
+    every row's single-needle bound and verdict, the first grid (another offset) its multi-needle bound; the bound
+    cell names each figure's run, so the multi-needle one is not read as the other run's (or both)."""
+    from kvrepro import accuracy_summary as acs
+    from kvrepro import stats
+    from kvrepro.formats import COMPRESSED_PRESETS, get_format
+    from test_accuracy_summary import PER_TOKEN, needle_rows
+
+    want = get_format(summary.DEFAULT_PRESET).default_key_offset
+    _fidelity_repo(tmp_path, PER_TOKEN, {})         # the reference and vLLM fidelity files; needle runs below
+    replica = tmp_path / Path(acs.NEEDLE_REPLICA).parent
+    replica.mkdir(parents=True)
+    first = tmp_path / Path(acs.NEEDLE).parent        # written by _fidelity_repo, rewritten here
+    for path, ko in ((replica, want), (first, "slow-pairs" if want != "slow-pairs" else "off")):
+        d = pd.read_csv(needle_rows(path, {"k4v2": 9} if path == replica else {"k4v2": 20}))
+        if path == first:
+            multi = d.assign(variant="multi", prompt_sha256="m" + d["prompt_sha256"])
+            multi.loc[multi["format"] == "k4v4", "correct"] = [int(i >= 12) for i in range(400)]
+            d = pd.concat([d, multi], ignore_index=True)
+        d["kvrepro_settings"] = [json.dumps({"key_offset": ko}) if f in COMPRESSED_PRESETS else None
+                                 for f in d["format"]]
+        d.to_csv(path / "vllm_accuracy.csv", index=False)
+    src = summary.fidelity_sources(tmp_path)
+    block = summary.fidelity_block(src)
+    rep, fst = src["needle"]
+    assert rep.key_offset == want and (rep.tag, fst.tag) == (3, 4)      # [1] reference, [2] vLLM top-20
+    cells = {ln.split("|")[1].strip().strip("*").split(" ")[0]: [c.strip() for c in ln.split("|")[2:-1]]
+             for ln in block.splitlines() if ln.startswith("| ") and "---" not in ln}
+    for f in ("fp8", *COMPRESSED_PRESETS):
+        single = stats.mcnemar_noninferiority(9 if f == "k4v2" else 0, 0, 400)["bound_pp"]
+        multi = stats.mcnemar_noninferiority({"k4v4": 12, "k4v2": 20}.get(f, 0), 0, 400)["bound_pp"]
+        assert cells[f][5] == f"{single:.2f} [3] / {multi:.2f} [4]", f
+        assert cells[f][6] == ("INFERIOR" if f == "k4v2" else "NON-INFERIOR")     # the replication grid's verdict
+    assert ("- [4] needle bounds and verdicts, output sanity of the formats or needle variants (single, multi) the "
+            "needle runs above lack") in block
+
+
 def test_fidelity_block_says_which_files_are_missing(tmp_path):
     block = summary.fidelity_block(summary.fidelity_sources(tmp_path))
     for p in ("results/fidelity/reference_h200_smollm2.csv", "results/fidelity/vllm_h200_smollm2.csv",
