@@ -387,6 +387,39 @@ def capacity_table(formats=FORMAT_NAMES, context_tokens: int = 131_072, decode_t
     return df
 
 
+# Notebook 02's headers for the columns of capacity_table (units and meanings: arithmetic_view's note).
+ARITHMETIC_HEADERS = {"format": "format", "bytes_per_token": "bytes per token", "page_bytes": "page bytes",
+                      "kv_cache_gib": "KV GiB", "num_gpu_blocks": "blocks", "kv_cache_tokens": "KV tokens",
+                      "tokens_per_user": "tokens per user", "blocks_per_user": "blocks per user", "users_fit": "users",
+                      "vs_bf16": "users vs bf16"}
+# Columns of the parallel setup: one value for every format, stated once in the note instead of a column each.
+SETUP_COLUMNS = {"tensor_parallel_size": lambda v: f"tensor_parallel_size {v}",
+                 "pipeline_parallel_size": lambda v: f"pipeline_parallel_size {v}",
+                 "num_gpus": lambda v: f"{v} GPU" + ("" if v == 1 else "s"),
+                 "kv_heads_per_rank": lambda v: f"{v} KV heads per GPU",
+                 "weights_gib_per_gpu": lambda v: f"weights {v:.2f} GiB per GPU"}
+
+
+def arithmetic_view(table):
+    """A :func:`capacity_table` narrow enough to read (notebook 02): short headers (:data:`ARITHMETIC_HEADERS`),
+    and the parallel-setup columns (:data:`SETUP_COLUMNS`), the same for every format, moved to a note.
+
+    Returns:
+        ``(DataFrame, note)``: the table with renamed columns (a setup column whose values differ between rows stays,
+        under its own name) and one markdown sentence with the setup and what each header means.
+    """
+    setup = [c for c in SETUP_COLUMNS if c in table.columns and table[c].nunique(dropna=False) == 1]
+    view = table.drop(columns=setup).rename(columns=ARITHMETIC_HEADERS)
+    same = ", ".join(SETUP_COLUMNS[c](table[c].iloc[0]) for c in setup)
+    note = ((f"Every format: {same}. " if same else "")
+            + "Bytes per token: KV bytes of one token over all layers (one GPU's KV heads); page bytes: one block over "
+            "all layers on one GPU; KV GiB: the KV cache of one GPU; blocks: vLLM's num_gpu_blocks; KV tokens = blocks "
+            "x block size; tokens per user = context + decode; blocks per user = ceil(tokens per user / block size); "
+            "users = floor((blocks - 1) / blocks per user) (vLLM keeps one null block); users vs bf16: users / bf16's "
+            "users.")
+    return view, note
+
+
 def derived_bytes_per_token_per_head(kv_tokens: int, kv_bytes: int, cfg: ModelConfig | None = None) -> float:
     """Bytes per token per KV head implied by a measured KV-token count, *assuming* the KV budget
     ``kv_bytes`` (e.g. the one calibrated on bf16): ``kv_bytes / (kv_tokens x layers x kv_heads)``.

@@ -389,19 +389,81 @@ def _capacity_lines(root: Path | None = None, gpu_memory_gib: float = 80.0) -> l
            "tok/s k4v4 / fp8 | k4v4 key offset | source |", "| --- | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
     for r in t.to_dict("records"):
         measured = "measured," in r["source"]
+        c = model_capacity_cells(r)
         src = f"measured, {r['decode_tokens']:,} decode tokens" if measured else "arithmetic, not measured"
         if "capacity sweep's max clean" in r["source"]:
             src = f"capacity sweep's max clean capacity, {r['decode_tokens']:,} decode tokens: results table above"
         elif "capacity sweep" in r["source"]:
             src += "; capacity sweep: results table above"
-        arith = {c: formatted(r[f"users_{c}_arithmetic"], "{:,}") for c in ("fp8", "k4v4")}
-        if any(arith.values()):       # kvrepro.capacity's count where vLLM's KV cache held another number of users
-            src += "; arithmetic: " + " / ".join(arith[c] or formatted(r[f"users_{c}"], "{:,}") for c in arith)
-        tok = f"{formatted(r['tok_s_fp8'], '{:,.0f}')} / {formatted(r['tok_s_k4v4'], '{:,.0f}')}" if measured else ""
-        users = f"{formatted(r['users_fp8'], '{:,}')} / {formatted(r['users_k4v4'], '{:,}')}"
-        out.append(f"| `{r['model']}` | {r['tokens_per_user']:,} | {users} | {formatted(r['users_ratio'], '{:.2f}')} | "
-                   f"{tok} | {formatted(r['tok_s_ratio'], '{:.2f}')} | {formatted(r['key_offset'])} | {src} |")
+        if c["users by arithmetic, fp8 / k4v4"]:
+            src += "; arithmetic: " + c["users by arithmetic, fp8 / k4v4"]
+        out.append(f"| `{r['model']}` | {c['tokens per user']} | {c['users, fp8 / k4v4']} | {c['users, k4v4 / fp8']} | "
+                   f"{c['decode tok/s, fp8 / k4v4']} | {c['tok/s, k4v4 / fp8']} | {c['k4v4 key offset']} | {src} |")
     return out
+
+
+def model_capacity_cells(r: dict) -> dict:
+    """One row of :func:`model_capacity_table` as the text cells both renderings share (the README's reach block,
+    notebook 02's :func:`model_capacity_view`): each fp8 / k4v4 pair in one cell, blank where missing; tok/s only
+    where the model was measured; ``users by arithmetic``: ``kvrepro.capacity``'s fp8 / k4v4 where it disagrees
+    with what vLLM's KV cache held for either (blank where both agree)."""
+    measured = "measured," in r["source"]
+    arith = {c: formatted(r[f"users_{c}_arithmetic"], "{:,}") for c in ("fp8", "k4v4")}
+    return {"tokens per user": f"{r['tokens_per_user']:,}",
+            "users, fp8 / k4v4": f"{formatted(r['users_fp8'], '{:,}')} / {formatted(r['users_k4v4'], '{:,}')}",
+            "users, k4v4 / fp8": formatted(r["users_ratio"], "{:.2f}"),
+            "decode tok/s, fp8 / k4v4": (f"{formatted(r['tok_s_fp8'], '{:,.0f}')} / "
+                                         f"{formatted(r['tok_s_k4v4'], '{:,.0f}')}") if measured else "",
+            "tok/s, k4v4 / fp8": formatted(r["tok_s_ratio"], "{:.2f}"),
+            "k4v4 key offset": formatted(r["key_offset"]),
+            "users by arithmetic, fp8 / k4v4": " / ".join(arith[c] or formatted(r[f"users_{c}"], "{:,}") for c in arith)
+            if any(arith.values()) else ""}
+
+
+def model_capacity_view(t):
+    """Notebook 02's rendering of :func:`model_capacity_table` ``t``, narrow enough for a 1400 px window: the
+    :func:`model_capacity_cells` of each row between the model, the decode tokens the measured tok/s was timed over,
+    and the full ``source`` (GPU, date and file per mode). Every figure of ``t`` is in it (as text)."""
+    import numbers
+
+    import pandas as pd
+
+    rows = []
+    for r in t.to_dict("records"):
+        c = model_capacity_cells(r)
+        rows.append({"model": r["model"], "tokens per user": c.pop("tokens per user"),
+                     "decode tokens timed": formatted(r["decode_tokens"], "{:,}" if isinstance(r["decode_tokens"],
+                                                                                         numbers.Integral) else "{}"),
+                     **c,
+                     "source": r["source"]})
+    return pd.DataFrame(rows, columns=["model", "tokens per user", "decode tokens timed", "users, fp8 / k4v4",
+                                       "users, k4v4 / fp8", "decode tok/s, fp8 / k4v4", "tok/s, k4v4 / fp8",
+                                       "k4v4 key offset", "users by arithmetic, fp8 / k4v4", "source"])
+
+
+def model_capacity_styled(t):
+    """:func:`model_capacity_view` for ``display``: no index, figures right-aligned, the model on one line, the
+    source wrapped in a column of at most 420 px."""
+    v = model_capacity_view(t)
+    text = ["model", "k4v4 key offset", "source"]
+    return (v.style.hide(axis="index")
+            .set_properties(subset=[c for c in v.columns if c not in text], **{"text-align": "right"})
+            .set_properties(subset=text, **{"text-align": "left"})
+            .set_properties(subset=["model"], **{"white-space": "nowrap"})
+            .set_properties(subset=["source"], **{"white-space": "normal", "min-width": "240px", "max-width": "420px"}))
+
+
+def model_capacity_caption(t, gpu_memory_gib: float) -> str:
+    """The line above notebook 02's per-model table ``t`` (:func:`model_capacity_table` at ``gpu_memory_gib``): how
+    many models were measured, the decode tokens their tok/s was timed over, and what the pair columns mean."""
+    measured = t["source"].str.contains("measured,")
+    timed = sorted({int(n) for x in t.loc[measured, "decode_tokens"].dropna() for n in str(x).split(" / ")})
+    how = (f"; tok/s timed over {', '.join(map(str, timed))} decode tokens per user (users are fitted for "
+           f"{WORKLOAD_DECODE:,}, the seed protocol's decode)" if timed else "")
+    others = "" if measured.all() else "; the others: arithmetic, not measured"
+    return (f"**{gpu_memory_gib:g} GiB**: {int(measured.sum())} of {len(t)} models with a measured point{how}{others}. "
+            "Each pair is fp8 / k4v4, each ratio k4v4 / fp8; tok/s: aggregate decode tok/s; users by arithmetic: "
+            "kvrepro.capacity's count where vLLM fit another number of users (blank where they agree).")
 
 
 def model_capacity_table(root: Path | None = None, gpu_memory_gib: float = 80.0):
@@ -425,7 +487,8 @@ def model_capacity_table(root: Path | None = None, gpu_memory_gib: float = 80.0)
         (``kvrepro.capacity``'s count recorded with a measured row where vLLM's KV cache held another number of
         users; None where they agree or the mode was not measured), source (per mode:
         "measured, <GPU>, <date> (<file>)" with any preemptions, failed smoke or status, or "not measured (arithmetic,
-        kvrepro.capacity)"; models of the capacity sweep say so).
+        kvrepro.capacity)", said once for both modes where it is the same, "fp8, k4v4: ..."; models of the capacity
+        sweep say so).
 
     Raises:
         ValueError: ``gpu_memory_gib`` not a number > 0.
@@ -443,13 +506,13 @@ def model_capacity_table(root: Path | None = None, gpu_memory_gib: float = 80.0)
         timed = {r.get("decode_tokens") for m in REACH_MODES if (r := runs.get((name, m))) is not None}
         rec["decode_tokens"] = (timed.pop() if len(timed) == 1 else " / ".join(map(str, sorted(timed)))) \
             if timed else None
-        srcs = []
+        srcs = {}                                                       # per mode: where its figures come from
         for mode in REACH_MODES:
             col = kv_format(mode)
             r = runs.get((name, mode))
             if r is None:
                 rec[f"users_{col}"], rec[f"tok_s_{col}"] = arithmetic_users(name, mode, gpu_memory_gib), None
-                srcs.append(f"{col}: not measured (arithmetic, kvrepro.capacity)")
+                srcs[col] = "not measured (arithmetic, kvrepro.capacity)"
                 continue
             if col != "fp8":
                 rec["key_offset"] = (r.get("kvrepro_settings") or {}).get("key_offset")
@@ -468,12 +531,14 @@ def model_capacity_table(root: Path | None = None, gpu_memory_gib: float = 80.0)
             if r.get("users_capped_by_max_num_seqs"):
                 notes.append(f"tok/s of {r.get('users_measured')} users (max_num_seqs)")
             gpu = str(r.get("gpu", "?")).replace("NVIDIA ", "")
-            srcs.append(f"{col}: measured, {gpu}, {str(r.get('date', ''))[:10]} ({r['_file']})"
-                        + (f": {'; '.join(notes)}" if notes else ""))
+            srcs[col] = (f"measured, {gpu}, {str(r.get('date', ''))[:10]} ({r['_file']})"
+                         + (f": {'; '.join(notes)}" if notes else ""))
         rec["users_ratio"] = _ratio(rec["users_k4v4"], rec["users_fp8"])
         rec["tok_s_ratio"] = _ratio(rec["tok_s_k4v4"], rec["tok_s_fp8"])
-        rec["source"] = ("not measured (arithmetic, kvrepro.capacity)" if all("not measured" in x for x in srcs)
-                         else "; ".join(srcs))
+        texts = set(srcs.values())
+        rec["source"] = ("not measured (arithmetic, kvrepro.capacity)" if all("not measured" in x for x in texts)
+                         else f"{', '.join(srcs)}: {texts.pop()}" if len(texts) == 1        # both from one file
+                         else "; ".join(f"{c}: {s}" for c, s in srcs.items()))
         if any(runs.get((name, m), {}).get("_sweep") for m in REACH_MODES):
             rec["source"] += "; the capacity sweep's max clean capacity (the README's results table)"
         elif name in swept:

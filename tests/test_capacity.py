@@ -110,6 +110,25 @@ def test_capacity_table_ratio_and_demand():
     assert d["kv_gib_needed"].iloc[2] == pytest.approx(3 * 8_256 * 2_359_296 / 2**30)
 
 
+def test_arithmetic_view_has_short_headers_and_the_setup_in_its_note():
+    t = cap.capacity_table(["bf16", "fp8"], 131_072, 1_024, cfg=QWEN)
+    v, note = cap.arithmetic_view(t)
+    assert list(v.columns) == ["format", "bytes per token", "page bytes", "KV GiB", "blocks", "KV tokens",
+                               "tokens per user", "blocks per user", "users", "users vs bf16"]
+    assert list(v["users"]) == [3, 6] and list(v["bytes per token"]) == [147_456, 73_728]
+    assert list(v["blocks per user"]) == [8_256, 8_256] and list(v["users vs bf16"]) == [1.0, 2.0]
+    assert note.startswith("Every format: tensor_parallel_size 1, pipeline_parallel_size 1, 1 GPU, 8 KV heads per "
+                           f"GPU, weights {QWEN.weights_bytes / 2**30:.2f} GiB per GPU. Bytes per token:")
+    assert "users = floor((blocks - 1) / blocks per user)" in note
+    # the setup columns hold one value for every format; one that differed would stay a column
+    mixed = t.assign(kv_heads_per_rank=[8, 4])
+    v2, note2 = cap.arithmetic_view(mixed)
+    assert list(v2["kv_heads_per_rank"]) == [8, 4] and "KV heads per GPU" not in note2
+    tp2 = cap.capacity_table(["bf16"], 131_072, 1_024, cfg=cap.load_model_config("qwen3-32b"), gpu_memory_gb=40,
+                             tensor_parallel_size=2)
+    assert "tensor_parallel_size 2, pipeline_parallel_size 1, 2 GPUs, 4 KV heads per GPU" in cap.arithmetic_view(tp2)[1]
+
+
 @pytest.mark.parametrize("kwargs,needle", [
     (dict(fmt="bf17", context_tokens=1024, decode_tokens=0), "bf17"),
     (dict(fmt="bf16", context_tokens=-5, decode_tokens=0), "context_tokens"),

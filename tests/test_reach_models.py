@@ -370,8 +370,8 @@ def test_model_table_reads_measured_rows_else_labels_arithmetic(tmp_path):
     q = t.loc["qwen3-0.6b"]
     assert (q["users_fp8"], q["users_k4v4"], q["users_ratio"]) == (33, 64, 1.94)
     assert (q["tok_s_fp8"], q["tok_s_k4v4"], q["tok_s_ratio"]) == (1000.0, 1500.0, 1.5)
-    assert q["source"] == ("fp8: measured, H200, 2026-12-02 (results/reach/models_h200.jsonl); "
-                           "k4v4: measured, H200, 2026-12-02 (results/reach/models_h200.jsonl)")
+    # both modes from one file, GPU and date: said once
+    assert q["source"] == "fp8, k4v4: measured, H200, 2026-12-02 (results/reach/models_h200.jsonl)"
     q8 = t.loc["qwen3-8b"]
     assert q8["users_fp8"] == 20 and "2 preemptions" in q8["source"]
     assert "k4v4: not measured (arithmetic, kvrepro.capacity)" in q8["source"] and q8["tok_s_ratio"] != q8["tok_s_ratio"]
@@ -380,6 +380,44 @@ def test_model_table_reads_measured_rows_else_labels_arithmetic(tmp_path):
         assert t.loc[name, "source"] == "not measured (arithmetic, kvrepro.capacity)"
     with pytest.raises(ValueError, match="gpu_memory_gib must be a number of GiB > 0"):
         reach.model_capacity_table(tmp_path, 0)
+
+
+def test_notebook_model_view_keeps_every_figure_in_narrow_columns(tmp_path):
+    """Notebook 02's per-model table: each fp8 / k4v4 pair in one cell, the arithmetic's count beside vLLM's where
+    they differ, the full source (said once where both modes share it), and headers of short words (they wrap)."""
+    from kvrepro import reach
+
+    d = tmp_path / "results" / "reach"
+    d.mkdir(parents=True)
+    rows = [_model_row("qwen3-0.6b", "fp8", 33, 1000.0, decode_tokens=128),
+            _model_row("qwen3-0.6b", "kvrepro:k4v4", 64, 1500.4, decode_tokens=128, date="2026-12-03T08:00:00+00:00",
+                       kvrepro_settings={"key_offset": "rope-mean"}),
+            _model_row("qwen3-8b", "fp8", 20, 400.0, decode_tokens=128, users_fit_arithmetic=21)]
+    (d / "models_h200.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    t = reach.model_capacity_table(tmp_path, 80.0)
+    v = reach.model_capacity_view(t).set_index("model")
+    assert list(v.index) == list(model_names()) and len(v.columns) == 9
+    q = v.loc["qwen3-0.6b"]
+    assert (q["tokens per user"], q["decode tokens timed"], q["users, fp8 / k4v4"], q["users, k4v4 / fp8"]) == (
+        "40,960", "128", "33 / 64", "1.94")
+    assert (q["decode tok/s, fp8 / k4v4"], q["tok/s, k4v4 / fp8"], q["k4v4 key offset"]) == ("1,000 / 1,500", "1.50",
+                                                                                            "rope-mean")
+    assert q["users by arithmetic, fp8 / k4v4"] == ""
+    assert q["source"] == ("fp8: measured, H200, 2026-12-02 (results/reach/models_h200.jsonl); "
+                           "k4v4: measured, H200, 2026-12-03 (results/reach/models_h200.jsonl)")
+    q8 = v.loc["qwen3-8b"]
+    k4v4_users = reach.arithmetic_users("qwen3-8b", "kvrepro:k4v4", 80.0)
+    assert q8["users, fp8 / k4v4"] == f"20 / {k4v4_users}" and q8["decode tok/s, fp8 / k4v4"] == "400 / "
+    assert q8["users by arithmetic, fp8 / k4v4"] == f"21 / {k4v4_users}"      # k4v4's own count was arithmetic
+    assert q8["source"].endswith("k4v4: not measured (arithmetic, kvrepro.capacity)")
+    none = v.loc["llama-3.1-8b-instruct"]
+    assert (none["decode tokens timed"], none["decode tok/s, fp8 / k4v4"], none["tok/s, k4v4 / fp8"]) == ("", "", "")
+    assert max(len(w) for c in v.reset_index().columns for w in c.split()) <= 11
+    caption = reach.model_capacity_caption(t, 80.0)
+    assert caption.startswith("**80 GiB**: 2 of 9 models with a measured point; tok/s timed over 128 decode tokens")
+    assert "Each pair is fp8 / k4v4, each ratio k4v4 / fp8" in caption
+    html = reach.model_capacity_styled(t).to_html()
+    assert "max-width: 420px" in html and ">1,000 / 1,500<" in html
 
 
 def test_readme_model_column_states_the_default_preset_and_k4v4():
