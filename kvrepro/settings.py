@@ -28,6 +28,7 @@ DEFAULT_PRESET = "k5v4"                     # = kvrepro.formats.DEFAULT_PRESET
 DECODE_IMPLS = ("auto", "cuda", "triton")
 PREFILL_PATHS = ("fa", "fa-sliced", "fa-pages", "dequant", "triton")
 CUDA_PRESETS = ("k4v4", "k8v4", "k4v2")   # the CUDA decode kernel's variants (= kvrepro.ops.cuda_decode.PRESETS)
+ROPE_GPU_PRESETS = ("k4v4", "k5v4")        # = kvrepro.ops.prefill.ROPE_GPU_PRESETS: rope-mean's Triton prefill on a GPU
 STORE_ROTATE_MODES = ("torch", "kernel")
 KEY_OFFSET_MODES = ("slow-pairs", "first-prefill", "off", "rope-mean")   # = kvrepro.formats.offset.MODES
 KEY_OFFSET_DEFAULT = "rope-mean"        # = kvrepro.formats.compressed.CompressedFormat.default_key_offset
@@ -128,8 +129,8 @@ SETTINGS: tuple[Declaration, ...] = (
         "vLLM runs with kv_cache_dtype='auto' and --attention-backend CUSTOM: the compression is the KV dtype.",
         _preset,
         "users and decode tok/s per preset at 128K on an 80 GiB budget (H200): capacity rows with the default key "
-        "offset for [k5v4](results/capacity/h200-20261202-k5ang.jsonl) and [k4v4](results/capacity/"
-        "h200-20261202-fp8b.jsonl), and [earlier rows](results/capacity/"
+        "offset for [k5v4](results/capacity/h200-20261202-k5.jsonl) and [k4v4](results/capacity/"
+        "h200-20261202-fp8t.jsonl), and [earlier rows](results/capacity/"
         "h200-20261201-w13.jsonl) (k8v4, k4v2); KL and perplexity vs bf16: [fidelity rows](results/fidelity/"
         "reference_cpu_smollm2.csv); needle retrieval through vLLM: [accuracy rows](results/accuracy/vllm_h200_replica/"
         "vllm_accuracy.csv.gz) (the README's results and fidelity tables)"),
@@ -189,8 +190,8 @@ SETTINGS: tuple[Declaration, ...] = (
         "[the others](results/keybias/keybias_cpu.csv); KL per mode: [CPU reference rows](results/fidelity/"
         "reference_cpu_smollm2.csv) and [vLLM rows](results/fidelity/vllm_h200_smollm2.csv) (rope-mean and "
         "slow-pairs); decode time of the correction: [decode_rope_mean.json](benchmarks/results/decode_rope_mean.json);"
-        " 128K capacity with rope-mean: [h200-20261202-k5ang.jsonl](results/capacity/h200-20261202-k5ang.jsonl) (k5v4),"
-        " [h200-20261202-fp8b.jsonl](results/capacity/h200-20261202-fp8b.jsonl) (k4v4)"),
+        " 128K capacity with rope-mean: [h200-20261202-k5.jsonl](results/capacity/h200-20261202-k5.jsonl) (k5v4),"
+        " [h200-20261202-fp8t.jsonl](results/capacity/h200-20261202-fp8t.jsonl) (k4v4)"),
     Declaration(
         "warmup", "KVREPRO_WARMUP", "0, 1", "1",
         "1: compile and load every decode-kernel variant before vLLM's memory profiling, so that no compilation "
@@ -262,8 +263,8 @@ class Settings:
         return cls(**{d.field: d.read(environ) for d in SETTINGS})
 
     def conflicts(self) -> list[str]:
-        """Combinations of valid values that the engine refuses at start (the runtime and
-        ``kvrepro.vllm_backend.config.serving_plan`` say so there too), one sentence each naming both variables and
+        """Combinations of valid values that the engine refuses at start (the runtime, the backend's start on a GPU
+        and ``kvrepro.vllm_backend.config.serving_plan`` say so there too), one sentence each naming both variables and
         what to use instead; [] when there is none. ``python -m kvrepro.settings`` exits 1 on any."""
         out = []
         if self.key_offset == "rope-mean" and self.prefill == "dequant":
@@ -272,6 +273,12 @@ class Settings:
             out.append(f"KVREPRO_KEY_OFFSET=rope-mean{default} cannot run with KVREPRO_PREFILL=dequant (that prefill "
                        f"reads the pages' keys without the per-position offset); use KVREPRO_PREFILL= one of {others}, "
                        "or KVREPRO_KEY_OFFSET=slow-pairs to keep the dequant prefill")
+        if self.key_offset == "rope-mean" and self.prefill == "triton" and self.preset not in ROPE_GPU_PRESETS:
+            fa = ", ".join(p for p in PREFILL_PATHS if p.startswith("fa"))
+            out.append(f"KVREPRO_KEY_OFFSET=rope-mean with KVREPRO_PREFILL=triton: the Triton prefill kernel's "
+                       f"correction faults on the GPU for KVREPRO_PRESET={self.preset} (it runs for "
+                       f"{', '.join(ROPE_GPU_PRESETS)}: notes/kernels.md, Known limits); use KVREPRO_PREFILL= one of "
+                       f"{fa}, or KVREPRO_PRESET= one of {', '.join(ROPE_GPU_PRESETS)}")
         if self.decode_impl == "cuda" and self.preset not in CUDA_PRESETS:
             out.append(f"KVREPRO_DECODE_IMPL=cuda: the CUDA decode kernel has no {self.preset} variant (it has "
                        f"{', '.join(CUDA_PRESETS)}); use KVREPRO_DECODE_IMPL=auto or triton, or another KVREPRO_PRESET")

@@ -353,7 +353,8 @@ def fp8_ratios(source, mode: str = CAPACITY_PRESET) -> dict:
         dict: file, run_id, mode, point ((users, tok/s) of ``mode`` at its max clean capacity, None without a clean
         point); fp8 (one dict per fp8 mode present, in ``FP8_MODES`` order: mode, backend (what the engine resolved,
         ``attention_backend_resolved``, else the one asked), users_max / tok_s_max (max clean capacity; None for a run
-        capped below what its cache fits, whose ``capped_at`` gives the cap: :func:`capped_at`), users_best /
+        capped below what its cache fits, whose ``capped_at`` gives the cap: :func:`capped_at`), incomplete (what
+        ``kvrepro.sweep.mode_status`` finds missing, e.g. abort windows a timeout cut; None when complete), users_best /
         tok_s_best (highest clean tok/s), vs_max / vs_best (``mode``'s tok/s over those; None when a side has no clean
         point or the setups differ), setup_differs (``kvrepro.replay.WORKLOAD_KEYS`` that differ)); missing (fp8 modes
         without rows), engine_errors (``{mode: error}`` of fp8 modes whose engine did not start);
@@ -398,9 +399,10 @@ def fp8_ratios(source, mode: str = CAPACITY_PRESET) -> dict:
         cap, best = max_clean(rows), best_clean(rows)
         differs = _same_setup(own, rows)
         ok = point is not None and not differs
+        done, why = sweep.mode_status(rows.to_dict("records"), m)
         out["fp8"].append(dict(
             mode=m, backend=backend, users_max=cap and cap[0], tok_s_max=cap and cap[1], capped_at=capped_at(rows),
-            users_best=best and best[0], tok_s_best=best and best[1],
+            incomplete=None if done else why, users_best=best and best[0], tok_s_best=best and best[1],
             vs_max=_ratio(point[1], cap and cap[1]) if ok else None,
             vs_best=_ratio(point[1], best and best[1]) if ok else None, setup_differs=differs))
     comparable = [r for r in out["fp8"] if not r["setup_differs"]]
@@ -417,8 +419,11 @@ def fp8_ratios(source, mode: str = CAPACITY_PRESET) -> dict:
     return out
 
 
-def fp8_ratios_markdown(r: dict) -> str:
-    """:func:`fp8_ratios` as a markdown table (one line per fp8 mode) and two headline sentences."""
+def fp8_ratios_markdown(r: dict, other_errors: dict | None = None) -> str:
+    """:func:`fp8_ratios` as a markdown table (one line per fp8 mode) and two headline sentences.
+
+    ``other_errors``: ``{mode: (results file name, error)}`` of fp8 modes this run lacks whose engine did not start in
+    another run (:func:`fp8_engine_errors`); their line says so and names that run."""
     def num(v, fmt="{:.1f}"):
         return "" if v is None else fmt.format(v)
 
@@ -432,14 +437,20 @@ def fp8_ratios_markdown(r: dict) -> str:
     for f in r["fp8"]:
         users_max = (f"capacity not measured (capped at {f['capped_at']} users)" if f.get("capped_at") is not None
                      else num(f["users_max"], "{}"))
+        users_best = num(f["users_best"], "{}")
+        if f.get("incomplete") and users_best:
+            users_best += f" (of the points measured: {f['incomplete']})"
         lines.append(f"| {f['mode']} | {f['backend']} | {users_max} | {num(f['tok_s_max'])} | "
-                     f"{num(f['users_best'], '{}')} | {num(f['tok_s_best'])} | {_x(f['vs_max'])} | {_x(f['vs_best'])} |")
+                     f"{users_best} | {num(f['tok_s_best'])} | {_x(f['vs_max'])} | {_x(f['vs_best'])} |")
     ran = {f["backend"]: f["mode"] for f in r["fp8"]}
     for m in r["missing"]:
         why = r["engine_errors"].get(m)
         same = ran.get(sweep_backend(m))
+        elsewhere = (other_errors or {}).get(m)
         text = ("engine did not start: " + why[:160] if why else
-                f"not run on its own (the {same} row ran this backend)" if same else "not run")
+                f"not run on its own (the {same} row ran this backend)" if same else
+                f"not run here; its engine did not start in `{elsewhere[0]}`: {elsewhere[1][:160]}" if elsewhere
+                else "not run")
         lines.append(f"| {m} | {sweep_backend(m)} | | | | | | {text} |")
     lines.append("")
     a, b = r["at_capacity"], r["best_point"]
@@ -459,7 +470,25 @@ def strongest_fp8_markdown(rows: list[dict]) -> str:
     cap = next((r for r in rows if r["mode"] == CAPACITY_PRESET), None)
     if cap is None or not cap["source_file"]:
         return f"No current run of {DISPLAY.get(CAPACITY_PRESET, CAPACITY_PRESET)}: nothing to compare with fp8."
-    return fp8_ratios_markdown(fp8_ratios(str(repo_root() / cap["source_file"])))
+    path = repo_root() / cap["source_file"]
+    return fp8_ratios_markdown(fp8_ratios(str(path)), fp8_engine_errors(path.parent))
+
+
+def fp8_engine_errors(results_dir: str | os.PathLike = CAPACITY_DIR) -> dict:
+    """``{fp8 mode: (results file name, error)}``: for each fp8 mode of ``kvrepro.sweep.FP8_MODES`` whose engine did
+    not start in some run of ``results_dir`` (its ``<file>.engine_errors``), the newest such record (by the record's
+    ``date``, else the file name)."""
+    from kvrepro import sweep
+
+    found = {}
+    for f in find_result_files(results_dir):
+        for e in sweep.engine_errors(f):
+            m = e.get("mode")
+            if m in sweep.FP8_MODES:
+                key = (str(e.get("date") or ""), Path(f).name)
+                if m not in found or key > found[m][0]:
+                    found[m] = (key, (Path(f).name, str(e.get("error", ""))))
+    return {m: v for m, (_, v) in found.items()}
 
 
 def sweep_backend(mode: str) -> str:

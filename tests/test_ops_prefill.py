@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kvrepro.ops import prefill_attention, vllm_dense_attn
+from kvrepro.ops.prefill import ROPE_GPU_PRESETS, check_rope_prefill
 
 CTXS, QLENS = [0, 5, 40, 97, 300], [7, 1, 20, 3, 1]   # mixed: prefill chunks and decode rows
 
@@ -220,10 +221,33 @@ def test_prefill_rope_mean_context_gets_its_bias_back_and_the_chunk_stays_exact(
     qsl = torch.tensor([0] + torch.tensor(QLENS).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
     sl = torch.tensor([c + ql for c, ql in zip(CTXS, QLENS)], dtype=torch.int32, device=DEV)
     a_, b_ = rm.score_terms(q)
+    rope_bias = (torch.cat([a_, b_], -1).contiguous(), rm.inv_freq.contiguous())
+    if DEV == "cuda" and preset not in ROPE_GPU_PRESETS:              # faults on the H200: refused on a GPU
+        with pytest.raises(ValueError, match=f"preset {preset} is not supported there.*allowed presets: k4v4, k5v4"):
+            prefill_attention(q, kf, vf, pool.data, bt, sl, qsl, pool.layout, pool.rotation, d ** -0.5,
+                              rope_bias=rope_bias)
+        return
     out = prefill_attention(q, kf, vf, pool.data, bt, sl, qsl, pool.layout, pool.rotation, d ** -0.5,
-                            rope_bias=(torch.cat([a_, b_], -1).contiguous(), rm.inv_freq.contiguous()))
+                            rope_bias=rope_bias)
     assert relerr(out, torch.cat(refs)) < 3e-3
     assert relerr(out, torch.cat(exacts)) < (0.6 if preset == "k4v2" else 0.25)
     with pytest.raises(ValueError, match="rope_bias needs impl='paged'"):
         prefill_attention(q, kf, vf, pool.data, bt, sl, qsl, pool.layout, pool.rotation, d ** -0.5, impl="dequant",
                           dense_attn=_dense64, rope_bias=(torch.cat([a_, b_], -1).contiguous(), rm.inv_freq))
+
+
+def test_rope_bias_on_a_gpu_is_refused_for_the_presets_whose_prefill_faults_there():
+    """check_rope_prefill looks only at the device type and the layout's bits, so the GPU refusal is checked here
+    without a GPU: k8v4 and k4v2 with rope_bias on CUDA raise (naming the preset and the allowed ones); k4v4, k5v4,
+    a CPU device and no rope_bias pass."""
+    from kvrepro.formats import get_format
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    for preset in ("k8v4", "k4v2"):
+        layout = get_format(preset).layout(128, 16)
+        with pytest.raises(ValueError, match=f"preset {preset} is not supported there.*allowed presets: k4v4, k5v4"):
+            check_rope_prefill(layout, cuda, 8)
+        check_rope_prefill(layout, cpu, 8)
+        check_rope_prefill(layout, cuda, 0)
+    for preset in ROPE_GPU_PRESETS:
+        check_rope_prefill(get_format(preset).layout(128, 16), cuda, 8)

@@ -176,6 +176,17 @@ def test_combinations_the_engine_refuses_are_named_by_the_settings_check():
     assert c == ["KVREPRO_DECODE_IMPL=cuda: the CUDA decode kernel has no k5v4 variant (it has k4v4, k8v4, k4v2); use "
                  "KVREPRO_DECODE_IMPL=auto or triton, or another KVREPRO_PRESET"]
     assert Settings.from_env({"KVREPRO_DECODE_IMPL": "cuda", "KVREPRO_PRESET": "k4v4"}).conflicts() == []
+    from kvrepro.ops import prefill
+    assert st.ROPE_GPU_PRESETS == prefill.ROPE_GPU_PRESETS
+    for preset in ("k8v4", "k4v2"):                       # rope-mean's Triton prefill faults on the GPU for these
+        c = Settings.from_env({"KVREPRO_PREFILL": "triton", "KVREPRO_PRESET": preset}).conflicts()
+        assert c == [f"KVREPRO_KEY_OFFSET=rope-mean with KVREPRO_PREFILL=triton: the Triton prefill kernel's correction "
+                     f"faults on the GPU for KVREPRO_PRESET={preset} (it runs for k4v4, k5v4: notes/kernels.md, Known "
+                     "limits); use KVREPRO_PREFILL= one of fa, fa-sliced, fa-pages, or KVREPRO_PRESET= one of k4v4, k5v4"]
+        assert Settings.from_env({"KVREPRO_PREFILL": "triton", "KVREPRO_PRESET": preset,
+                                  "KVREPRO_KEY_OFFSET": "slow-pairs"}).conflicts() == []
+    for preset in ("k4v4", "k5v4"):
+        assert Settings.from_env({"KVREPRO_PREFILL": "triton", "KVREPRO_PRESET": preset}).conflicts() == []
     assert Settings().conflicts() == []
     env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("KVREPRO_")}
     r = subprocess.run([sys.executable, "-m", "kvrepro.settings"], capture_output=True, text=True, timeout=120,

@@ -312,7 +312,8 @@ def test_fp8_ratios_both_ways_from_one_run(tmp_path):
     assert r["best_point"] == dict(fp8_mode="fp8:flash_attn", backend="FLASH_ATTN", users=4, tok_s=250.0,
                                    ratio=pytest.approx(630 / 250))
     md = summary.fp8_ratios_markdown(r)
-    assert "| fp8:triton_attn | TRITON_ATTN | 6 | 190.0 | 6 | 190.0 | 3.32x | 3.32x |" in md
+    assert ("| fp8:triton_attn | TRITON_ATTN | 6 | 190.0 | 6 (of the points measured: abort windows 1-3 of N=6 "
+            "missing) | 190.0 | 3.32x | 3.32x |") in md
     assert "engine did not start: RuntimeError: FlashInfer" in md and "**2.52x**" in md and "**3.32x**" in md
 
 
@@ -334,8 +335,40 @@ def test_a_run_capped_below_its_cache_has_a_best_point_but_no_capacity(tmp_path)
     assert by["fp8:triton_attn"]["users_max"] is None and by["fp8:triton_attn"]["capped_at"] == 4
     assert r["at_capacity"]["fp8_mode"] == "fp8" and r["best_point"] == dict(
         fp8_mode="fp8:triton_attn", backend="TRITON_ATTN", users=4, tok_s=260.0, ratio=pytest.approx(630 / 260))
-    assert "| fp8:triton_attn | TRITON_ATTN | capacity not measured (capped at 4 users) |  | 4 | 260.0 |" in \
-        summary.fp8_ratios_markdown(r)
+    assert ("| fp8:triton_attn | TRITON_ATTN | capacity not measured (capped at 4 users) |  | 4 (of the points "
+            "measured: abort windows 1-2 of N=4 missing) | 260.0 |") in summary.fp8_ratios_markdown(r)
+
+
+def test_an_incomplete_fp8_mode_and_an_engine_error_of_another_run_are_named(tmp_path):
+    """A capped fp8 mode whose abort windows a timeout cut: its best point is the best of what was measured, and the
+    table says which windows are missing. An fp8 mode this run lacks whose engine failed in another run of the
+    folder: its line names that run and the error (the newest record wins)."""
+    from kvrepro import summary
+
+    path = _run_file(tmp_path, {"kvrepro:k4v4": {13: 400.0, 1: 80.0},
+                                "fp8": {6: 163.0, 5: 244.0, 4: 245.0, 3: 216.0, 2: 200.0, 1: 141.0},
+                                "fp8:triton_attn": {3: 133.0, 2: 120.0}}, users_fit_arithmetic=6)
+    rows = [json.loads(x) for x in path.read_text().splitlines()]
+    rows = [x for x in rows if not (x["mode"] == "fp8:triton_attn" and x["num_users"] == 2)]   # the cut window
+    for x in rows:
+        x["users_fit_arithmetic"] = 13 if x["mode"] == "kvrepro:k4v4" else 6
+    path.write_text("".join(json.dumps(x) + "\n" for x in rows))
+    old = _run_file(tmp_path, {"kvrepro:k4v4": {13: 410.0}}, run_id="w0")
+    for run, when, why in ((old, "2026-12-01T10:00:00+00:00", "ImportError: old"),
+                           (old, "2026-12-02T10:00:00+00:00", "ImportError: newest")):
+        with open(str(run) + sweep.ENGINE_ERRORS_SUFFIX, "a") as fh:
+            fh.write(json.dumps({"mode": "fp8:flashinfer", "date": when, "error": why, "run_id": "w0"}) + "\n")
+    r = summary.fp8_ratios(path)
+    tri = {f["mode"]: f for f in r["fp8"]}["fp8:triton_attn"]
+    assert tri["capped_at"] == 3 and (tri["users_best"], tri["tok_s_best"]) == (3, 133.0)
+    assert tri["incomplete"] == "abort windows 1-2 of N=3 missing"
+    assert {f["mode"]: f for f in r["fp8"]}["fp8"]["incomplete"] is None
+    errs = summary.fp8_engine_errors(tmp_path)
+    assert errs == {"fp8:flashinfer": ("w0.jsonl", "ImportError: newest")}
+    md = summary.fp8_ratios_markdown(r, errs)
+    assert "| 3 (of the points measured: abort windows 1-2 of N=3 missing) | 133.0 |" in md
+    assert "not run here; its engine did not start in `w0.jsonl`: ImportError: newest |" in md
+    assert "| fp8:flashinfer | FLASHINFER | | | | | | not run |" in summary.fp8_ratios_markdown(r)
 
 
 def test_fp8_ratios_use_the_resolved_backend_and_refuse_mixed_runs(tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from kvrepro.formats import COMPRESSED_PRESETS
 from kvrepro.formats.layout import PageLayout
 from kvrepro.ops.common import (check_block_n, check_block_tables, check_float, check_heads, check_int,
                                 check_launch, check_pool, check_rotation, check_scale, next_pow2, page_constexprs,
@@ -13,10 +14,27 @@ from kvrepro.ops.triton.attention import paged_attn_kernel
 from kvrepro.ops.triton.dequant import dequant_pages_kernel
 from kvrepro.ops.triton.rotate import rotate_query_kernel
 
+# Presets whose rope_bias path of the paged prefill kernel passed its tests on a GPU (H200, Triton 3.6). For k8v4 and
+# k4v2 it faults there (compute-sanitizer: an out-of-range shared-memory address at the kernel's tl.dot) or returns wrong
+# scores, while the CPU interpreter runs them right; CUDA calls refuse them (check_rope_prefill).
+ROPE_GPU_PRESETS = ("k4v4", "k5v4")
 PREFILL_ROWS = 64      # query rows (tokens x heads of one GQA group) per program
 PREFILL_BLOCK_N = 64
 PIECE_TOKENS = 32768   # impl="dequant": context dequantized in pieces of at most this many tokens
 IMPLS = ("paged", "dequant")
+
+
+def check_rope_prefill(layout: PageLayout, device: torch.device, npairs: int) -> None:
+    """Refuse ``rope_bias`` (``npairs > 0``) on a CUDA ``device`` for a page ``layout`` whose preset is not in
+    :data:`ROPE_GPU_PRESETS`. Raises ValueError naming the preset and the allowed ones."""
+    if not npairs or device.type != "cuda":
+        return
+    name = next((p for p, kv in COMPRESSED_PRESETS.items() if kv == (layout.key_bits, layout.value_bits)), repr(layout))
+    if name not in ROPE_GPU_PRESETS:
+        raise ValueError(f"rope_bias (key offset rope-mean) with the paged prefill kernel on a GPU: preset {name} is not "
+                         f"supported there (the kernel faults on the H200: notes/kernels.md, Known limits); allowed "
+                         f"presets: {', '.join(ROPE_GPU_PRESETS)}. For {name} under rope-mean use KVREPRO_PREFILL=fa "
+                         "(the default), fa-pages or fa-sliced, which restore the keys before FlashAttention")
 
 
 def flash_dense_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool):
@@ -197,7 +215,8 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         ValueError: wrong shapes/dtypes/devices, unsupported head_dim or GQA group size, a scale
             that is not finite and positive; with ``validate``, bad seq_lens or block ids; ``dequant`` not
             in ``DEQUANT_MODES`` (or ``"asm"`` off CUDA); ``block_n``, ``rows``, ``impl`` or launch options
-            outside their allowed values (the message lists them).
+            outside their allowed values (the message lists them); ``rope_bias`` on a CUDA device for a preset
+            outside :data:`ROPE_GPU_PRESETS` (:func:`check_rope_prefill`).
     """
     data = pool_tensor(pool)
     _, hkv = check_pool(data, layout)
@@ -248,6 +267,7 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     npairs = check_rope_bias(rope_bias, t, hq, hkv, dev)
     if npairs and impl != "paged":
         raise ValueError(f"rope_bias needs impl='paged' (the kernel that reads the pages), got impl={impl!r}")
+    check_rope_prefill(layout, dev, npairs)
     if impl == "dequant":
         if dense_attn is None and dev.type != "cuda":
             raise ValueError("impl='dequant' without dense_attn uses PyTorch's FlashAttention-2, which needs a "

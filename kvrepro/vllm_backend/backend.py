@@ -250,6 +250,10 @@ class KVReproAttentionImpl(AttentionImpl[KVReproMetadata]):
                                rope=engine_rope() if s.key_offset in ("slow-pairs", "rope-mean") else None)
         dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         self.rt.check_decode_impl(shape["block_size"] or 16, dev)
+        if prefill is None and s.key_offset == "rope-mean":     # KVREPRO_PREFILL=triton: refused now, not at a prefill
+            from kvrepro.formats.offset import MAX_PAIRS
+            from kvrepro.ops.prefill import check_rope_prefill
+            check_rope_prefill(self.rt.fmt.layout(head_size, shape["block_size"] or 16), dev, MAX_PAIRS)
         self._shape = shape
         self._warmup = s.warmup
         # Debug only (slow, host syncs): compare every eagerly run step with reference_attend.
