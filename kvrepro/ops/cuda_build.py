@@ -413,4 +413,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from kvrepro import cli
+
+    raise SystemExit(cli.run(main))
