@@ -227,6 +227,11 @@ def test_profile_table_and_section_against_hand_figures(tmp_path):
         in md
     assert "| kvrepro:k4v4 | rope-mean | 3 | 2.00 | 1500 |  |  |  |  |  |  |  |  | [2] |" in md
     assert "- [2] `results/profile/b.json` (2026-12-02 09:28 UTC)" in md
+    # ceiling: 1e9 KV bytes at 4000 GB/s = 0.25 ms, + 4 ms of GEMMs; bound 2.25 ms (kvrepro), 3.0 ms (fp8)
+    assert k["ceiling"] == pytest.approx(2.25 / 4.25) and t.iloc[0]["ceiling"] == pytest.approx(3.0 / 4.25)
+    assert ("(attention reading the KV at the copy bandwidth, no other kernel, no idle time; the bound over that step): "
+            "fp8 (FLASH_ATTN) at 6 users 70.6% [1]; kvrepro:k4v4 rope-mean at 13 users 52.9% [2]. So no kvrepro batch here "
+            "can reach issue 23's 95% of the bound by a faster attention alone: the rest of that gap is in the GEMMs") in md
     (d / "c.json").write_text("{}")
     with pytest.raises(ValueError, match="c.json: not a step-profile result"):
         profile.section_markdown(tmp_path)
