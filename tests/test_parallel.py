@@ -197,10 +197,12 @@ def test_02_reports_tensor_parallel_capacity(tmp_path, notebook_kernel):
                     "decode_tokens": 1024, "gpu_memory_gb": 80.0, "tensor_parallel_size": 2}, tmp_path / "o.ipynb",
                    notebook_kernel)
     assert "tensor_parallel_size 2 (2 GPUs of 80 GiB, 4 of 8 KV heads per GPU)" in text
-    assert "kv_heads_per_rank" in text and "weights_gib_per_gpu" in text      # the table carries the split
     from kvrepro import capacity
     t = capacity.capacity_table(["bf16", "fp8", "k4v4"], 131072, 1024, cfg=capacity.load_model_config("qwen3-32b"),
                                 tensor_parallel_size=2)
+    # the arithmetic table's note carries the split (one value for every format: capacity.arithmetic_view)
+    assert ("Every format: tensor_parallel_size 2, pipeline_parallel_size 1, 2 GPUs, 4 KV heads per GPU, weights "
+            f"{t['weights_gib_per_gpu'].iloc[0]:.2f} GiB per GPU.") in text
     assert list(t["users_fit"]) == [2, 4, 9]
 
 
