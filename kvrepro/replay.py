@@ -244,6 +244,17 @@ def decode_kernel(mode: str, settings) -> str:
     return "triton (not recorded)"
 
 
+def capped_at(rows) -> int | None:
+    """The users a run was capped at below what its KV cache fits (the sweep's ``max_users``): its ``full`` row's
+    ``num_users`` where that is below the row's ``users_fit_arithmetic``; None for a run that filled its cache (or
+    rows without those columns)."""
+    if "measured_by" not in rows or "users_fit_arithmetic" not in rows:
+        return None
+    full = rows[(rows["measured_by"] == "full") & rows["users_fit_arithmetic"].notna()]
+    short = full[full["num_users"] < full["users_fit_arithmetic"]]
+    return int(short["num_users"].max()) if len(short) else None
+
+
 def max_clean_capacity(df):
     """Per mode: the largest clean ``num_users`` and its aggregate decode tok/s.
 
@@ -254,7 +265,8 @@ def max_clean_capacity(df):
     Returns:
         DataFrame indexed by nothing, columns mode, max_clean_users (nullable Int64: 0 when no run was
         clean, <NA> when the mode has only ``measured_by == "sizing"`` rows, i.e. was not run with
-        users, or reference data without a max-clean point), aggregate_decode_tok_s (NaN when none),
+        users, or reference data without a max-clean point, or the run was capped below what its cache fits:
+        then ``capped_at`` holds the cap, :func:`capped_at`), aggregate_decode_tok_s (NaN when none),
         plus the input's ``source`` (reference data) or ``source_file`` (result files) column: one
         row per mode and source, so several files are never merged into one figure; and, where the
         input has them, the workload columns ``WORKLOAD_KEYS`` (first value per mode and source) that
@@ -284,7 +296,10 @@ def max_clean_capacity(df):
             row["decode_kernel"] = decode_kernel(row["mode"], known[0] if known else None)
         # <NA>: capacity not measured (only sized, or reference data without a max-clean point)
         sizing_only = ("measured_by" in g.columns and (g["measured_by"] == "sizing").all()) or "max_clean" in g.columns
-        if len(good):
+        cap = capped_at(g)
+        if cap is not None:   # measured with max_users below what its cache fits: its largest point is no capacity
+            row.update(max_clean_users=pd.NA, aggregate_decode_tok_s=float("nan"), capped_at=cap)
+        elif len(good):
             best = good.loc[good["num_users"].idxmax()]
             row.update(max_clean_users=int(best["num_users"]), aggregate_decode_tok_s=float(best["aggregate_decode_tok_s"]))
         else:
@@ -293,6 +308,8 @@ def max_clean_capacity(df):
     out = pd.DataFrame(rows)
     if len(out):
         out["max_clean_users"] = out["max_clean_users"].astype("Int64")
+        if "capped_at" in out.columns:
+            out["capped_at"] = out["capped_at"].astype("Int64")
     return out
 
 

@@ -158,7 +158,8 @@ SETTINGS: tuple[Declaration, ...] = (
         "own K/V are also read back from the pages, so every prompt position attends to the compressed KV as decode "
         "does (for fidelity measurement: kvrepro.fidelity); dequant: the context dequantized "
         "in the rotated space by a Triton kernel, one FlashAttention call (fa_prefill.RotatedDequantPrefill); "
-        "triton: kvrepro's direct-read prefill kernel (correct, but ~3x bf16 at 128K: notes/kernels.md, Prefill).",
+        "triton: kvrepro's direct-read prefill kernel (correct, but ~3x bf16 at 128K: notes/kernels.md, Prefill; "
+        "with the key offset rope-mean on a GPU only for k4v4 and k5v4: notes/kernels.md, Known limits).",
         _choice("KVREPRO_PREFILL", PREFILL_PATHS),
         "prefill time of the paths at 128K (H200): [notes/kernels.md, Prefill](notes/kernels.md#prefill), run folders "
         "at the tag lab-notebook-2026-12-01; each capacity row records the path that ran "
@@ -364,7 +365,7 @@ def _main(argv=None) -> int:
     print("\n" + resolved)
     unknown = unknown_variables()
     if unknown:
-        print(f"unknown KVREPRO_ variables (ignored): {', '.join(unknown)}")
+        print(f"unknown KVREPRO_ variables (ignored): {', '.join(unknown)}", file=sys.stderr)
     return 0
 
 

@@ -28,8 +28,8 @@ from pathlib import Path
 from kvrepro.fileio import atomic_write_bytes
 from kvrepro.style import STYLE, _style, markers, palette, style_of  # noqa: F401 (re-exported)
 from kvrepro.formats import DEFAULT_PRESET, get_format
-from kvrepro.replay import (SEED_POINTS, WORKLOAD_KEYS, find_result_files, load_jsonl, repo_root, run_keys,
-                            time_span, utc_times)
+from kvrepro.replay import (SEED_POINTS, WORKLOAD_KEYS, capped_at, find_result_files, load_jsonl,  # noqa: F401
+                            repo_root, run_keys, time_span, utc_times)
 
 # Modes of the README table, in its order: (result-file mode, display name, KV format); the default preset is named.
 MODES = tuple((m, f"kvrepro {f} (default)" if f == DEFAULT_PRESET else d, f) for m, d, f in (
@@ -143,16 +143,6 @@ def clean_rows(rows):
     """Rows of one run that count for capacity: clean, no preemption, users > 0, a measured tok/s."""
     ok = rows["clean"].astype(bool) & (rows["preemptions"] == 0) & (rows["num_users"] > 0)
     return rows[ok & rows["aggregate_decode_tok_s"].notna()]
-
-
-def capped_at(rows) -> int | None:
-    """The users a run was capped at below what its KV cache fits (the sweep's ``max_users``): its ``full`` row's
-    ``num_users`` where that is below the row's ``users_fit_arithmetic``; None for a run that filled its cache."""
-    if "measured_by" not in rows or "users_fit_arithmetic" not in rows:
-        return None
-    full = rows[(rows["measured_by"] == "full") & rows["users_fit_arithmetic"].notna()]
-    short = full[full["num_users"] < full["users_fit_arithmetic"]]
-    return int(short["num_users"].max()) if len(short) else None
 
 
 def max_clean(rows) -> tuple[int, float] | None:
@@ -339,6 +329,10 @@ def load_capacity(results_dir: str | os.PathLike = CAPACITY_DIR):
 
 # ---------------------------------------------------------------- the strongest fp8 (issue 23)
 
+class ModeNotInRun(ValueError):
+    """:func:`fp8_ratios`: the compared mode has no rows in the run."""
+
+
 def fp8_ratios(source, mode: str = CAPACITY_PRESET) -> dict:
     """``mode`` against every fp8 KV mode of ONE sweep run (``kvrepro.sweep.FP8_MODES``: vLLM's choice and each
     named backend), both ways: against fp8 at its max clean capacity (the seed's protocol) and against the best
@@ -363,8 +357,8 @@ def fp8_ratios(source, mode: str = CAPACITY_PRESET) -> dict:
         each None when no fp8 mode has a comparable clean point. Aggregate decode tok/s throughout.
 
     Raises:
-        ValueError: the rows come from more than one file or ``run_id`` (a ratio is taken within one run), or hold no
-            row of ``mode``.
+        ValueError: the rows come from more than one file or ``run_id`` (a ratio is taken within one run);
+            :class:`ModeNotInRun` (a ValueError) when they hold no row of ``mode``.
     """
     from kvrepro import sweep
 
@@ -382,8 +376,8 @@ def fp8_ratios(source, mode: str = CAPACITY_PRESET) -> dict:
                          f"run_ids {run_ids}")
     runs = select_current(df, [mode, *sweep.FP8_MODES], workload=None)
     if mode not in runs:
-        raise ValueError(f"mode {mode!r} has no rows in {files[0] if files else 'these rows'}; modes present: "
-                         f"{sorted(set(map(str, df['mode'])))}")
+        raise ModeNotInRun(f"mode {mode!r} has no rows in {files[0] if files else 'these rows'}; modes present: "
+                           f"{sorted(set(map(str, df['mode'])))}")
     own = runs[mode]
     point = max_clean(own)
     out = dict(file=files[0] if files else None, run_id=run_ids[0], mode=mode, point=point, fp8=[],
@@ -439,7 +433,7 @@ def fp8_ratios_markdown(r: dict, other_errors: dict | None = None) -> str:
                      else num(f["users_max"], "{}"))
         users_best = num(f["users_best"], "{}")
         if f.get("incomplete") and users_best:
-            users_best += f" (of the points measured: {f['incomplete']})"
+            users_best += f" (best of the windows measured; {f['incomplete']})"
         lines.append(f"| {f['mode']} | {f['backend']} | {users_max} | {num(f['tok_s_max'])} | "
                      f"{users_best} | {num(f['tok_s_best'])} | {_x(f['vs_max'])} | {_x(f['vs_best'])} |")
     ran = {f["backend"]: f["mode"] for f in r["fp8"]}
@@ -996,9 +990,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.fp8_ratios:
         import json
 
+        from kvrepro import sweep
+
+        if args.ratio_mode not in sweep.ALL_MODES:
+            ap.error(f"--ratio-mode {args.ratio_mode!r}: not a sweep mode (kvrepro presets are kvrepro:<preset>); "
+                     f"allowed: {', '.join(sweep.ALL_MODES)}")
         what = "expected a capacity-sweep results file, results/capacity/<run>.jsonl"
         try:
             r = fp8_ratios(args.fp8_ratios, args.ratio_mode)
+        except ModeNotInRun as e:
+            print(f"error: --ratio-mode {args.ratio_mode}: {e}", file=sys.stderr)
+            return 1
         except (OSError, UnicodeDecodeError, ValueError) as e:
             why = (e.strerror if isinstance(e, OSError) and e.strerror else
                    "not a text file (binary or compressed)" if isinstance(e, UnicodeDecodeError) else e)
@@ -1008,7 +1010,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: --fp8-ratios {args.fp8_ratios}: no fp8 mode was measured in this run (allowed fp8 modes: "
                   f"{', '.join(r['missing'])}); ratios are taken within one run", file=sys.stderr)
             return 1
-        print(fp8_ratios_markdown(r))
+        print(fp8_ratios_markdown(r, fp8_engine_errors(Path(args.fp8_ratios).parent)))
         print(json.dumps(r, indent=1, default=str))
         return 0
     root = repo_root()

@@ -312,7 +312,7 @@ def test_fp8_ratios_both_ways_from_one_run(tmp_path):
     assert r["best_point"] == dict(fp8_mode="fp8:flash_attn", backend="FLASH_ATTN", users=4, tok_s=250.0,
                                    ratio=pytest.approx(630 / 250))
     md = summary.fp8_ratios_markdown(r)
-    assert ("| fp8:triton_attn | TRITON_ATTN | 6 | 190.0 | 6 (of the points measured: abort windows 1-3 of N=6 "
+    assert ("| fp8:triton_attn | TRITON_ATTN | 6 | 190.0 | 6 (best of the windows measured; abort windows 1-3 of N=6 "
             "missing) | 190.0 | 3.32x | 3.32x |") in md
     assert "engine did not start: RuntimeError: FlashInfer" in md and "**2.52x**" in md and "**3.32x**" in md
 
@@ -321,6 +321,8 @@ def test_a_run_capped_below_its_cache_has_a_best_point_but_no_capacity(tmp_path)
     """A mode measured with max_users below what its KV cache fits (the full row's users < users_fit_arithmetic): its
     largest point is not its capacity, so max_clean gives None and the fp8 table says so, while its best clean point
     still counts for the ratio against the best fp8 point."""
+    import pandas as pd
+
     from kvrepro import replay, summary
 
     path = _run_file(tmp_path, {"kvrepro:k4v4": {13: 630.0, 1: 60.0}, "fp8": {6: 163.0, 4: 245.0}})
@@ -330,13 +332,16 @@ def test_a_run_capped_below_its_cache_has_a_best_point_but_no_capacity(tmp_path)
     tri = rows[rows["mode"] == "fp8:triton_attn"]
     assert summary.capped_at(tri) == 4 and summary.max_clean(tri) is None and summary.best_clean(tri) == (4, 260.0)
     assert summary.capped_at(rows[rows["mode"] == "fp8"]) is None
+    cap = replay.max_clean_capacity(rows).set_index("mode")         # notebook 02's details table: no capacity either
+    assert cap.loc["fp8:triton_attn", "max_clean_users"] is pd.NA and cap.loc["fp8:triton_attn", "capped_at"] == 4
+    assert cap.loc["fp8", "max_clean_users"] == 6 and cap.loc["fp8", "capped_at"] is pd.NA
     r = summary.fp8_ratios(path)
     by = {f["mode"]: f for f in r["fp8"]}
     assert by["fp8:triton_attn"]["users_max"] is None and by["fp8:triton_attn"]["capped_at"] == 4
     assert r["at_capacity"]["fp8_mode"] == "fp8" and r["best_point"] == dict(
         fp8_mode="fp8:triton_attn", backend="TRITON_ATTN", users=4, tok_s=260.0, ratio=pytest.approx(630 / 260))
-    assert ("| fp8:triton_attn | TRITON_ATTN | capacity not measured (capped at 4 users) |  | 4 (of the points "
-            "measured: abort windows 1-2 of N=4 missing) | 260.0 |") in summary.fp8_ratios_markdown(r)
+    assert ("| fp8:triton_attn | TRITON_ATTN | capacity not measured (capped at 4 users) |  | 4 (best of the windows "
+            "measured; abort windows 1-2 of N=4 missing) | 260.0 |") in summary.fp8_ratios_markdown(r)
 
 
 def test_an_incomplete_fp8_mode_and_an_engine_error_of_another_run_are_named(tmp_path):
@@ -366,7 +371,7 @@ def test_an_incomplete_fp8_mode_and_an_engine_error_of_another_run_are_named(tmp
     errs = summary.fp8_engine_errors(tmp_path)
     assert errs == {"fp8:flashinfer": ("w0.jsonl", "ImportError: newest")}
     md = summary.fp8_ratios_markdown(r, errs)
-    assert "| 3 (of the points measured: abort windows 1-2 of N=3 missing) | 133.0 |" in md
+    assert "| 3 (best of the windows measured; abort windows 1-2 of N=3 missing) | 133.0 |" in md
     assert "not run here; its engine did not start in `w0.jsonl`: ImportError: newest |" in md
     assert "| fp8:flashinfer | FLASHINFER | | | | | | not run |" in summary.fp8_ratios_markdown(r)
 
@@ -420,6 +425,18 @@ def test_fp8_ratios_cli(tmp_path, capsys):
     assert summary.main(["--fp8-ratios", str(both)]) == 0
     assert "| fp8:flash_attn | FLASH_ATTN | | | | | | not run on its own (the fp8 row ran this backend) |" in \
         capsys.readouterr().out
+    # --ratio-mode: a bare preset name is not a sweep mode (argument error); a mode absent from the run names the option
+    with pytest.raises(SystemExit) as e:
+        summary.main(["--fp8-ratios", str(both), "--ratio-mode", "k4v4"])
+    assert e.value.code == 2 and "--ratio-mode 'k4v4': not a sweep mode (kvrepro presets are kvrepro:<preset>); " \
+        "allowed: bf16, fp8," in capsys.readouterr().err
+    assert summary.main(["--fp8-ratios", str(both), "--ratio-mode", "kvrepro:k4v2"]) == 1
+    assert "error: --ratio-mode kvrepro:k4v2: mode 'kvrepro:k4v2' has no rows in " in capsys.readouterr().err
+    # the CLI names an fp8 engine error of another run in the same folder, as notebook 02 does
+    sweep.record_engine_error(tmp_path / "w1.jsonl", "fp8:flashinfer", "w1", sweep.engine_settings("fp8:flashinfer"),
+                              RuntimeError("FlashInfer backend is not available"))
+    assert summary.main(["--fp8-ratios", str(both)]) == 0
+    assert "not run here; its engine did not start in `w1.jsonl`: RuntimeError: FlashInfer" in capsys.readouterr().out
 
 
 def _fake_vllm(monkeypatch, fail=None, backends=("TRITON_ATTN",)):
