@@ -414,7 +414,8 @@ def fp8_ratios(source, mode: str = CAPACITY_PRESET) -> dict:
 
 
 def fp8_ratios_markdown(r: dict, other_errors: dict | None = None) -> str:
-    """:func:`fp8_ratios` as a markdown table (one line per fp8 mode) and two headline sentences.
+    """:func:`fp8_ratios` as a markdown table (one line per fp8 mode measured), a list of the fp8 modes the run
+    lacks with the reason, and two headline sentences.
 
     ``other_errors``: ``{mode: (results file name, error)}`` of fp8 modes this run lacks whose engine did not start in
     another run (:func:`fp8_engine_errors`); their line says so and names that run."""
@@ -437,6 +438,8 @@ def fp8_ratios_markdown(r: dict, other_errors: dict | None = None) -> str:
         lines.append(f"| {f['mode']} | {f['backend']} | {users_max} | {num(f['tok_s_max'])} | "
                      f"{users_best} | {num(f['tok_s_best'])} | {_x(f['vs_max'])} | {_x(f['vs_best'])} |")
     ran = {f["backend"]: f["mode"] for f in r["fp8"]}
+    if r["missing"]:
+        lines += ["", "Not in this run:", ""]
     for m in r["missing"]:
         why = r["engine_errors"].get(m)
         same = ran.get(sweep_backend(m))
@@ -445,7 +448,7 @@ def fp8_ratios_markdown(r: dict, other_errors: dict | None = None) -> str:
                 f"not run on its own (the {same} row ran this backend)" if same else
                 f"not run here; its engine did not start in `{elsewhere[0]}`: {elsewhere[1][:160]}" if elsewhere
                 else "not run")
-        lines.append(f"| {m} | {sweep_backend(m)} | | | | | | {text} |")
+        lines.append(f"- {m} ({sweep_backend(m)}): {text}")
     lines.append("")
     a, b = r["at_capacity"], r["best_point"]
     if a:

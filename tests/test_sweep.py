@@ -372,8 +372,8 @@ def test_an_incomplete_fp8_mode_and_an_engine_error_of_another_run_are_named(tmp
     assert errs == {"fp8:flashinfer": ("w0.jsonl", "ImportError: newest")}
     md = summary.fp8_ratios_markdown(r, errs)
     assert "| 3 (best of the windows measured; abort windows 1-2 of N=3 missing) | 133.0 |" in md
-    assert "not run here; its engine did not start in `w0.jsonl`: ImportError: newest |" in md
-    assert "| fp8:flashinfer | FLASHINFER | | | | | | not run |" in summary.fp8_ratios_markdown(r)
+    assert "not run here; its engine did not start in `w0.jsonl`: ImportError: newest\n" in md
+    assert "- fp8:flashinfer (FLASHINFER): not run\n" in summary.fp8_ratios_markdown(r)
 
 
 def test_fp8_ratios_use_the_resolved_backend_and_refuse_mixed_runs(tmp_path):
@@ -423,7 +423,7 @@ def test_fp8_ratios_cli(tmp_path, capsys):
     both = _run_file(tmp_path, {"kvrepro:k4v4": {2: 100.0}, "fp8": {2: 40.0}}, run_id="fa",
                      attention_backend_resolved=["FLASH_ATTN"])
     assert summary.main(["--fp8-ratios", str(both)]) == 0
-    assert "| fp8:flash_attn | FLASH_ATTN | | | | | | not run on its own (the fp8 row ran this backend) |" in \
+    assert "- fp8:flash_attn (FLASH_ATTN): not run on its own (the fp8 row ran this backend)" in \
         capsys.readouterr().out
     # --ratio-mode: a bare preset name is not a sweep mode (argument error); a mode absent from the run names the option
     with pytest.raises(SystemExit) as e:
