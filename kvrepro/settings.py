@@ -258,10 +258,18 @@ class Settings:
         """The settings ``environ`` (default ``os.environ``) gives; unset or empty variables take their defaults.
 
         Raises:
-            ValueError: a bad value, naming the variable and the allowed values.
+            ValueError: every bad value at once ("; "-joined), each naming its variable and the allowed values.
         """
         environ = os.environ if environ is None else environ
-        return cls(**{d.field: d.read(environ) for d in SETTINGS})
+        values, bad = {}, []
+        for d in SETTINGS:
+            try:
+                values[d.field] = d.read(environ)
+            except ValueError as e:
+                bad.append(str(e))
+        if bad:
+            raise ValueError("; ".join(bad))
+        return cls(**values)
 
     def conflicts(self) -> list[str]:
         """Combinations of valid values that the engine refuses at start (the runtime, the backend's start on a GPU

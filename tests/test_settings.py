@@ -75,6 +75,9 @@ def test_prefill_path_and_decode_impl():
     with pytest.raises(ValueError, match="KVREPRO_PREFILL='sdpa'; allowed: fa, fa-sliced, fa-pages, dequant, triton"):
         Settings.from_env({"KVREPRO_PREFILL": "sdpa"})
     assert Settings.from_env({"KVREPRO_DECODE_IMPL": " CUDA "}).decode_impl == "cuda"
+    with pytest.raises(ValueError) as e:                       # every bad variable at once, not only the first
+        Settings.from_env({"KVREPRO_PRESET": "k9v9", "KVREPRO_KEY_OFFSET": "bogus"})
+    assert "KVREPRO_PRESET='k9v9'" in str(e.value) and "KVREPRO_KEY_OFFSET='bogus'; allowed: slow-pairs" in str(e.value)
     assert Settings(decode_impl="triton").decode_impl == "triton"
     with pytest.raises(ValueError, match="KVREPRO_DECODE_IMPL='fast'; allowed: auto, cuda, triton"):
         Settings(decode_impl="fast")
