@@ -358,9 +358,8 @@ def section_markdown(root: str | os.PathLike) -> str:
             "GEMMs (ms)", "GEMMs, % of copy bw", "rest (ms)", "GPU idle (ms)", "bound (ms)", "% of bound", "file"]
     lines = ["| " + " | ".join(head) + " |", "| --- | --- | " + " | ".join(["---:"] * (len(head) - 3)) + " | --- |"]
     for r in t.to_dict("records"):
-        mode = r["mode"] + (f" ({r['backend']})" if r["backend"] and not str(r["mode"]).startswith("kvrepro") else "")
         lines.append("| " + " | ".join([
-            mode, formatted(r["key_offset"]), str(r["users"]), formatted(r["step_ms"], "{:.2f}"),
+            _mode_label(r), formatted(r["key_offset"]), str(r["users"]), formatted(r["step_ms"], "{:.2f}"),
             formatted(r["tok_s"], "{:.0f}"),
             formatted(r["attention_ms"], "{:.2f}"), formatted(r["attention_bw"], "{:.0f}%", 100),
             formatted(r["gemm_ms"], "{:.2f}"), formatted(r["gemm_bw"], "{:.0f}%", 100),
@@ -375,19 +374,20 @@ def section_markdown(root: str | os.PathLike) -> str:
                         for f, i in tags.items()))
 
 
+def _mode_label(r: dict) -> str:
+    """A :func:`profile_table` row's mode as the step section names it: vLLM's own modes with the attention backend
+    vLLM resolved, e.g. ``fp8 (FLASH_ATTN)``; kvrepro modes as they are."""
+    return r["mode"] + (f" ({r['backend']})" if r["backend"] and not str(r["mode"]).startswith("kvrepro") else "")
+
+
 def _ceiling_text(t, tags: dict) -> str:
     """The sentence under the step table: each profiled batch's ``ceiling`` (:func:`profile_table`) and whether a
     kvrepro batch's reaches issue 23's :data:`E2E_GOAL`."""
     c = t[t["ceiling"].notna()]
     if not len(c):
         return ""
-    def name(r):
-        ko = r["key_offset"] if isinstance(r["key_offset"], str) else ""
-        be = f" ({r['backend']})" if r["backend"] and not str(r["mode"]).startswith("kvrepro") else ""
-        return f"{r['mode']}{be}{' ' + ko if ko else ''}"
-
-    each = "; ".join(f"{name(r)} at {r['users']} users {100 * r['ceiling']:.1f}% [{tags[r['file']]}]"
-                     for r in c.to_dict("records"))
+    each = "; ".join(f"{_mode_label(r)}{' ' + r['key_offset'] if isinstance(r['key_offset'], str) and r['key_offset'] else ''} at "
+                     f"{r['users']} users {100 * r['ceiling']:.1f}% [{tags[r['file']]}]" for r in c.to_dict("records"))
     kv = c[c["mode"].astype(str).str.startswith("kvrepro")]
     verdict = ""
     if len(kv) and kv["ceiling"].max() < E2E_GOAL:
