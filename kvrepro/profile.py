@@ -386,8 +386,12 @@ def _ceiling_text(t, tags: dict) -> str:
     c = t[t["ceiling"].notna()]
     if not len(c):
         return ""
-    each = "; ".join(f"{_mode_label(r)}{' ' + r['key_offset'] if isinstance(r['key_offset'], str) and r['key_offset'] else ''} at "
-                     f"{r['users']} users {100 * r['ceiling']:.1f}% [{tags[r['file']]}]" for r in c.to_dict("records"))
+    def name(r):
+        ko = r["key_offset"] if isinstance(r["key_offset"], str) else ""
+        return _mode_label(r) + (f" {ko}" if ko else "")
+
+    each = "; ".join(f"{name(r)} at {r['users']} users {100 * r['ceiling']:.1f}% [{tags[r['file']]}]"
+                     for r in c.to_dict("records"))
     kv = c[c["mode"].astype(str).str.startswith("kvrepro")]
     verdict = ""
     if len(kv) and kv["ceiling"].max() < E2E_GOAL:
