@@ -14,9 +14,9 @@ attention layer, kvrepro with its defaults. Every kernel is timed twice in the s
 launches (``ms``) and one call captured in a CUDA graph and replayed (``ms_graph``; as vLLM serves
 decode; ``graph_error`` if a kernel cannot be captured), so ratios can be taken within one method.
 ``--rope``: the cost of the key offset rope-mean's score correction instead (no vLLM needed): kvrepro's default kernel
-for k4v4 / k8v4 / k4v2 (the CUDA kernel) and k5v4 (the Triton kernel) without and with ``rope_bias`` (rows
-``kvrepro_<preset>`` and ``kvrepro_<preset>_rope``) and, for the CUDA presets, the Triton kernel with it
-(``kvrepro_<preset>_triton_rope``); ``--launch 64,2 ...`` adds the Triton-only presets at other launches
+for every preset (the CUDA kernel on sm_80+) without and with ``rope_bias`` (rows
+``kvrepro_<preset>`` and ``kvrepro_<preset>_rope``) and, for the CUDA presets, the Triton kernel without and with it
+(``kvrepro_<preset>_triton``, ``kvrepro_<preset>_triton_rope``); ``--launch 64,2 ...`` adds the Triton-only presets at other launches
 (``kvrepro_k5v4_b64w2``, ``..._rope``), batches 3 / 6 / 13 by
 default, into ``benchmarks/results/decode_rope_mean.json``; the lines printed at the end give each rope row's time
 over its preset's row without the correction (eager and graph).
@@ -218,14 +218,15 @@ def main_rope(args):
                 cases[f"{name}_rope"] = lambda b, c, preset=preset, bn=bn, w=w: kvrepro_case(
                     preset, b, c, gen, rope=True, block_n=bn, num_warps=w)
             continue
+        cases[f"kvrepro_{preset}_triton"] = lambda b, c, preset=preset: kvrepro_case(preset, b, c, gen, impl="triton")
         cases[f"kvrepro_{preset}_triton_rope"] = lambda b, c, preset=preset: kvrepro_case(preset, b, c, gen, rope=True,
                                                                                           impl="triton")
     run_cases(cases, args.ctxs if args.ctxs != list(CTXS) else [131072], args.batches or ROPE_BATCHES, res,
               res["copy_bandwidth"]["GBps_read_plus_write"], out)
     base = {(r["kernel"], r["ctx"], r["batch"]): r for r in res["rows"] if "ms" in r}
     for (name, ctx, batch), r in base.items():
-        ref = base.get((name.replace("_triton_rope", "").replace("_rope", ""), ctx, batch))
-        if name.endswith("rope") and ref:
+        ref = base.get((name.replace("_triton_rope", "").replace("_triton", "").replace("_rope", ""), ctx, batch))
+        if (name.endswith("rope") or name.endswith("_triton")) and ref:
             print(f"{name} ({r['impl']}) ctx {ctx} batch {batch}: {r['ms']:.4f} ms eager, x{r['ms'] / ref['ms']:.3f} "
                   f"of {ref['kernel']} ({ref['impl']}); graph "
                   + (f"x{r['ms_graph'] / ref['ms_graph']:.3f}" if r.get("ms_graph") and ref.get("ms_graph") else "-"))

@@ -27,7 +27,7 @@ PRESETS = ("k4v4", "k8v4", "k4v2", "k5v4")  # = kvrepro.formats.COMPRESSED_PRESE
 DEFAULT_PRESET = "k5v4"                     # = kvrepro.formats.DEFAULT_PRESET
 DECODE_IMPLS = ("auto", "cuda", "triton")
 PREFILL_PATHS = ("fa", "fa-sliced", "fa-pages", "dequant", "triton")
-CUDA_PRESETS = ("k4v4", "k8v4", "k4v2")   # the CUDA decode kernel's variants (= kvrepro.ops.cuda_decode.PRESETS)
+CUDA_PRESETS = ("k4v4", "k8v4", "k4v2", "k5v4")   # the CUDA decode kernel's variants (= kvrepro.ops.cuda_decode.PRESETS)
 ROPE_GPU_PRESETS = ("k4v4", "k5v4")        # = kvrepro.ops.prefill.ROPE_GPU_PRESETS: rope-mean's Triton prefill on a GPU
 STORE_ROTATE_MODES = ("torch", "kernel")
 KEY_OFFSET_MODES = ("slow-pairs", "first-prefill", "off", "rope-mean")   # = kvrepro.formats.offset.MODES

@@ -18,6 +18,7 @@ from kvrepro.formats import get_format
 D, BS = 128, 16
 K4V4 = get_format("k4v4").layout(D, BS)
 K4V2 = get_format("k4v2").layout(D, BS)
+K5V4 = get_format("k5v4").layout(D, BS)
 
 
 def ldmatrix_x4(smem: np.ndarray, row_addr: list[int], trans: bool) -> np.ndarray:
@@ -157,6 +158,46 @@ def key_dot(smem: np.ndarray, bh: np.ndarray, bl: np.ndarray) -> tuple[np.ndarra
     return chi, clo
 
 
+def k5_row_addr(half: int) -> list[int]:
+    """Per lane, the byte address of k5v4's high-plane ldmatrix (the kernel's ``lk5 + 32 half``): its key region keeps
+    the page's 80-byte token rows, unswizzled; matrix ``lane >> 3`` = tokens 0-7 / 8-15 x bytes +0 / +16."""
+    return [((t >> 3 & 1) * 8 + (t & 7)) * 80 + half * 32 + (t >> 4) * 16 for t in range(32)]
+
+
+def key_dot_k5v4(page: np.ndarray, bh: np.ndarray, bl: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+    """The kernel's S^T = K Q^T for one k5v4 page (its key region copied as it is): the high plane (``code >> 1``,
+    4-bit, k4v4's packing) through k4v4's int8 planes 16 (hi - 8), the low plane (byte j bit i = channel j + 16 i)
+    through ldmatrix.x2 of the 16-byte low rows (lanes 0-15 give ``lk5 + 64``) and per chunk c bits 2 c, 2 c + 1
+    moved to bit 3 (int8 8 lo), both into the same two chains. Returns the int32 C fragments of the high- and
+    low-digit chains and the worst bank conflict of the reads."""
+    chi = np.zeros((32, 4), np.int64)
+    clo = np.zeros((32, 4), np.int64)
+    ways = 1
+    for half in range(2):
+        addrs = k5_row_addr(half)
+        ways = max(ways, bank_ways(addrs))
+        r = ldmatrix_x4(page, addrs, trans=False)
+        a_lo = np.array([[lop(np.uint32(r[t, i]) << np.uint32(4), 0xF0F0F0F0, 0x80808080, True) for i in range(4)]
+                         for t in range(32)], np.uint32)
+        a_hi = np.array([[lop(r[t, i], 0xF0F0F0F0, 0x80808080, True) for i in range(4)] for t in range(32)], np.uint32)
+        chi += mma_s8(a_lo, bh[half]) + mma_s8(a_hi, bh[2 + half])
+        clo += mma_s8(a_lo, bl[half]) + mma_s8(a_hi, bl[2 + half])
+    lo_addrs = [a + 64 for a in k5_row_addr(0)]             # x2: matrices 0, 1 (lanes 0-15) are tokens 0-7, 8-15
+    ways = max(ways, bank_ways(lo_addrs[:16] * 2))
+    w = ldmatrix_x4(page, lo_addrs[:16] * 2, trans=False)[:, :2]
+
+    def to_bit3(x, i):
+        x = np.uint32(x)
+        return (x << np.uint32(3 - i) if i <= 3 else x >> np.uint32(i - 3)) & np.uint32(0x08080808)
+
+    for c in range(4):
+        a = np.array([[to_bit3(w[t, 0], 2 * c), to_bit3(w[t, 1], 2 * c), to_bit3(w[t, 0], 2 * c + 1),
+                       to_bit3(w[t, 1], 2 * c + 1)] for t in range(32)], np.uint32)
+        chi += mma_s8(a, bh[c])
+        clo += mma_s8(a, bl[c])
+    return chi, clo, ways
+
+
 def value_dot(smem: np.ndarray, b: np.ndarray) -> np.ndarray:
     """The kernel's O^T contribution of one k4v4 page in shared memory (``to_smem``): [8 channel tiles, 32, 4]
     float64 C fragments for the P^T B fragments ``b`` [32, 2] (tile 4 p + 2 half + e: plane p, bytes 32 half +
@@ -208,12 +249,16 @@ def value_dot_k4v2(page: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, int]:
 
 
 def random_page(rng: np.random.Generator, layout) -> np.ndarray:
-    """Random code bytes of one page of ``layout`` with sane float16 metadata (K scale 0.05..0.15, zero -1.2..-0.8;
-    V scale 0.05..0.15)."""
+    """Random code bytes of one page of ``layout`` with sane metadata: float16 K scale 0.05..0.15 and zero -1.2..-0.8
+    (the scale alone for symmetric keys); float16 V scale 0.05..0.15, or a uint8 log2 scale code 100..130."""
     page = rng.integers(0, 256, size=layout.page_bytes, dtype=np.uint8)
     km = np.stack([rng.uniform(0.05, 0.15, BS), rng.uniform(-1.2, -0.8, BS)], 1).astype(np.float16)
+    km = km[:, :layout.k_meta_bytes // 2]
     page[layout.k_meta_offset:layout.v_meta_offset] = np.frombuffer(km.tobytes(), np.uint8)
-    page[layout.v_meta_offset:] = np.frombuffer(rng.uniform(0.05, 0.15, BS).astype(np.float16).tobytes(), np.uint8)
+    if layout.value_log_scale:
+        page[layout.v_meta_offset:] = rng.integers(100, 131, BS).astype(np.uint8)
+    else:
+        page[layout.v_meta_offset:] = np.frombuffer(rng.uniform(0.05, 0.15, BS).astype(np.float16).tobytes(), np.uint8)
     return page
 
 

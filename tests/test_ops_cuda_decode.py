@@ -47,7 +47,7 @@ def test_auto_picks_cuda_only_where_the_kernel_applies(capability):
     assert resolve_impl(None, get_format("k8v4").layout(128, 16), 4, CUDA) == "cuda"       # k8v4: its own kernel
     assert resolve_impl(None, get_format("k4v2").layout(128, 16), 4, CUDA) == "cuda"       # k4v2: its own kernel
     assert resolve_impl(None, PageLayout(128, 16, 8, 8), 4, CUDA) == "triton"              # no kernel for k8v8
-    assert resolve_impl(None, get_format("k5v4").layout(128, 16), 4, CUDA) == "triton"     # nor for k5v4
+    assert resolve_impl(None, get_format("k5v4").layout(128, 16), 4, CUDA) == "cuda"       # k5v4: its own kernel
     assert resolve_impl(None, get_format("k4v4").layout(64, 16), 3, CUDA) == "triton"      # SmolLM2 head_dim
     assert resolve_impl(None, get_format("k4v4").layout(128, 32), 4, CUDA) == "triton"     # other block size
     assert resolve_impl(None, K4V4, 4, torch.device("cpu")) == "triton"
@@ -62,8 +62,7 @@ def test_explicit_cuda_is_refused_with_the_reason(capability):
     assert resolve_impl("triton", K4V4, 4, CUDA) == "triton"
     for layout, group, dev, match in [
         (PageLayout(128, 16, 2, 4), 4, CUDA,
-         "k4v4, k8v4 and k4v2 pages with head_dim 128 and block_size 16.*key_bits=2, value_bits=4"),
-        (get_format("k5v4").layout(128, 16), 4, CUDA, "has no kernel for k5v4 pages: it has k4v4, k8v4 and k4v2 only"),
+         "k4v4, k8v4, k4v2 and k5v4 pages with head_dim 128 and block_size 16.*key_bits=2, value_bits=4"),
         (get_format("k4v4").layout(64, 16), 3, CUDA, "head_dim=64"),
         (K4V4, 16, CUDA, "GQA groups of 1..8 query heads, got 16"),
         (K4V4, 4, torch.device("cpu"), "needs a CUDA device, got cpu"),
@@ -259,7 +258,7 @@ def test_build_reports_nvcc_failure(tmp_path):
 @pytest.mark.parametrize("hq,hkv", [(32, 8), (24, 8), (8, 8), (16, 2), (16, 8), (40, 8), (56, 8)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("num_splits", [1, 3, None])
-@pytest.mark.parametrize("preset", ["k4v4", "k8v4", "k4v2"])
+@pytest.mark.parametrize("preset", ["k4v4", "k8v4", "k4v2", "k5v4"])
 def test_cuda_matches_dequantized_reference(hq, hkv, dtype, num_splits, preset, ragged_batch):
     """Ragged lengths incl. 1 and a padding row (0), GQA 4 / 3 / 1 / 8 / 2 / 5 / 7, block ids at the top of the
     pool, poisoned output; every kernel (k4v4, k8v4, k4v2)."""
@@ -306,7 +305,7 @@ def test_cuda_nan_query_head_stays_nan():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("preset", ["k4v4", "k8v4", "k4v2"])
+@pytest.mark.parametrize("preset", ["k4v4", "k8v4", "k4v2", "k5v4"])
 def test_cuda_kernel_is_graph_capturable(preset):
     """Launched on PyTorch's current stream: a captured CUDA graph replays it with new query values."""
     gen = torch.Generator().manual_seed(4)
@@ -374,7 +373,7 @@ def test_runtime_uses_the_split_rule_of_its_kernel(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("forced", [None, (30, 200)])
-@pytest.mark.parametrize("preset", ["k4v4", "k8v4", "k4v2"])
+@pytest.mark.parametrize("preset", ["k4v4", "k8v4", "k4v2", "k5v4"])
 def test_cuda_splits_partition_the_sequence(forced, preset, monkeypatch):
     """Each split's log-sum-exp (the workspace's part_lse, log2) is that of its own tokens only: whole 16-token pages
     cut as ``cuda_decode.split_pages`` says (weighted by round of placement; decode.cu split_weight_prefix), empty
@@ -432,7 +431,7 @@ def check_split_lse(lse, logits, pages, n, where):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("preset", ["k4v4", "k8v4", "k4v2"])
+@pytest.mark.parametrize("preset", ["k4v4", "k8v4", "k4v2", "k5v4"])
 def test_cuda_pool_over_2_gib_and_unaligned_pool(preset):
     """Block ids whose byte offset passes 2**31 give the same output as low block ids (int64 offsets); a pool that
     does not start on a 16-byte boundary is refused (cp.async copies 16-byte chunks)."""
@@ -687,13 +686,14 @@ def test_rank_args_skews_only_one_wave_on_hopper(monkeypatch):
 
 
 def test_launch_refuses_a_page_size_of_another_kernel():
-    """``LAYOUTS`` are kvrepro.formats' page layouts of k4v4, k8v4 and k4v2 (2,144 / 3,168 / 1,632 bytes); a pool
+    """``LAYOUTS`` are kvrepro.formats' page layouts of k4v4, k8v4, k4v2 and k5v4 (2,144 / 3,168 / 1,632 / 2,352
+    bytes); a pool
     whose page size is not the layout of ``(key_bits, value_bits)`` is refused before anything runs (CPU tensors: the
     check comes first)."""
     from kvrepro.ops import cuda_decode
 
-    assert [v.page_bytes for v in cuda_decode.LAYOUTS.values()] == [2144, 3168, 1632]
-    for preset in ("k4v4", "k8v4", "k4v2"):
+    assert [v.page_bytes for v in cuda_decode.LAYOUTS.values()] == [2144, 3168, 1632, 2352]
+    for preset in ("k4v4", "k8v4", "k4v2", "k5v4"):
         layout = get_format(preset).layout(128, 16)
         bits = (layout.key_bits, layout.value_bits)
         assert cuda_decode.LAYOUTS[bits] == layout
@@ -722,7 +722,8 @@ def test_launch_and_helpers_check_their_arguments_first():
     with pytest.raises(ValueError, match=r"rotation must be a \[128, 128\] tensor.*got \(64, 64\)"):
         cuda_decode.launch(q, torch.eye(64), pool, *args, 2, 8, 4, key_bits=4, value_bits=4)
     with pytest.raises(ValueError, match=r"\(key_bits, value_bits\) must be one of \(4, 4\) \(k4v4\), \(8, 4\) "
-                                         r"\(k8v4\), \(4, 2\) \(k4v2\) for the CUDA decode kernel, got \(2, 4\)"):
+                                         r"\(k8v4\), \(4, 2\) \(k4v2\), \(5, 4\) \(k5v4\) for the CUDA decode kernel, "
+                                         r"got \(2, 4\)"):
         cuda_decode.launch(q, torch.eye(128), pool, *args, 2, 8, 4, key_bits=2, value_bits=4)
     with pytest.raises(ValueError, match="pool pages must be 3168 bytes for k8v4.*got 2144"):
         cuda_decode.launch(q, torch.eye(128), pool, *args, 2, 8, 4, key_bits=8, value_bits=4)
@@ -811,6 +812,26 @@ def test_emulated_key_logits_equal_the_direct_dot_product():
     chi, clo = emu.key_dot(emu.to_smem(page), emu.query_fragments(qh), emu.query_fragments(ql))
     got = emu.logits_from_fragments(chi * 128 + clo)
     assert np.array_equal(got, 16 * (_direct_codes(page, emu.K4V4, "k", 4) - 8) @ qi.T)
+
+
+def test_emulated_k5v4_key_logits_equal_the_direct_dot_product():
+    """k5v4 keys (emulated): the high plane through k4v4's int8 planes and the low plane's bits moved to bit 3 give,
+    in the same two chains, exactly 8 (code - 16) . qi, code = 2 hi + lo of the direct decode (kvrepro.formats'
+    unpack_codes), so s = S_q / 8 ks acc + sum(q) ks / 2 = q . (code - 15.5) ks; the 80-byte rows read conflict-free."""
+    from kvrepro.formats.compressed import unpack_codes
+
+    rng = np.random.default_rng(5)
+    page = emu.random_page(rng, emu.K5V4)
+    qi = rng.integers(-16255, 16256, size=(8, 128))
+    qi[5:] = 0
+    qh = (qi + 64) >> 7
+    ql = qi - (qh << 7)
+    chi, clo, ways = emu.key_dot_k5v4(page, emu.query_fragments(qh), emu.query_fragments(ql))
+    got = emu.logits_from_fragments(chi * 128 + clo)
+    codes = unpack_codes(torch.from_numpy(page[:emu.K5V4.v_code_offset].reshape(16, 80).copy()), 5).numpy()
+    assert codes.shape == (16, 128) and codes.max() == 31 and codes.min() == 0
+    assert np.array_equal(got, 8 * (codes.astype(np.int64) - 16) @ qi.T)
+    assert ways == 1
 
 
 def test_emulated_values_equal_the_direct_weighted_sum():
@@ -1015,7 +1036,7 @@ def _rope_pool(preset, lens, seed):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("qscale", [1.0, 0.03])
-@pytest.mark.parametrize("preset", ["k4v4", "k8v4", "k4v2"])
+@pytest.mark.parametrize("preset", ["k4v4", "k8v4", "k4v2", "k5v4"])
 def test_cuda_rope_mean_matches_float64_over_restored_keys_and_triton(preset, qscale):
     """The *_rope kernels at 32 / 8 heads, head_dim 128, contexts up to 128K (131,072 and ragged 50,001 / 37 / a padding
     row), bias norm 1000: within 3e-3 of float64 attention over the restored keys (pool.gather + R(j) b_hat) and of

@@ -109,7 +109,7 @@ def _manifest(entry_sha: str, kernels: dict) -> dict:
 
 CURRENT = {**{k: _h(k) for k in PLAIN}, **{k: _h(k + "new") for k in ROPE}}
 RUN = {"file": "results/x.jsonl", "gpu": "NVIDIA H200", "fatbin_sha256": "old", "date": "2026-12-01",
-       "presets": ["k4v2", "k4v4", "k8v4"]}
+       "presets": ["k4v2", "k4v4", "k5v4", "k8v4"]}
 
 
 def _measured(kernels: dict, entry_sha: str = "old-entry", with_kernels: bool = True) -> dict:
@@ -122,7 +122,7 @@ def test_identical_kernel_code_is_measured_and_added_kernels_are_built_not_run()
     is the same: measured, the rope kernels built and not run."""
     old = {k: _h(k) for k in PLAIN}
     text, used = reach.cuda_status("sm_90", [RUN], _manifest("new-entry", CURRENT), _measured(old))
-    assert text == ("**measured** on H200, k4v4 / k8v4 / k4v2 (sm_90 code identical to the runs'; 2026-12-01: "
+    assert text == ("**measured** on H200, k4v4 / k8v4 / k4v2 / k5v4 (sm_90 code identical to the runs'; 2026-12-01: "
                     "[x.jsonl](results/x.jsonl)); rope-mean kernels built, not run")
     assert used == [RUN]
 
@@ -130,7 +130,7 @@ def test_identical_kernel_code_is_measured_and_added_kernels_are_built_not_run()
 def test_a_changed_kernel_is_not_measured():
     old = {k: _h(k) for k in PLAIN} | {"kvrepro_decode_k4v2": _h("k4v2 before a change")}
     text, _ = reach.cuda_status("sm_90", [RUN], _manifest("new-entry", CURRENT), _measured(old))
-    assert text.startswith("**measured** on H200, k4v4 / k8v4 (")
+    assert text.startswith("**measured** on H200, k4v4 / k8v4 / k5v4 (")
     assert text.endswith("; k4v2 not measured; rope-mean kernels built, not run")
     changed = {k: _h(k + "changed") for k in PLAIN}
     text, used = reach.cuda_status("sm_90", [RUN], _manifest("new-entry", CURRENT), _measured(changed))
@@ -141,14 +141,14 @@ def test_a_kernel_counts_only_where_its_preset_ran():
     """Identical code that no run executed (the run's presets) is not measured: the claim needs both."""
     run = RUN | {"presets": ["k4v4"]}
     text, _ = reach.cuda_status("sm_90", [run], _manifest("new-entry", CURRENT), _measured({k: _h(k) for k in PLAIN}))
-    assert text.startswith("**measured** on H200, k4v4 (") and "; k8v4 / k4v2 not measured;" in text
+    assert text.startswith("**measured** on H200, k4v4 (") and "; k8v4 / k4v2 / k5v4 not measured;" in text
     assert reach.cuda_status("sm_90", [], _manifest("new-entry", CURRENT), _measured({})) is None
 
 
 def test_an_entry_without_kernel_hashes_counts_only_when_the_whole_entry_is_the_same():
     kernels = {k: _h(k) for k in PLAIN}
     same = reach.cuda_status("sm_90", [RUN], _manifest("e", kernels), _measured({}, "e", with_kernels=False))
-    assert same[0].startswith("**measured** on H200, k4v4 / k8v4 / k4v2 (") and "built, not run" not in same[0]
+    assert same[0].startswith("**measured** on H200, k4v4 / k8v4 / k4v2 / k5v4 (") and "built, not run" not in same[0]
     other = reach.cuda_status("sm_90", [RUN], _manifest("e2", kernels), _measured({}, "e", with_kernels=False))
     assert other[0] == "measured with an earlier build; this build's sm_90 not measured"
     unknown = reach.cuda_status("sm_90", [RUN | {"fatbin_sha256": "never listed"}], _manifest("e", kernels), {})
@@ -191,13 +191,16 @@ def test_measured_fatbins_hold_the_code_of_the_fatbins_in_git_history(tmp_path):
     fatbins = json.loads(reach.MEASURED_FATBINS.read_text())["fatbins"]
     assert set(fatbins) == {"ea200779094fc163cd7f133bdbca2112f04d918d84ca7377188cf595a2aaa90e",
                             "970ceb3112d47cab66b47a927138db2e7e6dfd517fc5f3b2fe654206619af74b",
-                            "b2ce9eb7c9f0731ee4f8f884124e8c17a74548d1584e94dc8b8a8fecc33ef7c3"}
+                            "b2ce9eb7c9f0731ee4f8f884124e8c17a74548d1584e94dc8b8a8fecc33ef7c3",
+                            "7ed507566e92541b159e267a2f9cc8b361e4b79367b22927ba5d715583cf7f48"}
     current = {e["code"]: e for e in cuda_decode.read_manifest()["entries"]}
     for sha, rec in fatbins.items():
         for e in rec["entries"]:
             if e["code"].startswith("sm_"):
-                assert set(PLAIN) <= set(e["kernels"]) <= set(PLAIN) | set(cuda_decode.ROPE_KERNELS.values())
-                assert {k: current[e["code"]]["kernels"][k] for k in PLAIN} == {k: e["kernels"][k] for k in PLAIN}, \
+                # every measured fatbin held the first three presets' kernels; k5v4's came later
+                assert set(PLAIN[:3]) <= set(e["kernels"]) <= set(cuda_decode.ALL_KERNELS)
+                both = [k for k in PLAIN if k in e["kernels"]]
+                assert {k: current[e["code"]]["kernels"][k] for k in both} == {k: e["kernels"][k] for k in both}, \
                     (sha, e["code"])
         data = _git_fatbin(rec["commit"])
         if data is None:

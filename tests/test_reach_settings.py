@@ -54,16 +54,16 @@ def test_engine_line_on_a_gpu_names_kernel_rule_residency_and_prefill(gpu):
 
 
 def test_engine_line_for_triton_fixed_splits_fallback_and_refusal(gpu):
-    gpu(cap=(9, 0), sms=132, answers={(4, 4): 4})
+    gpu(cap=(9, 0), sms=132, answers={(4, 4): 4, (5, 4): 4})
     line = cfg.engine_summary(Settings(preset="k4v4", num_splits=8), **QWEN3_4B, device=CUDA)
     assert "decode=cuda" in line and "split_rule=fixed: KVREPRO_NUM_SPLITS=8 " in line
     assert "resident_ctas_per_sm=4 (driver occupancy query; 132 SMs)" in line
     line = cfg.engine_summary(Settings(preset="k4v4"), head_dim=64, num_q_heads=9, num_kv_heads=3, block_size=16, device=CUDA)
     assert line.startswith("kvrepro engine: preset=k4v4 decode=triton (auto: the CUDA decode kernel supports k4v4, "
-                           "k8v4 and k4v2 pages with head_dim 128 and block_size 16 only")
+                           "k8v4, k4v2 and k5v4 pages with head_dim 128 and block_size 16 only")
     assert "split_rule=~32 programs per SM, a power of two (Triton) resident_ctas_per_sm=n/a" in line
     line = cfg.engine_summary(Settings(preset="k5v4"), **QWEN3_4B, device=CUDA)
-    assert "decode=triton (auto: the CUDA decode kernel has no kernel for k5v4 pages" in line
+    assert "decode=cuda (auto: the CUDA kernel applies, SASS sm_90)" in line     # the default preset's own kernel
     line = cfg.engine_summary(Settings(preset="k4v4"), head_dim=256, num_q_heads=16, num_kv_heads=2, block_size=16, device=CUDA)
     assert line.startswith("kvrepro engine: preset=k4v4 decode=refused (head_dim=256 not supported (supported: 64, "
                            "128") and line.endswith(" prefill=fa")

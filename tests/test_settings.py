@@ -165,7 +165,7 @@ def test_imports_without_torch_and_prints_the_table():
     assert "KVREPRO_KEY_CENTER" not in r.stdout
 
 
-def test_combinations_the_engine_refuses_are_named_by_the_settings_check():
+def test_combinations_the_engine_refuses_are_named_by_the_settings_check(monkeypatch):
     """rope-mean with the dequant prefill, and the CUDA decode kernel with a preset it has no variant of, are reported
     by Settings.conflicts (naming both variables and what to use) and make `python -m kvrepro.settings` exit 1."""
     from kvrepro.ops import cuda_decode
@@ -176,10 +176,13 @@ def test_combinations_the_engine_refuses_are_named_by_the_settings_check():
                                            "KVREPRO_PREFILL=dequant")
     assert "fa, fa-sliced, fa-pages, triton" in c[0] and "or KVREPRO_KEY_OFFSET=slow-pairs" in c[0]
     assert Settings.from_env({"KVREPRO_PREFILL": "dequant", "KVREPRO_KEY_OFFSET": "slow-pairs"}).conflicts() == []
+    for preset in st.PRESETS:                             # every preset has a CUDA kernel
+        assert Settings.from_env({"KVREPRO_DECODE_IMPL": "cuda", "KVREPRO_PRESET": preset}).conflicts() == []
+    monkeypatch.setattr(st, "CUDA_PRESETS", ("k4v4", "k8v4", "k4v2"))   # a preset without one is named
     c = Settings.from_env({"KVREPRO_DECODE_IMPL": "cuda", "KVREPRO_PRESET": "k5v4"}).conflicts()
     assert c == ["KVREPRO_DECODE_IMPL=cuda: the CUDA decode kernel has no k5v4 variant (it has k4v4, k8v4, k4v2); use "
                  "KVREPRO_DECODE_IMPL=auto or triton, or another KVREPRO_PRESET"]
-    assert Settings.from_env({"KVREPRO_DECODE_IMPL": "cuda", "KVREPRO_PRESET": "k4v4"}).conflicts() == []
+    monkeypatch.undo()
     from kvrepro.ops import prefill
     assert st.ROPE_GPU_PRESETS == prefill.ROPE_GPU_PRESETS
     for preset in ("k8v4", "k4v2"):                       # rope-mean's Triton prefill faults on the GPU for these
@@ -194,8 +197,8 @@ def test_combinations_the_engine_refuses_are_named_by_the_settings_check():
     assert Settings().conflicts() == []
     env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("KVREPRO_")}
     r = subprocess.run([sys.executable, "-m", "kvrepro.settings"], capture_output=True, text=True, timeout=120,
-                       env=dict(env, KVREPRO_DECODE_IMPL="cuda", KVREPRO_PRESET="k5v4"))
-    assert r.returncode == 1 and "no k5v4 variant" in r.stderr
+                       env=dict(env, KVREPRO_PREFILL="dequant"))
+    assert r.returncode == 1 and "cannot run with KVREPRO_PREFILL=dequant" in r.stderr
     for bad in (["--bogus"], ["extra"]):                                # the command takes no arguments
         r = subprocess.run([sys.executable, "-m", "kvrepro.settings", *bad], capture_output=True, text=True,
                            timeout=120, env=env)

@@ -49,7 +49,7 @@ MANIFEST = os.path.join(HERE, "decode.json")
 HEAD_DIM, BLOCK_SIZE = 128, 16  # what the kernels are written for (decode.cu: D, BS)
 # The presets with a kernel, keyed by (key_bits, value_bits): one entry point each (decode.cu instantiates one body
 # three times), and the page layout it reads, kvrepro.formats' layout of the preset.
-PRESETS = {COMPRESSED_PRESETS[name]: name for name in ("k4v4", "k8v4", "k4v2")}
+PRESETS = {COMPRESSED_PRESETS[name]: name for name in ("k4v4", "k8v4", "k4v2", "k5v4")}
 KERNELS = {bits: f"kvrepro_decode_{name}" for bits, name in PRESETS.items()}
 # The same kernels with the key offset rope-mean's score correction (decode.cu decode_step's ROPE, rope_add): each paged
 # key's logit gets sum_i A_i cos(j theta_i) + B_i sin(j theta_i) back, over ROPE_PAIRS pairs per KV head

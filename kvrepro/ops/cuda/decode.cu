@@ -1,8 +1,11 @@
-// kvrepro's CUDA decode attention over k4v4, k8v4 and k4v2 pages (split-K, hand-written for sm_80+, tuned on sm_90): one
-// body, decode_step<KB, VB>, instantiated as kvrepro_decode_k4v4, kvrepro_decode_k8v4 (8-bit keys) and
-// kvrepro_decode_k4v2 (2-bit values); the pages below are k4v4's, k8v4 differs in its key region (128 bytes per token,
-// byte j = channel j), k4v2 in its value region (32 bytes per token, byte j = channels j, j + 32, j + 64, j + 96 in
-// bits 0-1, 2-3, 4-5, 6-7), all three in their offsets (page_layout.h, generated from kvrepro.formats.layout).
+// kvrepro's CUDA decode attention over k4v4, k8v4, k4v2 and k5v4 pages (split-K, hand-written for sm_80+, tuned on
+// sm_90): one body, decode_step<KB, VB>, instantiated as kvrepro_decode_k4v4, kvrepro_decode_k8v4 (8-bit keys),
+// kvrepro_decode_k4v2 (2-bit values) and kvrepro_decode_k5v4 (5-bit symmetric keys, uint8 log2 value scales); the pages
+// below are k4v4's, k8v4 differs in its key region (128 bytes per token, byte j = channel j), k4v2 in its value region
+// (32 bytes per token, byte j = channels j, j + 32, j + 64, j + 96 in bits 0-1, 2-3, 4-5, 6-7), k5v4 in its key region
+// (80 bytes per token: k4v4's 64 bytes of the high plane code >> 1, then 16 bytes of the low plane code & 1, byte j bit
+// i = channel j + 16 i) and its metadata (K: float16 scale, k = (code - 15.5) scale; V: uint8 u, scale 2^((u - 128) /
+// 8)), all four in their offsets (page_layout.h, generated from kvrepro.formats.layout).
 //
 // Built into decode.fatbin by `python -m kvrepro.ops.cuda_build` (flags in decode.json) and run by
 // kvrepro.ops.decode_attention(impl="cuda"), its default for these presets / head_dim 128 / block 16 / GQA group <= 8
@@ -74,6 +77,9 @@ template <int KB, int VB> struct PageFmt;
 #ifndef KVREPRO_STAGES_K4V2
 #define KVREPRO_STAGES_K4V2 6
 #endif
+#ifndef KVREPRO_STAGES_K5V4
+#define KVREPRO_STAGES_K5V4 KVREPRO_STAGES
+#endif
 // STEP: pages per loop step of a warp, at most KSTAGES - 1, dividing KSTAGES and 32 (one commit group per step; the
 // block-table window of 32 pages reloads at step starts) (two: one softmax max reduction per 32 tokens; k8v4 keeps
 // one, its 3-deep ring would hold a single page beyond the pair and it spills 8 bytes on sm_80-89 with two).
@@ -86,6 +92,9 @@ template <int KB, int VB> struct PageFmt;
 #ifndef KVREPRO_STEP_K4V2
 #define KVREPRO_STEP_K4V2 2
 #endif
+#ifndef KVREPRO_STEP_K5V4
+#define KVREPRO_STEP_K5V4 1
+#endif
 // ROPE_STEP: STEP of the *_rope kernels: one page per step, as rope_add's registers need (two spilled 128 bytes for
 // k4v4 and 40 for k4v2 on sm_90; one none).
 #ifndef KVREPRO_ROPE_STEP_K4V4
@@ -93,6 +102,9 @@ template <int KB, int VB> struct PageFmt;
 #endif
 #ifndef KVREPRO_ROPE_STEP_K4V2
 #define KVREPRO_ROPE_STEP_K4V2 1
+#endif
+#ifndef KVREPRO_ROPE_STEP_K5V4
+#define KVREPRO_ROPE_STEP_K5V4 1
 #endif
 template <> struct PageFmt<4, 4> : PageLayout<4, 4> {
   static constexpr int KSTAGES = KVREPRO_STAGES, STEP = KVREPRO_STEP_K4V4, ROPE_STEP = KVREPRO_ROPE_STEP_K4V4;
@@ -102,6 +114,10 @@ template <> struct PageFmt<8, 4> : PageLayout<8, 4> {
 };
 template <> struct PageFmt<4, 2> : PageLayout<4, 2> {
   static constexpr int KSTAGES = KVREPRO_STAGES_K4V2, STEP = KVREPRO_STEP_K4V2, ROPE_STEP = KVREPRO_ROPE_STEP_K4V2;
+};
+// k5v4: k4v4's walk; its key region keeps the page's 80-byte token rows in shared memory, unswizzled (copy_page)
+template <> struct PageFmt<5, 4> : PageLayout<5, 4> {
+  static constexpr int KSTAGES = KVREPRO_STAGES_K5V4, STEP = KVREPRO_STEP_K5V4, ROPE_STEP = KVREPRO_ROPE_STEP_K5V4;
 };
 constexpr int WARPS = 4;
 // The CTA's ring: WARPS x KSTAGES pages. Past 44 KB it goes to dynamic shared memory (the launch asks for BYTES and the
@@ -165,6 +181,10 @@ __device__ __forceinline__ int swz_row_chunk2(int t, int j) { return (t * 2 + j)
 __device__ __forceinline__ void ldsm_x4(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr) : "memory");
+}
+// two 8x8 b16 matrices (lanes 0-15 give the row addresses)
+__device__ __forceinline__ void ldsm_x2(uint32_t addr, uint32_t& r0, uint32_t& r1) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n" : "=r"(r0), "=r"(r1) : "r"(addr) : "memory");
 }
 __device__ __forceinline__ void ldsm_x4_t(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
@@ -519,11 +539,14 @@ __device__ __forceinline__ void decode_step(KVREPRO_DECODE_PARAMS, const float* 
   using F = PageFmt<KB, VB>;
   constexpr int PAGE = F::PAGE, V_OFF = F::V_OFF, KM_OFF = F::KM_OFF, VM_OFF = F::VM_OFF, STAGES = F::KSTAGES;
   constexpr int NP = ROPE ? F::ROPE_STEP : F::STEP;  // pages per loop step of a warp
-  constexpr int K_BYTES = BS * D * KB / 8;        // key code region: 1024 (4-bit) / 2048 (8-bit) bytes
+  constexpr bool K5 = KB == 5;                    // k5v4: symmetric 5-bit keys (two planes), log2 value scales
+  constexpr bool K4 = KB == 4 || K5;              // a 4-bit key plane of 64-byte rows at 0 (k4v4's key path)
+  constexpr int K_BYTES = BS * D * KB / 8;        // key code region: 1024 (4-bit) / 1280 (5-bit) / 2048 (8-bit) bytes
   constexpr int V_BYTES = BS * D * VB / 8;        // value code region: 1024 (4-bit) / 512 (2-bit) bytes
-  constexpr int META_CHUNKS = (PAGE - K_BYTES - V_BYTES) / 16;  // 16-byte chunks of K and V metadata: 6
-  static_assert(V_OFF == K_BYTES && KM_OFF == V_OFF + V_BYTES && VM_OFF == KM_OFF + 4 * BS &&
-                PAGE == VM_OFF + 2 * BS, "PageFmt: regions in order, as kvrepro.formats.layout");
+  constexpr int META_CHUNKS = (PAGE - K_BYTES - V_BYTES) / 16;  // 16-byte chunks of K and V metadata: 6 (k5v4: 3)
+  static_assert(V_OFF == K_BYTES && KM_OFF == V_OFF + V_BYTES && VM_OFF == KM_OFF + F::KM_BYTES * BS &&
+                PAGE == VM_OFF + F::VM_BYTES * BS && F::KM_BYTES == (K5 ? 2 : 4) && F::VM_BYTES == (K5 ? 1 : 2),
+                "PageFmt: regions in order, as kvrepro.formats.layout");
   const int b = blockIdx.x;
   const int split = blockIdx.y / num_kv_heads;  // split-major: every (sequence, KV head) has CTAs in every round
   const int kvh = blockIdx.y % num_kv_heads;
@@ -591,7 +614,14 @@ __device__ __forceinline__ void decode_step(KVREPRO_DECODE_PARAMS, const float* 
   // one page (block blk) into the ring slot at byte offset `stage` (cp.async, no commit)
   auto copy_page = [&](int blk, uint32_t stage) {
     const uint8_t* src = pool_lane + (int64_t)blk * blk_stride;
-    if (KB == 4) {  // k4v4 / k4v2: code runs 0 .. KM_OFF / 512 - 1, then the metadata (lanes 0-7 keep their chunk)
+    if constexpr (K5) {  // the key region as it is (80-byte rows: unswizzled, 8 rows hit 8 bank groups), then as k4v4
+#pragma unroll
+      for (int k = 0; k < 3; ++k)
+        if (k < 2 || lane < 16) cp_async16(ring_meta - KM_OFF + stage + 512 * k, src + 512 * k);
+#pragma unroll
+      for (int k = 0; k < 2; ++k) cp_async16(ring_code + stage + V_OFF + 512 * k, src + V_OFF + 512 * k);
+      if (lane < META_CHUNKS) cp_async16(ring_code + stage + KM_OFF, src + KM_OFF);
+    } else if (KB == 4) {  // k4v4 / k4v2: code runs 0 .. KM_OFF / 512 - 1, then the metadata (lanes 0-7 keep their chunk)
 #pragma unroll
       for (int k = 0; k < KM_OFF / 512; ++k) cp_async16(ring_code + stage + 512 * k, src + 512 * k);
       if (lane < META_CHUNKS) cp_async16(ring_code + stage + KM_OFF, src + KM_OFF);
@@ -678,6 +708,10 @@ __device__ __forceinline__ void decode_step(KVREPRO_DECODE_PARAMS, const float* 
           make_float2(rope_freq[kvh * RPAIRS + tq], rope_freq[kvh * RPAIRS + tq + 4]);
     }
   }
+  __shared__ unsigned log_mant[8];  // k5v4's value scales: kvrepro_page::LOG_MANT_NEAR
+  if constexpr (K5) {
+    if (threadIdx.x < 8) log_mant[threadIdx.x] = kvrepro_page::LOG_MANT_NEAR[threadIdx.x];
+  }
   __syncthreads();
   TRACE(1, global_ns());
 
@@ -692,7 +726,8 @@ __device__ __forceinline__ void decode_step(KVREPRO_DECODE_PARAMS, const float* 
     bl[c][1] = *reinterpret_cast<const uint32_t*>(&qd_lo[g][ch + 16]);
   }
   const int h0 = tq * 2;  // the two heads (N columns) of this lane's accumulators
-  constexpr float KPLANE = KB == 4 ? 1.0f / 16.0f : 1.0f;  // k4v4's int8 planes are 16 x the code
+  // k4v4's int8 planes are 16 x the code; k5v4's two planes sum to 8 (code - 16) (page_logits)
+  constexpr float KPLANE = KB == 4 ? 1.0f / 16.0f : K5 ? 1.0f / 8.0f : 1.0f;
   const float kmul0 = s_q[h0] * KPLANE, kmul1 = s_q[h0 + 1] * KPLANE;
   const float qs0 = q_sum[h0], qs1 = q_sum[h0 + 1];
 
@@ -708,6 +743,8 @@ __device__ __forceinline__ void decode_step(KVREPRO_DECODE_PARAMS, const float* 
   const uint32_t lk0 = swz_row_chunk(((lane >> 3) & 1) * 8 + (lane & 7), lane >> 4) * 16;
   const uint32_t lk1 = swz_row_chunk(((lane >> 3) & 1) * 8 + (lane & 7), 2 + (lane >> 4)) * 16;
   const uint32_t lv2 = V_OFF + swz_row_chunk2(((lane >> 3) & 1) * 8 + (lane & 7), lane >> 4) * 16;
+  // k5v4's key rows (80 bytes, unswizzled): the same matrices of its high plane, bytes [0, 32) (+ 32: [32, 64))
+  const uint32_t lk5 = (((lane >> 3) & 1) * 8 + (lane & 7)) * 80 + (lane >> 4) * 16;
   // One page's logits (log2 domain) S^T = K Q^T: s = S_q KPLANE ks acc + S_q sum(qi) (KMID ks + kz) (k4v4: KPLANE
   // 1 / 16, KMID 8; k8v4: 1, 128); s[0], s[1] = token g, heads h0, h0 + 1; s[2], s[3] = token g + 8. Tokens at or past
   // `end` (the split's last, partial page) get -inf and okA / okB false when `masked` (the caller's full steps pass
@@ -727,10 +764,10 @@ __device__ __forceinline__ void decode_step(KVREPRO_DECODE_PARAMS, const float* 
       }
     }
 #pragma unroll
-    for (int half = 0; half < (KB == 4 ? 2 : 0); ++half) {  // k4v4: bytes 0-31, 32-63 of each token
+    for (int half = 0; half < (K4 ? 2 : 0); ++half) {  // k4v4 (k5v4's high plane): bytes 0-31, 32-63 of each token
       uint32_t r0, r1, r2, r3;
       // matrices: tokens 0-7 / 8-15 x bytes [32 half, +16), then the next 16 bytes
-      ldsm_x4(smem_u32(pg) + (half ? lk1 : lk0), r0, r1, r2, r3);
+      ldsm_x4(smem_u32(pg) + (K5 ? lk5 + 32 * half : half ? lk1 : lk0), r0, r1, r2, r3);
       const uint32_t x0 = r0 << 4, x1 = r1 << 4, x2 = r2 << 4, x3 = r3 << 4;
       // plane 0 (low nibbles) as int8 16 (code - 8): ((x << 4) & 0xF0) ^ 0x80; plane 1: (x & 0xF0) ^ 0x80
       const uint32_t a0 = lop3_and_xor(x0, 0xF0F0F0F0u, 0x80808080u), a1 = lop3_and_xor(x1, 0xF0F0F0F0u, 0x80808080u);
@@ -742,11 +779,36 @@ __device__ __forceinline__ void decode_step(KVREPRO_DECODE_PARAMS, const float* 
       imma(chi, e0, e1, e2, e3, bh[2 + half][0], bh[2 + half][1]);
       imma(clo, e0, e1, e2, e3, bl[2 + half][0], bl[2 + half][1]);
     }
-    const __half2 kmA = *reinterpret_cast<const __half2*>(pg + KM_OFF + g * 4);        // (scale, zero) token g
-    const __half2 kmB = *reinterpret_cast<const __half2*>(pg + KM_OFF + (g + 8) * 4);  // token g + 8
-    constexpr float KMID = KB == 4 ? 8.f : 128.f;  // the int8 planes hold 16 (code - 8) / code - 128
-    const float ksA = __low2float(kmA), kzA = __high2float(kmA) + KMID * ksA;
-    const float ksB = __low2float(kmB), kzB = __high2float(kmB) + KMID * ksB;
+    if constexpr (K5) {
+      // the low plane (byte j bit i = channel j + 16 i): chunk c (channels 32 c ..) is bit 2 c of bytes 0-15 (channels
+      // 32 c + j) and bit 2 c + 1 (32 c + 16 + j), so lane (g, tq)'s A fragment is bits 2 c and 2 c + 1 of bytes
+      // 4 tq .. 4 tq + 3 of tokens g and g + 8 (ldmatrix.x2: w0, w1), each moved to bit 3: int8 8 lo, into the same
+      // sums as the high plane's 16 (hi - 8): 16 hi - 128 + 8 lo = 8 (code - 16)
+      uint32_t w0, w1;
+      ldsm_x2(smem_u32(pg) + lk5 + 64, w0, w1);   // lanes 0-15 give the rows: lk5 = token lane x 80 there
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const uint32_t a0 = (2 * c <= 3 ? w0 << (3 - 2 * c) : w0 >> (2 * c - 3)) & 0x08080808u;
+        const uint32_t a1 = (2 * c <= 3 ? w1 << (3 - 2 * c) : w1 >> (2 * c - 3)) & 0x08080808u;
+        const uint32_t a2 = (2 * c + 1 <= 3 ? w0 << (2 - 2 * c) : w0 >> (2 * c - 2)) & 0x08080808u;
+        const uint32_t a3 = (2 * c + 1 <= 3 ? w1 << (2 - 2 * c) : w1 >> (2 * c - 2)) & 0x08080808u;
+        imma(chi, a0, a1, a2, a3, bh[c][0], bh[c][1]);
+        imma(clo, a0, a1, a2, a3, bl[c][0], bl[c][1]);
+      }
+    }
+    // key scale and the zero term per token: asymmetric k = code scale + zero, the int8 planes hold 16 (code - 8) /
+    // code - 128: kz = zero + KMID scale; k5v4: k = (code - 15.5) scale, the planes 8 (code - 16): kz = scale / 2
+    float ksA, kzA, ksB, kzB;
+    if constexpr (K5) {
+      ksA = __half2float(*reinterpret_cast<const __half*>(pg + KM_OFF + g * 2)), kzA = 0.5f * ksA;
+      ksB = __half2float(*reinterpret_cast<const __half*>(pg + KM_OFF + (g + 8) * 2)), kzB = 0.5f * ksB;
+    } else {
+      const __half2 kmA = *reinterpret_cast<const __half2*>(pg + KM_OFF + g * 4);        // (scale, zero) token g
+      const __half2 kmB = *reinterpret_cast<const __half2*>(pg + KM_OFF + (g + 8) * 4);  // token g + 8
+      constexpr float KMID = KB == 4 ? 8.f : 128.f;
+      ksA = __low2float(kmA), kzA = __high2float(kmA) + KMID * ksA;
+      ksB = __low2float(kmB), kzB = __high2float(kmB) + KMID * ksB;
+    }
     s[0] = (float)(chi[0] * 128 + clo[0]) * (kmul0 * ksA) + qs0 * kzA;
     s[1] = (float)(chi[1] * 128 + clo[1]) * (kmul1 * ksA) + qs1 * kzA;
     s[2] = (float)(chi[2] * 128 + clo[2]) * (kmul0 * ksB) + qs0 * kzB;
@@ -787,8 +849,15 @@ __device__ __forceinline__ void decode_step(KVREPRO_DECODE_PARAMS, const float* 
     const float u0 = m0 == -INFINITY ? 0.f : m0, u1 = m1 == -INFINITY ? 0.f : m1;
     const float p0_ = ex2(s[0] - u0), p1_ = ex2(s[1] - u1), p2_ = ex2(s[2] - u0), p3_ = ex2(s[3] - u1);
     l0 += p0_ + p2_; l1 += p1_ + p3_;
-    const float vsA = okA ? __half2float(*reinterpret_cast<const __half*>(pg + VM_OFF + g * 2)) : 0.f;
-    const float vsB = okB ? __half2float(*reinterpret_cast<const __half*>(pg + VM_OFF + (g + 8) * 2)) : 0.f;
+    float vsA, vsB;
+    if constexpr (K5) {  // uint8 u: 2^((u - 128) / 8), exponent (u >> 3) - 16, as kvrepro.formats.compressed
+      const unsigned uA = pg[VM_OFF + g], uB = pg[VM_OFF + g + 8];
+      vsA = okA ? __uint_as_float((((uA >> 3) + 111u) << 23) | log_mant[uA & 7]) : 0.f;
+      vsB = okB ? __uint_as_float((((uB >> 3) + 111u) << 23) | log_mant[uB & 7]) : 0.f;
+    } else {
+      vsA = okA ? __half2float(*reinterpret_cast<const __half*>(pg + VM_OFF + g * 2)) : 0.f;
+      vsB = okB ? __half2float(*reinterpret_cast<const __half*>(pg + VM_OFF + (g + 8) * 2)) : 0.f;
+    }
     const float w0 = p0_ * vsA, w1 = p1_ * vsA, w2 = p2_ * vsB, w3 = p3_ * vsB;
     z0 += 0.5f * (w0 + w2); z1 += 0.5f * (w1 + w3);
     pb0 = movm_t(pack_f16x2(w0, w1));
@@ -888,7 +957,7 @@ __device__ __forceinline__ void decode_step(KVREPRO_DECODE_PARAMS, const float* 
   // end = seq_len < p1 x 16), and it is this warp's last page if (p1 - 1 - p0) % WARPS == warp. The one step left
   // (if any) is masked. k8v4 keeps the masked step throughout: its second copy of the loop body spilled 4 bytes on
   // sm_90 (and it gained < 1% from the unmasked copy).
-  if (KB == 4) {
+  if (K4) {
     const int my_full = my_pages - (end < p1 * BS && (p1 - 1 - p0) % WARPS == warp ? 1 : 0);
     int i = 0;
     for (; i + NP <= my_full; i += NP) step(i, false);
@@ -963,3 +1032,4 @@ __device__ __forceinline__ void decode_step(KVREPRO_DECODE_PARAMS, const float* 
 KVREPRO_ENTRY(kvrepro_decode_k4v4, 4, 4)
 KVREPRO_ENTRY(kvrepro_decode_k8v4, 8, 4)
 KVREPRO_ENTRY(kvrepro_decode_k4v2, 4, 2)
+KVREPRO_ENTRY(kvrepro_decode_k5v4, 5, 4)
