@@ -1,6 +1,6 @@
 """On a GPU (``gpu`` marker; ``pytest -m gpu tests/test_reach_models_gpu.py``, well under 2 minutes on an H200 by
 design; skipped without CUDA): every bundled model's attention geometry (query heads, KV heads, head_dim from its
-config), for the default preset (k5v4: Triton decode) and k4v4 (the CUDA kernel where it applies), through the code a
+config), for the default preset k5v4 and k4v4 (each with its CUDA kernel where it applies), through the code a
 vLLM layer runs (``kvrepro.vllm_backend.runtime.LayerRuntime``: the decode kernel chosen by the default rule at engine
 start, the split rule of that kernel, and the engine's default prefill path, ``KVREPRO_PREFILL=fa``: the context
 dequantized from the pages, then vLLM's FlashAttention; kvrepro's Triton prefill kernel where vLLM is not importable).

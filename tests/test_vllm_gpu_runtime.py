@@ -1,6 +1,6 @@
 """GPU smoke of the backend's decode path as vLLM drives it (CUDA only; no vLLM needed; skipped on CPU).
 
-Qwen3-4B geometry (32 q / 8 KV heads, head_dim 128), k4v4, k8v4 and k4v2, block 16, the sweep's block-table width:
+Qwen3-4B geometry (32 q / 8 KV heads, head_dim 128), k4v4, k8v4, k4v2 and k5v4, block 16, the sweep's block-table width:
 kernel warm-up, then a CUDA graph of a padded decode batch (13 users in graph size 16) must allocate
 nothing while capturing (vLLM's CUDA-graph memory profiling would count it once per graph size), and
 its replay must equal the eager call and attention over the dequantized pages.
@@ -27,7 +27,7 @@ def non_torch_bytes(dev) -> int:
     return total - free - torch.cuda.memory_reserved(dev)
 
 
-@pytest.mark.parametrize("preset", ["k4v4", "k8v4", "k4v2"])   # each has its CUDA decode kernel
+@pytest.mark.parametrize("preset", ["k4v4", "k8v4", "k4v2", "k5v4"])   # each has its CUDA decode kernel
 def test_warmup_then_graph_capture_allocates_nothing_and_matches_reference(preset):
     dev = torch.device("cuda", torch.cuda.current_device())
     torch.zeros(1, device=dev) @ torch.zeros(1, 1, device=dev)  # context + cuBLAS handle first
