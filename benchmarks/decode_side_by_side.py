@@ -128,7 +128,7 @@ def main():
     ap.add_argument("--ctxs", type=int, nargs="+", default=list(CTXS), help="context lengths (tokens)")
     ap.add_argument("--key-mma", nargs="+", default=[decode.DEFAULT_KEY_MMA], choices=decode.KEY_MMAS,
                     help="key paths of the Triton kernel to time (rows kvrepro_<preset> for each preset's default "
-                         "kernel: the CUDA kernel for k4v4, k8v4 and k4v2; kvrepro_<preset>_triton; "
+                         "kernel: the CUDA kernel for k4v4, k8v4 and k4v2 (the presets this mode times); kvrepro_<preset>_triton; "
                          "kvrepro_<preset>_triton_<key_mma> for other key paths)")
     ap.add_argument("--rope", action="store_true",
                     help="time the rope-mean correction (kvrepro kernels without / with rope_bias) instead; no vLLM")

@@ -732,8 +732,8 @@ def block(root: Path | None = None) -> str:
             f"{r['max_positions']:,} | {r['kv']} | {r['decode']} | {r['measured']} |" for r in m]
     out += [""] + _capacity_lines(root)
     out += ["", "Engine start: head_dim 64 and 128 with GQA groups of 1..32 are served (the CUDA decode kernel for "
-                "k4v4, k8v4 and k4v2 at head_dim 128, block 16 and groups of 1..8; Triton otherwise, the default "
-                f"preset {DEFAULT_PRESET} included); any other "
+                f"every preset at head_dim 128, block 16 and groups of 1..8, the default preset {DEFAULT_PRESET} "
+                "included; Triton otherwise); any other "
                 "head_dim (256 included), a sliding window, MLA or a GPU below compute capability 8.0 is refused with "
                 "the reason (`kvrepro.vllm_backend.config.serving_plan`). Run a bundled model with random weights: "
                 "`vllm serve kvrepro/configs/<model> --load-format dummy --skip-tokenizer-init --attention-backend "

@@ -123,26 +123,25 @@ SETTINGS: tuple[Declaration, ...] = (
         "preset", "KVREPRO_PRESET", ", ".join(PRESETS), DEFAULT_PRESET,
         "The compressed KV format of every layer (bits per key / value element; kvrepro.formats). k5v4, the default: "
         "5-bit symmetric keys, 4-bit values with a one-byte log2 scale, 147 B per token and KV head at head_dim 128, "
-        "the preset that meets fp8's fidelity at 12 users of the seed workload, Triton decode (slower than fp8's at "
-        "its capacity: README, results); k4v4: 134 B, 13 users, the CUDA decode kernel, a larger fidelity cost "
-        "(README, fidelity). "
+        "the preset that meets fp8's fidelity at 12 users of the seed workload, its own CUDA decode kernel (README, "
+        "results); k4v4: 134 B, 13 users, faster per user, a larger fidelity cost (README, fidelity). "
         "vLLM runs with kv_cache_dtype='auto' and --attention-backend CUSTOM: the compression is the KV dtype.",
         _preset,
         "users and decode tok/s per preset at 128K on an 80 GiB budget (H200): capacity rows with the default key "
-        "offset for [k5v4](results/capacity/h200-20261202-k5.jsonl) and [k4v4](results/capacity/"
+        "offset for [k5v4](results/capacity/h200-20261202-k5c.jsonl) and [k4v4](results/capacity/"
         "h200-20261202-fp8t.jsonl), and [earlier rows](results/capacity/"
         "h200-20261201-w13.jsonl) (k8v4, k4v2); KL and perplexity vs bf16: [fidelity rows](results/fidelity/"
         "reference_cpu_smollm2.csv); needle retrieval through vLLM: [accuracy rows](results/accuracy/vllm_h200_replica/"
         "vllm_accuracy.csv.gz) (the README's results and fidelity tables)"),
     Declaration(
         "decode_impl", "KVREPRO_DECODE_IMPL", ", ".join(DECODE_IMPLS), "auto",
-        "Decode kernel. cuda: kvrepro's CUDA kernels (k4v4, k8v4, k4v2; head_dim 128, block 16, GQA group <= 8, "
-        "compute capability >= 8.0; anything else, k5v4 included, is refused at engine start); triton: every "
-        "preset and shape; auto: cuda where it applies, else triton (k5v4 always; "
-        "kvrepro.ops.decode.resolve_impl).",
+        "Decode kernel. cuda: kvrepro's CUDA kernels (every preset; head_dim 128, block 16, GQA group <= 8, "
+        "compute capability >= 8.0; anything else is refused at engine start); triton: every preset and shape; "
+        "auto: cuda where it applies, else triton (kvrepro.ops.decode.resolve_impl).",
         _choice("KVREPRO_DECODE_IMPL", DECODE_IMPLS),
-        "decode time of the CUDA and Triton kernels at 128K, batch 1 / 3 / 6 / 13, every preset with a CUDA kernel "
-        "(H200): [decode_side_by_side.json](benchmarks/results/decode_side_by_side.json)"),
+        "decode time of the CUDA and Triton kernels at 128K (H200): batch 1 / 3 / 6 / 13, k4v4, k8v4, k4v2: "
+        "[decode_side_by_side.json](benchmarks/results/decode_side_by_side.json); batch 3 / 6 / 13, every preset, "
+        "with and without the rope-mean correction: [decode_rope_mean.json](benchmarks/results/decode_rope_mean.json)"),
     Declaration(
         "num_splits", "KVREPRO_NUM_SPLITS", f"1..{MAX_NUM_SPLITS}", "",
         "Split-K count of every decode launch. Unset: the decode kernel's shape-only rule "

@@ -212,12 +212,14 @@ def test_measured_fatbins_hold_the_code_of_the_fatbins_in_git_history(tmp_path):
 
 
 def test_committed_support_matrix_h200_row_measured_rope_kernels_included():
-    """The H200 row: the plain kernels measured by the runs of their fatbin, and the rope-mean kernels too since
-    decode_rope_mean.json and the rope-mean capacity run ran their code (no "built, not run" left)."""
+    """The H200 row: the plain kernels measured by the runs of their fatbin (k5v4's by decode_rope_mean.json and its
+    capacity run h200-20261202-k5c), and the rope-mean kernels too since decode_rope_mean.json and the rope-mean
+    capacity runs ran their code (no "built, not run" left)."""
     rows = {r["family"]: r for r in reach.gpu_rows()}
     h = rows["H100 / H200"]["status"]
-    assert h.startswith("**measured** on H200, k4v4 / k8v4 / k4v2 (sm_90 code identical to the runs'; ")
+    assert h.startswith("**measured** on H200, k4v4 / k8v4 / k4v2 / k5v4 (sm_90 code identical to the runs'; ")
     for f in ("results/capacity/h200-20261201-w13.jsonl", "benchmarks/results/decode_side_by_side.json",
+              "results/capacity/h200-20261202-k5c.jsonl",                # k5v4's kernel: its capacity run
               "results/reach/carveout_splits_h200.json", "results/reach/models_h200.jsonl",
               "benchmarks/results/decode_rope_mean.json", "results/capacity/h200-20261202-rope.jsonl"):
         assert f"({f})" in h

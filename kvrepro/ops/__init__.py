@@ -1,5 +1,5 @@
 """Kernels that read and write kvrepro's compressed KV pages directly: Triton (store, prefill, decode for every
-preset) and a CUDA decode kernel for k4v4, k8v4 and k4v2 (``kvrepro.ops.cuda_decode``, chosen by
+preset) and a CUDA decode kernel for every preset (``kvrepro.ops.cuda_decode``, chosen by
 ``decode_attention``'s ``impl``).
 
 | function | what |

@@ -1,4 +1,4 @@
-"""kvrepro's CUDA decode attention kernels for k4v4, k8v4 and k4v2 pages at run time: where they apply, how they are
+"""kvrepro's CUDA decode attention kernels for k4v4, k8v4, k4v2 and k5v4 pages at run time: where they apply, how they are
 loaded and launched, and how they split the context.
 
 ``kvrepro.ops.decode_attention(impl="cuda")`` runs them (its default where they apply, see ``unsupported_reason``).
@@ -8,9 +8,9 @@ flags and hashes in ``cuda/decode.json``) is loaded once per device through the 
 current stream, so CUDA graphs capture it.
 
 The kernel (design: notes/kernels.md, "Decode: the CUDA kernel"): one CTA of 4 warps per (sequence,
-KV head, split), each warp walking its own pages through a ``cp.async`` ring (4-deep for k4v4, 3-deep for k8v4,
-6-deep for k4v2); keys through int8 tensor cores (``mma.m16n8k32.s8``: 4-bit keys as 16 (code - 8), 8-bit keys as
-code - 128; the query as two int8 digits as in the Triton int8 key path; method after SageAttention, Zhang et al.
+KV head, split), each warp walking its own pages through a ``cp.async`` ring (4-deep for k4v4 and k5v4, 3-deep for
+k8v4, 6-deep for k4v2); keys through int8 tensor cores (``mma.m16n8k32.s8``: 4-bit keys as 16 (code - 8), 8-bit keys as
+code - 128, k5v4's 5-bit keys as their 4-bit high plane 16 (hi - 8) plus their 1-bit low plane 8 lo; the query as two int8 digits as in the Triton int8 key path; method after SageAttention, Zhang et al.
 2024), values through ``mma.m16n8k16.f16`` (4-bit or 2-bit codes turned into float16 by the magic-number trick,
 code | 0x6400 = 1024 + code) with tokens x GQA heads as the MMA shape. It writes the same split-K partials as the
 Triton kernel, but does the query rotation (a fast Walsh-Hadamard transform: the rotation is ``diag(s) H / sqrt(D)``)
@@ -89,8 +89,8 @@ def unsupported_reason(layout, group: int, device: torch.device) -> str | None:
     """Why the CUDA kernel cannot serve this call (None = it can).
 
     Args:
-        layout: the pool's ``PageLayout``; the kernels hard-code ``LAYOUTS`` (k4v4, k8v4 or k4v2, head_dim 128,
-            block 16); another preset's pages (k5v4) are refused by name.
+        layout: the pool's ``PageLayout``; the kernels hard-code ``LAYOUTS`` (k4v4, k8v4, k4v2 or k5v4, head_dim
+            128, block 16); a preset without a kernel would be refused by name.
         group: GQA group size (query heads per KV head); the kernel takes 1..``MAX_GROUP``.
         device: the pool's device; a CUDA device of compute capability >= ``MIN_CAPABILITY``.
     """
@@ -128,7 +128,7 @@ def shape_reason(layout, group: int) -> str | None:
         names = list(PRESETS.values())
         has = f"{', '.join(names[:-1])} and {names[-1]}"
         preset = preset_of(layout)
-        if preset is not None and preset not in names:        # a preset with no CUDA kernel (k5v4)
+        if preset is not None and preset not in names:        # a preset added without a CUDA kernel
             return (f"the CUDA decode kernel has no kernel for {preset} pages: it has {has} only (head_dim 128, "
                     f"block_size 16); {preset} decodes with the Triton kernel")
         return (f"the CUDA decode kernel supports {has} pages with head_dim 128 and block_size 16 only, "
@@ -621,7 +621,8 @@ def launch(query: torch.Tensor, rotation: torch.Tensor, pool: torch.Tensor, bloc
 
     query ``[B, Hq, 128]`` bfloat16 / float16 (last dim contiguous, unrotated), rotation float32 ``[128, 128]`` of the
     form ``rotation_signs`` checks, pool uint8 ``[num_blocks, Hkv, page_bytes]`` with the page size of ``(key_bits,
-    value_bits)``, which pick the kernel: 2144 for (4, 4) = k4v4, 3168 for (8, 4) = k8v4, 1632 for (4, 2) = k4v2
+    value_bits)``, which pick the kernel: 2144 for (4, 4) = k4v4, 3168 for (8, 4) = k8v4, 1632 for (4, 2) = k4v2,
+    2352 for (5, 4) = k5v4
     (``LAYOUTS``; 16-byte aligned), block_tables int32
     ``[B, max_blocks]`` (last dim contiguous), seq_lens int32 ``[B]``, part_o float32 ``[B, Hq, S, 128]`` and part_lse
     float32 ``[B, Hq, S]`` (scratch: the split partials, log2), out ``[B, Hq, 128]`` bfloat16 / float16 (last dim

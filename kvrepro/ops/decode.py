@@ -134,14 +134,11 @@ TRITON_OPTIONS = ("block_n", "num_warps", "num_stages", "dequant", "key_mma", "m
 def resolve_impl(impl: str | None, layout: PageLayout, group: int, device: torch.device,
                  triton_options: tuple[str, ...] = ()) -> str:
     """Which decode kernel runs: ``impl`` if given; for None or ``"auto"``, ``"cuda"`` where
-    ``cuda_decode.unsupported_reason`` finds nothing to refuse (k4v4, k8v4 or k4v2, head_dim 128, block 16, GQA group
+    ``cuda_decode.unsupported_reason`` finds nothing to refuse (any preset, head_dim 128, block 16, GQA group
     <= 8, an NVIDIA GPU of compute capability >= 8.0), no Triton-only option was passed and its fatbin loads
     (``cuda_decode.load_error``), else ``"triton"``; when only the load fails, a RuntimeWarning says why, once per
     device (e.g. a driver older than the fatbin's CUDA 13.0). ``impl="cuda"`` never falls back: a load failure is a
     RuntimeError at the launch (or at engine start in the vLLM backend).
-
-    k5v4 has no CUDA kernel: ``"auto"`` resolves to ``"triton"`` for it on every device and shape, and
-    ``impl="cuda"`` is refused with a ValueError naming k5v4 and the presets the CUDA kernel has.
 
     Why ``"cuda"`` by default there: on the H200 at 128K context it takes about half the Triton kernel's time or less
     at every batch and preset, with the same error vs float64 (relerr 2.3e-4 with float16 queries, 1.7e-3 with
@@ -279,7 +276,7 @@ def decode_attention(query: torch.Tensor, pool, block_tables: torch.Tensor, seq_
     Each page is read once per KV head for all query heads of its GQA group; the context is cut
     into ``num_splits`` splits per (sequence, KV head) and merged with a log-sum-exp (FlashDecoding).
     Two kernels compute it: kvrepro's CUDA kernel (``impl="cuda"``, ``kvrepro.ops.cuda_decode``; the default
-    for k4v4, k8v4 and k4v2 / head_dim 128 / block 16 / GQA group <= 8 on CUDA devices of compute capability >= 8.0, see
+    for every preset / head_dim 128 / block 16 / GQA group <= 8 on CUDA devices of compute capability >= 8.0, see
     ``resolve_impl``) and the Triton kernel (``impl="triton"``: every preset and shape, and the CPU interpreter).
 
     Args:

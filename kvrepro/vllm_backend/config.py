@@ -164,8 +164,8 @@ def serving_plan(*, head_dim: int, num_q_heads: int, num_kv_heads: int, capabili
     """Whether the backend serves an attention geometry on a GPU of compute capability ``capability``
     (``(major, minor)``), and with which decode kernel, without a GPU: the engine-start refusals (head_dim, GQA group,
     block size, sliding window, MLA, compute capability < 8.0, ``decode_impl="cuda"`` where the CUDA kernel does not
-    apply) and the decode rule of ``kvrepro.ops.decode.resolve_impl`` (``auto``: the CUDA kernel for k4v4 / k8v4 /
-    k4v2 at head_dim 128, block 16, GQA group <= 8, where the fatbin holds code for the GPU; Triton otherwise). On a GPU
+    apply) and the decode rule of ``kvrepro.ops.decode.resolve_impl`` (``auto``: the CUDA kernel for every preset
+    at head_dim 128, block 16, GQA group <= 8, where the fatbin holds code for the GPU; Triton otherwise). On a GPU
     ``resolve_impl`` also tries to load the fatbin (a driver older than its CUDA release: Triton with a warning).
 
     Raises:

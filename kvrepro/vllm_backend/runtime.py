@@ -238,7 +238,7 @@ class LayerRuntime:
 
         impl = impl or self.impl_used or "triton"
         bits = (self.fmt.key_bits, self.fmt.value_bits)
-        kernel = bits if impl == "cuda" and bits in cuda_decode.KERNELS else None   # k5v4 has no CUDA kernel
+        kernel = bits if impl == "cuda" and bits in cuda_decode.KERNELS else None
         padded = smallest_padded_batch(batch, self.graph_sizes) != batch   # a graph serving a range of batches
         return decode_splits(batch, self.num_kv_heads, max_context, device, self.graph_sizes,
                              rule=lambda *a: default_num_splits(*a, impl=impl, padded=padded, kernel=kernel))
