@@ -413,12 +413,15 @@ def fp8_ratios(source, mode: str = CAPACITY_PRESET) -> dict:
     return out
 
 
-def fp8_ratios_markdown(r: dict, other_errors: dict | None = None) -> str:
+def fp8_ratios_markdown(r: dict, other_errors: dict | None = None, other_runs: dict | None = None) -> str:
     """:func:`fp8_ratios` as a markdown table (one line per fp8 mode measured), a list of the fp8 modes the run
     lacks with the reason, and two headline sentences.
 
     ``other_errors``: ``{mode: (results file name, error)}`` of fp8 modes this run lacks whose engine did not start in
-    another run (:func:`fp8_engine_errors`); their line says so and names that run."""
+    another run (:func:`fp8_engine_errors`); their line says so and names that run. ``other_runs``: ``{mode:
+    (results file name, fp8 entry of that run's fp8_ratios, the mode's point there)}`` of fp8 modes this run lacks
+    that another run measured beside the same mode (:func:`fp8_measured_elsewhere`); their line gives that run's
+    figures and ratio (not this run's: the headline sentences stay this run's)."""
     def num(v, fmt="{:.1f}"):
         return "" if v is None else fmt.format(v)
 
@@ -444,8 +447,10 @@ def fp8_ratios_markdown(r: dict, other_errors: dict | None = None) -> str:
         why = r["engine_errors"].get(m)
         same = ran.get(sweep_backend(m))
         elsewhere = (other_errors or {}).get(m)
+        measured = (other_runs or {}).get(m)
         text = ("engine did not start: " + why[:160] if why else
                 f"not run on its own (the {same} row ran this backend)" if same else
+                _measured_elsewhere_text(name, *measured) if measured else
                 f"not run here; its engine did not start in `{elsewhere[0]}`: {elsewhere[1][:160]}" if elsewhere
                 else "not run")
         lines.append(f"- {m} ({sweep_backend(m)}): {text}")
@@ -460,6 +465,45 @@ def fp8_ratios_markdown(r: dict, other_errors: dict | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _measured_elsewhere_text(name: str, file: str, f: dict, point) -> str:
+    """The line of an fp8 mode measured in another run beside the same kvrepro mode: its points and ratios there."""
+    if f.get("users_max") is not None:
+        where = f"max clean capacity {f['users_max']} users, {f['tok_s_max']:.1f} tok/s; "
+    elif f.get("capped_at") is not None:
+        where = f"capacity not measured (capped at {f['capped_at']} users); "
+    else:
+        where = ""
+    best = (f"best clean point {f['users_best']} users, {f['tok_s_best']:.1f} tok/s"
+            + (f" (best of the windows measured; {f['incomplete']})" if f.get("incomplete") else "")
+            if f.get("users_best") is not None else "no clean point")
+    there = f"{name} there {point[1]:.1f} tok/s at {point[0]} users" if point else f"{name} there: no clean point"
+    ratios = ", ".join(f"{label} {_x(f[k])}" for k, label in (("vs_max", "vs max clean"), ("vs_best", "vs best clean"))
+                       if f.get(k) is not None)
+    return f"not run here; measured in `{file}` beside {name}: {where}{best} ({there}{'; ' + ratios if ratios else ''})"
+
+
+def fp8_measured_elsewhere(current: str | os.PathLike, mode: str = CAPACITY_PRESET,
+                           results_dir: str | os.PathLike | None = None) -> dict:
+    """``{fp8 mode: (results file name, fp8 entry, point)}``: for each fp8 mode that another run of ``results_dir``
+    (default: ``current``'s folder) measured beside ``mode``, from the newest such run (by its newest row's ``date``):
+    that run's :func:`fp8_ratios` entry for the fp8 mode and ``mode``'s max clean point there. ``current`` itself is
+    left out."""
+    current = Path(current)
+    found = {}
+    for f in find_result_files(results_dir or current.parent):
+        if Path(f).resolve() == current.resolve():
+            continue
+        try:
+            r = fp8_ratios(str(f), mode)
+        except ModeNotInRun:
+            continue
+        key = (str(load_jsonl(f)["date"].max()), Path(f).name)
+        for e in r["fp8"]:
+            if e["mode"] not in found or key > found[e["mode"]][0]:
+                found[e["mode"]] = (key, (Path(f).name, e, r["point"]))
+    return {m: v for m, (_, v) in found.items()}
+
+
 def strongest_fp8_markdown(rows: list[dict]) -> str:
     """Notebook 02's comparison with the strongest fp8: :func:`fp8_ratios_markdown` of the capacity preset's current
     run file (the fp8 backends that run measured beside it; the missing ones listed), or a sentence when the capacity
@@ -468,7 +512,7 @@ def strongest_fp8_markdown(rows: list[dict]) -> str:
     if cap is None or not cap["source_file"]:
         return f"No current run of {DISPLAY.get(CAPACITY_PRESET, CAPACITY_PRESET)}: nothing to compare with fp8."
     path = repo_root() / cap["source_file"]
-    return fp8_ratios_markdown(fp8_ratios(str(path)), fp8_engine_errors(path.parent))
+    return fp8_ratios_markdown(fp8_ratios(str(path)), fp8_engine_errors(path.parent), fp8_measured_elsewhere(path))
 
 
 def fp8_engine_errors(results_dir: str | os.PathLike = CAPACITY_DIR) -> dict:
@@ -1013,7 +1057,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: --fp8-ratios {args.fp8_ratios}: no fp8 mode was measured in this run (allowed fp8 modes: "
                   f"{', '.join(r['missing'])}); ratios are taken within one run", file=sys.stderr)
             return 1
-        print(fp8_ratios_markdown(r, fp8_engine_errors(Path(args.fp8_ratios).parent)))
+        print(fp8_ratios_markdown(r, fp8_engine_errors(Path(args.fp8_ratios).parent),
+                                  fp8_measured_elsewhere(args.fp8_ratios, r["mode"])))
         print(json.dumps(r, indent=1, default=str))
         return 0
     root = repo_root()

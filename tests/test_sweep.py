@@ -376,6 +376,29 @@ def test_an_incomplete_fp8_mode_and_an_engine_error_of_another_run_are_named(tmp
     assert "- fp8:flashinfer (FLASHINFER): not run\n" in summary.fp8_ratios_markdown(r)
 
 
+def test_an_fp8_mode_measured_in_another_run_is_given_with_that_runs_figures(tmp_path):
+    """A newer run without the Triton fp8 backend: its line gives the figures of the run that measured it beside the
+    same kvrepro mode (points, ratio there, named file), not "not run"; the headline stays the newer run's own; a run
+    without the kvrepro mode, and the current file itself, are not used."""
+    from kvrepro import summary
+
+    older = _run_file(tmp_path, {"kvrepro:k4v4": {13: 400.0, 1: 80.0}, "fp8": {6: 160.0, 4: 240.0},
+                                 "fp8:triton_attn": {3: 133.0, 2: 120.0, 1: 70.0}}, run_id="a1",
+                      date="2026-12-01T10:00:00+00:00")
+    _run_file(tmp_path, {"fp8:triton_attn": {6: 999.0}}, run_id="a0", date="2026-12-03T10:00:00+00:00")
+    cur = _run_file(tmp_path, {"kvrepro:k4v4": {13: 410.0}, "fp8": {6: 164.0, 4: 246.0}}, run_id="a2",
+                    date="2026-12-02T10:00:00+00:00")
+    other = summary.fp8_measured_elsewhere(cur)
+    assert set(other) == {"fp8", "fp8:triton_attn"} and other["fp8:triton_attn"][0] == older.name
+    md = summary.fp8_ratios_markdown(summary.fp8_ratios(cur), {}, other)
+    assert ("- fp8:triton_attn (TRITON_ATTN): not run here; measured in `a1.jsonl` beside kvrepro k4v4: max clean "
+            "capacity 3 users, 133.0 tok/s; best clean point 3 users, 133.0 tok/s (kvrepro k4v4 there 400.0 tok/s at "
+            "13 users; vs max clean 3.01x, vs best clean 3.01x)\n") in md
+    assert "(fp8, 6 users, 164.0 tok/s): **2.50x**" in md and "999" not in md
+    assert summary.fp8_measured_elsewhere(older) == {"fp8": (cur.name, summary.fp8_ratios(cur)["fp8"][0],
+                                                             (13, 410.0))}
+
+
 def test_fp8_ratios_use_the_resolved_backend_and_refuse_mixed_runs(tmp_path):
     import pandas as pd
 
