@@ -16,8 +16,8 @@ decode; ``graph_error`` if a kernel cannot be captured), so ratios can be taken 
 ``--rope``: the cost of the key offset rope-mean's score correction instead (no vLLM needed): kvrepro's default kernel
 for every preset (the CUDA kernel on sm_80+) without and with ``rope_bias`` (rows
 ``kvrepro_<preset>`` and ``kvrepro_<preset>_rope``) and, for the CUDA presets, the Triton kernel without and with it
-(``kvrepro_<preset>_triton``, ``kvrepro_<preset>_triton_rope``); ``--launch 64,2 ...`` adds the Triton-only presets at other launches
-(``kvrepro_k5v4_b64w2``, ``..._rope``), batches 3 / 6 / 13 by
+(``kvrepro_<preset>_triton``, ``kvrepro_<preset>_triton_rope``); ``--launch 64,2 ...`` adds each preset's Triton kernel
+at other launches (``kvrepro_k5v4_triton_b64w2``, ``..._rope``), batches 3 / 6 / 13 by
 default, into ``benchmarks/results/decode_rope_mean.json``; the lines printed at the end give each rope row's time
 over its preset's row without the correction (eager and graph).
 "KV bytes" = the bytes of KV (codes + scales) the step must read once. Each row records ``impl``: the kernel that ran
@@ -133,8 +133,8 @@ def main():
     ap.add_argument("--rope", action="store_true",
                     help="time the rope-mean correction (kvrepro kernels without / with rope_bias) instead; no vLLM")
     ap.add_argument("--launch", nargs="*", default=[],
-                    help="with --rope: the Triton-only presets (k5v4) also at these block_n,num_warps launches, "
-                         "without / with the correction (rows kvrepro_<preset>_b<block_n>w<warps>[_rope]), e.g. 64,2")
+                    help="with --rope: each preset's Triton kernel also at these block_n,num_warps launches, "
+                         "without / with the correction (rows kvrepro_<preset>_triton_b<block_n>w<warps>[_rope]), e.g. 64,2")
     ap.add_argument("--batches", type=int, nargs="+", default=None,
                     help=f"batches (default {list(BATCHES)}; {list(ROPE_BATCHES)} with --rope)")
     args = ap.parse_args()
@@ -210,14 +210,12 @@ def main_rope(args):
     for preset in ("k4v4", "k8v4", "k4v2", "k5v4"):
         cases[f"kvrepro_{preset}"] = lambda b, c, preset=preset: kvrepro_case(preset, b, c, gen)
         cases[f"kvrepro_{preset}_rope"] = lambda b, c, preset=preset: kvrepro_case(preset, b, c, gen, rope=True)
-        if preset not in cuda_decode.PRESETS.values():   # no CUDA kernel: the default kernel is the Triton one
-            for bn, w in args.launch:                     # and its launch is what there is to try
-                name = f"kvrepro_{preset}_b{bn}w{w}"
-                cases[name] = lambda b, c, preset=preset, bn=bn, w=w: kvrepro_case(preset, b, c, gen, block_n=bn,
-                                                                                 num_warps=w)
-                cases[f"{name}_rope"] = lambda b, c, preset=preset, bn=bn, w=w: kvrepro_case(
-                    preset, b, c, gen, rope=True, block_n=bn, num_warps=w)
-            continue
+        for bn, w in args.launch:                         # the Triton kernel at other launches
+            name = f"kvrepro_{preset}_triton_b{bn}w{w}"
+            cases[name] = lambda b, c, preset=preset, bn=bn, w=w: kvrepro_case(preset, b, c, gen, impl="triton",
+                                                                             block_n=bn, num_warps=w)
+            cases[f"{name}_rope"] = lambda b, c, preset=preset, bn=bn, w=w: kvrepro_case(
+                preset, b, c, gen, rope=True, impl="triton", block_n=bn, num_warps=w)
         cases[f"kvrepro_{preset}_triton"] = lambda b, c, preset=preset: kvrepro_case(preset, b, c, gen, impl="triton")
         cases[f"kvrepro_{preset}_triton_rope"] = lambda b, c, preset=preset: kvrepro_case(preset, b, c, gen, rope=True,
                                                                                           impl="triton")

@@ -712,7 +712,7 @@ def block(root: Path | None = None) -> str:
            f"is refused at engine start, and a driver that cannot load the fatbin gets the Triton kernel with a "
            f"warning (`KVREPRO_DECODE_IMPL=auto`) or a refusal (`=cuda`).", "",
            "| GPU family | compute capability | fatbin code it runs | k4v4 decode kernel (head_dim 128, GQA 4) | "
-           "resident CTAs per SM, k4v4 / k8v4 / k4v2 | shared memory per SM | CUDA kernel status |",
+           "resident CTAs per SM, k4v4 / k8v4 / k4v2 / k5v4 | shared memory per SM | CUDA kernel status |",
            "| --- | --- | --- | --- | --- | ---: | --- |"]
     out += [f"| {r['family']} | {r['capability']} | {r['code']} | {r['decode']} | {r['ctas']} | {r['smem_kb']} KB | "
             f"{r['status']} |" for r in g]

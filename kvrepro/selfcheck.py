@@ -116,7 +116,7 @@ def available_paths():
         ("PyTorch reference formats + paged attention (CPU/GPU)", True, "torch"),
         ("Triton kernels in the interpreter (CPU, TRITON_INTERPRET=1)", triton, "triton"),
         ("Triton kernels on the GPU", triton and cuda, "triton + CUDA GPU"),
-        ("CUDA decode kernel for k4v4, k8v4, k4v2 (kvrepro/ops/cuda fatbin, loaded by the CUDA driver)",
+        ("CUDA decode kernel for every preset (kvrepro/ops/cuda fatbin, loaded by the CUDA driver)",
          cuda and torch.cuda.get_device_capability() >= (8, 0), "CUDA GPU of compute capability >= 8.0, driver for CUDA 13.0"),
         ("vLLM serving with the kvrepro backend (capacity/throughput sweeps)", vllm and cuda, "vllm + CUDA GPU"),
         ("Small real model on CPU (SmolLM2-135M GGUF via transformers)", hf and smollm,

@@ -284,16 +284,23 @@ def test_decode_key_mma_int8_needs_4_or_8_bit_keys():
         decode_attention(q, pool.data, bt, sl, pool.layout, pool.rotation, 0.125, block_n=16.0)
 
 
-def test_decode_k5v4_auto_is_triton_and_cuda_is_refused_by_name():
-    """k5v4 has no CUDA kernel: the default (auto) runs the Triton kernel, impl='cuda' is refused naming k5v4 and the
-    presets the CUDA kernel has (on any device, before anything runs)."""
+def test_decode_k5v4_resolves_to_its_cuda_kernel_where_one_applies():
+    """k5v4 has its own CUDA kernel: auto picks it on an sm_90 device (the pool's layout is one the kernel takes);
+    on the CPU the Triton kernel runs, and impl='cuda' there is refused naming the device."""
+    from kvrepro.ops import cuda_decode
     from kvrepro.ops.decode import resolve_impl
 
     pool, bt, sl, q, _ = _setup("k5v4", 8, 2, 128, 16, [40, 17], torch.float16, seed=2)
-    assert resolve_impl(None, pool.layout, 4, pool.data.device) == "triton"
-    with pytest.raises(ValueError, match=r"impl='cuda': the CUDA decode kernel has no kernel for k5v4 pages: "
-                                         r"it has k4v4, k8v4 and k4v2 only.*use impl='triton'"):
-        decode_attention(q, pool.data, bt, sl, pool.layout, pool.rotation, 128 ** -0.5, impl="cuda")
+    assert pool.layout in cuda_decode.LAYOUTS.values() and cuda_decode.shape_reason(pool.layout, 4) is None
+    assert resolve_impl(None, pool.layout, 4, pool.data.device) == "triton"          # CPU
+    with pytest.raises(ValueError, match=r"impl='cuda': the CUDA decode kernel needs a CUDA device, got cpu"):
+        resolve_impl("cuda", pool.layout, 4, pool.data.device)
+    args = (q, pool.data, bt, sl, pool.layout, pool.rotation, 128 ** -0.5)
+    with pytest.raises(ValueError, match=r"impl='cuda': the CUDA decode kernel needs a CUDA device, got cpu; use "
+                                         r"impl='triton'"):
+        decode_attention(*args, impl="cuda")              # named as such, not as the Triton kernels' device check
+    with pytest.raises(ValueError, match=r"impl='gpu'; allowed: None or 'auto', 'triton', 'cuda'"):
+        decode_attention(*args, impl="gpu")
 
 
 # --- key offset rope-mean: pages hold k_j - R(j) b_hat, the kernel adds q . R(j) b_hat back to each score ---------

@@ -20,7 +20,7 @@ BITS = {name: bits for bits, name in cuda_decode.PRESETS.items()}
 KB = 1024
 
 
-def _static_smem_from_source(preset: str) -> int:
+def _static_smem_from_source(preset: str, rope: bool = False) -> int:
     """Static shared memory of a kernel as decode.cu declares it: the ring (WARPS x KSTAGES pages of the preset's
     layout, its #define default depth), the query digits ``qd_hi/qd_lo`` int8 [8][D], ``s_q/q_sum`` float [8] and
     ``s_last`` int, k5v4's ``log_mant`` unsigned [8] (all kernels declare it, ptxas keeps it where k5v4 reads it),
@@ -35,8 +35,9 @@ def _static_smem_from_source(preset: str) -> int:
     assert "__shared__ float s_q[8], q_sum[8];" in src and "__shared__ int s_last;" in src
     d = 128
     assert "__shared__ unsigned log_mant[8];" in src
+    assert "__shared__ __align__(16) uint4 rope_s[2 * 32 + 16];" in src      # rope: the correction's fragments
     total = (warps * depth * get_format(preset).layout(d, 16).page_bytes + 2 * 8 * d + 2 * 8 * 4 + 4
-             + (8 * 4 if preset == "k5v4" else 0))
+             + (8 * 4 if preset == "k5v4" else 0) + ((2 * 32 + 16) * 16 if rope else 0))
     return -(-total // 128) * 128
 
 
@@ -48,13 +49,15 @@ def test_static_shared_memory_in_the_manifest_is_what_the_source_declares():
     for preset, bits in BITS.items():
         want = _static_smem_from_source(preset)
         assert want == {"k4v4": 36480, "k8v4": 40192, "k4v2": 41344, "k5v4": 39808}[preset]
+        want_rope = _static_smem_from_source(preset, rope=True)
         for arch, kernels in res.items():
             assert kernels[cuda_decode.KERNELS[bits]]["smem_static"] == want, (arch, preset)
+            assert kernels[cuda_decode.ROPE_KERNELS[bits]]["smem_static"] == want_rope, (arch, preset)
             assert kernels[cuda_decode.KERNELS[bits]]["registers"] <= 128      # __launch_bounds__(128, 4)
 
 
 @pytest.mark.parametrize("capability,smem_kb,want", [
-    ((8, 0), 164, {"k4v4": 4, "k8v4": 4, "k4v2": 3, "k5v4": 4}),      # A100: issue 22's figures
+    ((8, 0), 164, {"k4v4": 4, "k8v4": 3, "k4v2": 3, "k5v4": 3}),      # A100: the rope-mean kernels bind k8v4, k5v4
     ((8, 6), 100, {"k4v4": 2, "k8v4": 2, "k4v2": 2, "k5v4": 2}),      # A10 / RTX 30
     ((8, 9), 100, {"k4v4": 2, "k8v4": 2, "k4v2": 2, "k5v4": 2}),      # L40S / RTX 4090 (Ada)
     ((9, 0), 228, {"k4v4": 4, "k8v4": 4, "k4v2": 4, "k5v4": 4}),      # H100 / H200: registers bind
@@ -63,12 +66,13 @@ def test_static_shared_memory_in_the_manifest_is_what_the_source_declares():
 ])
 def test_modelled_residency_matches_a_count_by_hand(capability, smem_kb, want):
     """Resident CTAs = min(registers: 64 K / (128 registers x 128 threads) = 4, shared memory: the SM's bytes // the
-    CTA's bytes with the 1 KB the driver reserves, in 128-byte units); warps and the per-SM CTA cap do not bind."""
+    CTA's bytes with the 1 KB the driver reserves, in 128-byte units), the fewer of a preset's kernel and its
+    rope-mean variant (either may launch); warps and the per-SM CTA cap do not bind."""
     sm = occupancy.limits(capability)
     assert sm.smem_per_sm == smem_kb * KB and sm.regs_per_sm == 65536
     for preset, bits in BITS.items():
-        per_cta = -(-(_static_smem_from_source(preset) + 1024) // 128) * 128
-        by_hand = min(65536 // (128 * 128), smem_kb * KB // per_cta)
+        by_hand = min(min(65536 // (128 * 128), smem_kb * KB // (-(-(_static_smem_from_source(preset, rope) + 1024)
+                                                                   // 128) * 128)) for rope in (False, True))
         assert by_hand == want[preset], (capability, preset)
         assert cuda_decode.modelled_ctas(bits, capability) == want[preset], (capability, preset)
         lim = occupancy.limits_by_resource(cuda_decode.kernel_resources(bits, sm.arch), sm)
@@ -84,8 +88,8 @@ def test_carveouts_cap_an_h200_to_the_a100_and_ada_budgets():
     assert occupancy.configured_smem(h, 43) == 100 * KB and occupancy.configured_smem(h, 44) == 132 * KB
     assert occupancy.configured_smem(h) == 228 * KB                          # no preference: the largest
     assert occupancy.configured_smem(h, 0, need=37504) == 64 * KB            # too small for one CTA: the least that fits
-    assert {p: cuda_decode.modelled_ctas(b, (9, 0), 71) for p, b in BITS.items()} == {"k4v4": 4, "k8v4": 4, "k4v2": 3,
-                                                                                       "k5v4": 4}
+    assert {p: cuda_decode.modelled_ctas(b, (9, 0), 71) for p, b in BITS.items()} == {"k4v4": 4, "k8v4": 3, "k4v2": 3,
+                                                                                       "k5v4": 3}
     assert {p: cuda_decode.modelled_ctas(b, (9, 0), 43) for p, b in BITS.items()} == {"k4v4": 2, "k8v4": 2, "k4v2": 2,
                                                                                        "k5v4": 2}
     assert {p: cuda_decode.modelled_ctas(b, (9, 0), 0) for p, b in BITS.items()} == {"k4v4": 1, "k8v4": 1, "k4v2": 1,

@@ -129,7 +129,7 @@ def test_refusals_at_engine_start_name_the_reason():
     assert plan.decode is None and "KVREPRO_DECODE_IMPL=cuda: the CUDA decode kernel supports GQA groups of 1..8 " \
                                    "query heads, got 9; set KVREPRO_DECODE_IMPL=triton or auto" in plan.refusals[0]
     plan = cfg.serving_plan(head_dim=128, num_q_heads=32, num_kv_heads=8, capability=(9, 0), preset="k5v4")
-    assert plan.decode == "triton" and "no kernel for k5v4" in plan.why
+    assert plan.decode == "cuda" and "CUDA kernel applies" in plan.why
     plan = cfg.serving_plan(head_dim=128, num_q_heads=32, num_kv_heads=8, capability=(11, 0))
     assert plan.decode == "cuda" and "PTX compute_80, compiled by the driver at load" in plan.why
     plan = cfg.serving_plan(head_dim=128, num_q_heads=32, num_kv_heads=8, capability=(9, 0), decode_impl="triton")
@@ -421,12 +421,12 @@ def test_notebook_model_view_keeps_every_figure_in_narrow_columns(tmp_path):
 
 
 def test_readme_model_column_states_the_default_preset_and_k4v4():
-    """The default preset (k5v4) has no CUDA kernel: Triton for every model; k4v4: CUDA at head_dim 128, Triton for
-    Llama-3.2-1B (head_dim 64)."""
+    """The default preset (k5v4) and k4v4 each have a CUDA kernel: CUDA at head_dim 128, Triton for Llama-3.2-1B
+    (head_dim 64)."""
     from kvrepro import reach
     from kvrepro.settings import DEFAULT_PRESET
 
     assert DEFAULT_PRESET == "k5v4"
     rows = {r["model"]: r["decode"] for r in reach.model_rows()}
-    assert rows == {n: "Triton / " + ("Triton" if model_facts(n).head_dim == 64 else "CUDA") for n in model_names()}
+    assert rows == {n: " / ".join(["Triton" if model_facts(n).head_dim == 64 else "CUDA"] * 2) for n in model_names()}
     assert "decode kernel on an H100 / H200, k5v4 (default) / k4v4" in reach.block()

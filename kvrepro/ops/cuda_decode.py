@@ -68,8 +68,9 @@ MAX_GROUP = 8                   # GQA query heads per KV head: the MMA's N = 8
 MERGE_MAX = 4096                # num_splits x group that the in-kernel split merge holds (decode.cu MERGE_MAX)
 LAUNCH_BOUNDS_CTAS = 4          # __launch_bounds__(128, 4): ptxas keeps every kernel at <= 128 registers, so that 4
                                 # CTAs fit an SM's 64 K registers. Shared memory may hold fewer (36,480 / 40,192 /
-                                # 41,344 static bytes for k4v4 / k8v4 / k4v2: 3 k4v2 CTAs on an A100, 2 of any on
-                                # 100 KB SMs): the split rule reads resident_ctas, never this figure.
+                                # 41,344 / 39,808 static bytes for k4v4 / k8v4 / k4v2 / k5v4, 1,280 more with the
+                                # rope-mean correction: 3 CTAs of k8v4, k4v2 and k5v4 on an A100, 2 of any on 100 KB
+                                # SMs): the split rule reads resident_ctas, never this figure.
 CTAS_PER_SM = LAUNCH_BOUNDS_CTAS  # the same figure under its former name, for scripts that plan waves of the H200's
                                   # residency (benchmarks/decode_splits.py)
 CPU_CAPABILITY = (9, 0)         # the GPU the split rule is modelled for without a CUDA device: H100 / H200 (sm_count
@@ -219,18 +220,25 @@ class _Module:
         return val.value
 
     def occupancy(self, bits: tuple[int, int]) -> int:
-        """Resident CTAs per SM of the kernel of ``bits``, from the driver (``cuOccupancyMaxActiveBlocksPerMultiprocessor``
-        with the launch's block and dynamic shared memory; it counts the kernel's carveout preference). Raises
-        RuntimeError if the driver refuses or answers less than 1."""
-        n = ctypes.c_int()
-        rc = self.lib.cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(n), self.fns[bits],
-                                                                  ctypes.c_int(WARPS * 32),
-                                                                  ctypes.c_size_t(self.smem[bits]))
-        if rc or n.value < 1:
-            raise RuntimeError(f"kvrepro CUDA decode kernel: the driver's occupancy query for {KERNELS[bits]} "
-                               f"{'failed with ' + self.error(rc) if rc else f'answered {n.value} CTAs per SM'}; the "
-                               f"split rule needs it (set KVREPRO_NUM_SPLITS, or KVREPRO_DECODE_IMPL=triton)")
-        return n.value
+        """Resident CTAs per SM of the kernels of ``bits``, from the driver (``cuOccupancyMaxActiveBlocksPerMultiprocessor``
+        with the launch's block and dynamic shared memory; it counts the kernels' carveout preference): the fewer of
+        the kernel and its rope-mean variant where that is loaded, since a preset's launches run either (the key
+        offset decides per engine) and a split rule planned for the larger count would launch a partial second wave
+        with the other. Raises RuntimeError if the driver refuses or answers less than 1."""
+        out = []
+        for fns, smem, name in ((self.fns, self.smem, KERNELS[bits]), (self.rope_fns, self.rope_smem, ROPE_KERNELS[bits])):
+            if bits not in fns:
+                continue
+            n = ctypes.c_int()
+            rc = self.lib.cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(n), fns[bits],
+                                                                      ctypes.c_int(WARPS * 32),
+                                                                      ctypes.c_size_t(smem[bits]))
+            if rc or n.value < 1:
+                raise RuntimeError(f"kvrepro CUDA decode kernel: the driver's occupancy query for {name} "
+                                   f"{'failed with ' + self.error(rc) if rc else f'answered {n.value} CTAs per SM'}; "
+                                   f"the split rule needs it (set KVREPRO_NUM_SPLITS, or KVREPRO_DECODE_IMPL=triton)")
+            out.append(n.value)
+        return min(out)
 
     def attribute(self, bits: tuple[int, int], name: str) -> int:
         """The driver's ``cuFuncGetAttribute`` of the kernel of ``bits``: ``name`` one of ``FUNC_ATTRIBUTES``
@@ -253,11 +261,14 @@ class _Module:
         driver refuses."""
         if not _is_int(percent) or not -1 <= percent <= 100:
             raise ValueError(f"percent must be an int in -1..100 (-1: no preference), got {percent!r}")
-        rc = self.lib.cuFuncSetAttribute(self.fns[bits], CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
-                                         ctypes.c_int(percent))
-        if rc:
-            raise RuntimeError(f"kvrepro CUDA decode kernel: setting the carveout of {KERNELS[bits]} to {percent} % "
-                               f"failed with {self.error(rc)}")
+        for fns, name in ((self.fns, KERNELS[bits]), (self.rope_fns, ROPE_KERNELS[bits])):   # both: occupancy()
+            if bits not in fns:
+                continue
+            rc = self.lib.cuFuncSetAttribute(fns[bits], CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+                                             ctypes.c_int(percent))
+            if rc:
+                raise RuntimeError(f"kvrepro CUDA decode kernel: setting the carveout of {name} to {percent} % "
+                                   f"failed with {self.error(rc)}")
         for key in [k for k in _RESIDENT if k[0] == self.index]:
             del _RESIDENT[key]
 
@@ -396,10 +407,11 @@ def load(device: torch.device, path: str = FATBIN) -> _Module:
 _RESIDENT: dict[tuple[int, tuple[int, int]], tuple[int, str]] = {}   # (device index, bits) -> resident_ctas
 
 
-def kernel_resources(bits: tuple[int, int], arch: str, manifest: dict | None = None):
+def kernel_resources(bits: tuple[int, int], arch: str, manifest: dict | None = None, rope: bool = False):
     """``occupancy.KernelResources`` of the kernel of ``bits`` = (key bits, value bits) in the SASS of ``arch``
-    (``"sm_90"``): 128 threads, the registers and static shared memory ptxas reported (the manifest's ``resources``)
-    and the dynamic shared memory its launch asks for (0: every ring fits the static limit).
+    (``"sm_90"``; ``rope``: its rope-mean variant, ``ROPE_KERNELS``): 128 threads, the registers and static shared
+    memory ptxas reported (the manifest's ``resources``) and the dynamic shared memory its launch asks for (0: every
+    ring fits the static limit).
 
     Raises:
         ValueError: ``bits`` without a kernel, an ``arch`` the fatbin has no SASS for (names the ones it has).
@@ -410,24 +422,26 @@ def kernel_resources(bits: tuple[int, int], arch: str, manifest: dict | None = N
         raise ValueError(f"bits must be one of {sorted(KERNELS)} ((key_bits, value_bits) with a CUDA kernel), "
                          f"got {bits!r}")
     res = (read_manifest() if manifest is None else manifest).get("resources", {})
-    if arch not in res or KERNELS[bits] not in res[arch]:
+    name = (ROPE_KERNELS if rope else KERNELS)[bits]
+    if arch not in res or name not in res[arch]:
         raise ValueError(f"arch must be one of {sorted(res)} (the fatbin's SASS targets), got {arch!r}")
-    r = res[arch][KERNELS[bits]]
+    r = res[arch][name]
     return KernelResources(threads=WARPS * 32, registers=r["registers"], smem_static=r["smem_static"])
 
 
 def modelled_ctas(bits: tuple[int, int], capability, carveout: int = -1) -> int:
-    """Resident CTAs per SM of the kernel of ``bits`` on a GPU of compute capability ``capability`` by arithmetic
-    (``kvrepro.ops.occupancy``, the limits of ``cuda/gpus.json``), from the resources of the SASS that GPU runs.
-    ``carveout``: the shared-memory carveout preference (percent; -1 none). Raises ValueError for a capability with
-    no row in gpus.json or no SASS in the fatbin."""
+    """Resident CTAs per SM of the kernels of ``bits`` on a GPU of compute capability ``capability`` by arithmetic
+    (``kvrepro.ops.occupancy``, the limits of ``cuda/gpus.json``), from the resources of the SASS that GPU runs: the
+    fewer of the kernel and its rope-mean variant, as ``_Module.occupancy``. ``carveout``: the shared-memory
+    carveout preference (percent; -1 none). Raises ValueError for a capability with no row in gpus.json or no SASS
+    in the fatbin."""
     from kvrepro.ops import occupancy
 
     sm = occupancy.limits(capability)
     code = fatbin_code_for(sm.capability)
     if code is None or not code.startswith("sm_"):
         raise ValueError(f"the fatbin has no SASS for compute capability {sm.capability} (it would run {code})")
-    return occupancy.resident_ctas(kernel_resources(bits, code), sm, carveout)
+    return min(occupancy.resident_ctas(kernel_resources(bits, code, rope=rope), sm, carveout) for rope in (False, True))
 
 
 def resident_ctas(device: torch.device, bits: tuple[int, int] | None = None) -> tuple[int, str]:

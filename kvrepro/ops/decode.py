@@ -180,8 +180,8 @@ MIN_TOKENS_PER_SPLIT = 256
 
 # CUDA kernel (impl="cuda"). For a launch of exactly ``batch`` live rows: the fewest whole waves of the kernel's
 # resident CTAs (cuda_decode.resident_ctas: the driver's occupancy query on a GPU; 4 on the H200, where registers bind;
-# fewer where shared memory binds: 3 k4v2 CTAs on an A100, 2 of any kernel on 100 KB SMs) that fill the SM slots to >=
-# WAVE_FILL (fill = CTAs / (ceil(waves) x slots)), any integer count. Why: the last wave of a launch idles the slots it
+# fewer where shared memory binds: 3 CTAs of k8v4, k4v2 or k5v4 on an A100, 2 of any kernel on 100 KB SMs) that fill
+# the SM slots to >= WAVE_FILL (fill = CTAs / (ceil(waves) x slots)), any integer count. Why: the last wave of a launch idles the slots it
 # leaves empty while the others stream. Where one wave fills the slots it is as fast as any count, within the timing
 # noise; where it leaves a fifth of them empty (few resident CTAs, a large batch) the 2- or 3-wave count that fills
 # them is faster. Measured: benchmarks/results/decode_splits.json and results/reach/carveout_splits_h200.json
@@ -350,6 +350,11 @@ def decode_attention(query: torch.Tensor, pool, block_tables: torch.Tensor, seq_
             capture (run one eager call first).
     """
     data = pool_tensor(pool)
+    if impl not in (None, "auto", *DECODE_IMPLS):
+        raise ValueError(f"impl={impl!r}; allowed: None or 'auto', {', '.join(repr(x) for x in DECODE_IMPLS)}")
+    if impl == "cuda" and isinstance(data, torch.Tensor) and data.device.type != "cuda":   # before the Triton check
+        raise ValueError(f"impl='cuda': the CUDA decode kernel needs a CUDA device, got {data.device}; use "
+                         "impl='triton'")
     _, hkv = check_pool(data, layout)
     dev = data.device
     if query.dim() != 3:
