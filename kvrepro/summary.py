@@ -493,11 +493,12 @@ def fp8_measured_elsewhere(current: str | os.PathLike, mode: str = CAPACITY_PRES
     for f in find_result_files(results_dir or current.parent):
         if Path(f).resolve() == current.resolve():
             continue
+        df = load_jsonl(f)
         try:
-            r = fp8_ratios(str(f), mode)
+            r = fp8_ratios(df, mode)
         except ModeNotInRun:
             continue
-        key = (str(load_jsonl(f)["date"].max()), Path(f).name)
+        key = (str(df["date"].max()), Path(f).name)
         for e in r["fp8"]:
             if e["mode"] not in found or key > found[e["mode"]][0]:
                 found[e["mode"]] = (key, (Path(f).name, e, r["point"]))

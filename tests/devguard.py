@@ -139,9 +139,9 @@ def host_device_guard(monkeypatch):
 
     real = common.check_pool
 
-    def guarded(pool, layout):
+    def guarded(pool, layout, **kw):
         check_kernel_args(sys._getframe(1).f_locals)
-        return real(pool, layout)
+        return real(pool, layout, **kw)
 
     for mod in (decode, prefill, store):
         monkeypatch.setattr(mod, "check_pool", guarded)

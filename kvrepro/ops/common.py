@@ -25,8 +25,9 @@ def pool_tensor(pool) -> torch.Tensor:
     return t
 
 
-def check_pool(pool: torch.Tensor, layout: PageLayout) -> tuple[int, int]:
-    """Return ``(num_blocks, num_kv_heads)``; raise ``ValueError`` on a mismatch."""
+def check_pool(pool: torch.Tensor, layout: PageLayout, triton: bool = True) -> tuple[int, int]:
+    """Return ``(num_blocks, num_kv_heads)``; raise ``ValueError`` on a mismatch. ``triton``: also
+    :func:`check_triton_device` (a caller that may run another kernel checks it once that kernel is chosen)."""
     if not isinstance(layout, PageLayout):
         raise ValueError(f"layout must be a kvrepro.formats.layout.PageLayout, got {type(layout).__name__}")
     if pool.dtype != torch.uint8 or pool.dim() != 3 or pool.shape[2] != layout.page_bytes:
@@ -35,7 +36,8 @@ def check_pool(pool: torch.Tensor, layout: PageLayout) -> tuple[int, int]:
             f"got {pool.dtype} {tuple(pool.shape)}")
     if not pool.is_contiguous():
         raise ValueError("pool must be contiguous")
-    check_triton_device(pool.device)
+    if triton:
+        check_triton_device(pool.device)
     return pool.shape[0], pool.shape[1]
 
 

@@ -219,6 +219,13 @@ class _Module:
             raise RuntimeError(f"kvrepro CUDA decode kernel: cannot read {sym} ({self.error(rc)})")
         return val.value
 
+    def _entry_points(self, bits: tuple[int, int]) -> list:
+        """``[(CUfunction, dynamic shared memory, name)]`` of the kernel of ``bits`` and, where loaded, its rope-mean
+        variant: the entry points a preset's launches may run."""
+        return [(fns[bits], smem[bits], name) for fns, smem, name in
+                ((self.fns, self.smem, KERNELS[bits]), (self.rope_fns, self.rope_smem, ROPE_KERNELS[bits]))
+                if bits in fns]
+
     def occupancy(self, bits: tuple[int, int]) -> int:
         """Resident CTAs per SM of the kernels of ``bits``, from the driver (``cuOccupancyMaxActiveBlocksPerMultiprocessor``
         with the launch's block and dynamic shared memory; it counts the kernels' carveout preference): the fewer of
@@ -226,13 +233,10 @@ class _Module:
         offset decides per engine) and a split rule planned for the larger count would launch a partial second wave
         with the other. Raises RuntimeError if the driver refuses or answers less than 1."""
         out = []
-        for fns, smem, name in ((self.fns, self.smem, KERNELS[bits]), (self.rope_fns, self.rope_smem, ROPE_KERNELS[bits])):
-            if bits not in fns:
-                continue
+        for fn, smem, name in self._entry_points(bits):
             n = ctypes.c_int()
-            rc = self.lib.cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(n), fns[bits],
-                                                                      ctypes.c_int(WARPS * 32),
-                                                                      ctypes.c_size_t(smem[bits]))
+            rc = self.lib.cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(n), fn, ctypes.c_int(WARPS * 32),
+                                                                      ctypes.c_size_t(smem))
             if rc or n.value < 1:
                 raise RuntimeError(f"kvrepro CUDA decode kernel: the driver's occupancy query for {name} "
                                    f"{'failed with ' + self.error(rc) if rc else f'answered {n.value} CTAs per SM'}; "
@@ -261,10 +265,8 @@ class _Module:
         driver refuses."""
         if not _is_int(percent) or not -1 <= percent <= 100:
             raise ValueError(f"percent must be an int in -1..100 (-1: no preference), got {percent!r}")
-        for fns, name in ((self.fns, KERNELS[bits]), (self.rope_fns, ROPE_KERNELS[bits])):   # both: occupancy()
-            if bits not in fns:
-                continue
-            rc = self.lib.cuFuncSetAttribute(fns[bits], CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+        for fn, _, name in self._entry_points(bits):     # both, as occupancy() asks both
+            rc = self.lib.cuFuncSetAttribute(fn, CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
                                              ctypes.c_int(percent))
             if rc:
                 raise RuntimeError(f"kvrepro CUDA decode kernel: setting the carveout of {name} to {percent} % "

@@ -8,8 +8,8 @@ import torch
 from kvrepro.formats.layout import PageLayout
 from kvrepro.ops import cuda_decode
 from kvrepro.ops.common import (check_block_n, check_block_tables, check_float, check_heads, check_int,
-                                check_launch, check_pool, check_rotation, check_scale, next_pow2, page_constexprs,
-                                pool_tensor, sm_count, want_checks)
+                                check_launch, check_pool, check_rotation, check_scale, check_triton_device, next_pow2,
+                                page_constexprs, pool_tensor, sm_count, want_checks)
 from kvrepro.ops.triton.attention import paged_attn_kernel
 from kvrepro.ops.triton.rotate import merge_splits_kernel, rotate_query_kernel
 
@@ -350,12 +350,7 @@ def decode_attention(query: torch.Tensor, pool, block_tables: torch.Tensor, seq_
             capture (run one eager call first).
     """
     data = pool_tensor(pool)
-    if impl not in (None, "auto", *DECODE_IMPLS):
-        raise ValueError(f"impl={impl!r}; allowed: None or 'auto', {', '.join(repr(x) for x in DECODE_IMPLS)}")
-    if impl == "cuda" and isinstance(data, torch.Tensor) and data.device.type != "cuda":   # before the Triton check
-        raise ValueError(f"impl='cuda': the CUDA decode kernel needs a CUDA device, got {data.device}; use "
-                         "impl='triton'")
-    _, hkv = check_pool(data, layout)
+    _, hkv = check_pool(data, layout, triton=False)     # the Triton kernels' device check once impl says Triton runs
     dev = data.device
     if query.dim() != 3:
         raise ValueError(f"query must be [B, Hq, D], got {tuple(query.shape)}")
@@ -380,6 +375,8 @@ def decode_attention(query: torch.Tensor, pool, block_tables: torch.Tensor, seq_
     if npairs and npairs != cuda_decode.ROPE_PAIRS:
         options["rope_bias"] = rope_bias       # the CUDA kernel's rope-mean variant takes ROPE_PAIRS pairs only
     impl = resolve_impl(impl, layout, group, dev, tuple(k for k, v in options.items() if v is not None))
+    if impl == "triton":
+        check_triton_device(dev)
     num_stages = DECODE_STAGES if num_stages is None else num_stages
     key_mma = resolve_key_mma(key_mma, layout.key_bits)
     check_key_mma(key_mma, layout.key_bits)

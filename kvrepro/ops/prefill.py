@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from kvrepro.formats import COMPRESSED_PRESETS
+from kvrepro.formats import preset_of
 from kvrepro.formats.layout import PageLayout
 from kvrepro.ops.common import (check_block_n, check_block_tables, check_float, check_heads, check_int,
                                 check_launch, check_pool, check_rotation, check_scale, next_pow2, page_constexprs,
@@ -29,7 +29,7 @@ def check_rope_prefill(layout: PageLayout, device: torch.device, npairs: int) ->
     :data:`ROPE_GPU_PRESETS`. Raises ValueError naming the preset and the allowed ones."""
     if not npairs or device.type != "cuda":
         return
-    name = next((p for p, kv in COMPRESSED_PRESETS.items() if kv == (layout.key_bits, layout.value_bits)), repr(layout))
+    name = preset_of(layout) or repr(layout)
     if name not in ROPE_GPU_PRESETS:
         raise ValueError(f"rope_bias (key offset rope-mean) with the paged prefill kernel on a GPU: preset {name} is not "
                          f"supported there (the kernel faults on the H200: notes/kernels.md, Known limits); allowed "
