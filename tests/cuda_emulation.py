@@ -308,7 +308,7 @@ def outputs_from_tiles(tc: np.ndarray, first_channel) -> np.ndarray:
     return out
 
 
-# --- key offset rope-mean (decode.cu rope_coefs, rope_sincos, rope_add) -----------------------------------------------
+# --- key offset rope-mean (decode.cu rope_setup, rope_sincos, rope_add) -----------------------------------------------
 RPAIRS = 8
 
 
@@ -359,45 +359,57 @@ def mma_tf32_k4(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
     return c + _c_fragments(A @ B)
 
 
+def _sincos_of_product(t, fr) -> tuple[np.ndarray, np.ndarray]:
+    """``rope_sincos`` of the exact product ``t x fr`` (float32 operands): the ``__fmul_rn`` rounding plus the
+    ``__fmaf_rn`` remainder, as the kernel takes every angle."""
+    t, fr = np.asarray(t, np.float32), np.asarray(fr, np.float32)
+    a = (t * fr).astype(np.float32)                                     # float32 product: one rounding
+    return rope_sincos(a, _fma32(t, fr, -a))                            # the remainder: exact in one FMA
+
+
 def rope_shared(terms: np.ndarray, freq: np.ndarray, rope_scale: float, b: int, kvh: int, group: int) -> tuple:
-    """What warp 0 puts in the kernel's ``rope_s`` (``rope_coefs``): ``frag`` [4, 32, 2] uint32 (hi, lo TF32 of the
-    coefficient of head g = lane // 4, pair tq (blocks 0: cos, 2: sin) or tq + 4 (1: cos, 3: sin), tq = lane % 4,
-    times ``rope_scale`` in float32; heads past ``group`` 0) and ``fr`` [32, 2] float32 (f_tq, f_tq+4). ``terms``
+    """What warp 0 puts in the kernel's ``rope_s`` (``rope_setup``), as ``(tab, ab, fr)``: ``tab`` [4, 32, 4] uint32,
+    block ``2 blk + pp``, lane (g, tq): TF32 (hi_g, hi_g+8, lo_g, lo_g+8) of cos (blk 0) / sin (blk 1) of ``t x
+    theta`` for t = g, g + 8 and pair tq + 4 pp; ``ab`` [2, 32, 2] float32: (A, B) of head g, pair tq + 4 pp, times
+    ``rope_scale`` in float32 (heads past ``group`` 0); ``fr`` [2, 32] float32: that pair's frequency. ``terms``
     float32 [B, Hq, 2 RPAIRS] (A then B), ``freq`` float32 [Hkv, RPAIRS]."""
     hq = terms.shape[1]
     rows = terms.reshape(-1, 2 * RPAIRS)
-    frag = np.zeros((4, 32, 2), np.uint32)
-    fr = np.zeros((32, 2), np.float32)
+    tab = np.zeros((4, 32, 4), np.uint32)
+    ab = np.zeros((2, 32, 2), np.float32)
+    fr = np.zeros((2, 32), np.float32)
     for lane in range(32):
         g, tq = lane // 4, lane % 4
-        for i in range(4):
-            x = (rows[b * hq + kvh * group + g, (i >> 1) * RPAIRS + tq + (i & 1) * 4] * np.float32(rope_scale)
-                 if g < group else np.float32(0))
-            hi = tf32_rna(x)
-            frag[i, lane] = hi, tf32_rna(np.float32(x) - _f(hi))   # i: cos tq, cos tq + 4, sin tq, sin tq + 4
-        fr[lane] = freq[kvh, tq], freq[kvh, tq + 4]
-    return frag, fr
+        for pp in range(2):
+            f = freq[kvh, tq + 4 * pp]
+            fr[pp, lane] = f
+            sn, cs = _sincos_of_product([g, g + 8], [f, f])
+            for blk, x in enumerate((cs, sn)):
+                hi = tf32_rna(x)
+                tab[2 * blk + pp, lane] = (*hi, *tf32_rna(x - _f(hi)))
+            if g < group:
+                row = rows[b * hq + kvh * group + g]
+                ab[pp, lane] = (row[tq + 4 * pp] * np.float32(rope_scale), row[RPAIRS + tq + 4 * pp] * np.float32(rope_scale))
+    return tab, ab, fr
 
 
-def rope_add(pos0: int, frag: np.ndarray, fr: np.ndarray) -> np.ndarray:
-    """The kernel's ``rope_add`` for the page whose first token is at ``pos0``: the correction's C fragments [32, 4]
-    (rows g, g + 8 = tokens pos0 + g, + 8; heads 2 tq, 2 tq + 1), lane by lane: angles as ``__fmul_rn`` of the
-    float32 position and frequency plus the ``__fmaf_rn`` remainder (exact), ``rope_sincos``, the 3xTF32 split and the
-    m16n8k4 MMAs in the kernel's order."""
+def rope_add(pos0: int, shared: tuple) -> np.ndarray:
+    """The kernel's ``rope_add`` for the page whose first token is at ``pos0``, from ``rope_shared``'s tuple: the
+    correction's C fragments [32, 4] (rows g, g + 8 = tokens pos0 + g, + 8; heads 2 tq, 2 tq + 1), lane by lane: sin / cos
+    of the exact angle ``pos0 x theta`` (``_sincos_of_product``), the coefficients turned by it in float32 (``A' =
+    fma(A, cos, B sin)``, ``B' = fma(B, cos, -(A sin))``), their 3xTF32 split and the m16n8k4 MMAs with the table in the
+    kernel's order."""
+    tab, ab, fr = shared
     c = np.zeros((32, 4))
-    lanes = np.arange(32)
-    t0 = (pos0 + lanes // 4).astype(np.float32)
-    t1 = (pos0 + lanes // 4 + 8).astype(np.float32)
     for pp in range(2):
-        a0 = (t0 * fr[:, pp]).astype(np.float32)                       # float32 product: one rounding
-        a1 = (t1 * fr[:, pp]).astype(np.float32)
-        sn0, cs0 = rope_sincos(a0, _fma32(t0, fr[:, pp], -a0))          # the remainder: exact in one FMA
-        sn1, cs1 = rope_sincos(a1, _fma32(t1, fr[:, pp], -a1))
-        for blk, (x0, x1) in enumerate(((cs0, cs1), (sn0, sn1))):
-            h = np.stack([tf32_rna(x0), tf32_rna(x1)], 1)
-            lo = np.stack([tf32_rna(x0 - _f(h[:, 0])), tf32_rna(x1 - _f(h[:, 1]))], 1)
-            b = frag[2 * blk + pp]
-            c = mma_tf32_k4(lo, b[:, 0], c)
-            c = mma_tf32_k4(h, b[:, 1], c)
-            c = mma_tf32_k4(h, b[:, 0], c)
+        sn, cs = _sincos_of_product(np.full(32, pos0, np.float32), fr[pp])
+        A, B = ab[pp, :, 0], ab[pp, :, 1]
+        turned = (_fma32(A, cs, (B * sn).astype(np.float32)), _fma32(B, cs, -(A * sn).astype(np.float32)))
+        for blk, x in enumerate(turned):
+            hi = tf32_rna(x)
+            lo = tf32_rna(x - _f(hi))
+            t = tab[2 * blk + pp]
+            c = mma_tf32_k4(t[:, 2:], hi, c)     # the table's lo x hi, the table's hi x lo, then hi x hi
+            c = mma_tf32_k4(t[:, :2], lo, c)
+            c = mma_tf32_k4(t[:, :2], hi, c)
     return c

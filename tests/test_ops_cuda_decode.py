@@ -901,7 +901,7 @@ def test_build_refuses_what_is_not_a_fatbin_of_these_kernels(tmp_path, monkeypat
     assert cuda_build.main(["--nvcc", str(junk)]) == 1                 # built with it: not a fatbin, exit 1
 
 
-# --- key offset rope-mean: the *_rope kernels' correction (decode.cu rope_coefs / rope_sincos / rope_add) ------------
+# --- key offset rope-mean: the *_rope kernels' correction (decode.cu rope_setup / rope_sincos / rope_add) ------------
 
 def test_emulated_rope_sincos_is_float32_accurate_up_to_2_pow_20():
     """The kernel's sin / cos of float32 angles (Cody-Waite pi / 2 reduction, Cephes polynomials), emulated operation by
@@ -955,8 +955,9 @@ def _rope_mean_set(hkv, d, neox, gen, norm=1000.0):
 
 @pytest.mark.parametrize("neox", [True, False])
 def test_emulated_rope_correction_equals_float64_over_the_restored_keys(neox):
-    """The *_rope kernels' correction for one CTA (sequence b, KV head kvh), emulated lane by lane (rope_coefs' shared
-    fragments, rope_add's angles, sin / cos, 3xTF32 split and m16n8k4 MMAs), against float64 q . R(j) b_hat of the
+    """The *_rope kernels' correction for one CTA (sequence b, KV head kvh), emulated lane by lane (rope_setup's table
+    of cos / sin(t theta) and coefficients, rope_add's turn by the page's start angle, 3xTF32 split and m16n8k4 MMAs),
+    against float64 q . R(j) b_hat of the
     restored keys (RopeMean.offset, channel space: checks the pair order of terms vs inv_freq and the neox /
     interleaved layout), heads of the CTA's GQA group only (the others 0), at pages from position 0 to 2^20 - 16: within
     1.5e-6 of the largest correction, as the Triton kernel's float64-reduced one (scale 1: rope_scale multiplies A, B)."""
@@ -969,9 +970,9 @@ def test_emulated_rope_correction_equals_float64_over_the_restored_keys(neox):
     freq = rm.inv_freq.numpy()
     group = hq // hkv
     for b, kvh in ((1, 3), (0, 7), (1, 0)):
-        frag, fr = emu.rope_shared(terms, freq, 1.0, b, kvh, group)
+        shared = emu.rope_shared(terms, freq, 1.0, b, kvh, group)
         for pos0 in (0, 16, 4080, 65_520, 105_600, 131_056, 2 ** 20 - 16):
-            got = emu.logits_from_fragments(emu.rope_add(pos0, frag, fr))           # [16 tokens, 8 heads]
+            got = emu.logits_from_fragments(emu.rope_add(pos0, shared))           # [16 tokens, 8 heads]
             pos = torch.arange(pos0, pos0 + 16)
             off = rm.offset(pos)[:, kvh].double()                                  # [16, D]: R(j) b_hat
             want = (q[b, kvh * group:(kvh + 1) * group].double() @ off.T).T.numpy()  # [16, group]
@@ -990,8 +991,8 @@ def test_emulated_rope_correction_reads_each_row_of_terms():
             for h in {0, group - 1}:
                 terms = np.zeros((2, hq, 16), np.float32)
                 terms[1, 7 * group + h, col] = 1.0
-                frag, fr = emu.rope_shared(terms, freq, 1.0, 1, 7, group)
-                got = emu.logits_from_fragments(emu.rope_add(480, frag, fr))
+                shared = emu.rope_shared(terms, freq, 1.0, 1, 7, group)
+                got = emu.logits_from_fragments(emu.rope_add(480, shared))
                 ang = np.arange(480, 496, dtype=np.float64) * np.float64(freq[7, col % 8])   # the exact angle
                 want = np.zeros((16, 8))
                 want[:, h] = np.cos(ang) if col < 8 else np.sin(ang)

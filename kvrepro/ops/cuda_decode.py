@@ -68,7 +68,7 @@ MAX_GROUP = 8                   # GQA query heads per KV head: the MMA's N = 8
 MERGE_MAX = 4096                # num_splits x group that the in-kernel split merge holds (decode.cu MERGE_MAX)
 LAUNCH_BOUNDS_CTAS = 4          # __launch_bounds__(128, 4): ptxas keeps every kernel at <= 128 registers, so that 4
                                 # CTAs fit an SM's 64 K registers. Shared memory may hold fewer (36,480 / 40,192 /
-                                # 41,344 / 39,808 static bytes for k4v4 / k8v4 / k4v2 / k5v4, 1,280 more with the
+                                # 41,344 / 39,808 static bytes for k4v4 / k8v4 / k4v2 / k5v4, 2,816 more with the
                                 # rope-mean correction: 3 CTAs of k8v4, k4v2 and k5v4 on an A100, 2 of any on 100 KB
                                 # SMs): the split rule reads resident_ctas, never this figure.
 CTAS_PER_SM = LAUNCH_BOUNDS_CTAS  # the same figure under its former name, for scripts that plan waves of the H200's

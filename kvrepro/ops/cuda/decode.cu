@@ -95,13 +95,14 @@ template <int KB, int VB> struct PageFmt;
 #ifndef KVREPRO_STEP_K5V4
 #define KVREPRO_STEP_K5V4 1
 #endif
-// ROPE_STEP: STEP of the *_rope kernels: one page per step, as rope_add's registers need (two spilled 128 bytes for
-// k4v4 and 40 for k4v2 on sm_90; one none).
+// ROPE_STEP: STEP of the *_rope kernels: two pages per step for k4v4 and k4v2, as their kernels without the correction
+// (faster at batches 3-13 on the H200; k4v4_rope spills one 4-byte word there), one for k5v4 (two spilled 12 / 20 B
+// on sm_90).
 #ifndef KVREPRO_ROPE_STEP_K4V4
-#define KVREPRO_ROPE_STEP_K4V4 1
+#define KVREPRO_ROPE_STEP_K4V4 2
 #endif
 #ifndef KVREPRO_ROPE_STEP_K4V2
-#define KVREPRO_ROPE_STEP_K4V2 1
+#define KVREPRO_ROPE_STEP_K4V2 2
 #endif
 #ifndef KVREPRO_ROPE_STEP_K5V4
 #define KVREPRO_ROPE_STEP_K5V4 1
@@ -243,11 +244,14 @@ __device__ __forceinline__ uint32_t pack_f16x2(float lo, float hi) {
 // ---- key offset rope-mean (the *_rope entry points; kvrepro.formats.offset.RopeMean): the pages hold k_j - R(j) b_hat
 // and each paged key's logit gets c_j = sum_i A_i cos(j theta_i) + B_i sin(j theta_i) back, i over the RPAIRS = 8 kept
 // pairs of the KV head (A, B per query head from the caller, times softmax_scale x log2 e as the Triton path's
-// rb_scale). c of one page is the GEMM C[16 tokens][8 heads] = CS[16][2 x 8] AB[2 x 8][8] of the page's cos / sin
-// table with the group's coefficients, whose accumulator fragment is the key logits' own (rows g, g + 8, heads 2 tq,
-// 2 tq + 1), so TF32 MMAs (mma.m16n8k4, one k4 block per half of the pairs and cos / sin) add it into them; their A
-// fragments ask lane (g, tq) for tokens g, g + 8 and pairs tq, tq + 4 only: 4 angles per lane, none computed twice in
-// the warp. Float32 accuracy from TF32 operands by the 3xTF32
+// rb_scale). Angle addition, as the Triton kernel: a page's keys are j = n0 + t, t < 16, so c_j = sum_i A'_i cos(t
+// theta_i) + B'_i sin(t theta_i) with (A', B') the coefficients turned by n0 theta_i (A' = A cos + B sin, B' = B cos -
+// A sin of n0 theta_i). c of one page is then the GEMM C[16 tokens][8 heads] = CS[16][2 x 8] AB'[2 x 8][8] of the
+// fixed table of cos / sin(t theta_i) (computed once per CTA) with the turned coefficients, whose accumulator fragment
+// is the key logits' own (rows g, g + 8, heads 2 tq, 2 tq + 1), so TF32 MMAs (mma.m16n8k4, one k4 block per half of
+// the pairs and cos / sin) add it into them. Lane (g, tq) holds the B fragment of head g, pairs tq and tq + 4, so a
+// page costs it one sine and one cosine per pair (2 angles; per key, 4 angles per lane per page). Float32 accuracy
+// from TF32 operands by the 3xTF32
 // split (x = hi + lo, both TF32, rna: |x - hi - lo| <= 2^-22 |x|; hi hi + hi lo + lo hi, the lo lo term < 2^-22 of the
 // product; after NVIDIA CUTLASS's 3xTF32 GEMMs).
 constexpr int RPAIRS = 8;  // kvrepro.formats.offset.MAX_PAIRS
@@ -263,7 +267,7 @@ __device__ __forceinline__ void mma_tf32_k4(float (&c)[4], uint32_t a0, uint32_t
       : "r"(a0), "r"(a1), "r"(b0));
 }
 // sin and cos of the exact angle a + lo = j theta >= 0 (a = the float32 product, lo its rounding error, both from
-// rope_add): a - k pi / 2 by three FMAs (Cody-Waite: pi / 2 = 1.5703125 + C2 + C3, the first with 8 significant bits,
+// rope_add and rope_setup): a - k pi / 2 by three FMAs (Cody-Waite: pi / 2 = 1.5703125 + C2 + C3, the first with 8 significant bits,
 // so that a - k 1.5703125 is exact for every a below 2^20, i.e. positions up to ~1M at theta 1;
 // tests/cuda_emulation.py checks it), plus lo, then the Cephes single-precision minimax polynomials of sinf / cosf on
 // [-pi / 4, pi / 4] (S. L. Moshier, Cephes Math Library) and the quadrant k mod 4. Absolute error ~1e-7, as the
@@ -282,47 +286,68 @@ __device__ __forceinline__ void rope_sincos(float a, float lo, float& s, float& 
   s = (q & 2) ? -sn : sn;
   c = ((q + 1) & 2) ? -cs : cs;
 }
-// The group's coefficients as TF32 B fragments of lane (g, tq): head g (n), pairs tq and tq + 4 (k) of the cos block
-// (A) and the sin block (B): rb[0..3] = hi of A_tq, A_tq+4, B_tq, B_tq+4, rb[4..7] = their lo. terms row of head h:
-// rope_terms + (b Hq + kvh group + h) 2 RPAIRS (A_0..7, B_0..7); heads past the group weigh 0.
-__device__ __forceinline__ void rope_coefs(uint32_t (&rb)[8], const float* __restrict__ rope_terms, float rope_scale,
-                                           int b, int hq, int kvh, int group, int g, int tq) {
-  const float* row = rope_terms + ((int64_t)b * hq + kvh * group + g) * (2 * RPAIRS);
+// What warp 0 puts in shared memory for every warp of the CTA (rope_sm, uint4 units):
+// [0, 128): the table's TF32 A fragments, block (blk, pp) at (2 blk + pp) x 32 + lane: (hi, lo) of cos (blk 0) or sin
+//   (blk 1) of t theta for t = g, g + 8 and pair tq + 4 pp, as (hi_g, hi_g+8, lo_g, lo_g+8); the angle t theta is the
+//   exact product (float32 rounding plus its error, one FMA), as RopeMean.angles;
+// [128, 160): float2 (A, B) x rope_scale of head g (0 past the group), pair tq + 4 pp at pp x 32 + lane;
+// [160, 176): float f of pair tq + 4 pp at pp x 32 + lane, the pairs' frequencies (per pair half: fewer live registers).
+// terms row of head h: rope_terms + (b Hq + kvh group + h) 2 RPAIRS (A_0..7, B_0..7).
+// Not inlined: its registers then stay out of the kernel body's allocation (inlined, k5v4_rope spilled 76 bytes on
+// sm_90; this and rope_add's rolled pair loop leave every rope kernel without spills on sm_80-90).
+constexpr int ROPE_SM_UINT4 = 176;
+__device__ __noinline__ void rope_setup(uint4* rope_sm, const float* __restrict__ rope_terms,
+                                           const float* __restrict__ rope_freq, float rope_scale, int b, int hq,
+                                           int kvh, int group, int g, int tq, int lane) {
+  const float f0 = rope_freq[kvh * RPAIRS + tq], f1 = rope_freq[kvh * RPAIRS + tq + 4];
+  const float t0 = (float)g, t1 = (float)(g + 8);
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float x = g < group ? row[(i >> 1) * RPAIRS + tq + (i & 1) * 4] * rope_scale : 0.f;
-    rb[i] = tf32_rna(x);
-    rb[4 + i] = tf32_rna(x - __uint_as_float(rb[i]));
-  }
-}
-// s[0..3] (tokens pos0 + g, pos0 + g + 8; heads 2 tq, 2 tq + 1) += c of those keys: lane (g, tq) takes the angles of
-// those tokens in pairs tq and tq + 4; the angle is the exact product of the float32 position (exact below 2^24) and
-// the frequency, as RopeMean.angles: its float32 rounding (__fmul_rn: no FMA contraction may change it) plus the
-// rounding error, exact by one FMA. rope_sm: rope_coefs'
-// fragments in shared memory, [4][32 lanes] uint2 (hi, lo) for cos pair tq, cos tq + 4, sin tq, sin tq + 4, then
-// [32 lanes] float2 (f_tq, f_tq+4). One k4 block per pair half and cos / sin (mma.m16n8k4: 2 A registers per lane, so
-// only one pair's angles are live at a time; the k8 shape, 4 A registers, spilled on sm_90 for k4v2).
-__device__ __forceinline__ void rope_add(float (&s)[4], int pos0, int g, const uint4* rope_sm, int lane) {
-  const float2 f = reinterpret_cast<const float2*>(rope_sm + 64)[lane];
-  const uint2* rb = reinterpret_cast<const uint2*>(rope_sm);
-  const float t0 = (float)(pos0 + g), t1 = (float)(pos0 + g + 8);
-  float c[4] = {0.f, 0.f, 0.f, 0.f};  // per block: the small products first, then the large one; one add to the logits
-#pragma unroll
-  for (int pp = 0; pp < 2; ++pp) {     // pair tq, then tq + 4
-    const float fr = pp ? f.y : f.x;
-    float sn[2], cs[2];                 // A fragment rows g (token pos0 + g), g + 8
+  for (int pp = 0; pp < 2; ++pp) {
+    const float fr = pp ? f1 : f0;
+    float sn[2], cs[2];
     const float a0 = __fmul_rn(t0, fr), a1 = __fmul_rn(t1, fr);
     rope_sincos(a0, __fmaf_rn(t0, fr, -a0), sn[0], cs[0]);
     rope_sincos(a1, __fmaf_rn(t1, fr, -a1), sn[1], cs[1]);
 #pragma unroll
-    for (int blk = 0; blk < 2; ++blk) {  // cos, sin
+    for (int blk = 0; blk < 2; ++blk) {
       const float* x = blk ? sn : cs;
       const uint32_t h0 = tf32_rna(x[0]), h1 = tf32_rna(x[1]);
-      const uint32_t l0 = tf32_rna(x[0] - __uint_as_float(h0)), l1 = tf32_rna(x[1] - __uint_as_float(h1));
-      const uint2 b = rb[(2 * blk + pp) * 32 + lane];
-      mma_tf32_k4(c, l0, l1, b.x);
-      mma_tf32_k4(c, h0, h1, b.y);
-      mma_tf32_k4(c, h0, h1, b.x);
+      rope_sm[(2 * blk + pp) * 32 + lane] =
+          make_uint4(h0, h1, tf32_rna(x[0] - __uint_as_float(h0)), tf32_rna(x[1] - __uint_as_float(h1)));
+    }
+  }
+  const float* row = rope_terms + ((int64_t)b * hq + kvh * group + g) * (2 * RPAIRS);
+#pragma unroll
+  for (int pp = 0; pp < 2; ++pp) {
+    const float A = g < group ? row[tq + 4 * pp] * rope_scale : 0.f;
+    const float B = g < group ? row[RPAIRS + tq + 4 * pp] * rope_scale : 0.f;
+    reinterpret_cast<float2*>(rope_sm + 128)[pp * 32 + lane] = make_float2(A, B);
+    reinterpret_cast<float*>(rope_sm + 160)[pp * 32 + lane] = pp ? f1 : f0;
+  }
+}
+// s[0..3] (tokens n0 + g, n0 + g + 8; heads 2 tq, 2 tq + 1) += c of those keys, n0 = pos0 the page's first position:
+// lane (g, tq) turns head g's coefficients of pairs tq and tq + 4 by n0 theta (the exact product, as rope_setup's
+// angles), splits them into TF32 hi / lo and multiplies the table (rope_setup): one k4 block per pair half and cos /
+// sin (mma.m16n8k4, the small products first, then the large one; one add to the logits).
+__device__ __forceinline__ void rope_add(float (&s)[4], int pos0, const uint4* rope_sm, int lane) {
+  const float n0 = (float)pos0;
+  float c[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll 1                       // rolled: one pair's values live at a time (unrolled, k8v4_rope spilled on sm_90)
+  for (int pp = 0; pp < 2; ++pp) {     // pair tq, then tq + 4
+    const float fr = reinterpret_cast<const float*>(rope_sm + 160)[pp * 32 + lane];
+    float sn, cs;
+    const float a = __fmul_rn(n0, fr);
+    rope_sincos(a, __fmaf_rn(n0, fr, -a), sn, cs);
+    const float2 ab = reinterpret_cast<const float2*>(rope_sm + 128)[pp * 32 + lane];
+    const float A = ab.x, B = ab.y;
+    const float turned[2] = {__fmaf_rn(A, cs, __fmul_rn(B, sn)), __fmaf_rn(B, cs, -__fmul_rn(A, sn))};  // A', B'
+#pragma unroll
+    for (int blk = 0; blk < 2; ++blk) {  // cos (A'), sin (B')
+      const uint32_t hi = tf32_rna(turned[blk]), lo = tf32_rna(turned[blk] - __uint_as_float(hi));
+      const uint4 t = rope_sm[(2 * blk + pp) * 32 + lane];
+      mma_tf32_k4(c, t.z, t.w, hi);
+      mma_tf32_k4(c, t.x, t.y, lo);
+      mma_tf32_k4(c, t.x, t.y, hi);
     }
   }
 #pragma unroll
@@ -692,21 +717,13 @@ __device__ __forceinline__ void decode_step(KVREPRO_DECODE_PARAMS, const float* 
     for (int o = 16; o; o >>= 1) isum += __shfl_xor_sync(0xffffffffu, isum, o);
     if (lane == 0) { s_q[h] = sq; q_sum[h] = (float)isum * sq; }
   }
-  // ROPE: the group's coefficients as TF32 B fragments per lane (rope_coefs) and each lane's pair frequencies, the same
-  // in every warp: warp 0 puts them in shared memory, read back per page (in registers, ptxas spilled ~200 bytes)
-  const uint4* rope_sm = nullptr;   // [2][32 lanes] hi, lo fragments, then [32 lanes] (f_tq, f_tq+4) as float2
+  // ROPE: the table and the group's coefficients (rope_setup), the same in every warp: warp 0 puts them in shared
+  // memory, read back per page (in registers, ptxas spilled ~200 bytes)
+  const uint4* rope_sm = nullptr;
   if constexpr (ROPE) {
-    __shared__ __align__(16) uint4 rope_s[2 * 32 + 16];
+    __shared__ __align__(16) uint4 rope_s[ROPE_SM_UINT4];
     rope_sm = rope_s;
-    if (warp == 0) {
-      uint32_t rb[8];
-      rope_coefs(rb, rope_terms, rope_scale, b, hq, kvh, group, g, tq);
-      uint2* frag = reinterpret_cast<uint2*>(rope_s);   // [4][32] (hi, lo): cos tq, cos tq + 4, sin tq, sin tq + 4
-#pragma unroll
-      for (int i = 0; i < 4; ++i) frag[i * 32 + lane] = make_uint2(rb[i], rb[4 + i]);
-      reinterpret_cast<float2*>(rope_s + 64)[lane] =
-          make_float2(rope_freq[kvh * RPAIRS + tq], rope_freq[kvh * RPAIRS + tq + 4]);
-    }
+    if (warp == 0) rope_setup(rope_s, rope_terms, rope_freq, rope_scale, b, hq, kvh, group, g, tq, lane);
   }
   __shared__ unsigned log_mant[8];  // k5v4's value scales: kvrepro_page::LOG_MANT_NEAR
   if constexpr (K5) {
@@ -813,7 +830,7 @@ __device__ __forceinline__ void decode_step(KVREPRO_DECODE_PARAMS, const float* 
     s[1] = (float)(chi[1] * 128 + clo[1]) * (kmul1 * ksA) + qs1 * kzA;
     s[2] = (float)(chi[2] * 128 + clo[2]) * (kmul0 * ksB) + qs0 * kzB;
     s[3] = (float)(chi[3] * 128 + clo[3]) * (kmul1 * ksB) + qs1 * kzB;
-    if constexpr (ROPE) rope_add(s, tok0, g, rope_sm, lane);  // tok0: the page's first position in the sequence
+    if constexpr (ROPE) rope_add(s, tok0, rope_sm, lane);  // tok0: the page's first position in the sequence
     okA = true, okB = true;
     if (masked && tok0 + BS > end) {
       okA = tok0 + g < end;
