@@ -46,8 +46,8 @@ caches round the angle to float32 first, so at position ``p`` the removed ``R(p)
 by at most half a float32 ulp of ``p theta_i`` (2^-24 of the angle: 2^-8 rad in the fastest pair at 131,071), and at
 most that fraction of ``|b_hat|`` stays in the stored residual, never in the scores. The scores are exact whatever frequencies are used, since the store and the read use the same ones;
 a model whose RoPE is scaled (e.g. Llama 3.1's) gets a less effective offset, never a wrong score. The correction costs
-decode time (``benchmarks/results/decode_rope_mean.json``): per key tile in the Triton kernel, per paged key in the
-CUDA kernels (a sine and a cosine per pair); ``slow-pairs`` costs none.
+decode time (``benchmarks/results/decode_rope_mean.json``): per key tile in the Triton kernel, per page in the CUDA
+kernels (the same angle addition: a sine and a cosine of the page's start angle per pair); ``slow-pairs`` costs none.
 """
 from __future__ import annotations
 
