@@ -467,3 +467,59 @@ def test_hf_cache_with_rope_mean_calibrates_on_the_first_write_and_hands_back_re
     assert (got - k).norm() / k.norm() < 0.01           # the 400-norm bias is exact; only the residual is quantized
     layer.reset()
     assert layer.key_offset is None
+
+
+def test_rope_mean_refuses_rows_of_another_geometry_positions_of_another_type_and_bad_rope_fields():
+    """Keys of a wrong head count or head_dim, a query whose heads are not a multiple of the KV heads and positions
+    that are not an int tensor of the rows' length are refused by name (a wrong head count used to leave heads
+    untouched, a wider head_dim to pass silently); so are rope fields that used to be coerced or ignored, keys with a
+    NaN at calibration (which kept no pair, silently) and slots outside the head."""
+    rm = RopeMean(2, 64, {"rope_theta": 1e4, "neox": True})
+    key, pos = torch.randn(4, 2, 64), torch.arange(4)
+    rm.calibrate(key + 3, pos)
+    for bad in (torch.randn(4, 3, 64), torch.randn(4, 1, 64), torch.randn(4, 2, 128), torch.randn(4, 2, 32),
+                torch.randn(2, 64)):
+        for call in (rm.remove, rm.restore):
+            with pytest.raises(ValueError, match=r"key must be \[n, num_kv_heads=2, head_dim=64\], got"):
+                call(bad, pos)
+    for bad_pos in (pos.float(), pos[:3], pos[None], pos.bool()):
+        with pytest.raises(ValueError, match=r"pos must be an int32 or int64 tensor"):
+            rm.remove(key, bad_pos)
+    with pytest.raises(ValueError, match=r"pos must be an int32 or int64 tensor \[n\]"):
+        rm.offset(torch.zeros(3))
+    for q in (torch.randn(1, 3, 64), torch.randn(1, 4, 128), torch.randn(1, 1, 64), torch.randn(4, 64)):
+        with pytest.raises(ValueError, match=r"query must be \[T, Hq, head_dim=64\] with Hq a multiple of "
+                                             r"num_kv_heads=2"):
+            rm.packed_terms(q)
+    assert rm.packed_terms(torch.randn(1, 6, 64)).shape == (1, 6, 16)           # Hq = 3 x 2: accepted
+    for rope_, what in (({"rope_theta": "1e6", "neox": True}, r"rope\['rope_theta'\] must be a positive finite"),
+                       ({"rope_theta": float("inf")}, r"rope\['rope_theta'\] must be a positive finite"),
+                       ({"rope_theta": 0}, r"rope\['rope_theta'\] must be a positive finite"),
+                       ({"rope_theta": 1e4, "rotary_dim": 64.7}, r"rope\['rotary_dim'\] must be an int or None"),
+                       ({"rope_theta": 1e4, "rotary_dim": 0}, r"rotary_dim must be even and in \(0, head_dim=64\]"),
+                       ({"rope_theta": 1e4, "rotary_dims": 32}, r"rope has unknown keys \['rotary_dims'\]"),
+                       (1e6, r"rope must be a dict"), ({"rope_theta": None}, r"needs the model's RoPE")):
+        with pytest.raises(ValueError, match=what):
+            RopeMean(2, 64, rope_)
+    nan_key = key.clone()
+    nan_key[1, 0, 5] = float("nan")
+    fresh = RopeMean(2, 64, {"rope_theta": 1e4, "neox": True})
+    with pytest.raises(ValueError, match="key holds NaN or infinite values"):
+        fresh.calibrate(nan_key, pos)
+    assert not fresh.calibrated
+    xs = rm.x_ch.clone()
+    xs[0, 0] = 64
+    with pytest.raises(ValueError, match=r"x_ch must hold integer channels in \[0, head_dim=64\)"):
+        rm.set_slots(xs, rm.y_ch, rm.inv_freq, rm.bias)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="this PyTorch sees no CUDA device"):
+            RopeMean(2, 64, {"rope_theta": 1e4}, device="cuda")
+
+
+def test_key_offset_apply_refuses_keys_of_another_head_count_instead_of_broadcasting():
+    """KeyOffset.apply subtracts c [num_kv_heads, head_dim]: a key with one head would broadcast to all of them."""
+    ko = KeyOffset(2, 8)
+    ko.calibrate(torch.randn(3, 2, 8))
+    assert torch.equal(ko.apply(torch.ones(3, 2, 8)), torch.ones(3, 2, 8) - ko.offset)
+    with pytest.raises(ValueError, match=r"key must be \[n, num_kv_heads=2, head_dim=8\], got \(3, 1, 8\)"):
+        ko.apply(torch.ones(3, 1, 8))

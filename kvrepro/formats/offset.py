@@ -52,6 +52,7 @@ kernels (the same angle addition: a sine and a cosine of the page's start angle 
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
@@ -130,6 +131,57 @@ def rope_of_config(cfg, max_positions: int | None = None) -> dict:
     return {"rope_theta": float(theta), "rotary_dim": rotary, "head_dim": int(head_dim), "max_positions": int(n)}
 
 
+ROPE_KEYS = ("rope_theta", "rotary_dim", "neox", "head_dim", "max_positions")   # what rope_of_config (+ neox) gives
+INT_DTYPES = (torch.int32, torch.int64)
+
+
+def check_rope(rope, head_dim: int) -> dict:
+    """``rope`` if it is a RoPE description :class:`RopeMean` can use: a dict of ``ROPE_KEYS`` only, ``rope_theta`` a
+    positive finite number, ``rotary_dim`` None or an even int in (0, ``head_dim``], ``neox`` True, False or None.
+
+    Raises:
+        ValueError: naming the field and what it may be (a typo'd key, a theta given as a string, a zero rotary_dim
+            would otherwise be ignored or coerced).
+    """
+    if not isinstance(rope, dict):
+        raise ValueError(f"rope must be a dict with keys from {ROPE_KEYS} (rope_theta required), got "
+                         f"{type(rope).__name__}")
+    unknown = sorted(set(rope) - set(ROPE_KEYS))
+    if unknown:
+        raise ValueError(f"rope has unknown keys {unknown}; allowed: {', '.join(ROPE_KEYS)}")
+    if rope.get("rope_theta") is None:
+        raise ValueError("key_offset='rope-mean' needs the model's RoPE (rope_theta; offset.rope_of_config)")
+    theta = rope["rope_theta"]
+    if isinstance(theta, bool) or not isinstance(theta, numbers.Real) or not math.isfinite(theta) or theta <= 0:
+        raise ValueError(f"rope['rope_theta'] must be a positive finite number, got {theta!r}")
+    rotary = rope.get("rotary_dim")
+    if rotary is not None and (isinstance(rotary, bool) or not isinstance(rotary, numbers.Integral)):
+        raise ValueError(f"rope['rotary_dim'] must be an int or None (= head_dim), got {rotary!r}")
+    rope_pairs(head_dim, head_dim if rotary is None else int(rotary), True)        # even, in (0, head_dim]
+    if rope.get("neox") is not None and not isinstance(rope.get("neox"), bool):
+        raise ValueError(f"rope['neox'] must be True, False or None (read at calibration), got {rope['neox']!r}")
+    return rope
+
+
+def check_rows(name: str, t, heads: int, head_dim: int, heads_name: str = "num_kv_heads") -> int:
+    """The row count ``n`` of ``t`` if it is a tensor ``[n, heads, head_dim]``; ValueError naming ``name`` and the
+    expected shape otherwise (a head count of 1 or a wrong one would broadcast or leave heads untouched silently)."""
+    if not isinstance(t, torch.Tensor) or t.dim() != 3 or tuple(t.shape[1:]) != (heads, head_dim):
+        got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"{name} must be [n, {heads_name}={heads}, head_dim={head_dim}], got {got}")
+    return int(t.shape[0])
+
+
+def check_positions(pos, n: int | None = None) -> None:
+    """ValueError unless ``pos`` is an int32 / int64 tensor ``[n]`` (any length if ``n`` is None). Its values (>= 0,
+    below 2^24) are the caller's: checking them would sync the host on every store."""
+    if not isinstance(pos, torch.Tensor) or pos.dtype not in INT_DTYPES or pos.dim() != 1 or (
+            n is not None and pos.shape[0] != n):
+        got = f"{pos.dtype} {tuple(pos.shape)}" if isinstance(pos, torch.Tensor) else type(pos).__name__
+        want = f"[{n}]" if n is not None else "[n]"
+        raise ValueError(f"pos must be an int32 or int64 tensor {want} (token positions), got {got}")
+
+
 class KeyOffset:
     """The offset ``c`` of one layer: float32 ``[num_kv_heads, head_dim]``, zero until :meth:`calibrate`.
 
@@ -189,7 +241,8 @@ class KeyOffset:
 
     def apply(self, key: torch.Tensor) -> torch.Tensor:
         """``key - c`` (``key``: ``[T, num_kv_heads, head_dim]`` on ``c``'s device), in ``key``'s dtype with ``c``
-        rounded to it: one kernel, and any constant keeps the shift exact."""
+        rounded to it: one kernel, and any constant keeps the shift exact. ValueError for another shape."""
+        check_rows("key", key, *self.offset.shape)
         c = self._cast.get(key.dtype)
         if c is None:
             c = self._cast[key.dtype] = self.offset.to(key.dtype).clone()
@@ -262,20 +315,19 @@ class RopeMean:
         calibrated, tokens: whether :meth:`calibrate` ran and on how many keys; kept: pairs kept per KV head.
 
     Raises:
-        ValueError: bad geometry, ``rope`` without a theta, ``neox`` not a bool or None; in the methods, a tensor
-            argument on another device than the buffers.
+        ValueError: bad geometry, a ``rope`` that :func:`check_rope` refuses, a CUDA ``device`` this PyTorch does not
+            see; in the methods, a tensor argument on another device than the buffers, keys not ``[n, num_kv_heads,
+            head_dim]`` (:func:`check_rows`), a query not ``[T, Hq, head_dim]`` with Hq a multiple of
+            ``num_kv_heads``, positions not an int tensor ``[n]`` (:func:`check_positions`).
     """
 
     def __init__(self, num_kv_heads: int, head_dim: int, rope: dict, device: torch.device | str = "cpu") -> None:
         for name, v in (("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
-        if not rope or "rope_theta" not in rope:
-            raise ValueError("key_offset='rope-mean' needs the model's RoPE (rope_theta; offset.rope_of_config)")
-        if rope.get("neox") is not None and not isinstance(rope.get("neox"), bool):
-            raise ValueError(f"rope['neox'] must be True, False or None (read at calibration), got {rope['neox']!r}")
-        rotary = int(rope.get("rotary_dim") or head_dim)
-        rope_pairs(head_dim, rotary, True)        # checks rotary_dim
+        check_rope(rope, head_dim)
+        if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device={device!r}: this PyTorch sees no CUDA device (use 'cpu')")
         self.num_kv_heads, self.head_dim, self.rope = num_kv_heads, head_dim, dict(rope)
         self.x_ch = torch.zeros(num_kv_heads, MAX_PAIRS, dtype=torch.int64, device=device)
         self.y_ch = torch.zeros_like(self.x_ch)
@@ -305,6 +357,14 @@ class RopeMean:
                                ("inv_freq", inv_freq, (h, MAX_PAIRS)), ("bias", bias, (h, MAX_PAIRS, 2))):
             if tuple(t.shape) != shape:
                 raise ValueError(f"RopeMean.set_slots: {name} must be {list(shape)}, got {list(t.shape)}")
+        for name, t in (("x_ch", x_ch), ("y_ch", y_ch)):
+            if t.dtype.is_floating_point or t.dtype == torch.bool or bool(((t < 0) | (t >= self.head_dim)).any()):
+                raise ValueError(f"RopeMean.set_slots: {name} must hold integer channels in [0, head_dim="
+                                 f"{self.head_dim})")
+        for name, t in (("inv_freq", inv_freq), ("bias", bias)):
+            if not bool(torch.isfinite(t).all()) or (name == "inv_freq" and bool((t < 0).any())):
+                raise ValueError(f"RopeMean.set_slots: {name} must be finite" + (" and >= 0" if name == "inv_freq"
+                                                                                  else ""))
         self.x_ch.copy_(x_ch)
         self.y_ch.copy_(y_ch)
         self.inv_freq.copy_(inv_freq)
@@ -344,7 +404,8 @@ class RopeMean:
         Raises:
             ValueError: ``rope["neox"]`` is not a bool (the layout is still unknown).
         """
-        rotary = int(self.rope.get("rotary_dim") or self.head_dim)
+        rotary = self.rope.get("rotary_dim")
+        rotary = self.head_dim if rotary is None else int(rotary)
         x, y = rope_pairs(self.head_dim, rotary, self.rope.get("neox"))
         inv = torch.cat([rope_inv_freq(rotary, self.rope["rope_theta"]), torch.zeros(x.numel() - rotary // 2)])
         dev = self.bias.device
@@ -363,6 +424,7 @@ class RopeMean:
         ``inv_freq`` are on different devices."""
         if pos.device != inv_freq.device:
             raise ValueError(f"RopeMean.angles: pos is on {pos.device}, inv_freq on {inv_freq.device}")
+        check_positions(pos)
         p = pos.to(dtype=torch.float64)
         return p.view(-1, *([1] * inv_freq.dim())) * inv_freq.to(torch.float64).unsqueeze(0)
 
@@ -377,8 +439,10 @@ class RopeMean:
         (int ``[T]``), in place; later calls do nothing (one offset for the engine's lifetime).
 
         Raises:
-            ValueError: a shape other than ``[T >= 1, num_kv_heads, head_dim]``, ``pos`` not ``[T]``, ``key`` or
-                ``pos`` not on the buffers' device, or the pair layout still unknown (``rope["neox"]`` None).
+            ValueError: a shape other than ``[T >= 1, num_kv_heads, head_dim]``, ``pos`` not int ``[T]``, ``key`` or
+                ``pos`` not on the buffers' device, a NaN or infinity in ``key`` (the mean, and with it every kept
+                pair, would be undefined: nothing is kept silently instead), or the pair layout still unknown
+                (``rope["neox"]`` None).
         """
         if self.calibrated:
             return
@@ -388,6 +452,10 @@ class RopeMean:
         if pos.dim() != 1 or pos.shape[0] != key.shape[0]:
             raise ValueError(f"pos must be [T={key.shape[0]}], got {tuple(pos.shape)}")
         self.check_device(key=key, pos=pos)
+        check_positions(pos)
+        if not bool(torch.isfinite(key).all()):     # calibration runs once and syncs anyway (kept, below)
+            raise ValueError("RopeMean.calibrate: key holds NaN or infinite values; the offset is calibrated once "
+                             "from finite keys")
         dev = key.device
         ax, ay, inv = self.all_pairs()
         c, s = self.cos_sin(pos, inv)
@@ -420,7 +488,8 @@ class RopeMean:
         one product pair rounded in float32 (from ``rot_coef``), added with one scatter (unused slots add 0 to
         channel 0)."""
         self.check_device(base=base, pos=pos)
-        n, h = base.shape[0], self.num_kv_heads
+        n, h = check_rows("key", base, self.num_kv_heads, self.head_dim), self.num_kv_heads
+        check_positions(pos, n)
         cs = torch.stack(self.cos_sin(pos, self.inv_freq), 2)                    # [n, H, 2, M]
         neg = (cs.unsqueeze(3) * self.rot_coef).sum(2).reshape(n, h, 2 * MAX_PAIRS)   # -(ox, oy)
         out = base.to(torch.float32, copy=True)                                 # never the caller's tensor
@@ -431,6 +500,7 @@ class RopeMean:
         """float32 ``[n, num_kv_heads, head_dim]``: ``R(p) b_hat`` at positions ``pos`` (int ``[n]``) in the kept
         pairs, 0 elsewhere."""
         self.check_device(pos=pos)
+        check_positions(pos)
         zero = torch.zeros(pos.shape[0], self.num_kv_heads, self.head_dim, device=self.bias.device)
         return self._add_offset(zero, pos, +1)
 
@@ -457,8 +527,11 @@ class RopeMean:
         ``rope_bias`` terms), from one gather, one multiply and one two-term sum, with the roundings of
         ``qx * bx + qy * by`` and ``qy * bx - qx * by``: this runs at every decode step."""
         self.check_device(query=query)
-        t, hq, d = query.shape
         h = self.num_kv_heads
+        if query.dim() != 3 or query.shape[2] != self.head_dim or query.shape[1] < h or query.shape[1] % h:
+            raise ValueError(f"query must be [T, Hq, head_dim={self.head_dim}] with Hq a multiple of num_kv_heads={h}"
+                             f", got {tuple(query.shape)}")
+        t, hq, d = query.shape
         g = hq // h
         qv = query.reshape(t, h, g, d)
         q2 = qv.gather(3, self.pair_idx[None, :, None, :].expand(t, h, g, 4 * MAX_PAIRS))   # [qx, qy | qy, qx]
@@ -469,6 +542,7 @@ class RopeMean:
         """float32 ``[T, Hq, n]``: ``q . R(j) b_hat`` for keys at positions ``pos`` (int ``[n]``), from
         :meth:`score_terms` (what the kernels add to each paged key's score)."""
         self.check_device(pos=pos)
+        check_positions(pos)
         a_, b_ = self.score_terms(query)
         g = query.shape[1] // self.num_kv_heads
         c, s = (x.repeat_interleave(g, 1) for x in self.cos_sin(pos, self.inv_freq))     # [n, Hq, M]

@@ -99,6 +99,16 @@ def check_int(name: str, x: torch.Tensor, dim: int, device: torch.device) -> Non
         raise ValueError(f"{name} must have a contiguous last dimension")
 
 
+def described(xs) -> list | str:
+    """What an error message shows of a tensor argument, or of each of a list or tuple of them: ``(shape, dtype,
+    device, "contiguous" | "not contiguous")``, or the type name of anything that is not a tensor."""
+    def one(x):
+        if not isinstance(x, torch.Tensor):
+            return type(x).__name__
+        return tuple(x.shape), x.dtype, str(x.device), "contiguous" if x.is_contiguous() else "not contiguous"
+    return [one(x) for x in xs] if isinstance(xs, (tuple, list)) else one(xs)
+
+
 def page_constexprs(layout: PageLayout, num_kv_heads: int) -> dict:
     """The page geometry every kernel over compressed pages takes as constexprs (``PageLayout``): sizes, bits,
     region offsets and the metadata scheme, ``KSYM`` (``key_symmetric``: 5-bit keys, a float16 scale of 2 bytes per

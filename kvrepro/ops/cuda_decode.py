@@ -41,7 +41,7 @@ import torch
 
 from kvrepro.formats import COMPRESSED_PRESETS, get_format, preset_of
 from kvrepro.formats.layout import PageLayout
-from kvrepro.ops.common import sm_count
+from kvrepro.ops.common import described, sm_count
 
 HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda")
 FATBIN = os.path.join(HERE, "decode.fatbin")
@@ -705,8 +705,7 @@ def check_rope_bias_cuda(rope_bias, batch: int, hq: int, hkv: int, device: torch
         and x.is_contiguous() for x in rope_bias)
     ok = ok and tuple(rope_bias[0].shape) == (batch, hq, 2 * ROPE_PAIRS) and tuple(rope_bias[1].shape) == (hkv, ROPE_PAIRS)
     if not ok:
-        got = ([(tuple(x.shape), x.dtype, str(x.device)) if isinstance(x, torch.Tensor) else type(x).__name__
-                for x in rope_bias] if isinstance(rope_bias, (tuple, list)) else type(rope_bias).__name__)
+        got = described(rope_bias)
         raise ValueError(f"rope_bias must be (terms float32 [{batch}, {hq}, {2 * ROPE_PAIRS}], inv_freq float32 "
                          f"[{hkv}, {ROPE_PAIRS}]), contiguous on {device}, for the CUDA decode kernel (it takes "
                          f"{ROPE_PAIRS} pairs per KV head, kvrepro.formats.offset.MAX_PAIRS; use impl='triton' for "

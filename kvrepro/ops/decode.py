@@ -8,8 +8,8 @@ import torch
 from kvrepro.formats.layout import PageLayout
 from kvrepro.ops import cuda_decode
 from kvrepro.ops.common import (check_block_n, check_block_tables, check_float, check_heads, check_int,
-                                check_launch, check_pool, check_rotation, check_scale, check_triton_device, next_pow2,
-                                page_constexprs, pool_tensor, sm_count, want_checks)
+                                check_launch, check_pool, check_rotation, check_scale, check_triton_device, described,
+                                next_pow2, page_constexprs, pool_tensor, sm_count, want_checks)
 from kvrepro.ops.triton.attention import paged_attn_kernel
 from kvrepro.ops.triton.rotate import merge_splits_kernel, rotate_query_kernel
 
@@ -117,10 +117,9 @@ def check_rope_bias(rope_bias, rows: int, hq: int, hkv: int, dev: torch.device) 
           and isinstance(terms, torch.Tensor) and tuple(terms.shape) == (rows, hq, 2 * npairs))
     ok = ok and all(x.dtype == torch.float32 and x.device == dev and x.is_contiguous() for x in (terms, freq))
     if not ok:
-        got = [(tuple(x.shape), x.dtype, str(x.device)) if isinstance(x, torch.Tensor) else type(x).__name__
-               for x in rope_bias]
         raise ValueError(f"rope_bias must be (terms float32 [{rows}, {hq}, 2 NPAIRS], inv_freq float32 "
-                         f"[{hkv}, NPAIRS]), contiguous on {dev}, NPAIRS a power of two >= 8; got {got}")
+                         f"[{hkv}, NPAIRS]), contiguous on {dev}, NPAIRS a power of two >= 8; got "
+                         f"{described(rope_bias)}")
     return npairs
 
 

@@ -293,38 +293,8 @@ __device__ __forceinline__ void rope_sincos(float a, float lo, float& s, float& 
 // [128, 160): float2 (A, B) x rope_scale of head g (0 past the group), pair tq + 4 pp at pp x 32 + lane;
 // [160, 176): float f of pair tq + 4 pp at pp x 32 + lane, the pairs' frequencies (per pair half: fewer live registers).
 // terms row of head h: rope_terms + (b Hq + kvh group + h) 2 RPAIRS (A_0..7, B_0..7).
-// Not inlined: its registers then stay out of the kernel body's allocation (inlined, k5v4_rope spilled 76 bytes on
-// sm_90; this and rope_add's rolled pair loop leave every rope kernel without spills on sm_80-90).
+// Written by rope_setup (below the namespace), read by rope_add.
 constexpr int ROPE_SM_UINT4 = 176;
-__device__ __noinline__ void rope_setup(uint4* rope_sm, const float* __restrict__ rope_terms,
-                                           const float* __restrict__ rope_freq, float rope_scale, int b, int hq,
-                                           int kvh, int group, int g, int tq, int lane) {
-  const float f0 = rope_freq[kvh * RPAIRS + tq], f1 = rope_freq[kvh * RPAIRS + tq + 4];
-  const float t0 = (float)g, t1 = (float)(g + 8);
-#pragma unroll
-  for (int pp = 0; pp < 2; ++pp) {
-    const float fr = pp ? f1 : f0;
-    float sn[2], cs[2];
-    const float a0 = __fmul_rn(t0, fr), a1 = __fmul_rn(t1, fr);
-    rope_sincos(a0, __fmaf_rn(t0, fr, -a0), sn[0], cs[0]);
-    rope_sincos(a1, __fmaf_rn(t1, fr, -a1), sn[1], cs[1]);
-#pragma unroll
-    for (int blk = 0; blk < 2; ++blk) {
-      const float* x = blk ? sn : cs;
-      const uint32_t h0 = tf32_rna(x[0]), h1 = tf32_rna(x[1]);
-      rope_sm[(2 * blk + pp) * 32 + lane] =
-          make_uint4(h0, h1, tf32_rna(x[0] - __uint_as_float(h0)), tf32_rna(x[1] - __uint_as_float(h1)));
-    }
-  }
-  const float* row = rope_terms + ((int64_t)b * hq + kvh * group + g) * (2 * RPAIRS);
-#pragma unroll
-  for (int pp = 0; pp < 2; ++pp) {
-    const float A = g < group ? row[tq + 4 * pp] * rope_scale : 0.f;
-    const float B = g < group ? row[RPAIRS + tq + 4 * pp] * rope_scale : 0.f;
-    reinterpret_cast<float2*>(rope_sm + 128)[pp * 32 + lane] = make_float2(A, B);
-    reinterpret_cast<float*>(rope_sm + 160)[pp * 32 + lane] = pp ? f1 : f0;
-  }
-}
 // s[0..3] (tokens n0 + g, n0 + g + 8; heads 2 tq, 2 tq + 1) += c of those keys, n0 = pos0 the page's first position:
 // lane (g, tq) turns head g's coefficients of pairs tq and tq + 4 by n0 theta (the exact product, as rope_setup's
 // angles), splits them into TF32 hi / lo and multiplies the table (rope_setup): one k4 block per pair half and cos /
@@ -413,6 +383,42 @@ __device__ __forceinline__ unsigned split_weight_prefix(int s, int c, int P, int
 }
 
 }  // namespace
+
+// rope_setup: fills rope_sm as laid out at ROPE_SM_UINT4. Not inlined: its registers then stay out of the kernel
+// body's allocation (inlined, k5v4_rope spilled 76 bytes on sm_90; this and rope_add's rolled pair loop leave every
+// rope kernel without spills on sm_80-90). In a named namespace: in the anonymous one its name would be hashed from
+// the source path, and the fatbin would depend on where it was built.
+namespace kvrepro_rope {
+__device__ __noinline__ void rope_setup(uint4* rope_sm, const float* __restrict__ rope_terms,
+                                           const float* __restrict__ rope_freq, float rope_scale, int b, int hq,
+                                           int kvh, int group, int g, int tq, int lane) {
+  const float f0 = rope_freq[kvh * RPAIRS + tq], f1 = rope_freq[kvh * RPAIRS + tq + 4];
+  const float t0 = (float)g, t1 = (float)(g + 8);
+#pragma unroll
+  for (int pp = 0; pp < 2; ++pp) {
+    const float fr = pp ? f1 : f0;
+    float sn[2], cs[2];
+    const float a0 = __fmul_rn(t0, fr), a1 = __fmul_rn(t1, fr);
+    rope_sincos(a0, __fmaf_rn(t0, fr, -a0), sn[0], cs[0]);
+    rope_sincos(a1, __fmaf_rn(t1, fr, -a1), sn[1], cs[1]);
+#pragma unroll
+    for (int blk = 0; blk < 2; ++blk) {
+      const float* x = blk ? sn : cs;
+      const uint32_t h0 = tf32_rna(x[0]), h1 = tf32_rna(x[1]);
+      rope_sm[(2 * blk + pp) * 32 + lane] =
+          make_uint4(h0, h1, tf32_rna(x[0] - __uint_as_float(h0)), tf32_rna(x[1] - __uint_as_float(h1)));
+    }
+  }
+  const float* row = rope_terms + ((int64_t)b * hq + kvh * group + g) * (2 * RPAIRS);
+#pragma unroll
+  for (int pp = 0; pp < 2; ++pp) {
+    const float A = g < group ? row[tq + 4 * pp] * rope_scale : 0.f;
+    const float B = g < group ? row[RPAIRS + tq + 4 * pp] * rope_scale : 0.f;
+    reinterpret_cast<float2*>(rope_sm + 128)[pp * 32 + lane] = make_float2(A, B);
+    reinterpret_cast<float*>(rope_sm + 160)[pp * 32 + lane] = pp ? f1 : f0;
+  }
+}
+}  // namespace kvrepro_rope
 
 #ifdef KVREPRO_TRACE
 extern "C" {
@@ -723,7 +729,7 @@ __device__ __forceinline__ void decode_step(KVREPRO_DECODE_PARAMS, const float* 
   if constexpr (ROPE) {
     __shared__ __align__(16) uint4 rope_s[ROPE_SM_UINT4];
     rope_sm = rope_s;
-    if (warp == 0) rope_setup(rope_s, rope_terms, rope_freq, rope_scale, b, hq, kvh, group, g, tq, lane);
+    if (warp == 0) kvrepro_rope::rope_setup(rope_s, rope_terms, rope_freq, rope_scale, b, hq, kvh, group, g, tq, lane);
   }
   __shared__ unsigned log_mant[8];  // k5v4's value scales: kvrepro_page::LOG_MANT_NEAR
   if constexpr (K5) {
