@@ -163,12 +163,12 @@ def check_rope(rope, head_dim: int) -> dict:
     return rope
 
 
-def check_rows(name: str, t, heads: int, head_dim: int, heads_name: str = "num_kv_heads") -> int:
+def check_rows(name: str, t, heads: int, head_dim: int) -> int:
     """The row count ``n`` of ``t`` if it is a tensor ``[n, heads, head_dim]``; ValueError naming ``name`` and the
     expected shape otherwise (a head count of 1 or a wrong one would broadcast or leave heads untouched silently)."""
     if not isinstance(t, torch.Tensor) or t.dim() != 3 or tuple(t.shape[1:]) != (heads, head_dim):
         got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-        raise ValueError(f"{name} must be [n, {heads_name}={heads}, head_dim={head_dim}], got {got}")
+        raise ValueError(f"{name} must be [n, num_kv_heads={heads}, head_dim={head_dim}], got {got}")
     return int(t.shape[0])
 
 

@@ -250,7 +250,7 @@ __device__ __forceinline__ uint32_t pack_f16x2(float lo, float hi) {
 // fixed table of cos / sin(t theta_i) (computed once per CTA) with the turned coefficients, whose accumulator fragment
 // is the key logits' own (rows g, g + 8, heads 2 tq, 2 tq + 1), so TF32 MMAs (mma.m16n8k4, one k4 block per half of
 // the pairs and cos / sin) add it into them. Lane (g, tq) holds the B fragment of head g, pairs tq and tq + 4, so a
-// page costs it one sine and one cosine per pair (2 angles; per key, 4 angles per lane per page). Float32 accuracy
+// page costs it one sine and one cosine per pair half (2 angles; the angle of every key would be 4). Float32 accuracy
 // from TF32 operands by the 3xTF32
 // split (x = hi + lo, both TF32, rna: |x - hi - lo| <= 2^-22 |x|; hi hi + hi lo + lo hi, the lo lo term < 2^-22 of the
 // product; after NVIDIA CUTLASS's 3xTF32 GEMMs).
