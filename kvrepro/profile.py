@@ -297,7 +297,9 @@ def _read_json(path: Path, what: str):
 def profile_table(paths):
     """One row per profiled batch of ``scripts/step_profile.py`` result files (``results/profile/*.json``).
 
-    Columns: file (name), date (UTC, to the minute), mode, backend (the attention backend vLLM resolved), key_offset
+    Columns: file (name), date (UTC, to the minute), mode, backend (the attention backend vLLM resolved),
+    fa_max_splits (the FlashAttention split cap the engine ran with, ``step_profile.py --fa-max-splits``; None:
+    vLLM's default), key_offset
     (a kvrepro engine's, from its logged settings; None for fp8 / bf16), users, step_ms and tok_s (the timed steps,
     without the profiler), attention_ms / gemm_ms / rest_ms / idle_ms (per profiled step: kernel classes and GPU
     idle, :func:`step_breakdown`), attention_bw (the batch's KV bytes over the attention time, as a fraction of the
@@ -329,6 +331,7 @@ def profile_table(paths):
 
             rows.append({"file": path.name, "date": str(r.get("date", ""))[:16].replace("T", " "),
                          "mode": r.get("mode"), "backend": backend,
+                         "fa_max_splits": (r.get("params") or {}).get("fa_max_splits"),
                          "key_offset": (eng.get("kvrepro_settings") or {}).get("key_offset"), "users": b.get("users"),
                          "step_ms": timed.get("step_ms"), "tok_s": timed.get("tok_s"),
                          "attention_ms": m.get("attention_ms"), "gemm_ms": m.get("gemm_ms"),
@@ -339,7 +342,7 @@ def profile_table(paths):
                          "of_bound": bound["step_ms"] / timed["step_ms"] if bound and timed else None,
                          "ceiling": (bound["step_ms"] / (bound["kv_bytes"] / (gbps * 1e9) * 1e3 + m["gemm_ms"])
                                      if bound.get("kv_bytes") and gbps and m.get("gemm_ms") else None)})
-    return pd.DataFrame(rows, columns=["file", "date", "mode", "backend", "key_offset", "users", "step_ms", "tok_s",
+    return pd.DataFrame(rows, columns=["file", "date", "mode", "backend", "fa_max_splits", "key_offset", "users", "step_ms", "tok_s",
                                        "attention_ms", "gemm_ms", "rest_ms", "idle_ms", "attention_bw", "gemm_bw",
                                        "bound_ms", "of_bound", "ceiling"])
 
@@ -376,8 +379,20 @@ def section_markdown(root: str | os.PathLike) -> str:
 
 def _mode_label(r: dict) -> str:
     """A :func:`profile_table` row's mode as the step section names it: vLLM's own modes with the attention backend
-    vLLM resolved, e.g. ``fp8 (FLASH_ATTN)``; kvrepro modes as they are."""
-    return r["mode"] + (f" ({r['backend']})" if r["backend"] and not str(r["mode"]).startswith("kvrepro") else "")
+    vLLM resolved and any split cap, e.g. ``fp8 (FLASH_ATTN)``, ``fp8 (FLASH_ATTN, at most 2 KV splits)``; kvrepro
+    modes as they are."""
+    if not r["backend"] or str(r["mode"]).startswith("kvrepro"):
+        return r["mode"]
+    cap = r.get("fa_max_splits")
+    cap = f", at most {int(cap)} KV splits" if cap is not None and not pd_isna(cap) else ""
+    return f"{r['mode']} ({r['backend']}{cap})"
+
+
+def pd_isna(v) -> bool:
+    """pandas' isna for one value (a table row's missing fa_max_splits is NaN once the column holds a number)."""
+    import pandas as pd
+
+    return bool(pd.isna(v))
 
 
 def _ceiling_text(t, tags: dict) -> str:

@@ -293,6 +293,41 @@ def stall_split(vllm_result: dict, factor: float = STALL_FACTOR) -> dict:
             "stalled_p50_ms": 1e3 * statistics.median(long) if long else None, "gaps": len(gaps)}
 
 
+def slo_goodput(vllm_result: dict, slos: dict[str, float]) -> dict:
+    """Goodput at ``slos`` (``{"ttft" | "tpot": ms}``) recomputed from a ``vllm bench serve`` result's per-request
+    lists (``--save-detailed``), by vLLM 0.20.2's rule (``vllm/benchmarks/serve.py`` ``calculate_metrics``): a request
+    is good when it completed (output tokens > 0) and each of its metrics is within its SLO; TPOT is the time from the
+    first token to the last over the output tokens after the first (here the sum of the request's inter-token gaps,
+    ``itls``; 0 for a one-token output). So the same run can be scored at other SLOs than the ones it ran with (e.g.
+    the TPOT SLO alone of a run with a TTFT SLO too).
+
+    Returns:
+        dict: good (requests), req_s (good / the run's ``duration``, s).
+
+    Raises:
+        ValueError: an SLO name outside ttft / tpot or a negative SLO; a result without ``duration`` or without
+            ``ttfts``, ``itls`` and ``output_lens`` lists of one length.
+    """
+    bad = sorted(set(slos) - {"ttft", "tpot"})
+    if bad or not slos:
+        raise ValueError(f"slos: {bad or 'none given'}; allowed: ttft, tpot (ms)")
+    if any(not (v >= 0) for v in slos.values()):
+        raise ValueError(f"slos: each must be a number of ms >= 0, got {slos}")
+    lists = [vllm_result.get(k) for k in ("ttfts", "itls", "output_lens")]
+    if not all(isinstance(x, list) for x in lists) or len({len(x) for x in lists}) != 1 \
+            or not vllm_result.get("duration"):
+        raise ValueError("the vllm bench serve result lacks its per-request lists (ttfts, itls, output_lens of one "
+                         "length; --save-detailed) or its duration")
+    good = 0
+    for ttft, itl, n in zip(*lists):
+        if not n:
+            continue
+        tpot = sum(itl) / (n - 1) if n > 1 else 0.0
+        if ("ttft" not in slos or ttft <= slos["ttft"] / 1e3) and ("tpot" not in slos or tpot <= slos["tpot"] / 1e3):
+            good += 1
+    return {"good": good, "req_s": good / float(vllm_result["duration"])}
+
+
 def side_dirs(out: str | os.PathLike) -> tuple[Path, Path]:
     """Beside a results file ``out``: the folders of vLLM's own result files (``<stem>_vllm/``) and of the servers'
     logs (``<stem>_logs/``), where ``scripts/serve_bench.py`` writes them and :func:`read_results` reads them."""
@@ -308,7 +343,9 @@ def server_log(out: str | os.PathLike, mode: str) -> Path:
 def read_results(paths) -> list[dict]:
     """The runs of serve-bench result files (``scripts/serve_bench.py``'s JSON: ``{"runs": [...], ...}``), each run
     with ``source_file`` added, ``stalls`` (:func:`stall_split` of its vLLM result file, :func:`side_dirs`; None where
-    that file is not there) and ``kvrepro_settings`` (:func:`logged_settings` of its :func:`server_log`).
+    that file is not there), ``goodput_tpot_alone`` (req/s, :func:`slo_goodput` of that file at the workload's TPOT
+    SLO alone, where the run had a TPOT SLO and others; else None) and ``kvrepro_settings`` (:func:`logged_settings` of
+    its :func:`server_log`).
 
     Raises:
         ValueError: a file without a ``runs`` list (naming it).
@@ -321,8 +358,12 @@ def read_results(paths) -> list[dict]:
             raise ValueError(f"{p}: not a serve-bench result (no 'runs' list)")
         for r in data["runs"]:
             res = side_dirs(p)[0] / str(r.get("vllm_result_file", ""))
-            stalls = stall_split(json.loads(res.read_text(encoding="utf-8"))) if res.is_file() else None
-            runs.append(dict(r, source_file=str(p), stalls=stalls,
+            detail = json.loads(res.read_text(encoding="utf-8")) if res.is_file() else None
+            slos = (r.get("workload") or {}).get("goodput") or {}
+            tpot_alone = (slo_goodput(detail, {"tpot": slos["tpot"]})["req_s"]
+                          if detail is not None and "tpot" in slos and len(slos) > 1 else None)
+            runs.append(dict(r, source_file=str(p), stalls=stall_split(detail) if detail is not None else None,
+                             goodput_tpot_alone=tpot_alone,
                              kvrepro_settings=logged_settings(server_log(p, str(r.get("mode", ""))))))
     return runs
 
@@ -353,9 +394,13 @@ def serve_table(runs: list[dict]):
 
     Columns: mode, key_offset (a kvrepro server's, from its logged settings: :func:`logged_settings`; else None),
     backend (what the server was asked for; vLLM's choice = ``vllm-auto``), request_rate (req/s asked;
-    inf = all at once), req_s, out_tok_s, ttft_p50_ms, ttft_p99_ms, tpot_p50_ms, tpot_p99_ms, preemptions, goodput_req_s
+    inf = all at once), req_s, out_tok_s, ttft_p50_ms, ttft_p99_ms, tpot_p50_ms, tpot_p99_ms, preemptions, kv_peak and
+    waiting_peak (the highest KV-cache use, a fraction, and the most requests waiting, of the server's ``/metrics``
+    samples every 2 s; None where not sampled), goodput_req_s
     (vLLM's, at the SLOs in ``slo``), goodput_vs_best_fp8 (goodput over the highest goodput of any fp8 mode at the same
-    rate; None where no fp8 mode ran at that rate or its goodput is 0), best_fp8 (that mode), step_p50_ms and
+    rate; None where no fp8 mode ran at that rate or its goodput is 0), best_fp8 (that mode), goodput_tpot_req_s and
+    goodput_tpot_vs_best_fp8 (the same at the TPOT SLO alone: the run's ``goodput_tpot_alone``, :func:`read_results`;
+    None where the run had no other SLO or its vLLM result file is missing), step_p50_ms and
     stalled_share (:func:`stall_split`: the median inter-token gap, and the share of inter-token time in steps that
     also ran prefill; None without the run's vLLM result file), completed, failed, kv_tokens, slo.
 
@@ -377,40 +422,53 @@ def serve_table(runs: list[dict]):
                      "out_tok_s": s["output_throughput"], "ttft_p50_ms": s.get("p50_ttft_ms"),
                      "ttft_p99_ms": s.get("p99_ttft_ms"), "tpot_p50_ms": s.get("p50_tpot_ms"),
                      "tpot_p99_ms": s.get("p99_tpot_ms"), "preemptions": r["preemptions"],
+                     "kv_peak": (r.get("peak") or {}).get("kv_cache_usage_perc"),
+                     "waiting_peak": (r.get("peak") or {}).get("num_requests_waiting"),
                      "goodput_req_s": s.get("request_goodput"), "goodput_vs_best_fp8": None, "best_fp8": None,
+                     "goodput_tpot_req_s": r.get("goodput_tpot_alone"), "goodput_tpot_vs_best_fp8": None,
                      "step_p50_ms": (r.get("stalls") or {}).get("step_p50_ms"),
                      "stalled_share": (r.get("stalls") or {}).get("stalled_share"),
                      "completed": s["completed"], "failed": s["failed"], "kv_tokens": r.get("kv_tokens"),
                      "slo": ", ".join(f"{k} <= {v:g} ms" for k, v in r["workload"]["goodput"].items())})
     df = pd.DataFrame(rows)
     for rate, g in df.groupby("request_rate"):
-        fp8 = g[g["mode"].isin(sweep.FP8_MODES) & g["goodput_req_s"].notna()]
-        if not len(fp8):
-            continue
-        best = fp8.loc[fp8["goodput_req_s"].idxmax()]
-        df.loc[g.index, "best_fp8"] = best["mode"]
-        if best["goodput_req_s"] > 0:
-            df.loc[g.index, "goodput_vs_best_fp8"] = g["goodput_req_s"] / best["goodput_req_s"]
+        for col, ratio in (("goodput_req_s", "goodput_vs_best_fp8"), ("goodput_tpot_req_s", "goodput_tpot_vs_best_fp8")):
+            fp8 = g[g["mode"].isin(sweep.FP8_MODES) & g[col].notna()]
+            if not len(fp8):
+                continue
+            best = fp8.loc[fp8[col].astype(float).idxmax()]
+            if col == "goodput_req_s":
+                df.loc[g.index, "best_fp8"] = best["mode"]
+            if best[col] > 0:
+                df.loc[g.index, ratio] = pd.to_numeric(g[col]) / float(best[col])
     df["_fp8"] = ~df["mode"].isin(sweep.FP8_MODES)
     return df.sort_values(["_fp8", "mode", "request_rate"], kind="stable").drop(columns="_fp8").reset_index(drop=True)
 
 
 def table_markdown(df) -> str:
-    """:func:`serve_table` as a markdown table (ms to one decimal, ratios as ``1.23x``, missing values blank)."""
+    """:func:`serve_table` as a markdown table (ms to one decimal, ratios as ``1.23x``, missing values blank); the
+    goodput at the TPOT SLO alone gets its two columns only where some row has it."""
+    tpot_alone = "goodput_tpot_req_s" in df and df["goodput_tpot_req_s"].notna().any()
     head = ["mode", "backend", "rate (req/s)", "req/s", "output tok/s", "TTFT p50 (ms)", "TTFT p99 (ms)",
             "TPOT p50 (ms)", "TPOT p99 (ms)", "decode step p50 (ms)", "time in prefill steps", "preemptions",
-            "goodput (req/s)", "goodput vs best fp8"]
+            "peak KV cache use", "peak waiting", "goodput (req/s)", "goodput vs best fp8"]
+    if tpot_alone:
+        head += ["goodput, TPOT SLO alone (req/s)", "vs best fp8, TPOT SLO alone"]
     lines = ["| " + " | ".join(head) + " |", "| --- | --- | " + " | ".join(["---:"] * (len(head) - 2)) + " |"]
     for _, r in df.iterrows():
         rate = "inf" if math.isinf(r["request_rate"]) else f"{r['request_rate']:g}"
-        lines.append("| " + " | ".join([
+        cells = [
             r["mode"] + formatted(r.get("key_offset"), " ({})"), r["backend"], rate, formatted(r["req_s"], "{:.3f}"),
             formatted(r["out_tok_s"], "{:.1f}"), formatted(r["ttft_p50_ms"], "{:.1f}"),
             formatted(r["ttft_p99_ms"], "{:.1f}"), formatted(r["tpot_p50_ms"], "{:.1f}"),
             formatted(r["tpot_p99_ms"], "{:.1f}"), formatted(r.get("step_p50_ms"), "{:.1f}"),
             formatted(r.get("stalled_share"), "{:.0f}%", 100),
-            str(int(r["preemptions"])), formatted(r["goodput_req_s"], "{:.3f}"),
-            formatted(r["goodput_vs_best_fp8"], "{:.2f}x")]) + " |")
+            str(int(r["preemptions"])), formatted(r.get("kv_peak"), "{:.0f}%", 100),
+            formatted(r.get("waiting_peak"), "{:.0f}"), formatted(r["goodput_req_s"], "{:.3f}"),
+            formatted(r["goodput_vs_best_fp8"], "{:.2f}x")]
+        if tpot_alone:
+            cells += [formatted(r["goodput_tpot_req_s"], "{:.3f}"), formatted(r["goodput_tpot_vs_best_fp8"], "{:.2f}x")]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -437,27 +495,40 @@ def default_out(gpu: str, when: str, root: str | os.PathLike) -> Path:
 
 
 def section_markdown(root: str | os.PathLike) -> str:
-    """Notebook 02's serving-load section: :func:`table_markdown` of every ``results/serve/*.json`` under ``root``
-    with the files and the workload named, or a sentence saying no run is committed and which command makes one.
+    """Notebook 02's serving-load section: per workload (the files whose runs share ``WORKLOAD_FIELDS``), newest file
+    first, the workload and its SLOs in words and :func:`table_markdown` of its runs, with the files named; or a
+    sentence saying no run is committed and which command makes one.
 
     Raises:
-        ValueError: the files' runs differ in workload (:func:`check_same_workload`) or lack a workload field."""
+        ValueError: a file's runs differ in workload (:func:`check_same_workload`) or lack a workload field."""
     paths = sorted(Path(root, "results", "serve").glob("*.json"))
     if not paths:
         return ("Not measured yet: no `vllm bench serve` run is committed under `results/serve/` "
                 "(`bash scripts/h200_perf.sh serve MODE` on a GPU machine writes one).")
-    runs = read_results(paths)
-    w = runs[0]["workload"] if runs else {}
-    missing = [k for k in WORKLOAD_FIELDS if k not in w]
-    if missing:
-        raise ValueError(f"{paths[0]}: the workload lacks {missing}")
-    df = serve_table(runs)
-    files = ", ".join(f"`{p.relative_to(root)}`" for p in paths)
-    total = f" ({w['prompt_tokens_total']:,} in all)" if "prompt_tokens_total" in w else ""
-    wl = (f"{w['num_prompts']} requests, prompts of {w['input_min']:,}-{w['input_max']:,} tokens{total}, "
-          f"{w['output_len']:,} output tokens each, {w['gpu_memory_gb']:g} GiB emulated, {w['model']} (dummy "
-          f"weights), vLLM {w['vllm_version']}, {w['gpu']}")
-    return (f"Replayed from {files}: {wl}. Decode step p50: the median gap between a request's tokens (a step "
-            f"of decodes only); time in prefill steps: the share of all gaps spent in steps longer than "
-            f"{STALL_FACTOR:g}x that median, which also ran other requests' prefill chunks (vLLM's chunked prefill "
-            f"mixes them into the decode steps).\n\n" + table_markdown(df))
+    groups: dict[str, list] = {}
+    for p in paths:
+        runs = read_results([p])
+        w = runs[0]["workload"] if runs else {}
+        missing = [k for k in WORKLOAD_FIELDS if k not in w]
+        if missing:
+            raise ValueError(f"{p}: the workload lacks {missing}")
+        key = json.dumps({k: w[k] for k in WORKLOAD_FIELDS}, sort_keys=True)
+        g = groups.setdefault(key, {"paths": [], "runs": [], "date": ""})
+        g["paths"].append(p)
+        g["runs"] += runs
+        g["date"] = max([g["date"]] + [str(r.get("date", "")) for r in runs])
+    parts = [f"Decode step p50: the median gap between a request's tokens (a step of decodes only); time in prefill "
+             f"steps: the share of all gaps spent in steps longer than {STALL_FACTOR:g}x that median, which also ran "
+             f"other requests' prefill chunks (vLLM's chunked prefill mixes them into the decode steps). Goodput: "
+             f"vLLM's, the requests per second that met every SLO of the run."]
+    for g in sorted(groups.values(), key=lambda g: g["date"], reverse=True):
+        w = g["runs"][0]["workload"]
+        files = ", ".join(f"`{p.relative_to(root)}`" for p in g["paths"])
+        total = f" ({w['prompt_tokens_total']:,} in all)" if "prompt_tokens_total" in w else ""
+        slo = " and ".join(f"{k.upper()} <= " + (f"{v / 1e3:g} s" if v >= 1e3 else f"{v:g} ms")
+                           for k, v in w["goodput"].items())
+        parts.append(f"**{w['num_prompts']} requests of {w['output_len']:,} output tokens, SLO {slo}.** Replayed "
+                     f"from {files}: prompts of {w['input_min']:,}-{w['input_max']:,} tokens{total}, "
+                     f"{w['gpu_memory_gb']:g} GiB emulated, {w['model']} (dummy weights), vLLM {w['vllm_version']}, "
+                     f"{w['gpu']}.\n\n" + table_markdown(serve_table(g["runs"])))
+    return "\n\n".join(parts)

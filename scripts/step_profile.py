@@ -22,8 +22,10 @@ Usage (GPU machine, vLLM importable, repo root)::
 
     python3 scripts/step_profile.py --mode kvrepro:k4v4 --users 13,6,3 --out $OUT/profile_k4v4.json
     python3 scripts/step_profile.py --mode fp8 --users 6,4 --out $OUT/profile_fp8.json
+    python3 scripts/step_profile.py --mode fp8 --users 6,4 --fa-max-splits 2 --out $OUT/profile_fp8_s2.json
 
-Writes ``--out`` (JSON, written then renamed; default ``results/profile/<gpu>_<mode>_<users>u_<UTC date>.json``) with
+Writes ``--out`` (JSON, written then renamed; default ``results/profile/<gpu>_<mode>_<users>u_<UTC date>.json``, the
+mode followed by ``-fa-splits<N>`` under ``--fa-max-splits``) with
 the parameters, the engine's settings, per batch the timed window, the breakdown and the bound, the copy bandwidth
 and provenance; the traces stay in ``--trace-dir`` (default beside ``--out``: ``<out stem>_traces/``). Exit 2 on bad
 arguments (argparse, naming the parameter and the allowed values), 1 when a batch could not be profiled (the file is
@@ -71,6 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-num-seqs", type=int, default=32, help="vLLM max_num_seqs (the sweep's 32)")
     ap.add_argument("--cudagraph-mode", default=None, help=f"vLLM cudagraph_mode; default vLLM's; allowed: "
                     f"{', '.join(sweep.CUDAGRAPH_MODES)}")
+    ap.add_argument("--fa-max-splits", type=int, default=None,
+                    help="vLLM's attention_config.flash_attn_max_num_splits_for_cuda_graph (the most KV splits per "
+                         "sequence FlashAttention may use under full CUDA graphs; vLLM's default 32); FlashAttention "
+                         "modes only")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="result JSON (default results/profile/<gpu>_<mode>_<users>u_<date>.json)")
     ap.add_argument("--trace-dir", default=None, help="folder for vLLM's traces (default <out stem>_traces/)")
@@ -79,7 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_args(a: argparse.Namespace) -> dict:
     """The validated settings of a call: mode, users (tuple, largest first), prompt_tokens, gpu_memory_gb, steps,
-    settle_steps, max_num_seqs, cudagraph_mode, seed, out / trace_dir (None: chosen at run time).
+    settle_steps, max_num_seqs, cudagraph_mode, fa_max_splits (None: vLLM's), seed, out / trace_dir (None: chosen at
+    run time).
 
     Raises:
         ValueError: naming the parameter and its allowed values.
@@ -98,17 +105,27 @@ def check_args(a: argparse.Namespace) -> dict:
                          "batch")
     if a.cudagraph_mode is not None and a.cudagraph_mode not in sweep.CUDAGRAPH_MODES:
         raise ValueError(f"--cudagraph-mode must be one of {', '.join(sweep.CUDAGRAPH_MODES)}, got {a.cudagraph_mode!r}")
+    if a.fa_max_splits is not None:
+        if a.fa_max_splits < 1:
+            raise ValueError(f"--fa-max-splits must be an integer >= 1, got {a.fa_max_splits}")
+        backend = sweep.engine_settings(a.mode)["attention_backend"]
+        if backend not in (None, "FLASH_ATTN"):
+            raise ValueError(f"--fa-max-splits applies to FlashAttention, the backend of fp8, fp8:flash_attn and bf16; "
+                             f"mode {a.mode} runs on {backend}")
     if a.out is not None and not Path(a.out).resolve().parent.is_dir():
         raise ValueError(f"--out {a.out!r}: its folder does not exist")
     return {"mode": a.mode, "users": users, "prompt_tokens": a.prompt_tokens, "gpu_memory_gb": a.gpu_memory_gb,
             "steps": a.steps, "settle_steps": a.settle_steps, "max_num_seqs": a.max_num_seqs,
-            "cudagraph_mode": a.cudagraph_mode, "seed": a.seed, "out": a.out, "trace_dir": a.trace_dir}
+            "cudagraph_mode": a.cudagraph_mode, "fa_max_splits": a.fa_max_splits, "seed": a.seed, "out": a.out,
+            "trace_dir": a.trace_dir}
 
 
-def default_out(gpu: str, mode: str, users: tuple, when: str) -> Path:
-    """``results/profile/<gpu slug>_<mode slug>_<users joined by '-'>u_<YYYYmmdd_HHMM>.json`` under the repo."""
+def default_out(gpu: str, mode: str, users: tuple, when: str, fa_max_splits: int | None = None) -> Path:
+    """``results/profile/<gpu slug>_<mode slug>[-fa-splits<N>]_<users joined by '-'>u_<YYYYmmdd_HHMM>.json`` under the
+    repo (the split cap in the name when one was set)."""
     slug = lambda s: "".join(c if c.isalnum() else "-" for c in s.lower()).strip("-")  # noqa: E731
-    return ROOT / "results" / "profile" / f"{slug(gpu)}_{slug(mode)}_{'-'.join(map(str, users))}u_{when}.json"
+    cap = f"-fa-splits{fa_max_splits}" if fa_max_splits is not None else ""
+    return ROOT / "results" / "profile" / f"{slug(gpu)}_{slug(mode)}{cap}_{'-'.join(map(str, users))}u_{when}.json"
 
 
 def engine_kwargs(cfg: dict, model_dir: str, util: float, trace_dir: str) -> dict:
@@ -124,6 +141,8 @@ def engine_kwargs(cfg: dict, model_dir: str, util: float, trace_dir: str) -> dic
         kw["attention_backend"] = settings["attention_backend"]
     if cfg["cudagraph_mode"] is not None:
         kw["compilation_config"] = {"cudagraph_mode": cfg["cudagraph_mode"]}
+    if cfg.get("fa_max_splits") is not None:
+        kw["attention_config"] = {"flash_attn_max_num_splits_for_cuda_graph": cfg["fa_max_splits"]}
     return kw
 
 
@@ -144,7 +163,7 @@ def measure(cfg: dict) -> tuple[dict, int]:
 
     when = time.strftime("%Y%m%d_%H%M", time.gmtime())
     gpu = torch.cuda.get_device_properties(0).name
-    out = Path(cfg["out"]) if cfg["out"] else default_out(gpu, cfg["mode"], cfg["users"], when)
+    out = Path(cfg["out"]) if cfg["out"] else default_out(gpu, cfg["mode"], cfg["users"], when, cfg["fa_max_splits"])
     trace_dir = Path(cfg["trace_dir"] or out.with_name(out.stem + "_traces")).resolve()
     trace_dir.mkdir(parents=True, exist_ok=True)
     model_dir = str(config_dir())

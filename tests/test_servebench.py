@@ -142,8 +142,10 @@ def test_serve_table_goodput_ratio_against_the_best_fp8_per_rate():
     assert inf_row["goodput_vs_best_fp8"] is None and inf_row["best_fp8"] == "fp8:flash_attn"   # fp8's goodput 0
     assert k["tpot_p99_ms"] == 45.0 and k["ttft_p50_ms"] == 900.0 and k["slo"] == "tpot <= 50 ms"
     md = sb.table_markdown(df)
-    assert "| kvrepro:k4v4 | CUSTOM | 0.25 | 0.240 | 120.0 | 900.0 | 9000.0 | 22.5 | 45.0 |  |  | 0 | 0.200 | 2.00x |" in md
+    assert ("| kvrepro:k4v4 | CUSTOM | 0.25 | 0.240 | 120.0 | 900.0 | 9000.0 | 22.5 | 45.0 |  |  | 0 |  |  | 0.200 | "
+            "2.00x |") in md
     assert "| kvrepro:k4v4 | CUSTOM | inf | 0.300 | 150.0 |" in md
+    assert "TPOT SLO alone" not in md                       # no run scored at a second SLO set: no such columns
 
 
 def test_serve_table_refuses_mixed_workloads_and_merge_keeps_one_workload():
@@ -301,8 +303,8 @@ def test_serve_bench_drives_servers_and_client(tmp_path, monkeypatch, capsys):
     assert (tmp_path / "serve_logs" / "serve_kvrepro_k4v4.log").is_file()
     printed = capsys.readouterr().out
     # the run's own table: no decode-step split before the vLLM result files are read back (read_results)
-    assert "| kvrepro:k4v4 | CUSTOM | 0.5 | 0.300 | 2.4 | 100.0 | 300.0 | 20.0 | 45.0 |  |  | 0 | 0.150 | 1.00x |" \
-        in printed
+    assert ("| kvrepro:k4v4 | CUSTOM | 0.5 | 0.300 | 2.4 | 100.0 | 300.0 | 20.0 | 45.0 |  |  | 0 | 90% | 1 | 0.150 | "
+            "1.00x |") in printed
 
 
 def test_notebook_section_replays_the_committed_files_or_says_none(tmp_path):
@@ -319,12 +321,30 @@ def test_notebook_section_replays_the_committed_files_or_says_none(tmp_path):
     (d / "nvidia-h200_20261202_logs" / "serve_kvrepro_k4v4.log").write_text(
         "INFO [config.py:73] kvrepro settings: preset=k4v4 prefill=fa key_offset=rope-mean warmup=1\n")
     md = sb.section_markdown(tmp_path)
-    assert md.startswith("Replayed from `results/serve/nvidia-h200_20261202.json`: 32 requests, prompts of "
-                         "8,192-131,072 tokens, 512 output tokens each, 80 GiB emulated")
+    assert ("**32 requests of 512 output tokens, SLO TPOT <= 50 ms.** Replayed from "
+            "`results/serve/nvidia-h200_20261202.json`: prompts of 8,192-131,072 tokens, 80 GiB emulated") in md
     # gaps 20, 20, 200, 20, 100 ms: median 20, the two > 40 ms hold 300 of 360 ms
     assert ("| kvrepro:k4v4 (rope-mean) | CUSTOM | 0.25 | 0.240 | 120.0 | 900.0 | 9000.0 | 22.5 | 45.0 | 20.0 | 83% | "
-            "0 | 0.200 | 2.00x |") in md
+            "0 |  |  | 0.200 | 2.00x |") in md
     assert "| fp8:triton_attn | TRITON_ATTN | 0.25 | 0.210 | 101.0 | 900.0 | 9000.0 | 30.0 | 60.0 |  |  | 0 |" in md
+    # a later file of another workload (a TTFT SLO too): its own table, first; its runs scored at the TPOT SLO alone
+    # from their per-request lists: TPOT of k = 0.06 / 2 and 0.02 / 2 s, of f = 0.2 / 2 and 0.02 / 2 s
+    wl = dict(runs[0]["workload"], output_len=3, goodput={"ttft": 2000.0, "tpot": 50.0})
+    later = [dict(_run("kvrepro:k4v4", "0.12", 0.1, 1.0, 0.1, 1.0), workload=wl, vllm_result_file="k.json",
+                  date="2026-12-03T05:00:00+00:00"),
+             dict(_run("fp8", "0.12", 0.1, 1.0, 0.05, 1.0), workload=wl, vllm_result_file="f.json",
+                  date="2026-12-03T05:05:00+00:00")]
+    (d / "nvidia-h200_20261203.json").write_text(json.dumps({"workload": wl, "runs": later}))
+    (d / "nvidia-h200_20261203_vllm").mkdir()
+    for name, ttfts, itls in (("k.json", [3.0, 1.0], [[0.03, 0.03], [0.01, 0.01]]),
+                              ("f.json", [0.5, 1.0], [[0.1, 0.1], [0.01, 0.01]])):
+        (d / "nvidia-h200_20261203_vllm" / name).write_text(json.dumps(
+            {"duration": 10.0, "ttfts": ttfts, "itls": itls, "output_lens": [3, 3]}))
+    md = sb.section_markdown(tmp_path)
+    assert md.index("**32 requests of 3 output tokens, SLO TTFT <= 2 s and TPOT <= 50 ms.**") < md.index(
+        "**32 requests of 512 output tokens")
+    assert "| kvrepro:k4v4 | CUSTOM | 0.12 |" in md and "| 0.100 | 2.00x | 0.200 | 2.00x |" in md      # 2 / 10 s, 1 / 10 s
+    assert "| fp8 | vllm-auto | 0.12 |" in md and "| 0.050 | 1.00x | 0.100 | 1.00x |" in md
     bad = dict(runs[1], workload={"num_prompts": 32})
     (d / "nvidia-h200_20261202.json").write_text(json.dumps({"workload": {}, "runs": [bad]}))
     with pytest.raises(ValueError, match="the workload lacks"):
@@ -356,3 +376,30 @@ def test_logged_settings_reads_the_plugins_start_line(tmp_path):
                                        "warmup": "1"}
     log.write_text("INFO an fp8 server logs no kvrepro line\n")
     assert sb.logged_settings(log) is None and sb.logged_settings(tmp_path / "absent.log") is None
+
+
+def test_slo_goodput_by_hand_and_against_vllms_own_goodput():
+    """Three requests (TTFT s; inter-token gaps s; output tokens): TPOT 0.04, 0.1, 0 (one token). At TPOT <= 50 ms:
+    the first and the third; with TTFT <= 1 s too: the third only; a failed request (0 tokens) never counts."""
+    res = {"duration": 4.0, "ttfts": [0.5, 0.2, 3.0, 0.1], "itls": [[0.04, 0.04], [0.1, 0.1], [], []],
+           "output_lens": [3, 3, 1, 0]}
+    assert sb.slo_goodput(res, {"tpot": 50}) == {"good": 2, "req_s": 0.5}
+    assert sb.slo_goodput(res, {"tpot": 50, "ttft": 1000}) == {"good": 1, "req_s": 0.25}
+    assert sb.slo_goodput(res, {"tpot": 100})["good"] == 3               # 0.1 s is within 100 ms: <=, as vLLM's
+    for bad, msg in (({"e2el": 1}, "allowed: ttft, tpot"), ({}, "none given"), ({"tpot": -1}, ">= 0")):
+        with pytest.raises(ValueError, match=msg):
+            sb.slo_goodput(res, bad)
+    with pytest.raises(ValueError, match="per-request lists"):
+        sb.slo_goodput({"duration": 1.0, "ttfts": [0.1], "itls": [[0.1]]}, {"tpot": 50})
+    # the committed runs: the same SLOs recount vLLM's own request_goodput exactly
+    root = Path(__file__).resolve().parents[1] / "results" / "serve"
+    checked = 0
+    for p in sorted(root.glob("*.json")):
+        doc = json.loads(p.read_text(encoding="utf-8"))
+        for r in doc["runs"]:
+            f = sb.side_dirs(p)[0] / r["vllm_result_file"]
+            res = json.loads(f.read_text(encoding="utf-8"))
+            got = sb.slo_goodput(res, doc["workload"]["goodput"])
+            assert got["req_s"] == pytest.approx(res["request_goodput"], rel=1e-12), (p.name, r["mode"])
+            checked += 1
+    assert checked >= 4

@@ -164,6 +164,12 @@ def test_script_settings_and_engine_arguments(tmp_path):
     assert [sp.kv_format(m) for m in ("kvrepro:k4v4", "fp8", "fp8:triton_attn", "bf16")] == ["k4v4", "fp8", "fp8", "bf16"]
     assert sp.default_out("NVIDIA H200", "kvrepro:k4v4", (13, 6), "20261202_0100").name == \
         "nvidia-h200_kvrepro-k4v4_13-6u_20261202_0100.json"
+    assert "attention_config" not in kw                     # vLLM's own split cap unless asked
+    capped = sp.check_args(sp.build_parser().parse_args(["--mode", "fp8", "--users", "6,4", "--fa-max-splits", "2"]))
+    assert sp.engine_kwargs(capped, "/m", 0.5, "/t")["attention_config"] == {
+        "flash_attn_max_num_splits_for_cuda_graph": 2}
+    assert sp.default_out("NVIDIA H200", "fp8", (6, 4), "20261203_0538", 2).name == \
+        "nvidia-h200_fp8-fa-splits2_6-4u_20261203_0538.json"
 
 
 @pytest.mark.parametrize("args,msg", [
@@ -172,6 +178,9 @@ def test_script_settings_and_engine_arguments(tmp_path):
     (["--steps", "0"], "--steps must be an integer >= 1"), (["--settle-steps", "-1"], "--settle-steps"),
     (["--gpu-memory-gb", "0"], "--gpu-memory-gb"), (["--cudagraph-mode", "ful"], "--cudagraph-mode must be one of"),
     (["--out", "/nonexistent/x.json"], "its folder does not exist"),
+    (["--mode", "fp8", "--fa-max-splits", "0"], "--fa-max-splits must be an integer >= 1"),
+    (["--mode", "fp8:triton_attn", "--fa-max-splits", "2"], "mode fp8:triton_attn runs on TRITON_ATTN"),
+    (["--mode", "kvrepro:k4v4", "--fa-max-splits", "2"], "--fa-max-splits applies to FlashAttention"),
 ])
 def test_script_refuses_bad_arguments_naming_them(args, msg):
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "step_profile.py"), *args], capture_output=True,
@@ -232,6 +241,12 @@ def test_profile_table_and_section_against_hand_figures(tmp_path):
     assert ("(attention reading the KV at the copy bandwidth, no other kernel, no idle time; the bound over that step): "
             "fp8 (FLASH_ATTN) at 6 users 70.6% [1]; kvrepro:k4v4 rope-mean at 13 users 52.9% [2]. So no kvrepro batch here "
             "can reach issue 23's 95% of the bound by a faster attention alone: the rest of that gap is in the GEMMs") in md
+    # an engine with FlashAttention's split cap set (step_profile --fa-max-splits) is named with it
+    capped = json.loads((d / "a.json").read_text())
+    (d / "a2.json").write_text(json.dumps(dict(capped, params={"fa_max_splits": 2})))
+    md = profile.section_markdown(tmp_path)
+    assert "| fp8 (FLASH_ATTN, at most 2 KV splits) |  | 6 | 9.00 |" in md and "| fp8 (FLASH_ATTN) |  | 6 | 9.00 |" in md
+    (d / "a2.json").unlink()
     (d / "c.json").write_text("{}")
     with pytest.raises(ValueError, match="c.json: not a step-profile result"):
         profile.section_markdown(tmp_path)
