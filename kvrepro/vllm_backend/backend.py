@@ -113,6 +113,9 @@ class KVReproMetadata(AttentionMetadata):
         slot_mapping: ``[num_tokens]`` slot of each new token (-1 = padding).
         num_actual_tokens, max_query_len: host ints.
         num_decodes, num_decode_tokens: the first ``num_decodes`` requests are decodes (query_len 1).
+        positions: int64 ``[>= num_actual_tokens]`` each token row's position, vLLM's own (the model runner's
+            persistent buffer, the one its rotary embedding reads, so CUDA graphs replay it), or None where the runner
+            passes none; the key offset ``rope-mean`` stores by it.
     """
 
     seq_lens: torch.Tensor
@@ -123,6 +126,7 @@ class KVReproMetadata(AttentionMetadata):
     max_query_len: int
     num_decodes: int
     num_decode_tokens: int
+    positions: torch.Tensor | None = None
 
 
 class KVReproMetadataBuilder(AttentionMetadataBuilder[KVReproMetadata]):
@@ -143,6 +147,7 @@ class KVReproMetadataBuilder(AttentionMetadataBuilder[KVReproMetadata]):
             query_start_loc=cam.query_start_loc, slot_mapping=cam.slot_mapping,
             num_actual_tokens=cam.num_actual_tokens, max_query_len=cam.max_query_len,
             num_decodes=num_decodes, num_decode_tokens=num_decode_tokens,
+            positions=getattr(cam, "positions", None),
         )
 
 
@@ -279,10 +284,11 @@ class KVReproAttentionImpl(AttentionImpl[KVReproMetadata]):
                       positions=self._positions(layer, slot_mapping.shape[0], kv_cache.device))
 
     def _positions(self, layer, num_tokens: int, device: torch.device) -> torch.Tensor | None:
-        """Under KVREPRO_KEY_OFFSET=rope-mean: each stored row's position from this step's attention metadata
-        (``runtime.token_positions``; no host sync); else None. Without metadata (vLLM's profiling run, which stores
-        nothing that is read later) positions 0 on ``device`` (the KV cache's: the offset's buffers move there only when
-        the store runs)."""
+        """Under KVREPRO_KEY_OFFSET=rope-mean: each stored row's position from this step's attention metadata: vLLM's
+        positions (``KVReproMetadata.positions``, computed once per step for every layer), or, where the runner passes
+        none, ``runtime.token_positions`` of the same metadata (the same values, computed in each layer; no host sync);
+        else None. Without metadata (vLLM's profiling run, which stores nothing that is read later) positions 0 on
+        ``device`` (the KV cache's: the offset's buffers move there only when the store runs)."""
         from kvrepro.formats.offset import RopeMean
 
         if not isinstance(self.rt.key_offset, RopeMean):
@@ -294,6 +300,8 @@ class KVReproAttentionImpl(AttentionImpl[KVReproMetadata]):
         m = get_attention_context(layer.layer_name)[0]
         if not isinstance(m, KVReproMetadata):
             return torch.zeros(num_tokens, dtype=torch.int64, device=device)
+        if m.positions is not None:
+            return m.positions[:num_tokens]
         return token_positions(m.seq_lens, m.query_start_loc, num_tokens)
 
     def _calibration_rows(self, layer) -> tuple[int, int] | None:

@@ -74,8 +74,8 @@ class FlashPrefill:
         self.chunk_from_pages = chunk_from_pages
         self.fmt, self.num_kv_heads, self.head_size = fmt, num_kv_heads, head_size
         self._pool = None
-        # key offset rope-mean (LayerRuntime sets it): ``(keys [n, Hkv, D], positions [n]) -> float32 keys`` putting
-        # R(p) b_hat back on keys read from the pages (the chunk's fresh keys are unshifted); None: keys as read.
+        # key offset rope-mean (LayerRuntime sets it): ``(keys [n, Hkv, D], positions [n]) -> keys`` (in their dtype)
+        # putting R(p) b_hat back on keys read from the pages (the chunk's fresh keys are unshifted); None: as read.
         self.key_restore = None
 
     def _pool_obj(self, pool: torch.Tensor, layout):

@@ -10,6 +10,7 @@ import torch
 from kvrepro.formats import get_format
 from kvrepro.formats.hadamard import rotation_matrix
 from kvrepro.formats.offset import KeyOffset, RopeMean, check_mode, mode_channels
+from kvrepro.ops.offset import rope_offset, rope_terms
 
 _ROTATIONS: dict[tuple[int, int, str], torch.Tensor] = {}
 # One split-K decode workspace per device, shared by every layer (layers run one after another on
@@ -195,7 +196,7 @@ class LayerRuntime:
         if key_offset == "rope-mean":
             self.key_offset = RopeMean(num_kv_heads, head_size, rope)
             if prefill is not None:
-                prefill.key_restore = self.key_offset.restore
+                prefill.key_restore = self.restore_keys
         elif key_offset != "off":
             self.key_offset = KeyOffset(num_kv_heads, head_size)
         self.num_heads, self.num_kv_heads, self.head_size = num_heads, num_kv_heads, head_size
@@ -307,10 +308,16 @@ class LayerRuntime:
 
     def rope_bias(self, query: torch.Tensor) -> dict:
         """``{"rope_bias": (terms, inv_freq)}`` of ``query`` ``[T, Hq, D]`` for the kernels under rope-mean
-        (``RopeMean.score_terms``: zeros before calibration), else ``{}``."""
+        (``RopeMean.score_terms`` in one launch, ``kvrepro.ops.offset.rope_terms``: zeros before calibration), else
+        ``{}``."""
         if not isinstance(self.key_offset, RopeMean):
             return {}
-        return {"rope_bias": (self.key_offset.packed_terms(query), self.key_offset.inv_freq)}
+        return {"rope_bias": (rope_terms(query, self.key_offset), self.key_offset.inv_freq)}
+
+    def restore_keys(self, key: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """rope-mean: ``key + R(p) b_hat`` (``key`` ``[n, Hkv, D]`` read from the pages, ``pos`` int ``[n]``) in
+        ``key``'s dtype, one launch (``kvrepro.ops.offset.rope_offset``): the ``key_restore`` of the prefill paths."""
+        return rope_offset(key, pos, self.key_offset, sign=+1)
 
     def record_impl(self, layout, device: torch.device) -> str:
         """Resolve and record in ``DECODE_IMPL_USED`` which decode kernel this layer runs on ``device``."""
@@ -391,7 +398,7 @@ class LayerRuntime:
                 self.key_offset.rope["neox"] = self.rope.get("neox")
                 self.key_offset.calibrate(k[calibrate[0]:calibrate[1]], pos[calibrate[0]:calibrate[1]])
                 log_calibration(self, calibrate[1] - calibrate[0])
-            k = self.key_offset.remove(k, pos)
+            k = rope_offset(k, pos, self.key_offset, sign=-1)
         elif self.key_offset is not None:
             if calibrate is not None and not self.key_offset.calibrated and calibrate[1] > calibrate[0]:
                 self.key_offset.channels = mode_channels(self.key_offset_mode, self.head_size, self.rope)
