@@ -506,7 +506,8 @@ class RopeMean:
 
     def remove(self, key: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """``key - R(p) b_hat`` (``key`` ``[n, num_kv_heads, head_dim]``, ``pos`` int ``[n]``), in ``key``'s dtype:
-        what the pages store (this runs at every KV store)."""
+        what the pages store. The vLLM runtime stores through ``kvrepro.ops.offset.rope_offset`` (one launch, the same
+        sum); this is its PyTorch reference and the CPU formats' path."""
         self.check_device(key=key)
         return self._add_offset(key, pos, -1).to(key.dtype)
 
@@ -525,7 +526,8 @@ class RopeMean:
     def packed_terms(self, query: torch.Tensor) -> torch.Tensor:
         """float32 ``[T, Hq, 2 MAX_PAIRS]`` contiguous: ``A`` then ``B`` of :meth:`score_terms` (the kernels'
         ``rope_bias`` terms), from one gather, one multiply and one two-term sum, with the roundings of
-        ``qx * bx + qy * by`` and ``qy * bx - qx * by``: this runs at every decode step."""
+        ``qx * bx + qy * by`` and ``qy * bx - qx * by``. The vLLM runtime computes them with
+        ``kvrepro.ops.offset.rope_terms`` (one launch); this is its PyTorch reference."""
         self.check_device(query=query)
         h = self.num_kv_heads
         if query.dim() != 3 or query.shape[2] != self.head_dim or query.shape[1] < h or query.shape[1] % h:
