@@ -297,7 +297,8 @@ def _read_json(path: Path, what: str):
 def profile_table(paths):
     """One row per profiled batch of ``scripts/step_profile.py`` result files (``results/profile/*.json``).
 
-    Columns: file (name), date (UTC, to the minute), mode, backend (the attention backend vLLM resolved),
+    Columns: file (name), date (UTC, to the minute), src (the kvrepro source hash the file records, its
+    ``provenance.kvrepro_src_sha256``; None if absent), mode, backend (the attention backend vLLM resolved),
     fa_max_splits (the FlashAttention split cap the engine ran with, ``step_profile.py --fa-max-splits``; None:
     vLLM's default), key_offset
     (a kvrepro engine's, from its logged settings; None for fp8 / bf16), users, step_ms and tok_s (the timed steps,
@@ -332,6 +333,7 @@ def profile_table(paths):
             rows.append({"file": path.name, "date": str(r.get("date", ""))[:16].replace("T", " "),
                          "mode": r.get("mode"), "backend": backend,
                          "fa_max_splits": (r.get("params") or {}).get("fa_max_splits"),
+                         "src": (r.get("provenance") or {}).get("kvrepro_src_sha256"),
                          "key_offset": (eng.get("kvrepro_settings") or {}).get("key_offset"), "users": b.get("users"),
                          "step_ms": timed.get("step_ms"), "tok_s": timed.get("tok_s"),
                          "attention_ms": m.get("attention_ms"), "gemm_ms": m.get("gemm_ms"),
@@ -342,7 +344,7 @@ def profile_table(paths):
                          "of_bound": bound["step_ms"] / timed["step_ms"] if bound and timed else None,
                          "ceiling": (bound["step_ms"] / (bound["kv_bytes"] / (gbps * 1e9) * 1e3 + m["gemm_ms"])
                                      if bound.get("kv_bytes") and gbps and m.get("gemm_ms") else None)})
-    return pd.DataFrame(rows, columns=["file", "date", "mode", "backend", "fa_max_splits", "key_offset", "users", "step_ms", "tok_s",
+    return pd.DataFrame(rows, columns=["file", "date", "src", "mode", "backend", "fa_max_splits", "key_offset", "users", "step_ms", "tok_s",
                                        "attention_ms", "gemm_ms", "rest_ms", "idle_ms", "attention_bw", "gemm_bw",
                                        "bound_ms", "of_bound", "ceiling"])
 
@@ -373,8 +375,11 @@ def section_markdown(root: str | os.PathLike) -> str:
             "norms, activations, sampling, a kvrepro mode's own PyTorch ops) and the GPU's idle time; the bound reads "
             "every weight and KV byte of the batch once at the copy bandwidth measured in the same process "
             "(`kvrepro.profile.decode_bound`).\n\n" + "\n".join(lines) + "\n\n" + _ceiling_text(t, tags) + "\n\n"
-            + "\n".join(f"- [{i}] `{PROFILE_DIR}/{f}` ({t.loc[t['file'] == f, 'date'].iloc[0]} UTC)"
-                        for f, i in tags.items()))
+            + "\n".join(f"- [{i}] `{PROFILE_DIR}/{f}` ({t.loc[t['file'] == f, 'date'].iloc[0]} UTC"
+                        + formatted(t.loc[t["file"] == f, "src"].iloc[0], "; kvrepro source {:.8}") + ")"
+                        for f, i in tags.items())
+            + "\n\nProfiles of different kvrepro sources measure different code: a kvrepro mode's rest and attention "
+            "compare only between files of one source (git log names what changed).")
 
 
 def _mode_label(r: dict) -> str:

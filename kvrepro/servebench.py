@@ -66,6 +66,8 @@ def parse_rate(text) -> float:
         v = float(text)
     except (TypeError, ValueError):
         v = float("nan")
+    if math.isinf(v) and str(text).strip().lower() not in ("inf", "+inf"):
+        v = float("nan")                 # 1e400: a typo, not "all at once"
     if not (v > 0):
         raise ValueError(f"request_rates: each must be a number of requests per second > 0 or 'inf', got {text!r}")
     return v
@@ -75,7 +77,7 @@ def parse_goodput(items) -> dict[str, float]:
     """``["tpot:50"]`` -> ``{"tpot": 50.0}`` (vLLM's ``--goodput KEY:VALUE`` in ms).
 
     Raises:
-        ValueError: an item not ``name:value``, a name outside ``GOODPUT_NAMES``, a negative value.
+        ValueError: an item not ``name:value``, a name outside ``GOODPUT_NAMES`` or given twice, a negative value.
     """
     out = {}
     for item in items:
@@ -88,6 +90,8 @@ def parse_goodput(items) -> dict[str, float]:
             raise ValueError(f"goodput: unknown SLO {name!r}; allowed: {', '.join(GOODPUT_NAMES)}")
         if v < 0 or not math.isfinite(v):
             raise ValueError(f"goodput: {name} must be a finite number of ms >= 0, got {val!r}")
+        if name in out:
+            raise ValueError(f"goodput: {name} is given more than once ({items})")
         out[name] = v
     return out
 
@@ -101,7 +105,8 @@ def check_config(cfg: dict) -> dict:
     Raises:
         ValueError: naming the parameter and its allowed values: modes from ``SERVE_MODES`` (each once);
             num_prompts, output_len, max_num_seqs integers >= 1; 1 <= input_min <= input_max integers; request_rates
-            non-empty (:func:`parse_rate`); goodput (:func:`parse_goodput`); gpu_memory_gb > 0; block_size in
+            non-empty, each once (:func:`parse_rate`); goodput (:func:`parse_goodput`); gpu_memory_gb finite > 0;
+            block_size in
             (16, 32, 64); seed an integer.
     """
     unknown = sorted(set(cfg) - set(DEFAULTS) - {"modes"})
@@ -120,7 +125,7 @@ def check_config(cfg: dict) -> dict:
     if c["input_min"] > c["input_max"]:
         raise ValueError(f"input_min ({c['input_min']}) must be <= input_max ({c['input_max']})")
     g = c["gpu_memory_gb"]
-    if isinstance(g, bool) or not isinstance(g, (int, float)) or not g > 0:
+    if isinstance(g, bool) or not isinstance(g, (int, float)) or not g > 0 or not math.isfinite(g):
         raise ValueError(f"gpu_memory_gb must be a number of GiB > 0, got {g!r}")
     if c["block_size"] not in (16, 32, 64):
         raise ValueError(f"block_size must be one of (16, 32, 64), got {c['block_size']!r}")
@@ -130,7 +135,10 @@ def check_config(cfg: dict) -> dict:
              else list(c["request_rates"]))
     if not rates:
         raise ValueError("request_rates must name at least one rate (requests per second, or inf)")
-    return dict(c, modes=tuple(modes), request_rates=tuple(parse_rate(r) for r in rates),
+    parsed = tuple(parse_rate(r) for r in rates)
+    if len(set(parsed)) != len(parsed):
+        raise ValueError(f"request_rates: {rates} names a rate more than once (each rate's run and result file is one)")
+    return dict(c, modes=tuple(modes), request_rates=parsed,
                 goodput=parse_goodput(c["goodput"] if not isinstance(c["goodput"], str) else c["goodput"].split()))
 
 
@@ -311,13 +319,14 @@ def slo_goodput(vllm_result: dict, slos: dict[str, float]) -> dict:
     bad = sorted(set(slos) - {"ttft", "tpot"})
     if bad or not slos:
         raise ValueError(f"slos: {bad or 'none given'}; allowed: ttft, tpot (ms)")
-    if any(not (v >= 0) for v in slos.values()):
+    if any(isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0 for v in slos.values()):
         raise ValueError(f"slos: each must be a number of ms >= 0, got {slos}")
     lists = [vllm_result.get(k) for k in ("ttfts", "itls", "output_lens")]
+    dur = vllm_result.get("duration")
     if not all(isinstance(x, list) for x in lists) or len({len(x) for x in lists}) != 1 \
-            or not vllm_result.get("duration"):
+            or isinstance(dur, bool) or not isinstance(dur, (int, float)) or not dur > 0:
         raise ValueError("the vllm bench serve result lacks its per-request lists (ttfts, itls, output_lens of one "
-                         "length; --save-detailed) or its duration")
+                         "length; --save-detailed) or its duration (s > 0)")
     good = 0
     for ttft, itl, n in zip(*lists):
         if not n:
@@ -348,14 +357,17 @@ def read_results(paths) -> list[dict]:
     its :func:`server_log`).
 
     Raises:
-        ValueError: a file without a ``runs`` list (naming it).
+        ValueError: a file that is not JSON or has no ``runs`` list or an empty one (naming it).
     """
     runs = []
     for p in paths:
         p = Path(p)
-        data = json.loads(p.read_text(encoding="utf-8"))
-        if not isinstance(data, dict) or not isinstance(data.get("runs"), list):
-            raise ValueError(f"{p}: not a serve-bench result (no 'runs' list)")
+        try:
+            data = json.loads(p.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{p}: not a serve-bench result (not JSON: {e})") from None
+        if not isinstance(data, dict) or not isinstance(data.get("runs"), list) or not data["runs"]:
+            raise ValueError(f"{p}: not a serve-bench result (no 'runs' list, or an empty one)")
         for r in data["runs"]:
             res = side_dirs(p)[0] / str(r.get("vllm_result_file", ""))
             detail = json.loads(res.read_text(encoding="utf-8")) if res.is_file() else None
@@ -396,7 +408,7 @@ def serve_table(runs: list[dict]):
     backend (what the server was asked for; vLLM's choice = ``vllm-auto``), request_rate (req/s asked;
     inf = all at once), req_s, out_tok_s, ttft_p50_ms, ttft_p99_ms, tpot_p50_ms, tpot_p99_ms, preemptions, kv_peak and
     waiting_peak (the highest KV-cache use, a fraction, and the most requests waiting, of the server's ``/metrics``
-    samples every 2 s; None where not sampled), goodput_req_s
+    samples every 2 s, which start at 0; None in a run recorded without them), goodput_req_s
     (vLLM's, at the SLOs in ``slo``), goodput_vs_best_fp8 (goodput over the highest goodput of any fp8 mode at the same
     rate; None where no fp8 mode ran at that rate or its goodput is 0), best_fp8 (that mode), goodput_tpot_req_s and
     goodput_tpot_vs_best_fp8 (the same at the TPOT SLO alone: the run's ``goodput_tpot_alone``, :func:`read_results`;
@@ -463,7 +475,7 @@ def table_markdown(df) -> str:
             formatted(r["ttft_p99_ms"], "{:.1f}"), formatted(r["tpot_p50_ms"], "{:.1f}"),
             formatted(r["tpot_p99_ms"], "{:.1f}"), formatted(r.get("step_p50_ms"), "{:.1f}"),
             formatted(r.get("stalled_share"), "{:.0f}%", 100),
-            str(int(r["preemptions"])), formatted(r.get("kv_peak"), "{:.0f}%", 100),
+            formatted(r["preemptions"], "{:.0f}"), formatted(r.get("kv_peak"), "{:.0f}%", 100),
             formatted(r.get("waiting_peak"), "{:.0f}"), formatted(r["goodput_req_s"], "{:.3f}"),
             formatted(r["goodput_vs_best_fp8"], "{:.2f}x")]
         if tpot_alone:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -78,7 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "sequence FlashAttention may use under full CUDA graphs; vLLM's default 32); FlashAttention "
                          "modes only")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=None, help="result JSON (default results/profile/<gpu>_<mode>_<users>u_<date>.json)")
+    ap.add_argument("--out", default=None, help="result JSON (default results/profile/<gpu>_<mode>[-fa-splits<N>]_<users>u_"
+                                                "<date>.json)")
     ap.add_argument("--trace-dir", default=None, help="folder for vLLM's traces (default <out stem>_traces/)")
     return ap
 
@@ -98,8 +100,8 @@ def check_args(a: argparse.Namespace) -> dict:
             raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 1, got {getattr(a, name)}")
     if a.settle_steps < 0:
         raise ValueError(f"--settle-steps must be an integer >= 0, got {a.settle_steps}")
-    if not a.gpu_memory_gb > 0:
-        raise ValueError(f"--gpu-memory-gb must be a number of GiB > 0, got {a.gpu_memory_gb}")
+    if not a.gpu_memory_gb > 0 or not math.isfinite(a.gpu_memory_gb):
+        raise ValueError(f"--gpu-memory-gb must be a finite number of GiB > 0, got {a.gpu_memory_gb}")
     if users[0] > a.max_num_seqs:
         raise ValueError(f"--users {users[0]} exceeds --max-num-seqs {a.max_num_seqs}: vLLM would not run them in one "
                          "batch")
@@ -112,6 +114,10 @@ def check_args(a: argparse.Namespace) -> dict:
         if backend not in (None, "FLASH_ATTN"):
             raise ValueError(f"--fa-max-splits applies to FlashAttention, the backend of fp8, fp8:flash_attn and bf16; "
                              f"mode {a.mode} runs on {backend}")
+        if a.cudagraph_mode in ("NONE", "PIECEWISE"):
+            raise ValueError(f"--fa-max-splits caps FlashAttention's splits under full CUDA graphs only (vLLM's "
+                             f"flash_attn.py); --cudagraph-mode {a.cudagraph_mode} has none: use FULL, "
+                             "FULL_DECODE_ONLY, FULL_AND_PIECEWISE or vLLM's default")
     if a.out is not None and not Path(a.out).resolve().parent.is_dir():
         raise ValueError(f"--out {a.out!r}: its folder does not exist")
     return {"mode": a.mode, "users": users, "prompt_tokens": a.prompt_tokens, "gpu_memory_gb": a.gpu_memory_gb,

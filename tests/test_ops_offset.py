@@ -111,7 +111,10 @@ def test_fused_offset_ops_refuse_bad_input_by_name():
         ((key.transpose(1, 2).contiguous().transpose(1, 2), pos, off), {}, "contiguous last dimension"),
         ((key, pos.float(), off), {}, "pos must be an int32 or int64 tensor"),
         ((key, pos[:2], off), {}, r"pos must be an int32 or int64 tensor \[3\]"),
-        ((key, pos, off), {"sign": 0}, "sign must be -1"),
+        ((key, pos, off), {"sign": 0}, "sign must be the int -1"),
+        ((key, pos, off), {"sign": True}, "sign must be the int -1"),
+        ((key, pos, off), {"sign": -1.0}, "sign must be the int -1"),
+        ((None, pos, off), {}, "key must be a tensor, got NoneType"),
         ((key, pos, "offset"), {}, "offset must be a kvrepro.formats.offset.RopeMean"),
         ((key, torch.tensor([0, 1, 1 << 24], device=DEV), off), {"validate": True}, r"pos values must be in \[0, 2\^24\)"),
         ((key, torch.tensor([0, -1, 2], device=DEV), off), {"validate": True}, r"min -1"),
@@ -120,7 +123,23 @@ def test_fused_offset_ops_refuse_bad_input_by_name():
             rope_offset(*args, **kw)
     with pytest.raises(ValueError, match="Hq a multiple of num_kv_heads=2"):
         rope_terms(torch.zeros(1, 3, 64, dtype=torch.bfloat16, device=DEV), off)
+    with pytest.raises(ValueError, match="query must be a tensor, got NoneType"):
+        rope_terms(None, off)
     meta = RopeMean(2, 64, {"rope_theta": 1e6, "neox": True}).to("meta")
-    with pytest.raises(ValueError, match="the offset's buffers are on meta"):
+    with pytest.raises(ValueError, match=f"key is on {DEV.type}.*, the offset's buffers on meta"):
         rope_offset(key, pos, meta)
+    with pytest.raises(ValueError, match=f"query is on {DEV.type}.*, the offset's buffers on meta"):
+        rope_terms(key, meta)
+    with pytest.raises(ValueError, match="pos is on meta"):
+        rope_offset(key, pos.to("meta"), off)
     assert math.isfinite(rope_offset(key, pos, off).float().sum().item())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU tensor where Triton compiles: the GPU machine's case")
+def test_fused_offset_ops_name_their_argument_on_the_cpu_without_the_interpreter(monkeypatch):
+    off = _offset()
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="key is on cpu: kvrepro's Triton kernels need CUDA tensors"):
+        rope_offset(torch.zeros(1, 2, 64), torch.zeros(1, dtype=torch.int64), off)
+    with pytest.raises(ValueError, match="query is on cpu: kvrepro's Triton kernels need CUDA tensors"):
+        rope_terms(torch.zeros(1, 2, 64), off)

@@ -30,7 +30,10 @@ def test_check_config_defaults_and_errors():
                      ({"request_rates": "0"}, "request_rates"), ({"request_rates": "fast"}, "request_rates"),
                      ({"goodput": ["tpot=50"]}, "NAME:MILLISECONDS"), ({"goodput": ["latency:5"]}, "allowed: ttft"),
                      ({"goodput": ["tpot:-1"]}, "tpot must be"), ({"gpu_memory_gb": 0}, "gpu_memory_gb"),
-                     ({"block_size": 8}, "block_size"), ({"rates": 1}, "unknown serve-bench setting")):
+                     ({"block_size": 8}, "block_size"), ({"rates": 1}, "unknown serve-bench setting"),
+                     ({"request_rates": "0.5,0.50,5e-1"}, "names a rate more than once"),
+                     ({"request_rates": "1e400"}, "request_rates"), ({"gpu_memory_gb": math.inf}, "gpu_memory_gb"),
+                     ({"goodput": ["tpot:50", "tpot:100"]}, "tpot is given more than once")):
         with pytest.raises(ValueError, match=msg):
             sb.check_config(bad)
 
@@ -167,9 +170,13 @@ def test_read_results(tmp_path):
     p = tmp_path / "s.json"
     p.write_text(json.dumps({"workload": {}, "runs": [_run("fp8", "0.25", 1, 1, 1, 1)]}))
     assert sb.read_results([p])[0]["source_file"] == str(p)
-    (tmp_path / "bad.json").write_text("{}")
-    with pytest.raises(ValueError, match="no 'runs' list"):
-        sb.read_results([tmp_path / "bad.json"])
+    for text, msg in (("{}", "no 'runs' list"), ('{"runs": []}', "or an empty one"), ("{", "bad.json: .*not JSON")):
+        (tmp_path / "bad.json").write_text(text)
+        with pytest.raises(ValueError, match=msg):
+            sb.read_results([tmp_path / "bad.json"])
+    # a run recorded without its preemption count shows a blank cell, not an error
+    md = sb.table_markdown(sb.serve_table([dict(_run("fp8", "0.25", 1, 1, 1, 1), preemptions=None)]))
+    assert "| fp8 | vllm-auto | 0.25 |" in md and "|  |  |  | 1.000 | 1.00x |" in md
 
 
 def test_usage_only_tokenizer_is_truthy_and_never_tokenizes():
@@ -183,6 +190,7 @@ def test_usage_only_tokenizer_is_truthy_and_never_tokenizes():
     (["--modes", "fp16"], "modes: "), (["--request-rates", "-1"], "request_rates"),
     (["--goodput", "tpot"], "NAME:MILLISECONDS"), (["--input-min", "0"], "input_min must be"),
     (["--out", "/nonexistent/s.json"], "its folder does not exist"),
+    (["--request-rates", "0.5,0.5"], "names a rate more than once"), (["--gpu-memory-gb", "inf"], "gpu_memory_gb"),
 ])
 def test_script_refuses_bad_arguments_naming_them(args, msg):
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "serve_bench.py"), *args], capture_output=True,
@@ -391,6 +399,11 @@ def test_slo_goodput_by_hand_and_against_vllms_own_goodput():
             sb.slo_goodput(res, bad)
     with pytest.raises(ValueError, match="per-request lists"):
         sb.slo_goodput({"duration": 1.0, "ttfts": [0.1], "itls": [[0.1]]}, {"tpot": 50})
+    with pytest.raises(ValueError, match=r"duration \(s > 0\)"):
+        sb.slo_goodput(dict(res, duration=-4.0), {"tpot": 50})
+    for bad in ("50", None, True):
+        with pytest.raises(ValueError, match="each must be a number of ms"):
+            sb.slo_goodput(res, {"tpot": bad})
     # the committed runs: the same SLOs recount vLLM's own request_goodput exactly
     root = Path(__file__).resolve().parents[1] / "results" / "serve"
     checked = 0

@@ -181,6 +181,8 @@ def test_script_settings_and_engine_arguments(tmp_path):
     (["--mode", "fp8", "--fa-max-splits", "0"], "--fa-max-splits must be an integer >= 1"),
     (["--mode", "fp8:triton_attn", "--fa-max-splits", "2"], "mode fp8:triton_attn runs on TRITON_ATTN"),
     (["--mode", "kvrepro:k4v4", "--fa-max-splits", "2"], "--fa-max-splits applies to FlashAttention"),
+    (["--mode", "fp8", "--fa-max-splits", "2", "--cudagraph-mode", "PIECEWISE"], "under full CUDA graphs only"),
+    (["--gpu-memory-gb", "inf"], "--gpu-memory-gb must be a finite number"),
 ])
 def test_script_refuses_bad_arguments_naming_them(args, msg):
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "step_profile.py"), *args], capture_output=True,

@@ -41,20 +41,21 @@ def check_pool(pool: torch.Tensor, layout: PageLayout, triton: bool = True) -> t
     return pool.shape[0], pool.shape[1]
 
 
-def check_triton_device(device: torch.device) -> None:
+def check_triton_device(device: torch.device, name: str = "pool") -> None:
     """Raise ``ValueError`` unless kvrepro's Triton kernels can read tensors on ``device``: compiled kernels take CUDA
     tensors only; tensors elsewhere run only under Triton's interpreter (``TRITON_INTERPRET=1`` before triton is
     imported), without which the launch fails deep in the launcher with an unnamed "Pointer argument ... cannot be
     accessed from Triton (cpu tensor?)". Every wrapper that launches a kernel on a pool calls it (via
-    :func:`check_pool`); the other tensors are checked against the pool's device."""
+    :func:`check_pool`); the other tensors are checked against the pool's device. ``name``: the argument whose device
+    the message names."""
     if device.type == "cuda":
         return
     import triton
 
     if not triton.knobs.runtime.interpret:
-        raise ValueError(f"pool is on {device}: kvrepro's Triton kernels need CUDA tensors (every tensor on the pool's "
-                         "device); tensors on the CPU run only under Triton's interpreter, TRITON_INTERPRET=1 set "
-                         "before triton is imported")
+        raise ValueError(f"{name} is on {device}: kvrepro's Triton kernels need CUDA tensors (every tensor on the "
+                         f"{name}'s device); tensors on the CPU run only under Triton's interpreter, TRITON_INTERPRET=1 "
+                         "set before triton is imported")
 
 
 def check_rotation(rotation: torch.Tensor, layout: PageLayout, device: torch.device) -> None:

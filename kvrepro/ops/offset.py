@@ -15,13 +15,16 @@ KEY_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_POSITION = 1 << 24    # RopeMean.angles: a position times a float32 frequency is exact in float64 below it
 
 
-def _check_offset(off, device: torch.device) -> None:
+def _check_offset(off, name: str, x) -> None:
+    """``x`` (the argument ``name``) a tensor on the device of ``off``'s buffers, where Triton can launch."""
     if not isinstance(off, RopeMean):
         raise ValueError(f"offset must be a kvrepro.formats.offset.RopeMean, got {type(off).__name__}")
-    if off.bias.device != device:
-        raise ValueError(f"the offset's buffers are on {off.bias.device}, the tensors on {device} "
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{name} must be a tensor, got {type(x).__name__}")
+    if off.bias.device != x.device:
+        raise ValueError(f"{name} is on {x.device}, the offset's buffers on {off.bias.device} "
                          "(RopeMean.to(device) moves them)")
-    check_triton_device(device)
+    check_triton_device(x.device, name)
 
 
 def rope_offset(key: torch.Tensor, pos: torch.Tensor, offset: RopeMean, sign: int = -1,
@@ -43,18 +46,19 @@ def rope_offset(key: torch.Tensor, pos: torch.Tensor, offset: RopeMean, sign: in
 
     Raises:
         ValueError: naming the argument: a key of another shape or dtype or a non-contiguous last dimension,
-            positions not int ``[n]`` or (checked) outside ``[0, 2^24)``, ``sign`` not +1 / -1, an offset that is not a
-            ``RopeMean`` or lives on another device, a CPU key without Triton's interpreter.
+            positions not int ``[n]`` or (checked) outside ``[0, 2^24)``, ``sign`` not the int +1 / -1, an offset that is
+            not a ``RopeMean``, a key or positions on another device than its buffers, a CPU key without Triton's
+            interpreter.
     """
-    _check_offset(offset, key.device if isinstance(key, torch.Tensor) else torch.device("cpu"))
+    _check_offset(offset, "key", key)
     n = check_rows("key", key, offset.num_kv_heads, offset.head_dim)
     if key.dtype not in KEY_DTYPES or key.stride(-1) != 1:
         raise ValueError(f"key must be bfloat16, float16 or float32 with a contiguous last dimension, got "
                          f"{described(key)}")
     check_positions(pos, n)
     offset.check_device(pos=pos)
-    if sign not in (-1, 1):
-        raise ValueError(f"sign must be -1 (remove) or +1 (restore), got {sign!r}")
+    if isinstance(sign, bool) or not isinstance(sign, int) or sign not in (-1, 1):
+        raise ValueError(f"sign must be the int -1 (remove) or +1 (restore), got {sign!r}")
     if want_checks(validate, key.device) and n and (int(pos.min()) < 0 or int(pos.max()) >= MAX_POSITION):
         raise ValueError(f"pos values must be in [0, 2^24), got min {int(pos.min())}, max {int(pos.max())}")
     out = torch.empty_like(key, memory_format=torch.contiguous_format)
@@ -74,11 +78,11 @@ def rope_terms(query: torch.Tensor, offset: RopeMean) -> torch.Tensor:
     ``rope_bias`` terms of ``kvrepro.ops.decode_attention``), one launch.
 
     Raises:
-        ValueError: a query of another shape (Hq not a multiple of num_kv_heads) or dtype, a non-contiguous last
-            dimension, an offset that is not a ``RopeMean`` or lives on another device, a CPU query without Triton's
-            interpreter.
+        ValueError: a query that is not a tensor, of another shape (Hq not a multiple of num_kv_heads) or dtype, a
+            non-contiguous last dimension, an offset that is not a ``RopeMean``, a query on another device than its
+            buffers, a CPU query without Triton's interpreter.
     """
-    _check_offset(offset, query.device if isinstance(query, torch.Tensor) else torch.device("cpu"))
+    _check_offset(offset, "query", query)
     h = offset.num_kv_heads
     if query.dim() != 3 or query.shape[2] != offset.head_dim or query.shape[1] < h or query.shape[1] % h \
             or query.dtype not in KEY_DTYPES or query.stride(-1) != 1:
