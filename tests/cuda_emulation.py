@@ -319,20 +319,22 @@ def _fma32(a, b, c):
     return (np.float64(a) * np.float64(b) + np.float64(c)).astype(np.float32)
 
 
-def tf32_rna(x) -> np.ndarray:
-    """``cvt.rna.tf32.f32``: float32 rounded to 10 mantissa bits, ties away from zero (as uint32 bit patterns)."""
-    bits = np.asarray(x, np.float32).view(np.uint32)
-    return ((bits + np.uint32(0x1000)) & np.uint32(0xFFFFE000)).astype(np.uint32)
-
-
 def _f(bits) -> np.ndarray:
     return np.asarray(bits, np.uint32).view(np.float32)
 
 
-def rope_sincos(a, lo=0.0) -> tuple[np.ndarray, np.ndarray]:
+# __sinf / __cosf (MUFU.SIN / MUFU.COS): absolute error <= 2^-21.41 / 2^-21.19 on [-pi, pi] (CUDA C++ Programming
+# Guide, intrinsic functions). The hardware's approximation is not known bit for bit; rope_sincos models it as the
+# correctly rounded value moved by that bound (``mufu_err``), so the tests' bounds hold for the worst case it allows.
+MUFU_SIN_ERR, MUFU_COS_ERR = 2.0 ** -21.41, 2.0 ** -21.19
+
+
+def rope_sincos(a, lo=0.0, mufu_err: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
     """The kernel's ``rope_sincos`` on float32 angles ``a`` (>= 0) plus their float32 remainders ``lo`` (the angle is
     ``a + lo``): ``(sin, cos)`` float32, operation by operation (rintf, three FMAs of the pi / 2 reduction, the add of
-    ``lo``, the Cephes polynomials, the quadrant)."""
+    ``lo``, the quadrant); the hardware sine / cosine of the remainder as float64's rounded to float32, plus
+    ``mufu_err`` times their documented error bounds (``MUFU_SIN_ERR``, ``MUFU_COS_ERR``; +1 / -1: the worst case
+    in either direction)."""
     f = np.float32
     a = np.asarray(a, np.float32)
     k = np.rint(a * f(0.636619772367581343)).astype(np.float32)   # rintf: ties to even, as np.rint
@@ -340,76 +342,92 @@ def rope_sincos(a, lo=0.0) -> tuple[np.ndarray, np.ndarray]:
     r = _fma32(-k, f(4.838267923332751e-4), r)
     r = (_fma32(-k, f(2.5632829192545614e-12), r) + np.asarray(lo, np.float32)).astype(np.float32)
     q = k.astype(np.int64)
-    r2 = (r * r).astype(np.float32)
-    ps = _fma32(_fma32(_fma32(f(-1.9515295891e-4), r2, f(8.3321608736e-3)), r2, f(-1.6666654611e-1)) * r2, r, r)
-    pc = _fma32(_fma32(_fma32(f(2.443315711809948e-5), r2, f(-1.388731625493765e-3)), r2,
-                       f(4.166664568298827e-2)) * r2, r2, _fma32(f(-0.5), r2, f(1.0)))
+    r64 = r.astype(np.float64)
+    ps = (np.sin(r64) + mufu_err * MUFU_SIN_ERR).astype(np.float32)
+    pc = (np.cos(r64) + mufu_err * MUFU_COS_ERR).astype(np.float32)
     sn, cs = np.where(q & 1, pc, ps), np.where(q & 1, ps, pc)
     return np.where(q & 2, -sn, sn).astype(np.float32), np.where((q + 1) & 2, -cs, cs).astype(np.float32)
 
 
-def mma_tf32_k4(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
-    """m16n8k4 row.col tf32 -> f32: a [32, 2], b [32] uint32 (tf32 bit patterns), c [32, 4] -> c + A B (float64; the
-    tensor core's float32 accumulation is not emulated). a0 = (row g, col tq), a1 = (g + 8, tq), b0 = (row tq, col g)."""
-    A, B = np.zeros((16, 4)), np.zeros((4, 8))
+def f16_split(x) -> tuple[np.ndarray, np.ndarray]:
+    """The kernel's ``split_f16x2``: float32 ``x`` -> float16 ``hi`` = x rounded to nearest even and ``lo`` = (x - hi)
+    rounded the same way (the float32 difference is exact), so ``|x - hi - lo| <= 2^-22 |x|`` while ``x - hi`` is a
+    normal float16, and <= 2^-25 absolute below it."""
+    x = np.asarray(x, np.float32)
+    hi = x.astype(np.float16)
+    return hi, (x - hi.astype(np.float32)).astype(np.float16)
+
+
+def mma_f16_k16(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """m16n8k16 row.col f16 -> f32 on float16 values: a [32, 4, 2] (a0 = row g, a1 = row g + 8 at k = 2 tq, 2 tq + 1;
+    a2, a3 the same rows at k + 8), b [32, 2, 2] (b0: k = 2 tq, 2 tq + 1; b1: k + 8; column g), c [32, 4] -> c + A B
+    (float64: the float16 products are exact; the tensor core's float32 accumulation is not emulated)."""
+    A, B = np.zeros((16, 16)), np.zeros((16, 8))
     for t in range(32):
         g, q = t // 4, t % 4
-        A[g, q], A[g + 8, q] = _f(a[t, 0]), _f(a[t, 1])
-        B[q, g] = _f(b[t])
+        for i in range(4):
+            A[g + 8 * (i % 2), 2 * q + 8 * (i // 2): 2 * q + 8 * (i // 2) + 2] = a[t, i]
+        B[2 * q: 2 * q + 2, g], B[8 + 2 * q: 8 + 2 * q + 2, g] = b[t, 0], b[t, 1]
     return c + _c_fragments(A @ B)
 
 
-def _sincos_of_product(t, fr) -> tuple[np.ndarray, np.ndarray]:
+def _sincos_of_product(t, fr, mufu_err: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
     """``rope_sincos`` of the exact product ``t x fr`` (float32 operands): the ``__fmul_rn`` rounding plus the
     ``__fmaf_rn`` remainder, as the kernel takes every angle."""
     t, fr = np.asarray(t, np.float32), np.asarray(fr, np.float32)
     a = (t * fr).astype(np.float32)                                     # float32 product: one rounding
-    return rope_sincos(a, _fma32(t, fr, -a))                            # the remainder: exact in one FMA
+    return rope_sincos(a, _fma32(t, fr, -a), mufu_err)                  # the remainder: exact in one FMA
 
 
-def rope_shared(terms: np.ndarray, freq: np.ndarray, rope_scale: float, b: int, kvh: int, group: int) -> tuple:
-    """What warp 0 puts in the kernel's ``rope_s`` (``rope_setup``), as ``(tab, ab, fr)``: ``tab`` [4, 32, 4] uint32,
-    block ``2 blk + pp``, lane (g, tq): TF32 (hi_g, hi_g+8, lo_g, lo_g+8) of cos (blk 0) / sin (blk 1) of ``t x
-    theta`` for t = g, g + 8 and pair tq + 4 pp; ``ab`` [2, 32, 2] float32: (A, B) of head g, pair tq + 4 pp, times
-    ``rope_scale`` in float32 (heads past ``group`` 0); ``fr`` [2, 32] float32: that pair's frequency. ``terms``
-    float32 [B, Hq, 2 RPAIRS] (A then B), ``freq`` float32 [Hkv, RPAIRS]."""
+def rope_scale_pow2(m: float) -> tuple[np.float32, np.float32]:
+    """rope_setup's power-of-two scale of the coefficients: the largest ``|A|, |B|`` of the CTA, ``m``, to [2^12,
+    2^13) (e = m's float32 exponent, clamped to [-110, 127]); returns ``(scale, 1 / scale)``, both exact powers of 2."""
+    bits = int(np.float32(m).view(np.uint32))
+    e = min(max(((bits >> 23) & 255) - 127, -110), 127)
+    return np.float32(2.0 ** (12 - e)), np.float32(2.0 ** (e - 12))
+
+
+def rope_shared(terms: np.ndarray, freq: np.ndarray, rope_scale: float, b: int, kvh: int, group: int,
+                mufu_err: float = 0.0) -> tuple:
+    """What warp 0 puts in the kernel's ``rope_s`` (``rope_setup``), as ``(tab, ab, fr, inv)``: ``tab`` [2, 32, 4, 2]
+    float16: (hi, lo) x lane (g, tq) x the m16n8k16 A fragments (cos of t theta at t = g, g + 8, then sin at g, g + 8)
+    x pairs (2 tq, 2 tq + 1); ``ab`` [32, 4] float32: (A, B of pair 2 tq, A, B of pair 2 tq + 1) of head g times
+    ``rope_scale`` in float32 (heads past ``group`` 0), times the CTA's power-of-two scale (``rope_scale_pow2``);
+    ``fr`` [32, 2] float32: the two pairs' frequencies; ``inv``: 1 / the scale. ``terms`` float32 [B, Hq, 2 RPAIRS]
+    (A then B), ``freq`` float32 [Hkv, RPAIRS]; ``mufu_err``: rope_sincos's."""
     hq = terms.shape[1]
     rows = terms.reshape(-1, 2 * RPAIRS)
-    tab = np.zeros((4, 32, 4), np.uint32)
-    ab = np.zeros((2, 32, 2), np.float32)
-    fr = np.zeros((2, 32), np.float32)
+    tab = np.zeros((2, 32, 4, 2), np.float16)
+    ab = np.zeros((32, 4), np.float32)
+    fr = np.zeros((32, 2), np.float32)
     for lane in range(32):
         g, tq = lane // 4, lane % 4
-        for pp in range(2):
-            f = freq[kvh, tq + 4 * pp]
-            fr[pp, lane] = f
-            sn, cs = _sincos_of_product([g, g + 8], [f, f])
-            for blk, x in enumerate((cs, sn)):
-                hi = tf32_rna(x)
-                tab[2 * blk + pp, lane] = (*hi, *tf32_rna(x - _f(hi)))
-            if g < group:
-                row = rows[b * hq + kvh * group + g]
-                ab[pp, lane] = (row[tq + 4 * pp] * np.float32(rope_scale), row[RPAIRS + tq + 4 * pp] * np.float32(rope_scale))
-    return tab, ab, fr
+        f = freq[kvh, 2 * tq: 2 * tq + 2].astype(np.float32)
+        fr[lane] = f
+        sn, cs = _sincos_of_product([g, g, g + 8, g + 8], np.tile(f, 2), mufu_err)      # [t, pair]: (g, 2tq), (g, 2tq+1), ..
+        for i, x in enumerate((cs[:2], cs[2:], sn[:2], sn[2:])):
+            tab[0, lane, i], tab[1, lane, i] = f16_split(x)
+        if g < group:
+            row = rows[b * hq + kvh * group + g]
+            s = np.float32(rope_scale)
+            ab[lane] = (row[2 * tq] * s, row[RPAIRS + 2 * tq] * s, row[2 * tq + 1] * s, row[RPAIRS + 2 * tq + 1] * s)
+    sc, inv = rope_scale_pow2(np.abs(ab).max())
+    return tab, (ab * sc).astype(np.float32), fr, inv
 
 
-def rope_add(pos0: int, shared: tuple) -> np.ndarray:
+def rope_add(pos0: int, shared: tuple, mufu_err: float = 0.0) -> np.ndarray:
     """The kernel's ``rope_add`` for the page whose first token is at ``pos0``, from ``rope_shared``'s tuple: the
     correction's C fragments [32, 4] (rows g, g + 8 = tokens pos0 + g, + 8; heads 2 tq, 2 tq + 1), lane by lane: sin / cos
     of the exact angle ``pos0 x theta`` (``_sincos_of_product``), the coefficients turned by it in float32 (``A' =
-    fma(A, cos, B sin)``, ``B' = fma(B, cos, -(A sin))``), their 3xTF32 split and the m16n8k4 MMAs with the table in the
-    kernel's order."""
-    tab, ab, fr = shared
-    c = np.zeros((32, 4))
-    for pp in range(2):
-        sn, cs = _sincos_of_product(np.full(32, pos0, np.float32), fr[pp])
-        A, B = ab[pp, :, 0], ab[pp, :, 1]
-        turned = (_fma32(A, cs, (B * sn).astype(np.float32)), _fma32(B, cs, -(A * sn).astype(np.float32)))
-        for blk, x in enumerate(turned):
-            hi = tf32_rna(x)
-            lo = tf32_rna(x - _f(hi))
-            t = tab[2 * blk + pp]
-            c = mma_tf32_k4(t[:, 2:], hi, c)     # the table's lo x hi, the table's hi x lo, then hi x hi
-            c = mma_tf32_k4(t[:, :2], lo, c)
-            c = mma_tf32_k4(t[:, :2], hi, c)
-    return c
+    fma(A, cos, B sin)``, ``B' = fma(B, cos, -(A sin))``), their float16 hi / lo split and the m16n8k16 MMAs with the
+    table in the kernel's order (table hi x coefficients lo, lo x hi, hi x hi), times 1 / the scale; ``mufu_err``:
+    rope_sincos's."""
+    tab, ab, fr, inv = shared
+    sn, cs = _sincos_of_product(np.full((32, 2), pos0, np.float32), fr, mufu_err)  # [lane, pair]
+    A, B = ab[:, 0::2], ab[:, 1::2]                                             # [lane, pair]
+    turned = np.stack([_fma32(A, cs, (B * sn).astype(np.float32)), _fma32(B, cs, -(A * sn).astype(np.float32))], 1)
+    hi, lo = f16_split(turned)                                                  # [lane, (A', B'), pair]
+    c = mma_f16_k16(tab[0], lo, np.zeros((32, 4)))
+    c = mma_f16_k16(tab[1], hi, c)
+    c = mma_f16_k16(tab[0], hi, c)
+    return c * np.float64(inv)

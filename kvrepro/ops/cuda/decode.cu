@@ -246,82 +246,73 @@ __device__ __forceinline__ uint32_t pack_f16x2(float lo, float hi) {
 // pairs of the KV head (A, B per query head from the caller, times softmax_scale x log2 e as the Triton path's
 // rb_scale). Angle addition, as the Triton kernel: a page's keys are j = n0 + t, t < 16, so c_j = sum_i A'_i cos(t
 // theta_i) + B'_i sin(t theta_i) with (A', B') the coefficients turned by n0 theta_i (A' = A cos + B sin, B' = B cos -
-// A sin of n0 theta_i). c of one page is then the GEMM C[16 tokens][8 heads] = CS[16][2 x 8] AB'[2 x 8][8] of the
-// fixed table of cos / sin(t theta_i) (computed once per CTA) with the turned coefficients, whose accumulator fragment
-// is the key logits' own (rows g, g + 8, heads 2 tq, 2 tq + 1), so TF32 MMAs (mma.m16n8k4, one k4 block per half of
-// the pairs and cos / sin) add it into them. Lane (g, tq) holds the B fragment of head g, pairs tq and tq + 4, so a
-// page costs it one sine and one cosine per pair half (2 angles; the angle of every key would be 4). Float32 accuracy
-// from TF32 operands by the 3xTF32
-// split (x = hi + lo, both TF32, rna: |x - hi - lo| <= 2^-22 |x|; hi hi + hi lo + lo hi, the lo lo term < 2^-22 of the
-// product; after NVIDIA CUTLASS's 3xTF32 GEMMs).
+// A sin of n0 theta_i). c of one page is then the GEMM C[16 tokens][8 heads] = CS[16][16] AB'[16][8] of the fixed
+// table of cos / sin(t theta_i) (computed once per CTA; k = i: cos of pair i, k = 8 + i: sin) with the turned
+// coefficients, whose accumulator fragment is the key logits' own (rows g, g + 8, heads 2 tq, 2 tq + 1), so one
+// float16 mma.m16n8k16 per operand part adds it. Lane (g, tq) holds the B fragment of head g, pairs 2 tq and 2 tq + 1,
+// so a page costs it two angles (the angle of every key would be 4). Float32 accuracy from float16 operands by a
+// three-product split (x = hi + lo, both float16 round-to-nearest: |x - hi - lo| <= 2^-22 |x| while x - hi is a normal
+// float16; hi hi + hi lo + lo hi, the lo lo term ~2^-22 of the product, as CUTLASS's 3xTF32 GEMMs do with TF32), the
+// coefficients first scaled by a power of two (rope_setup) into float16's range: the CTA's largest to [2^12, 2^13).
 constexpr int RPAIRS = 8;  // kvrepro.formats.offset.MAX_PAIRS
-__device__ __forceinline__ uint32_t tf32_rna(float x) {
-  uint32_t y;
-  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(y) : "f"(x));
-  return y;
-}
-// D (f32) += A (16x4 tf32) * B (4x8 tf32): a0 = (row g, col tq), a1 = (g + 8, tq), b0 = (row tq, col g)
-__device__ __forceinline__ void mma_tf32_k4(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t b0) {
-  asm("mma.sync.aligned.m16n8k4.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(b0));
+// x, y -> float16 hi = (x, y) rounded to nearest and lo = (x - hi, y - hi) rounded so, as half2 words (x low)
+__device__ __forceinline__ void split_f16x2(float x, float y, uint32_t& hi, uint32_t& lo) {
+  hi = pack_f16x2(x, y);
+  const float2 h = __half22float2(*reinterpret_cast<const __half2*>(&hi));
+  lo = pack_f16x2(x - h.x, y - h.y);  // exact float32 differences
 }
 // sin and cos of the exact angle a + lo = j theta >= 0 (a = the float32 product, lo its rounding error, both from
-// rope_add and rope_setup): a - k pi / 2 by three FMAs (Cody-Waite: pi / 2 = 1.5703125 + C2 + C3, the first with 8 significant bits,
-// so that a - k 1.5703125 is exact for every a below 2^20, i.e. positions up to ~1M at theta 1;
-// tests/cuda_emulation.py checks it), plus lo, then the Cephes single-precision minimax polynomials of sinf / cosf on
-// [-pi / 4, pi / 4] (S. L. Moshier, Cephes Math Library) and the quadrant k mod 4. Absolute error ~1e-7, as the
-// Triton kernel's float64 reduction followed by a float32 cosine (RopeMean.angles: the exact product).
+// rope_add and rope_setup): a - k pi / 2 by three FMAs (Cody-Waite: pi / 2 = 1.5703125 + C2 + C3, the first with 8
+// significant bits, so that a - k 1.5703125 is exact for every a below 2^20, i.e. positions up to ~1M at theta 1;
+// tests/cuda_emulation.py checks it), plus lo, then the hardware's sine and cosine (__sinf / __cosf: MUFU; absolute
+// error <= 2^-21.41 / 2^-21.19 on [-pi, pi], CUDA C++ Programming Guide, intrinsic functions; the remainder is in
+// [-pi / 4, pi / 4]) and the quadrant k mod 4. Absolute error ~5e-7 at any angle below 2^20 rad (Cephes polynomials
+// instead cost ~10% more time per *_rope kernel on the H200 for ~2.5e-7).
 __device__ __forceinline__ void rope_sincos(float a, float lo, float& s, float& c) {
   const float k = rintf(a * 0.636619772367581343f);
   float r = fmaf(-k, 1.5703125f, a);
   r = fmaf(-k, 4.838267923332751e-4f, r);
   r = fmaf(-k, 2.5632829192545614e-12f, r) + lo;
   const int q = (int)k;
-  const float r2 = r * r;
-  const float ps = fmaf(fmaf(fmaf(-1.9515295891e-4f, r2, 8.3321608736e-3f), r2, -1.6666654611e-1f) * r2, r, r);
-  const float pc = fmaf(fmaf(fmaf(2.443315711809948e-5f, r2, -1.388731625493765e-3f), r2, 4.166664568298827e-2f) * r2,
-                        r2, fmaf(-0.5f, r2, 1.0f));
+  const float ps = __sinf(r), pc = __cosf(r);
   const float sn = (q & 1) ? pc : ps, cs = (q & 1) ? ps : pc;  // sin / cos (r + q pi / 2)
   s = (q & 2) ? -sn : sn;
   c = ((q + 1) & 2) ? -cs : cs;
 }
-// What warp 0 puts in shared memory for every warp of the CTA (rope_sm, uint4 units):
-// [0, 128): the table's TF32 A fragments, block (blk, pp) at (2 blk + pp) x 32 + lane: (hi, lo) of cos (blk 0) or sin
-//   (blk 1) of t theta for t = g, g + 8 and pair tq + 4 pp, as (hi_g, hi_g+8, lo_g, lo_g+8); the angle t theta is the
-//   exact product (float32 rounding plus its error, one FMA), as RopeMean.angles;
-// [128, 160): float2 (A, B) x rope_scale of head g (0 past the group), pair tq + 4 pp at pp x 32 + lane;
-// [160, 176): float f of pair tq + 4 pp at pp x 32 + lane, the pairs' frequencies (per pair half: fewer live registers).
+// What warp 0 puts in shared memory for every warp of the CTA (rope_sm, uint4 units), lane (g, tq) at + lane:
+// [0, 32): the table's float16 hi A fragments (a0, a1, a2, a3) = (cos, cos, sin, sin) of t theta for t = g, g + 8,
+//   g, g + 8, each word pairs 2 tq and 2 tq + 1; the angle t theta is the exact product (float32 rounding plus its
+//   error, one FMA), as RopeMean.angles;
+// [32, 64): the same fragments' lo parts;
+// [64, 96): float4 (A, B of pair 2 tq, A, B of pair 2 tq + 1) x rope_scale x the CTA's power-of-two scale, head g
+//   (0 past the group);
+// [96, 112): float2 frequencies of pairs 2 tq, 2 tq + 1;
+// [112]: float 1 / the power-of-two scale (x).
 // terms row of head h: rope_terms + (b Hq + kvh group + h) 2 RPAIRS (A_0..7, B_0..7).
 // Written by rope_setup (below the namespace), read by rope_add.
-constexpr int ROPE_SM_UINT4 = 176;
+constexpr int ROPE_SM_UINT4 = 113;
 // s[0..3] (tokens n0 + g, n0 + g + 8; heads 2 tq, 2 tq + 1) += c of those keys, n0 = pos0 the page's first position:
-// lane (g, tq) turns head g's coefficients of pairs tq and tq + 4 by n0 theta (the exact product, as rope_setup's
-// angles), splits them into TF32 hi / lo and multiplies the table (rope_setup): one k4 block per pair half and cos /
-// sin (mma.m16n8k4, the small products first, then the large one; one add to the logits).
+// lane (g, tq) turns head g's coefficients of pairs 2 tq, 2 tq + 1 by n0 theta (the exact product, as rope_setup's
+// angles), splits them into float16 hi / lo and multiplies the table: the small products first, then the large one.
 __device__ __forceinline__ void rope_add(float (&s)[4], int pos0, const uint4* rope_sm, int lane) {
   const float n0 = (float)pos0;
+  const float2 fr = reinterpret_cast<const float2*>(rope_sm + 96)[lane];
+  const float4 ab = reinterpret_cast<const float4*>(rope_sm + 64)[lane];
+  float sn0, cs0, sn1, cs1;
+  const float a0 = __fmul_rn(n0, fr.x), a1 = __fmul_rn(n0, fr.y);
+  rope_sincos(a0, __fmaf_rn(n0, fr.x, -a0), sn0, cs0);
+  rope_sincos(a1, __fmaf_rn(n0, fr.y, -a1), sn1, cs1);
+  uint32_t bh0, bl0, bh1, bl1;  // b0: A' of pairs 2 tq, 2 tq + 1 (k = 2 tq, + 1); b1: B' (k = 8 + 2 tq, + 1)
+  split_f16x2(__fmaf_rn(ab.x, cs0, __fmul_rn(ab.y, sn0)), __fmaf_rn(ab.z, cs1, __fmul_rn(ab.w, sn1)), bh0, bl0);
+  split_f16x2(__fmaf_rn(ab.y, cs0, -__fmul_rn(ab.x, sn0)), __fmaf_rn(ab.w, cs1, -__fmul_rn(ab.z, sn1)), bh1, bl1);
+  const uint4 th = rope_sm[lane], tl = rope_sm[32 + lane];
   float c[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll 1                       // rolled: one pair's values live at a time (unrolled, k8v4_rope spilled on sm_90)
-  for (int pp = 0; pp < 2; ++pp) {     // pair tq, then tq + 4
-    const float fr = reinterpret_cast<const float*>(rope_sm + 160)[pp * 32 + lane];
-    float sn, cs;
-    const float a = __fmul_rn(n0, fr);
-    rope_sincos(a, __fmaf_rn(n0, fr, -a), sn, cs);
-    const float2 ab = reinterpret_cast<const float2*>(rope_sm + 128)[pp * 32 + lane];
-    const float A = ab.x, B = ab.y;
-    const float turned[2] = {__fmaf_rn(A, cs, __fmul_rn(B, sn)), __fmaf_rn(B, cs, -__fmul_rn(A, sn))};  // A', B'
+  hmma(c, th.x, th.y, th.z, th.w, bl0, bl1);
+  hmma(c, tl.x, tl.y, tl.z, tl.w, bh0, bh1);
+  hmma(c, th.x, th.y, th.z, th.w, bh0, bh1);
+  const float inv = reinterpret_cast<const float*>(rope_sm + 112)[0];
 #pragma unroll
-    for (int blk = 0; blk < 2; ++blk) {  // cos (A'), sin (B')
-      const uint32_t hi = tf32_rna(turned[blk]), lo = tf32_rna(turned[blk] - __uint_as_float(hi));
-      const uint4 t = rope_sm[(2 * blk + pp) * 32 + lane];
-      mma_tf32_k4(c, t.z, t.w, hi);
-      mma_tf32_k4(c, t.x, t.y, lo);
-      mma_tf32_k4(c, t.x, t.y, hi);
-    }
-  }
-#pragma unroll
-  for (int e = 0; e < 4; ++e) s[e] += c[e];
+  for (int e = 0; e < 4; ++e) s[e] = __fmaf_rn(c[e], inv, s[e]);
 }
 
 // In-place unnormalized Walsh-Hadamard transform (Sylvester order) of 128 values held 4 per lane, lane l holding
@@ -392,31 +383,38 @@ namespace kvrepro_rope {
 __device__ __noinline__ void rope_setup(uint4* rope_sm, const float* __restrict__ rope_terms,
                                            const float* __restrict__ rope_freq, float rope_scale, int b, int hq,
                                            int kvh, int group, int g, int tq, int lane) {
-  const float f0 = rope_freq[kvh * RPAIRS + tq], f1 = rope_freq[kvh * RPAIRS + tq + 4];
-  const float t0 = (float)g, t1 = (float)(g + 8);
+  const float f0 = rope_freq[kvh * RPAIRS + 2 * tq], f1 = rope_freq[kvh * RPAIRS + 2 * tq + 1];
+  float sn[4], cs[4];  // [2 r + j]: token g + 8 r, pair 2 tq + j
 #pragma unroll
-  for (int pp = 0; pp < 2; ++pp) {
-    const float fr = pp ? f1 : f0;
-    float sn[2], cs[2];
-    const float a0 = __fmul_rn(t0, fr), a1 = __fmul_rn(t1, fr);
-    rope_sincos(a0, __fmaf_rn(t0, fr, -a0), sn[0], cs[0]);
-    rope_sincos(a1, __fmaf_rn(t1, fr, -a1), sn[1], cs[1]);
+  for (int r = 0; r < 2; ++r) {
+    const float t = (float)(g + 8 * r);
 #pragma unroll
-    for (int blk = 0; blk < 2; ++blk) {
-      const float* x = blk ? sn : cs;
-      const uint32_t h0 = tf32_rna(x[0]), h1 = tf32_rna(x[1]);
-      rope_sm[(2 * blk + pp) * 32 + lane] =
-          make_uint4(h0, h1, tf32_rna(x[0] - __uint_as_float(h0)), tf32_rna(x[1] - __uint_as_float(h1)));
+    for (int j = 0; j < 2; ++j) {
+      const float fr = j ? f1 : f0, a = __fmul_rn(t, fr);
+      rope_sincos(a, __fmaf_rn(t, fr, -a), sn[2 * r + j], cs[2 * r + j]);
     }
   }
+  uint32_t hi[4], lo[4];
+  split_f16x2(cs[0], cs[1], hi[0], lo[0]);
+  split_f16x2(cs[2], cs[3], hi[1], lo[1]);
+  split_f16x2(sn[0], sn[1], hi[2], lo[2]);
+  split_f16x2(sn[2], sn[3], hi[3], lo[3]);
+  rope_sm[lane] = make_uint4(hi[0], hi[1], hi[2], hi[3]);
+  rope_sm[32 + lane] = make_uint4(lo[0], lo[1], lo[2], lo[3]);
   const float* row = rope_terms + ((int64_t)b * hq + kvh * group + g) * (2 * RPAIRS);
-#pragma unroll
-  for (int pp = 0; pp < 2; ++pp) {
-    const float A = g < group ? row[tq + 4 * pp] * rope_scale : 0.f;
-    const float B = g < group ? row[RPAIRS + tq + 4 * pp] * rope_scale : 0.f;
-    reinterpret_cast<float2*>(rope_sm + 128)[pp * 32 + lane] = make_float2(A, B);
-    reinterpret_cast<float*>(rope_sm + 160)[pp * 32 + lane] = pp ? f1 : f0;
-  }
+  const bool in = g < group;
+  const float A0 = in ? row[2 * tq] * rope_scale : 0.f, B0 = in ? row[RPAIRS + 2 * tq] * rope_scale : 0.f;
+  const float A1 = in ? row[2 * tq + 1] * rope_scale : 0.f, B1 = in ? row[RPAIRS + 2 * tq + 1] * rope_scale : 0.f;
+  // the power-of-two scale: the largest |A|, |B| of the CTA to [2^12, 2^13), so a turned coefficient (<= sqrt 2 of
+  // it) stays below float16's 65504 and the split keeps 22 bits of each down to 2^-10 of the largest; exponent
+  // clamped so that the scale and its inverse are normal floats (0 coefficients: any scale)
+  float m = fmaxf(fmaxf(fabsf(A0), fabsf(B0)), fmaxf(fabsf(A1), fabsf(B1)));
+  for (int o = 16; o; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  const int e = min(max((int)((__float_as_uint(m) >> 23) & 255u) - 127, -110), 127);
+  const float sc = __uint_as_float((uint32_t)(127 + 12 - e) << 23);
+  reinterpret_cast<float4*>(rope_sm + 64)[lane] = make_float4(A0 * sc, B0 * sc, A1 * sc, B1 * sc);
+  reinterpret_cast<float2*>(rope_sm + 96)[lane] = make_float2(f0, f1);
+  if (lane == 0) reinterpret_cast<float*>(rope_sm + 112)[0] = __uint_as_float((uint32_t)(127 - 12 + e) << 23);
 }
 }  // namespace kvrepro_rope
 
