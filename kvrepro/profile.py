@@ -334,6 +334,7 @@ def profile_table(paths):
                          "mode": r.get("mode"), "backend": backend,
                          "fa_max_splits": (r.get("params") or {}).get("fa_max_splits"),
                          "src": (r.get("provenance") or {}).get("kvrepro_src_sha256"),
+                         "fatbin": (eng.get("kvrepro_settings") or {}).get("cuda_fatbin_sha256"),
                          "key_offset": (eng.get("kvrepro_settings") or {}).get("key_offset"), "users": b.get("users"),
                          "step_ms": timed.get("step_ms"), "tok_s": timed.get("tok_s"),
                          "attention_ms": m.get("attention_ms"), "gemm_ms": m.get("gemm_ms"),
@@ -344,7 +345,7 @@ def profile_table(paths):
                          "of_bound": bound["step_ms"] / timed["step_ms"] if bound and timed else None,
                          "ceiling": (bound["step_ms"] / (bound["kv_bytes"] / (gbps * 1e9) * 1e3 + m["gemm_ms"])
                                      if bound.get("kv_bytes") and gbps and m.get("gemm_ms") else None)})
-    return pd.DataFrame(rows, columns=["file", "date", "src", "mode", "backend", "fa_max_splits", "key_offset", "users", "step_ms", "tok_s",
+    return pd.DataFrame(rows, columns=["file", "date", "src", "fatbin", "mode", "backend", "fa_max_splits", "key_offset", "users", "step_ms", "tok_s",
                                        "attention_ms", "gemm_ms", "rest_ms", "idle_ms", "attention_bw", "gemm_bw",
                                        "bound_ms", "of_bound", "ceiling"])
 
@@ -376,10 +377,23 @@ def section_markdown(root: str | os.PathLike) -> str:
             "every weight and KV byte of the batch once at the copy bandwidth measured in the same process "
             "(`kvrepro.profile.decode_bound`).\n\n" + "\n".join(lines) + "\n\n" + _ceiling_text(t, tags) + "\n\n"
             + "\n".join(f"- [{i}] `{PROFILE_DIR}/{f}` ({t.loc[t['file'] == f, 'date'].iloc[0]} UTC"
-                        + formatted(t.loc[t["file"] == f, "src"].iloc[0], "; kvrepro source {:.8}") + ")"
+                        + formatted(t.loc[t["file"] == f, "src"].iloc[0], "; kvrepro source {:.8}")
+                        + _fatbin_note(t.loc[t["file"] == f, "fatbin"].iloc[0]) + ")"
                         for f, i in tags.items())
             + "\n\nProfiles of different kvrepro sources measure different code: a kvrepro mode's rest and attention "
             "compare only between files of one source (git log names what changed).")
+
+
+def _fatbin_note(sha) -> str:
+    """``"; CUDA fatbin <8 hex>"`` for a profile whose kvrepro rows decoded with the CUDA kernels, plus a warning when
+    that fatbin is not the committed one (its kernels may since have changed: ``measured_fatbins.json`` has what each
+    held); ``""`` for a file without kvrepro rows."""
+    if not isinstance(sha, str) or not sha:
+        return ""
+    from kvrepro.ops.cuda_decode import read_manifest
+    now = read_manifest().get("fatbin_sha256", "")
+    return f"; CUDA fatbin {sha:.8}" + ("" if sha == now else f", not the committed {now:.8}: measured_fatbins.json says "
+                                                           "which kernels differ")
 
 
 def _mode_label(r: dict) -> str:

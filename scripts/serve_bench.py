@@ -73,8 +73,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_of(a: argparse.Namespace) -> dict:
     """Validated settings (``servebench.check_config``); raises ValueError naming the bad parameter."""
-    if a.out is not None and not Path(a.out).resolve().parent.is_dir():
-        raise ValueError(f"--out {a.out!r}: its folder does not exist")
+    if a.out is not None:
+        out = Path(a.out)
+        if not out.resolve().parent.is_dir():
+            raise ValueError(f"--out {a.out!r}: its folder does not exist")
+        if out.is_dir():
+            raise ValueError(f"--out {a.out!r} is a folder: give the result file's path (new runs are merged into it)")
+        if out.exists():    # runs are merged into it after each mode: refuse now, not after the first mode's GPU run
+            try:
+                doc = json.loads(out.read_text(encoding="utf-8"))
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise ValueError(f"--out {a.out!r} exists and is not a serve-bench result (not JSON: {e})") from None
+            if not isinstance(doc, dict) or not isinstance(doc.get("runs"), list):
+                raise ValueError(f"--out {a.out!r} exists and is not a serve-bench result (no 'runs' list)")
     return sb.check_config({"modes": a.modes, "num_prompts": a.num_prompts, "input_min": a.input_min,
                             "input_max": a.input_max, "output_len": a.output_len, "request_rates": a.request_rates,
                             "goodput": a.goodput, "gpu_memory_gb": a.gpu_memory_gb, "max_num_seqs": a.max_num_seqs,

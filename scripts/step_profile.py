@@ -120,6 +120,8 @@ def check_args(a: argparse.Namespace) -> dict:
                              "FULL_DECODE_ONLY, FULL_AND_PIECEWISE or vLLM's default")
     if a.out is not None and not Path(a.out).resolve().parent.is_dir():
         raise ValueError(f"--out {a.out!r}: its folder does not exist")
+    if a.out is not None and Path(a.out).is_dir():
+        raise ValueError(f"--out {a.out!r} is a folder: give the result file's path")
     return {"mode": a.mode, "users": users, "prompt_tokens": a.prompt_tokens, "gpu_memory_gb": a.gpu_memory_gb,
             "steps": a.steps, "settle_steps": a.settle_steps, "max_num_seqs": a.max_num_seqs,
             "cudagraph_mode": a.cudagraph_mode, "fa_max_splits": a.fa_max_splits, "seed": a.seed, "out": a.out,

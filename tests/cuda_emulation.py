@@ -313,9 +313,11 @@ RPAIRS = 8
 
 
 def _fma32(a, b, c):
-    """float32 ``fmaf(a, b, c)``: the product and sum in float64, one rounding to float32 (exact for the kernel's
-    reduction operands: a 17-bit multiple k times a constant of <= 24 bits plus a float32 stays within 53 bits except
-    for the last, tiny C3 term, where the float64 rounding is far below float32's)."""
+    """float32 ``fmaf(a, b, c)``: the product and sum in float64, then one rounding to float32. For the reduction's
+    operands (a multiple k of up to 20 bits, angles below 2^20, times a constant of <= 24 bits, plus a float32) the
+    float64 step is exact except in the last, tiny C3 term, so this is the hardware FMA there; elsewhere (the turned
+    coefficients) the float64 rounding before the float32 one can differ from a fused operation by one float32 ulp
+    in rare ties, far below the tests' bounds."""
     return (np.float64(a) * np.float64(b) + np.float64(c)).astype(np.float32)
 
 

@@ -1008,6 +1008,19 @@ def test_emulated_rope_correction_reads_each_row_of_terms():
                 assert np.abs(got - want).max() < 1e-6, (group, col, h)
 
 
+def test_emulated_rope_correction_of_zero_coefficients_is_zero():
+    """All-zero terms (a head before calibration, dummy weights: no pair kept) give a correction of exactly 0, not
+    0 x inf: rope_setup clamps the power-of-two scale's exponent so that the scale and its inverse stay finite."""
+    freq = np.linspace(0.001, 1.0, 64, dtype=np.float32).reshape(8, 8)
+    shared = emu.rope_shared(np.zeros((2, 32, 16), np.float32), freq, 0.1275, 1, 7, 4)
+    assert np.isfinite(shared[3]) and np.isfinite(shared[1]).all()
+    for pos0 in (0, 131_056):
+        got = emu.rope_add(pos0, shared)
+        assert np.isfinite(got).all() and not got.any()
+    sc, inv = emu.rope_scale_pow2(np.float32(3e38))                   # the other end: finite too
+    assert np.isfinite(sc) and np.isfinite(inv) and sc * inv == 1
+
+
 def test_cuda_rope_bias_argument_is_checked_by_name():
     """The CUDA kernel's rope_bias contract (launch / check_rope_bias_cuda): terms float32 [B, Hq, 16], inv_freq
     float32 [Hkv, 8], contiguous, on the pool's device; anything else names rope_bias, the 8 pairs and the way out."""

@@ -82,6 +82,20 @@ def test_rope_offset_in_bf16_agrees_with_ropemean_remove_and_restore():
     assert (rest - off.restore(got, pos)).abs().max().item() < 1e-4 * off.bias.abs().max().item()
 
 
+def test_rope_offset_reads_strided_and_expanded_positions():
+    """A strided ``pos`` (a slice of a buffer) and an expanded one (stride 0) give what the same positions give
+    contiguous, and what RopeMean.remove gives: the kernel reads each row's position by pos's stride."""
+    off = _offset()
+    g = torch.Generator().manual_seed(4)
+    buf = torch.tensor([0, 100, 2000, 30000, 400000, 7, 8, 9, 10, 11], dtype=torch.int64).to(DEV)
+    key = (torch.randn(5, 2, 64, generator=g) * 30).to(DEV)
+    for pos in (buf[::2], buf[3:4].expand(5)):
+        assert pos.stride(0) != 1
+        got = rope_offset(key, pos, off)
+        assert torch.equal(got, rope_offset(key, pos.contiguous(), off))
+        assert (got - off.remove(key, pos)).abs().max().item() < 1e-3
+
+
 @pytest.mark.parametrize("hq", [2, 8])
 def test_rope_terms_match_packed_terms_and_float64(hq):
     off = _offset()

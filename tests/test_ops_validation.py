@@ -46,3 +46,13 @@ def test_store_refuses_out_of_range_slot_and_nan():
     with pytest.raises(ValueError, match="non-finite"):
         store_kv(k, k, pool, torch.tensor([0, 1, 2]), L, R)
     assert int(pool.count_nonzero()) == 0  # nothing was written by the refused calls
+
+
+def test_validate_takes_none_true_or_false_only():
+    """``validate`` is a bool switch: a string or an int (``"no"`` would read as true) is refused by name."""
+    from kvrepro.ops.common import want_checks
+    assert want_checks(None, torch.device("cpu")) and not want_checks(None, torch.device("cuda"))
+    assert want_checks(True, torch.device("cuda")) and not want_checks(False, torch.device("cpu"))
+    for bad in ("yes", "no", 1, 0):
+        with pytest.raises(ValueError, match="validate must be None, True or False"):
+            want_checks(bad, torch.device("cpu"))

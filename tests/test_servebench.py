@@ -189,7 +189,10 @@ def test_usage_only_tokenizer_is_truthy_and_never_tokenizes():
 @pytest.mark.parametrize("args,msg", [
     (["--modes", "fp16"], "modes: "), (["--request-rates", "-1"], "request_rates"),
     (["--goodput", "tpot"], "NAME:MILLISECONDS"), (["--input-min", "0"], "input_min must be"),
-    (["--out", "/nonexistent/s.json"], "its folder does not exist"),
+    (["--out", "/nonexistent/s.json"], "its folder does not exist"), (["--out", "results"], "is a folder"),
+    (["--out", "README.md"], "exists and is not a serve-bench result (not JSON"),
+    (["--out", "kvrepro/ops/cuda/decode.json"], "exists and is not a serve-bench result (no 'runs' list)"),
+    (["--out", "pyproject.toml"], "not a serve-bench result"),
     (["--request-rates", "0.5,0.5"], "names a rate more than once"), (["--gpu-memory-gb", "inf"], "gpu_memory_gb"),
 ])
 def test_script_refuses_bad_arguments_naming_them(args, msg):

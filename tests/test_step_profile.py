@@ -177,7 +177,7 @@ def test_script_settings_and_engine_arguments(tmp_path):
     (["--users", "0"], "users must be"), (["--users", "40"], "exceeds --max-num-seqs 32"),
     (["--steps", "0"], "--steps must be an integer >= 1"), (["--settle-steps", "-1"], "--settle-steps"),
     (["--gpu-memory-gb", "0"], "--gpu-memory-gb"), (["--cudagraph-mode", "ful"], "--cudagraph-mode must be one of"),
-    (["--out", "/nonexistent/x.json"], "its folder does not exist"),
+    (["--out", "/nonexistent/x.json"], "its folder does not exist"), (["--out", "results"], "is a folder"),
     (["--mode", "fp8", "--fa-max-splits", "0"], "--fa-max-splits must be an integer >= 1"),
     (["--mode", "fp8:triton_attn", "--fa-max-splits", "2"], "mode fp8:triton_attn runs on TRITON_ATTN"),
     (["--mode", "kvrepro:k4v4", "--fa-max-splits", "2"], "--fa-max-splits applies to FlashAttention"),
@@ -434,3 +434,17 @@ def test_decode_benchmark_refuses_bad_arguments_before_it_needs_a_gpu(args, msg)
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "decode_side_by_side.py"), *args],
                        capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 2 and msg in r.stderr, (r.returncode, r.stderr[-500:])
+
+
+def test_step_section_footnote_names_the_fatbin_and_flags_an_earlier_build():
+    """The step table's footnote gives each kvrepro profile's CUDA fatbin and says when it is not the committed one
+    (the committed profiles of rope-mean ran kernels since replaced); files without one (vLLM's own modes) get none."""
+    from kvrepro.ops.cuda_decode import read_manifest
+    now = read_manifest()["fatbin_sha256"]
+    assert profile._fatbin_note(now) == f"; CUDA fatbin {now[:8]}"
+    old = "7787629efbb8764f558e42f6a7fc0fc6c57426d856721b9e793d14e7b1d9650f"
+    assert profile._fatbin_note(old) == (f"; CUDA fatbin 7787629e, not the committed {now[:8]}: measured_fatbins.json "
+                                         "says which kernels differ")
+    assert profile._fatbin_note(None) == "" and profile._fatbin_note(float("nan")) == ""
+    text = profile.section_markdown(ROOT)
+    assert "CUDA fatbin 7787629e, not the committed" in text

@@ -187,8 +187,11 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 def want_checks(validate: bool | None, device: torch.device) -> bool:
     """Value checks of indices need the data on the host: on by default for CPU tensors (the
     Triton interpreter would read or write out of bounds), opt-in on CUDA (a host sync per call
-    would break CUDA-graph capture and cost time on the decode hot path)."""
-    return device.type != "cuda" if validate is None else bool(validate)
+    would break CUDA-graph capture and cost time on the decode hot path). Raises ValueError for a ``validate`` that
+    is not None, True or False (a string such as ``"no"`` would otherwise read as true)."""
+    if validate is not None and not isinstance(validate, bool):
+        raise ValueError(f"validate must be None, True or False, got {validate!r}")
+    return device.type != "cuda" if validate is None else validate
 
 
 def check_scale(scale: float) -> None:

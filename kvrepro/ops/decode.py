@@ -110,7 +110,9 @@ def check_rope_bias(rope_bias, rows: int, hq: int, hkv: int, dev: torch.device) 
     if rope_bias is None:
         return 0
     if not isinstance(rope_bias, (tuple, list)) or len(rope_bias) != 2:
-        raise ValueError("rope_bias must be None or (terms [rows, Hq, 2 NPAIRS], inv_freq [Hkv, NPAIRS])")
+        raise ValueError(f"rope_bias must be None or (terms [rows, Hq, 2 NPAIRS], inv_freq [Hkv, NPAIRS]), got "
+                         f"{type(rope_bias).__name__}"
+                         + (f" of length {len(rope_bias)}" if isinstance(rope_bias, (tuple, list)) else ""))
     terms, freq = rope_bias
     npairs = freq.shape[-1] if isinstance(freq, torch.Tensor) and freq.dim() == 2 else 0
     ok = (npairs >= 8 and npairs & (npairs - 1) == 0 and tuple(freq.shape) == (hkv, npairs)

@@ -35,7 +35,8 @@ def rope_offset(key: torch.Tensor, pos: torch.Tensor, offset: RopeMean, sign: in
 
     Args:
         key: ``[n, num_kv_heads, head_dim]`` bfloat16, float16 or float32, last dimension contiguous.
-        pos: int32 / int64 ``[n]``, each row's position (``0 <= p < 2^24``; checked on the CPU only, see ``validate``).
+        pos: int32 / int64 ``[n]``, each row's position (``0 <= p < 2^24``; checked on the CPU only, see ``validate``), any
+            stride (a slice or an expand of a buffer reads the positions it shows).
         offset: the layer's ``RopeMean``, its buffers on ``key``'s device.
         sign: -1 or +1.
         validate: check the positions' values (host sync); default on for CPU tensors only (``want_checks``).
@@ -66,7 +67,7 @@ def rope_offset(key: torch.Tensor, pos: torch.Tensor, offset: RopeMean, sign: in
         bf16 = key.dtype == torch.bfloat16
         rope_offset_kernel[(n, offset.num_kv_heads)](
             key, out.view(torch.int16) if bf16 else out, pos, offset.xy_ch, offset.bias, offset.inv_freq,
-            key.stride(0), key.stride(1), out.stride(0), out.stride(1), offset.head_dim, SIGN=sign,
+            key.stride(0), key.stride(1), out.stride(0), out.stride(1), pos.stride(0), offset.head_dim, SIGN=sign,
             BLOCK_D=next_pow2(offset.head_dim), M=MAX_PAIRS, OUT_BF16=bf16)
     return out
 

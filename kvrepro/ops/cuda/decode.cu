@@ -96,8 +96,8 @@ template <int KB, int VB> struct PageFmt;
 #define KVREPRO_STEP_K5V4 1
 #endif
 // ROPE_STEP: STEP of the *_rope kernels: two pages per step for k4v4 and k4v2, as their kernels without the correction
-// (faster at batches 3-13 on the H200; k4v4_rope spills one 4-byte word there), one for k5v4 (two spilled 12 / 20 B
-// on sm_90).
+// (faster at batches 3-13 on the H200; their rope kernels spill up to 92 B there, rope_add), one for k5v4 (two
+// spilled 12 / 20 B on sm_90).
 #ifndef KVREPRO_ROPE_STEP_K4V4
 #define KVREPRO_ROPE_STEP_K4V4 2
 #endif
@@ -294,6 +294,8 @@ constexpr int ROPE_SM_UINT4 = 113;
 // s[0..3] (tokens n0 + g, n0 + g + 8; heads 2 tq, 2 tq + 1) += c of those keys, n0 = pos0 the page's first position:
 // lane (g, tq) turns head g's coefficients of pairs 2 tq, 2 tq + 1 by n0 theta (the exact product, as rope_setup's
 // angles), splits them into float16 hi / lo and multiplies the table: the small products first, then the large one.
+// Both pairs in one m16n8k16: the two-page k4v4 / k4v2 rope kernels then spill up to 92 B at the 128-register cap,
+// and still ran faster on the H200 than a rolled loop over the pairs (m16n8k8) that spilled nothing.
 __device__ __forceinline__ void rope_add(float (&s)[4], int pos0, const uint4* rope_sm, int lane) {
   const float n0 = (float)pos0;
   const float2 fr = reinterpret_cast<const float2*>(rope_sm + 96)[lane];
@@ -376,8 +378,7 @@ __device__ __forceinline__ unsigned split_weight_prefix(int s, int c, int P, int
 }  // namespace
 
 // rope_setup: fills rope_sm as laid out at ROPE_SM_UINT4. Not inlined: its registers then stay out of the kernel
-// body's allocation (inlined, k5v4_rope spilled 76 bytes on sm_90; this and rope_add's rolled pair loop leave every
-// rope kernel without spills on sm_80-90). In a named namespace: in the anonymous one its name would be hashed from
+// body's allocation (inlined, k5v4_rope spilled 76 bytes on sm_90). In a named namespace: in the anonymous one its name would be hashed from
 // the source path, and the fatbin would depend on where it was built.
 namespace kvrepro_rope {
 __device__ __noinline__ void rope_setup(uint4* rope_sm, const float* __restrict__ rope_terms,

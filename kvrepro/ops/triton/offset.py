@@ -11,7 +11,7 @@ from kvrepro.ops.triton.attention import _HALF_PI, _rope_cos
 
 @triton.jit
 def rope_offset_kernel(x_ptr, out_ptr, pos_ptr, xy_ptr, bias_ptr, freq_ptr, stride_xt, stride_xh, stride_ot,
-                       stride_oh, head_dim, SIGN: tl.constexpr, BLOCK_D: tl.constexpr, M: tl.constexpr,
+                       stride_oh, stride_pos, head_dim, SIGN: tl.constexpr, BLOCK_D: tl.constexpr, M: tl.constexpr,
                        OUT_BF16: tl.constexpr):
     """Program (row t, KV head h): ``out[t, h] = x[t, h] + SIGN R(pos[t]) b_hat[h]`` in float32, stored in out's
     dtype. Per slot ``m``: ``(bx cos - by sin, bx sin + by cos)`` added at channels ``xy[h, m]`` / ``xy[h, M + m]``
@@ -23,7 +23,7 @@ def rope_offset_kernel(x_ptr, out_ptr, pos_ptr, xy_ptr, bias_ptr, freq_ptr, stri
     dm = d < head_dim
     x = tl.load(x_ptr + t * stride_xt + h * stride_xh + d, mask=dm, other=0.0).to(tl.float32)
     m = tl.arange(0, M)
-    a = tl.load(pos_ptr + t).to(tl.float64) * tl.load(freq_ptr + h * M + m).to(tl.float64)   # exact product
+    a = tl.load(pos_ptr + t * stride_pos).to(tl.float64) * tl.load(freq_ptr + h * M + m).to(tl.float64)   # exact product
     c = _rope_cos(a, 0.0)
     s = _rope_cos(a, _HALF_PI)
     bx = tl.load(bias_ptr + (h * M + m) * 2)
