@@ -359,6 +359,8 @@ def section_markdown(root: str | os.PathLike) -> str:
                 "(`bash scripts/h200_perf.sh profile MODE USERS` on a GPU machine writes one).")
     t = profile_table(paths)
     tags = {f: i + 1 for i, f in enumerate(dict.fromkeys(t["file"]))}
+    from kvrepro.ops.cuda_decode import read_manifest
+    committed = read_manifest().get("fatbin_sha256", "")
 
     head = ["mode", "key offset", "users", "step (ms)", "tok/s", "attention (ms)", "attention, % of copy bw",
             "GEMMs (ms)", "GEMMs, % of copy bw", "rest (ms)", "GPU idle (ms)", "bound (ms)", "% of bound", "file"]
@@ -378,20 +380,18 @@ def section_markdown(root: str | os.PathLike) -> str:
             "(`kvrepro.profile.decode_bound`).\n\n" + "\n".join(lines) + "\n\n" + _ceiling_text(t, tags) + "\n\n"
             + "\n".join(f"- [{i}] `{PROFILE_DIR}/{f}` ({t.loc[t['file'] == f, 'date'].iloc[0]} UTC"
                         + formatted(t.loc[t["file"] == f, "src"].iloc[0], "; kvrepro source {:.8}")
-                        + _fatbin_note(t.loc[t["file"] == f, "fatbin"].iloc[0]) + ")"
+                        + _fatbin_note(t.loc[t["file"] == f, "fatbin"].iloc[0], committed) + ")"
                         for f, i in tags.items())
             + "\n\nProfiles of different kvrepro sources measure different code: a kvrepro mode's rest and attention "
             "compare only between files of one source (git log names what changed).")
 
 
-def _fatbin_note(sha) -> str:
+def _fatbin_note(sha, now: str) -> str:
     """``"; CUDA fatbin <8 hex>"`` for a profile whose kvrepro rows decoded with the CUDA kernels, plus a warning when
-    that fatbin is not the committed one (its kernels may since have changed: ``measured_fatbins.json`` has what each
-    held); ``""`` for a file without kvrepro rows."""
+    that fatbin is not the committed one, ``now`` (its kernels may since have changed: ``measured_fatbins.json`` has
+    what each held); ``""`` for a file without kvrepro rows."""
     if not isinstance(sha, str) or not sha:
         return ""
-    from kvrepro.ops.cuda_decode import read_manifest
-    now = read_manifest().get("fatbin_sha256", "")
     return f"; CUDA fatbin {sha:.8}" + ("" if sha == now else f", not the committed {now:.8}: measured_fatbins.json says "
                                                            "which kernels differ")
 

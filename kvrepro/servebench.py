@@ -349,6 +349,23 @@ def server_log(out: str | os.PathLike, mode: str) -> Path:
     return side_dirs(out)[1] / f"serve_{mode.replace(':', '_')}.log"
 
 
+def read_doc(path, empty_runs: bool = False) -> dict:
+    """A serve-bench result file (``scripts/serve_bench.py``'s JSON, ``{"runs": [...], ...}``) as a dict; ``empty_runs``
+    accepts an empty ``runs`` list.
+
+    Raises:
+        ValueError: a file that is not JSON or has no ``runs`` list (or an empty one), naming it.
+    """
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{p}: not a serve-bench result (not JSON: {e})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("runs"), list) or not (data["runs"] or empty_runs):
+        raise ValueError(f"{p}: not a serve-bench result (no 'runs' list, or an empty one)")
+    return data
+
+
 def read_results(paths) -> list[dict]:
     """The runs of serve-bench result files (``scripts/serve_bench.py``'s JSON: ``{"runs": [...], ...}``), each run
     with ``source_file`` added, ``stalls`` (:func:`stall_split` of its vLLM result file, :func:`side_dirs`; None where
@@ -362,13 +379,7 @@ def read_results(paths) -> list[dict]:
     runs = []
     for p in paths:
         p = Path(p)
-        try:
-            data = json.loads(p.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ValueError(f"{p}: not a serve-bench result (not JSON: {e})") from None
-        if not isinstance(data, dict) or not isinstance(data.get("runs"), list) or not data["runs"]:
-            raise ValueError(f"{p}: not a serve-bench result (no 'runs' list, or an empty one)")
-        for r in data["runs"]:
+        for r in read_doc(p)["runs"]:
             res = side_dirs(p)[0] / str(r.get("vllm_result_file", ""))
             detail = json.loads(res.read_text(encoding="utf-8")) if res.is_file() else None
             slos = (r.get("workload") or {}).get("goodput") or {}

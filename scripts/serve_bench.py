@@ -81,11 +81,9 @@ def config_of(a: argparse.Namespace) -> dict:
             raise ValueError(f"--out {a.out!r} is a folder: give the result file's path (new runs are merged into it)")
         if out.exists():    # runs are merged into it after each mode: refuse now, not after the first mode's GPU run
             try:
-                doc = json.loads(out.read_text(encoding="utf-8"))
-            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-                raise ValueError(f"--out {a.out!r} exists and is not a serve-bench result (not JSON: {e})") from None
-            if not isinstance(doc, dict) or not isinstance(doc.get("runs"), list):
-                raise ValueError(f"--out {a.out!r} exists and is not a serve-bench result (no 'runs' list)")
+                sb.read_doc(out, empty_runs=True)
+            except ValueError as e:
+                raise ValueError(f"--out {a.out!r} exists: {e}") from None
     return sb.check_config({"modes": a.modes, "num_prompts": a.num_prompts, "input_min": a.input_min,
                             "input_max": a.input_max, "output_len": a.output_len, "request_rates": a.request_rates,
                             "goodput": a.goodput, "gpu_memory_gb": a.gpu_memory_gb, "max_num_seqs": a.max_num_seqs,
@@ -259,12 +257,12 @@ def main(argv=None) -> int:
             status = 1
             continue
         runs = [dict(r, workload=workload) for r in runs]   # each run self-contained, as the table compares them
-        existing = json.loads(out.read_text()) if out.exists() else None
+        existing = sb.read_doc(out, empty_runs=True) if out.exists() else None
         doc = sb.merge_runs(existing, runs, workload)
         doc["provenance"] = dict(info, kvrepro_src_sha256=src_sha256(), script="scripts/serve_bench.py")
         atomic_write_text(out, json.dumps(doc, indent=1, default=str) + "\n")
     if out.exists():
-        doc = json.loads(out.read_text())
+        doc = sb.read_doc(out, empty_runs=True)
         print(sb.table_markdown(sb.serve_table(doc["runs"])))
         print(f"wrote {out}")
     return status

@@ -190,8 +190,9 @@ def test_usage_only_tokenizer_is_truthy_and_never_tokenizes():
     (["--modes", "fp16"], "modes: "), (["--request-rates", "-1"], "request_rates"),
     (["--goodput", "tpot"], "NAME:MILLISECONDS"), (["--input-min", "0"], "input_min must be"),
     (["--out", "/nonexistent/s.json"], "its folder does not exist"), (["--out", "results"], "is a folder"),
-    (["--out", "README.md"], "exists and is not a serve-bench result (not JSON"),
-    (["--out", "kvrepro/ops/cuda/decode.json"], "exists and is not a serve-bench result (no 'runs' list)"),
+    (["--out", "README.md"], "exists: README.md: not a serve-bench result (not JSON"),
+    (["--out", "kvrepro/ops/cuda/decode.json"],
+     "exists: kvrepro/ops/cuda/decode.json: not a serve-bench result (no 'runs' list"),
     (["--out", "pyproject.toml"], "not a serve-bench result"),
     (["--request-rates", "0.5,0.5"], "names a rate more than once"), (["--gpu-memory-gb", "inf"], "gpu_memory_gb"),
 ])

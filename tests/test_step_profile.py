@@ -441,10 +441,10 @@ def test_step_section_footnote_names_the_fatbin_and_flags_an_earlier_build():
     (the committed profiles of rope-mean ran kernels since replaced); files without one (vLLM's own modes) get none."""
     from kvrepro.ops.cuda_decode import read_manifest
     now = read_manifest()["fatbin_sha256"]
-    assert profile._fatbin_note(now) == f"; CUDA fatbin {now[:8]}"
+    assert profile._fatbin_note(now, now) == f"; CUDA fatbin {now[:8]}"
     old = "7787629efbb8764f558e42f6a7fc0fc6c57426d856721b9e793d14e7b1d9650f"
-    assert profile._fatbin_note(old) == (f"; CUDA fatbin 7787629e, not the committed {now[:8]}: measured_fatbins.json "
+    assert profile._fatbin_note(old, now) == (f"; CUDA fatbin 7787629e, not the committed {now[:8]}: measured_fatbins.json "
                                          "says which kernels differ")
-    assert profile._fatbin_note(None) == "" and profile._fatbin_note(float("nan")) == ""
+    assert profile._fatbin_note(None, now) == "" and profile._fatbin_note(float("nan"), now) == ""
     text = profile.section_markdown(ROOT)
     assert "CUDA fatbin 7787629e, not the committed" in text
