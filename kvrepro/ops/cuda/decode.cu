@@ -266,8 +266,8 @@ __device__ __forceinline__ void split_f16x2(float x, float y, uint32_t& hi, uint
 // significant bits, so that a - k 1.5703125 is exact for every a below 2^20, i.e. positions up to ~1M at theta 1;
 // tests/cuda_emulation.py checks it), plus lo, then the hardware's sine and cosine (__sinf / __cosf: MUFU; absolute
 // error <= 2^-21.41 / 2^-21.19 on [-pi, pi], CUDA C++ Programming Guide, intrinsic functions; the remainder is in
-// [-pi / 4, pi / 4]) and the quadrant k mod 4. Absolute error ~5e-7 at any angle below 2^20 rad (Cephes polynomials
-// instead cost ~10% more time per *_rope kernel on the H200 for ~2.5e-7).
+// [-pi / 4, pi / 4]) and the quadrant k mod 4. Absolute error ~5e-7 at any angle below 2^20 rad (the Cephes
+// polynomials it replaced were twice as accurate and slower on the H200: the commit that replaced them has the times).
 __device__ __forceinline__ void rope_sincos(float a, float lo, float& s, float& c) {
   const float k = rintf(a * 0.636619772367581343f);
   float r = fmaf(-k, 1.5703125f, a);
