@@ -447,4 +447,9 @@ def test_step_section_footnote_names_the_fatbin_and_flags_an_earlier_build():
                                          "says which kernels differ")
     assert profile._fatbin_note(None, now) == "" and profile._fatbin_note(float("nan"), now) == ""
     text = profile.section_markdown(ROOT)
-    assert "CUDA fatbin 7787629e, not the committed" in text
+    fatbins = {json.loads(f.read_text())["engine"].get("kvrepro_settings", {}).get("cuda_fatbin_sha256")
+               for f in (ROOT / "results/profile").glob("*.json")} - {None}
+    assert fatbins, "the committed profiles include kvrepro's"
+    for sha in fatbins:                     # each kvrepro profile's fatbin, flagged exactly when it is an earlier one
+        assert f"CUDA fatbin {sha[:8]}" in text
+        assert (f"CUDA fatbin {sha[:8]}, not the committed" in text) == (sha != now)
