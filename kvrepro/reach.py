@@ -329,7 +329,8 @@ def _swept_models(root: Path | None = None) -> set[str]:
 def sweep_points(root: Path | None = None, gpu_memory_gib: float = 80.0) -> dict:
     """The capacity sweep's points for the per-model table: per bundled model in ``results/capacity/*.jsonl`` and
     mode of :data:`REACH_MODES`, the current run at the seed's workload and ``gpu_memory_gib``
-    (``kvrepro.summary.select_current``) at its max clean capacity (``kvrepro.summary.max_clean``).
+    (``kvrepro.summary.select_current``) at its max clean capacity (``kvrepro.summary.max_clean``); fp8 is the fp8
+    of k4v4's own run where that run measured one (``kvrepro.summary.same_run_fp8``).
 
     Returns:
         ``{(model, mode): row}`` shaped like a ``models_*.jsonl`` row (status "measured", users_fit,
@@ -347,6 +348,10 @@ def sweep_points(root: Path | None = None, gpu_memory_gib: float = 80.0) -> dict
     short = df["model"].map(lambda m: str(m).split("/")[-1].lower())
     for name in set(short) & set(model_names()):
         runs = summary.select_current(df[short == name], modes=list(REACH_MODES), workload=workload)
+        own = summary.same_run_fp8(df[short == name], runs[REACH_MODES[1]], workload) \
+            if REACH_MODES[1] in runs else None
+        if own is not None:                    # k4v4's ratio against the fp8 of its own run, as the results table
+            runs[REACH_MODES[0]] = own
         for mode, rows in runs.items():
             point = summary.max_clean(rows)
             if point is None:

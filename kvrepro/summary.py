@@ -13,8 +13,9 @@ for the fidelity block (:func:`fidelity_block`, ``kvrepro.accuracy_summary``), t
 
 Selection: one *current run* per mode = the newest engine run of that mode for the seed's workload
 (:data:`SEED_WORKLOAD`). An engine run is the rows sharing an ``engine_run_id``; rows without one are grouped by
-(file, ``run_id``, mode). Newest = latest ``date`` among its rows. Ratios "vs fp8" use fp8's current run, selected
-the same way; the table says when that run is in another file than the mode's own.
+(file, ``run_id``, mode). Newest = latest ``date`` among its rows. Ratios "vs fp8" use the fp8 engine run of the mode's own run (same file
+and ``run_id``: both measured in one sweep) where it has one, else fp8's current run, selected the same way; the
+table's header gives fp8's current run, and a row says when its ratios use another fp8 run.
 """
 from __future__ import annotations
 
@@ -208,9 +209,12 @@ def summary_rows(df, needle=None, modes=MODE_NAMES, workload: dict | None = SEED
         list of dicts: mode, name, bytes_per_token_head (int, head_dim 128), seed_users / seed_tok_s (None off the
         seed's modes), users / tok_s (max clean capacity of the current run; None without a run or a clean point),
         vs_fp8_max / vs_fp8_best (float ratios of tok_s to fp8's tok/s at its max clean capacity / at its best
-        clean point; None when either is missing or the setups differ), fp8_max / fp8_best ((users, tok/s) of
-        fp8's current run), source_file, run_id, when (UTC span), fp8_source_file / fp8_when (when fp8's run is in
-        another file), setup_differs (WORKLOAD_KEYS that differ from fp8's run), needle / needle_bf16
+        clean point; None when either is missing or the setups differ), fp8_max / fp8_best ((users, tok/s) of the
+        fp8 run the ratios use: the mode's own run's fp8 where that run has one, else fp8's current run),
+        fp8_table_max / fp8_table_best (the same of fp8's current run: the table's header), fp8_same_run (True when
+        the ratios use the mode's own run's fp8 and that is not fp8's current run), source_file, run_id, when (UTC
+        span), fp8_source_file / fp8_when (when the fp8 run used is in another file), setup_differs (WORKLOAD_KEYS
+        that differ from that fp8 run), needle / needle_bf16
         ((correct, prompts) single-needle through vLLM, bf16's from the same run), key_offset (the kvrepro run's
         key offset, :func:`run_key_offset`; None for bf16 / fp8).
     """
@@ -229,7 +233,8 @@ def summary_rows(df, needle=None, modes=MODE_NAMES, workload: dict | None = SEED
         seed = SEED.get(mode, (None, None))
         r = dict(mode=mode, name=DISPLAY.get(mode, mode), bytes_per_token_head=nbytes, seed_users=seed[0],
                  seed_tok_s=seed[1], users=None, tok_s=None, vs_fp8_max=None, vs_fp8_best=None, fp8_max=fp8_max,
-                 fp8_best=fp8_best, source_file=None, run_id=None, when=None, fp8_source_file=None, fp8_when=None,
+                 fp8_best=fp8_best, fp8_table_max=fp8_max, fp8_table_best=fp8_best, fp8_same_run=False,
+                 source_file=None, run_id=None, when=None, fp8_source_file=None, fp8_when=None,
                  setup_differs=[], needle=needle.get(fmt),
                  needle_bf16=needle.get("_bf16", {}).get(fmt, needle.get("bf16")), gpu=None, key_offset=None)
         rows = runs.get(mode)
@@ -240,16 +245,29 @@ def summary_rows(df, needle=None, modes=MODE_NAMES, workload: dict | None = SEED
                      key_offset=run_key_offset(rows))
             if cap is not None:
                 r.update(users=cap[0], tok_s=cap[1])
-            if base is not None:
-                differs = _same_setup(rows, base)
+            ref = base if mode == BASELINE else same_run_fp8(df, rows, workload)
+            if ref is not None and base is not None and ref["source_file"].iloc[0] != base["source_file"].iloc[0]:
+                r.update(fp8_max=max_clean(ref), fp8_best=best_clean(ref), fp8_same_run=True)
+            else:
+                ref = base
+            if ref is not None:
+                differs = _same_setup(rows, ref)
                 r["setup_differs"] = differs
-                if rows["source_file"].iloc[0] != base["source_file"].iloc[0]:
-                    r.update(fp8_source_file=_rel(base["source_file"].iloc[0]), fp8_when=when(base))
+                if rows["source_file"].iloc[0] != ref["source_file"].iloc[0]:
+                    r.update(fp8_source_file=_rel(ref["source_file"].iloc[0]), fp8_when=when(ref))
                 if not differs and cap is not None:
-                    r.update(vs_fp8_max=_ratio(cap[1], fp8_max and fp8_max[1]),
-                             vs_fp8_best=_ratio(cap[1], fp8_best and fp8_best[1]))
+                    r.update(vs_fp8_max=_ratio(cap[1], r["fp8_max"] and r["fp8_max"][1]),
+                             vs_fp8_best=_ratio(cap[1], r["fp8_best"] and r["fp8_best"][1]))
         out.append(r)
     return out
+
+
+def same_run_fp8(df, rows, workload: dict | None = SEED_WORKLOAD):
+    """The newest fp8 engine run (:func:`select_current`) among the rows of ``df`` in the same file and ``run_id`` as
+    ``rows`` (one engine run of a mode), or None when that run measured no fp8."""
+    src, run_id = rows["source_file"].iloc[0], rows["run_id"].iloc[0]
+    same = df[(df["source_file"] == src) & (df["run_id"] == run_id)]
+    return select_current(same, [BASELINE], workload).get(BASELINE)
 
 
 def _as_committed(path: str) -> str:
@@ -564,6 +582,9 @@ def _measured_cell(r: dict, compact: bool = False) -> str:
     text = f"{r['when']}, {file}" + (f", key offset {r['key_offset']}" if r.get("key_offset") else "")
     if r["fp8_source_file"] and r["mode"] != BASELINE:
         text += (f"; fp8 from another run: {Path(r['fp8_source_file']).name}, {r['fp8_when']}")
+    if r.get("fp8_same_run") and r["fp8_max"] and r["fp8_best"]:
+        (mu, mt), (bu, bt) = r["fp8_max"], r["fp8_best"]
+        text += f"; ratios vs this run's fp8 ({mu} users, {mt:.1f} tok/s; best {bu} users, {bt:.1f})"
     if r["setup_differs"]:
         text += f"; no ratio: setup differs from fp8's run ({', '.join(r['setup_differs'])})"
     return text
@@ -580,8 +601,8 @@ def _needle_cell(r: dict) -> str:
 def markdown_table(rows: list[dict], compact: bool = False) -> str:
     """The summary rows as a markdown table. ``compact``: short headers and file names (notebook 02's top,
     which must fit 1400 px); else the README's headers and file links."""
-    fp8_max = rows[0]["fp8_max"] if rows else None
-    fp8_best = rows[0]["fp8_best"] if rows else None
+    fp8_max = rows[0]["fp8_table_max"] if rows else None
+    fp8_best = rows[0]["fp8_table_best"] if rows else None
     at = (lambda p: f" ({p[0]} users, {p[1]:.1f} tok/s)" if p else "")
     if compact:
         head = ["mode", "KV B/token/head", "users, seed A100", "users, H200 @80 GiB", "tok/s at those users",

@@ -502,6 +502,34 @@ def test_answer_states_capacity_and_fidelity_from_the_rows(tmp_path):
     assert "no measured run" in summary.answer(summary.summary_rows(None), fid)
 
 
+def test_ratios_use_the_fp8_of_the_modes_own_run_where_it_has_one(tmp_path):
+    """A mode whose sweep also measured fp8 is compared with that fp8 (one run), not with a newer fp8 run of another
+    file; the header keeps fp8's current run and the row says which fp8 its ratios use. A mode whose run has no fp8
+    falls back to fp8's current run, as before."""
+    write(tmp_path / "a.jsonl", sweep("kvrepro:k4v4", [(13, 540.0, True)], "2026-12-01T08:00:00+00:00", run_id="a")
+          + sweep("fp8", [(6, 150.0, True), (4, 230.0, True)], "2026-12-01T08:10:00+00:00", run_id="a"))
+    write(tmp_path / "b.jsonl", sweep("fp8", FP8, "2026-12-02T09:00:00+00:00", run_id="b")
+          + sweep("kvrepro:k4v2", [(17, 590.0, True)], "2026-12-02T08:00:00+00:00", run_id="b"))
+    write(tmp_path / "c.jsonl", sweep("bf16", BF16, "2026-12-01T07:00:00+00:00", run_id="c"))
+    rows = {r["mode"]: r for r in summary.summary_rows(load(tmp_path), modes=summary.MODE_NAMES)}
+    k = rows["kvrepro:k4v4"]
+    assert k["fp8_same_run"] and (k["fp8_max"], k["fp8_best"]) == ((6, 150.0), (4, 230.0))
+    assert k["vs_fp8_max"] == pytest.approx(540.0 / 150.0, rel=1e-15)
+    assert k["vs_fp8_best"] == pytest.approx(540.0 / 230.0, rel=1e-15) and k["fp8_source_file"] is None
+    k2 = rows["kvrepro:k4v2"]                                                 # its run is fp8's current run
+    assert not k2["fp8_same_run"] and k2["vs_fp8_max"] == pytest.approx(590.0 / 160.0, rel=1e-15)
+    b = rows["bf16"]                                                          # no fp8 in its run: the current one
+    assert not b["fp8_same_run"] and Path(b["fp8_source_file"]).name == "b.jsonl"
+    assert b["vs_fp8_best"] == pytest.approx(170.0 / 250.0, rel=1e-15)
+    assert rows["fp8"]["fp8_max"] == (6, 160.0) and rows["fp8"]["vs_fp8_max"] == 1.0
+    lines = summary.markdown_table(list(rows.values())).splitlines()
+    assert "(6 users, 160.0 tok/s)" in lines[0] and "(5 users, 250.0 tok/s)" in lines[0]
+    line = next(ln for ln in lines if summary.DISPLAY["kvrepro:k4v4"] in ln)
+    assert "ratios vs this run's fp8 (6 users, 150.0 tok/s; best 4 users, 230.0)" in line
+    assert f"{540.0 / 150.0:.2f}x" in line and "fp8 from another run" not in line
+    assert "fp8 from another run: b.jsonl" in next(ln for ln in lines if ln.startswith("| bf16"))
+
+
 def test_strongest_fp8_section_of_the_committed_run():
     """Notebook 02's fp8-backend section on the committed capacity run: its ratios are those of the capacity preset's
     own run (fp8 of that run, every backend it holds), equal to the results table's where that run is also fp8's
