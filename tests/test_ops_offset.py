@@ -139,6 +139,10 @@ def test_fused_offset_ops_refuse_bad_input_by_name():
         rope_terms(torch.zeros(1, 3, 64, dtype=torch.bfloat16, device=DEV), off)
     with pytest.raises(ValueError, match="query must be a tensor, got NoneType"):
         rope_terms(None, off)
+    for q in (torch.zeros(1, 4, 64, dtype=torch.int32, device=DEV), torch.zeros(1, 4, 128, device=DEV)[..., ::2]):
+        with pytest.raises(ValueError, match=r"query must be \[T, Hq, head_dim=64\] bfloat16, float16, float32 with a "
+                                             r"contiguous last dimension with Hq a multiple of num_kv_heads=2, got"):
+            rope_terms(q, off)
     meta = RopeMean(2, 64, {"rope_theta": 1e6, "neox": True}).to("meta")
     with pytest.raises(ValueError, match=f"key is on {DEV.type}.*, the offset's buffers on meta"):
         rope_offset(key, pos, meta)

@@ -397,6 +397,20 @@ class RopeMean:
                 raise ValueError(f"RopeMean: {name} is on {t.device}, the offset's buffers on {dev} (every argument on "
                                  "one device; RopeMean.to(device) moves the buffers)")
 
+    def check_query(self, query: torch.Tensor, dtypes: tuple[torch.dtype, ...] | None = None,
+                    contiguous_last: bool = False) -> None:
+        """ValueError unless ``query`` is ``[T, Hq, head_dim]`` with ``Hq`` a multiple of ``num_kv_heads`` (query
+        head ``h`` reads KV head ``h // (Hq / num_kv_heads)``), of one of ``dtypes`` (None: any) and, with
+        ``contiguous_last``, with a contiguous last dimension (what a kernel reading it by strides needs)."""
+        h = self.num_kv_heads
+        if query.dim() != 3 or query.shape[2] != self.head_dim or query.shape[1] < h or query.shape[1] % h \
+                or (dtypes is not None and query.dtype not in dtypes) or (contiguous_last and query.stride(-1) != 1):
+            kinds = "" if dtypes is None else " " + ", ".join(str(d).replace("torch.", "") for d in dtypes)
+            last = " with a contiguous last dimension" if contiguous_last else ""
+            raise ValueError(f"query must be [T, Hq, head_dim={self.head_dim}]{kinds}{last} with Hq a multiple of "
+                             f"num_kv_heads={h}, got {tuple(query.shape)} {query.dtype} with last-dimension stride "
+                             f"{query.stride(-1) if query.dim() else None}")
+
     def all_pairs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(x channels, y channels, float32 frequencies)`` of every pair (:func:`rope_pairs`, frequency-0 tail), on
         the buffers' device (the frequencies computed on the CPU, as the models compute theirs, then moved).
@@ -529,10 +543,8 @@ class RopeMean:
         ``qx * bx + qy * by`` and ``qy * bx - qx * by``. The vLLM runtime computes them with
         ``kvrepro.ops.offset.rope_terms`` (one launch); this is its PyTorch reference."""
         self.check_device(query=query)
+        self.check_query(query)
         h = self.num_kv_heads
-        if query.dim() != 3 or query.shape[2] != self.head_dim or query.shape[1] < h or query.shape[1] % h:
-            raise ValueError(f"query must be [T, Hq, head_dim={self.head_dim}] with Hq a multiple of num_kv_heads={h}"
-                             f", got {tuple(query.shape)}")
         t, hq, d = query.shape
         g = hq // h
         qv = query.reshape(t, h, g, d)

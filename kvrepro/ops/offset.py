@@ -84,11 +84,8 @@ def rope_terms(query: torch.Tensor, offset: RopeMean) -> torch.Tensor:
             buffers, a CPU query without Triton's interpreter.
     """
     _check_offset(offset, "query", query)
+    offset.check_query(query, KEY_DTYPES, contiguous_last=True)
     h = offset.num_kv_heads
-    if query.dim() != 3 or query.shape[2] != offset.head_dim or query.shape[1] < h or query.shape[1] % h \
-            or query.dtype not in KEY_DTYPES or query.stride(-1) != 1:
-        raise ValueError(f"query must be [T, Hq, head_dim={offset.head_dim}] bfloat16, float16 or float32 with a "
-                         f"contiguous last dimension and Hq a multiple of num_kv_heads={h}, got {described(query)}")
     t, hq, _ = query.shape
     out = torch.empty(t, hq, 2 * MAX_PAIRS, dtype=torch.float32, device=query.device)
     if t:
