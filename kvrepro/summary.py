@@ -483,8 +483,10 @@ def fp8_ratios_markdown(r: dict, other_errors: dict | None = None, other_runs: d
     return "\n".join(lines) + "\n"
 
 
-def _measured_elsewhere_text(name: str, file: str, f: dict, point) -> str:
-    """The line of an fp8 mode measured in another run beside the same kvrepro mode: its points and ratios there."""
+def _measured_elsewhere_text(name: str, file: str, f: dict, point, beside: str | None = None) -> str:
+    """The line of an fp8 mode measured in another run beside the same kvrepro mode (``beside`` None or that mode):
+    its points and ratios there; beside vLLM's choice fp8 only (``beside`` "fp8"): its points and fp8's there, with
+    the backend's tok/s over fp8's at each one's max clean capacity and best clean point."""
     if f.get("users_max") is not None:
         where = f"max clean capacity {f['users_max']} users, {f['tok_s_max']:.1f} tok/s; "
     elif f.get("capped_at") is not None:
@@ -494,6 +496,17 @@ def _measured_elsewhere_text(name: str, file: str, f: dict, point) -> str:
     best = (f"best clean point {f['users_best']} users, {f['tok_s_best']:.1f} tok/s"
             + (f" (best of the windows measured; {f['incomplete']})" if f.get("incomplete") else "")
             if f.get("users_best") is not None else "no clean point")
+    if beside == BASELINE:
+        ref_best = f.get("fp8_best")
+        pairs = (("at max clean capacity", f.get("tok_s_max"), point and point[1]),
+                 ("at best clean points", f.get("tok_s_best"), ref_best and ref_best[1]))
+        inv = ", ".join(f"{label} {_x(_ratio(a, b))}" for label, a, b in pairs if a and b)
+        there = (f"vLLM's choice fp8 there: max clean capacity {point[0]} users, {point[1]:.1f} tok/s" if point
+                 else "vLLM's choice fp8 there: no clean point")
+        if ref_best:
+            there += f", best clean point {ref_best[0]} users, {ref_best[1]:.1f} tok/s"
+        return (f"not run beside {name}; measured in `{file}` beside vLLM's choice fp8: {where}{best} ({there}"
+                f"{'; this backend / fp8 ' + inv if inv else ''})")
     there = f"{name} there {point[1]:.1f} tok/s at {point[0]} users" if point else f"{name} there: no clean point"
     ratios = ", ".join(f"{label} {_x(f[k])}" for k, label in (("vs_max", "vs max clean"), ("vs_best", "vs best clean"))
                        if f.get(k) is not None)
@@ -502,25 +515,37 @@ def _measured_elsewhere_text(name: str, file: str, f: dict, point) -> str:
 
 def fp8_measured_elsewhere(current: str | os.PathLike, mode: str = CAPACITY_PRESET,
                            results_dir: str | os.PathLike | None = None) -> dict:
-    """``{fp8 mode: (results file name, fp8 entry, point)}``: for each fp8 mode that another run of ``results_dir``
-    (default: ``current``'s folder) measured beside ``mode``, from the newest such run (by its newest row's ``date``):
-    that run's :func:`fp8_ratios` entry for the fp8 mode and ``mode``'s max clean point there. ``current`` itself is
-    left out."""
+    """``{fp8 mode: (results file name, fp8 entry, point, beside)}``: for each fp8 mode that another run of
+    ``results_dir`` (default: ``current``'s folder) measured beside ``mode``, from the newest such run (by its newest
+    row's ``date``): that run's :func:`fp8_ratios` entry for the fp8 mode, ``mode``'s max clean point there and
+    ``beside`` = ``mode``. An fp8 backend no such run measured but a run without ``mode`` measured beside vLLM's
+    choice fp8 (``"fp8"``) comes from the newest such run, compared with that fp8 (``beside`` = ``"fp8"``; point =
+    fp8's max clean point there; the entry's ``fp8_best`` = fp8's best clean point there). ``current`` itself is left
+    out."""
     current = Path(current)
-    found = {}
+    found: dict = {}
+    near: dict = {}
     for f in find_result_files(results_dir or current.parent):
         if Path(f).resolve() == current.resolve():
             continue
         df = load_jsonl(f)
-        try:
-            r = fp8_ratios(df, mode)
-        except ModeNotInRun:
-            continue
         key = (str(df["date"].max()), Path(f).name)
+        try:
+            r, into, beside = fp8_ratios(df, mode), found, mode
+        except ModeNotInRun:
+            if BASELINE not in set(map(str, df["mode"])):
+                continue
+            r, into, beside = fp8_ratios(df, BASELINE), near, BASELINE
+        base = next((e for e in r["fp8"] if e["mode"] == BASELINE), None)
         for e in r["fp8"]:
-            if e["mode"] not in found or key > found[e["mode"]][0]:
-                found[e["mode"]] = (key, (Path(f).name, e, r["point"]))
-    return {m: v for m, (_, v) in found.items()}
+            if beside == BASELINE:
+                if e["mode"] == BASELINE:
+                    continue
+                e = dict(e, fp8_best=(base["users_best"], base["tok_s_best"]) if base and base["tok_s_best"] else None)
+            if e["mode"] not in into or key > into[e["mode"]][0]:
+                into[e["mode"]] = (key, (Path(f).name, e, r["point"], beside))
+    near = {m: v for m, v in near.items() if m not in found}
+    return {m: v for m, (_, v) in {**near, **found}.items()}
 
 
 def strongest_fp8_markdown(rows: list[dict]) -> str:

@@ -396,7 +396,33 @@ def test_an_fp8_mode_measured_in_another_run_is_given_with_that_runs_figures(tmp
             "13 users; vs max clean 3.01x, vs best clean 3.01x)\n") in md
     assert "(fp8, 6 users, 164.0 tok/s): **2.50x**" in md and "999" not in md
     assert summary.fp8_measured_elsewhere(older) == {"fp8": (cur.name, summary.fp8_ratios(cur)["fp8"][0],
-                                                             (13, 410.0))}
+                                                             (13, 410.0), "kvrepro:k4v4")}
+
+
+def test_an_fp8_backend_measured_only_beside_another_kvrepro_mode_is_compared_with_that_runs_fp8(tmp_path):
+    """A backend that no run measured beside the capacity preset, but a run of another kvrepro mode measured beside
+    vLLM's choice fp8: its line gives its points and fp8's there, with backend / fp8 at both points; a run measuring it
+    beside the capacity preset wins however old."""
+    from kvrepro import summary
+
+    cur = _run_file(tmp_path, {"kvrepro:k4v4": {13: 410.0}, "fp8": {6: 164.0, 4: 246.0}}, run_id="b2",
+                    date="2026-12-02T10:00:00+00:00")
+    k2 = _run_file(tmp_path, {"kvrepro:k4v2": {17: 590.0}, "fp8": {6: 160.0, 4: 240.0},
+                              "fp8:flashinfer": {6: 120.0, 5: 200.0, 4: 180.0, 3: 150.0, 2: 130.0, 1: 90.0}},
+                   run_id="b3",
+                   date="2026-12-03T10:00:00+00:00")
+    other = summary.fp8_measured_elsewhere(cur)
+    assert set(other) == {"fp8:flashinfer"} and other["fp8:flashinfer"][0] == k2.name
+    assert other["fp8:flashinfer"][2:] == ((6, 160.0), "fp8")
+    md = summary.fp8_ratios_markdown(summary.fp8_ratios(cur), {}, other)
+    assert ("- fp8:flashinfer (FLASHINFER): not run beside kvrepro k4v4; measured in `b3.jsonl` beside vLLM's choice "
+            "fp8: max clean capacity 6 users, 120.0 tok/s; best clean point 5 users, 200.0 tok/s (vLLM's choice fp8 "
+            f"there: max clean capacity 6 users, 160.0 tok/s, best clean point 4 users, 240.0 tok/s; this backend / fp8 at max clean capacity "
+            f"{120 / 160:.2f}x, at best clean points {200 / 240:.2f}x)\n") in md
+    assert "(fp8, 6 users, 164.0 tok/s): **2.50x**" in md                     # the headline stays this run's
+    _run_file(tmp_path, {"kvrepro:k4v4": {13: 400.0}, "fp8": {6: 150.0}, "fp8:flashinfer": {6: 100.0}}, run_id="b1",
+              date="2026-12-01T10:00:00+00:00")
+    assert summary.fp8_measured_elsewhere(cur)["fp8:flashinfer"][3] == "kvrepro:k4v4"
 
 
 def test_fp8_ratios_use_the_resolved_backend_and_refuse_mixed_runs(tmp_path):
