@@ -214,12 +214,15 @@ def summary_rows(df, needle=None, modes=MODE_NAMES, workload: dict | None = SEED
         fp8_table_max / fp8_table_best (the same of fp8's current run: the table's header), fp8_same_run (True when
         the ratios use the mode's own run's fp8 and that is not fp8's current run), source_file, run_id, when (UTC
         span), fp8_source_file / fp8_when (when the fp8 run used is in another file), setup_differs (WORKLOAD_KEYS
-        that differ from that fp8 run), needle / needle_bf16
+        that differ from that fp8 run), strongest_max / strongest_best (:func:`strongest_fp8`'s points: mode, backend,
+        users, tok_s, source_file; each backend from its own newest run, so possibly another run than the row's) and
+        vs_strongest_max / vs_strongest_best (tok_s over theirs; None where the setups differ), needle / needle_bf16
         ((correct, prompts) single-needle through vLLM, bf16's from the same run), key_offset (the kvrepro run's
         key offset, :func:`run_key_offset`; None for bf16 / fp8).
     """
     runs = select_current(df, list(dict.fromkeys([*modes, BASELINE])), workload)
     base = runs.get(BASELINE)
+    strongest = strongest_fp8(df, workload) if df is not None and len(df) else dict(at_capacity=None, best_point=None)
     fp8_max = max_clean(base) if base is not None else None
     fp8_best = best_clean(base) if base is not None else None
     needle = needle or {}
@@ -234,6 +237,7 @@ def summary_rows(df, needle=None, modes=MODE_NAMES, workload: dict | None = SEED
         r = dict(mode=mode, name=DISPLAY.get(mode, mode), bytes_per_token_head=nbytes, seed_users=seed[0],
                  seed_tok_s=seed[1], users=None, tok_s=None, vs_fp8_max=None, vs_fp8_best=None, fp8_max=fp8_max,
                  fp8_best=fp8_best, fp8_table_max=fp8_max, fp8_table_best=fp8_best, fp8_same_run=False,
+                 strongest_max=None, vs_strongest_max=None, strongest_best=None, vs_strongest_best=None,
                  source_file=None, run_id=None, when=None, fp8_source_file=None, fp8_when=None,
                  setup_differs=[], needle=needle.get(fmt),
                  needle_bf16=needle.get("_bf16", {}).get(fmt, needle.get("bf16")), gpu=None, key_offset=None)
@@ -258,8 +262,81 @@ def summary_rows(df, needle=None, modes=MODE_NAMES, workload: dict | None = SEED
                 if not differs and cap is not None:
                     r.update(vs_fp8_max=_ratio(cap[1], r["fp8_max"] and r["fp8_max"][1]),
                              vs_fp8_best=_ratio(cap[1], r["fp8_best"] and r["fp8_best"][1]))
+            for key, point in (("max", strongest["at_capacity"]), ("best", strongest["best_point"])):
+                if point is not None and cap is not None and not _same_setup(rows, point["rows"]):
+                    r[f"strongest_{key}"] = {k: point[k] for k in ("mode", "backend", "users", "tok_s", "source_file")}
+                    r[f"vs_strongest_{key}"] = _ratio(cap[1], point["tok_s"])
         out.append(r)
     return out
+
+
+def fp8_backends(df, workload: dict | None = SEED_WORKLOAD) -> list[dict]:
+    """Every fp8 KV mode (``kvrepro.sweep.FP8_MODES``: vLLM's choice and each named backend) at its current run
+    (:func:`select_current`, so each from its own newest run), in that order.
+
+    Returns:
+        list of dicts: mode, backend (the resolved one, else the one asked), max_clean / best_clean ((users, tok/s) or
+        None; max_clean None for a run capped below what its cache fits), capped_at (the cap, else None), source_file,
+        when, rows (the run's DataFrame).
+    """
+    from kvrepro import sweep
+
+    runs = select_current(df, list(sweep.FP8_MODES), workload)
+    out = []
+    for m in sweep.FP8_MODES:
+        rows = runs.get(m)
+        if rows is None:
+            continue
+        resolved = rows["attention_backend_resolved"].iloc[0] if "attention_backend_resolved" in rows.columns else None
+        backend = (", ".join(resolved) if isinstance(resolved, (list, tuple)) and len(resolved)
+                   else sweep.engine_settings(m)["attention_backend"] or "vllm-auto")
+        cap = capped_at(rows)
+        out.append(dict(mode=m, backend=backend, max_clean=None if cap is not None else max_clean(rows),
+                        best_clean=best_clean(rows), capped_at=cap, source_file=_rel(rows["source_file"].iloc[0]),
+                        when=when(rows), rows=rows))
+    return out
+
+
+def strongest_fp8(df, workload: dict | None = SEED_WORKLOAD) -> dict:
+    """The strongest fp8 over :func:`fp8_backends` whose setup equals vLLM's choice fp8's (``_same_setup``), each
+    backend from its own newest run: ``at_capacity`` (the most tok/s at a backend's own max clean capacity) and
+    ``best_point`` (the most tok/s at any clean point), each a :func:`fp8_backends` entry plus users / tok_s, or None."""
+    backends = fp8_backends(df, workload) if df is not None and len(df) else []
+    base = next((b for b in backends if b["mode"] == BASELINE), None)
+    ok = [b for b in backends if base is None or not _same_setup(b["rows"], base["rows"])]
+    out = dict(at_capacity=None, best_point=None)
+    for key, field in (("at_capacity", "max_clean"), ("best_point", "best_clean")):
+        cands = [b for b in ok if b[field]]
+        if cands:
+            top = max(cands, key=lambda b: b[field][1])
+            out[key] = dict(top, users=top[field][0], tok_s=top[field][1])
+    return out
+
+
+def fp8_backends_line(df, workload: dict | None = SEED_WORKLOAD) -> str | None:
+    """The README line under the results table: each fp8 backend's points (its newest run) and which is the strongest
+    at its max clean capacity and at any clean point; None with fewer than two backends measured."""
+    backends = fp8_backends(df, workload) if df is not None and len(df) else []
+    if len(backends) < 2:
+        return None
+    base = next((b for b in backends if b["mode"] == BASELINE), None)
+    parts = []
+    for b in backends:
+        differs = _same_setup(b["rows"], base["rows"]) if base is not None else []
+        cap = (f"capacity not measured (capped at {b['capped_at']} users)" if b["capped_at"] is not None else
+               f"{b['max_clean'][0]} users at {b['max_clean'][1]:.1f} tok/s" if b["max_clean"] else "no clean point")
+        best = f", best clean point {b['best_clean'][0]} users at {b['best_clean'][1]:.1f}" if b["best_clean"] else ""
+        note = f", not compared: setup differs from vLLM's choice fp8's run ({', '.join(differs)})" if differs else ""
+        parts.append(f"{b['mode']} ({b['backend']}) {cap}{best} ([{Path(b['source_file']).name}]({b['source_file']})"
+                     f"{note})")
+    s = strongest_fp8(df, workload)
+    tail = ""
+    if s["at_capacity"] and s["best_point"]:
+        a, p = s["at_capacity"], s["best_point"]
+        tail = (f" Strongest at its max clean capacity: {a['mode']} ({a['backend']}, {a['users']} users, "
+                f"{a['tok_s']:.1f} tok/s); best clean point of any: {p['mode']} ({p['backend']}, {p['users']} users, "
+                f"{p['tok_s']:.1f} tok/s). The table's ratios use vLLM's choice fp8 of each row's own run.")
+    return "fp8 on each vLLM attention backend measured (each from its newest run): " + "; ".join(parts) + "." + tail
 
 
 def same_run_fp8(df, rows, workload: dict | None = SEED_WORKLOAD):
@@ -475,10 +552,10 @@ def fp8_ratios_markdown(r: dict, other_errors: dict | None = None, other_runs: d
     lines.append("")
     a, b = r["at_capacity"], r["best_point"]
     if a:
-        lines.append(f"Against the strongest fp8 at its max clean capacity ({a['fp8_mode']}, {a['users']} users, "
+        lines.append(f"Against the strongest fp8 of this run at its max clean capacity ({a['fp8_mode']}, {a['users']} users, "
                      f"{a['tok_s']:.1f} tok/s): **{a['ratio']:.2f}x**.")
     if b:
-        lines.append(f"Against the best clean point of any fp8 backend ({b['fp8_mode']}, {b['users']} users, "
+        lines.append(f"Against the best clean point of any fp8 backend of this run ({b['fp8_mode']}, {b['users']} users, "
                      f"{b['tok_s']:.1f} tok/s): **{b['ratio']:.2f}x**.")
     return "\n".join(lines) + "\n"
 
@@ -550,13 +627,22 @@ def fp8_measured_elsewhere(current: str | os.PathLike, mode: str = CAPACITY_PRES
 
 def strongest_fp8_markdown(rows: list[dict]) -> str:
     """Notebook 02's comparison with the strongest fp8: :func:`fp8_ratios_markdown` of the capacity preset's current
-    run file (the fp8 backends that run measured beside it; the missing ones listed), or a sentence when the capacity
-    preset has no current run. ``rows``: :func:`summary_rows`."""
+    run file (the fp8 backends that run measured beside it; the missing ones listed), then the ratio against the
+    strongest fp8 of any run (:func:`strongest_fp8`) where that is stronger than this run's, or a sentence when the
+    capacity preset has no current run. ``rows``: :func:`summary_rows`."""
     cap = next((r for r in rows if r["mode"] == CAPACITY_PRESET), None)
     if cap is None or not cap["source_file"]:
         return f"No current run of {DISPLAY.get(CAPACITY_PRESET, CAPACITY_PRESET)}: nothing to compare with fp8."
     path = repo_root() / cap["source_file"]
-    return fp8_ratios_markdown(fp8_ratios(str(path)), fp8_engine_errors(path.parent), fp8_measured_elsewhere(path))
+    r = fp8_ratios(str(path))
+    text = fp8_ratios_markdown(r, fp8_engine_errors(path.parent), fp8_measured_elsewhere(path))
+    for key, what, here in (("max", "at its max clean capacity", r["at_capacity"]),
+                            ("best", "at its best clean point", r["best_point"])):
+        p, x = cap.get(f"strongest_{key}"), cap.get(f"vs_strongest_{key}")
+        if p and x is not None and (here is None or p["tok_s"] > here["tok_s"]):
+            text += (f"Against the strongest fp8 of any run {what} ({p['mode']}, {p['users']} users, "
+                     f"{p['tok_s']:.1f} tok/s, `{Path(p['source_file']).name}`: another run): **{x:.2f}x**.\n")
+    return text
 
 
 def fp8_engine_errors(results_dir: str | os.PathLike = CAPACITY_DIR) -> dict:
@@ -698,6 +784,9 @@ def notes_lines(df, needle: dict, chart: bool = True) -> list[str]:
         "so user counts are for the same memory budget (the seed's own non-KV memory is not published) and tok/s "
         "are not comparable across GPUs: compare kvrepro with fp8 of the same run.",
     ]
+    backends = fp8_backends_line(df)
+    if backends:
+        lines.append(backends)
     u = uncorrected_point(df)
     if u is not None:
         lines.append(f"{DISPLAY.get(u['mode'], u['mode'])} without the rope-mean correction (keys stored with key "
@@ -788,7 +877,21 @@ def verdict(rows: list[dict], default: str | None = None) -> str:
                  f"{k['vs_fp8_best']:.2f}x fp8's best clean point")
         if k["fp8_source_file"]:
             line += f" (fp8 from another run: {Path(k['fp8_source_file']).name})"
+        line += _stronger(k)
     return line + "."
+
+
+def _stronger(r: dict) -> str:
+    """", 2.27x the strongest fp8 at its max clean capacity (BACKEND: users, tok/s, `file`)" for each of a summary
+    row's :func:`strongest_fp8` points that is stronger than the fp8 its own ratios use; "" where none is."""
+    out = []
+    for key, own, what in (("max", r["fp8_max"], "at its max clean capacity"),
+                           ("best", r["fp8_best"], "at its best clean point")):
+        p, x = r.get(f"strongest_{key}"), r.get(f"vs_strongest_{key}")
+        if p and x is not None and (own is None or p["tok_s"] > own[1]):
+            out.append(f"{x:.2f}x the strongest fp8 {what} ({p['backend']}: {p['users']} users, "
+                       f"{p['tok_s']:.1f} tok/s, `{Path(p['source_file']).name}`)")
+    return ", " + ", ".join(out) if out else ""
 
 
 def answer(rows: list[dict], fid_rows: list[dict]) -> str:
@@ -822,6 +925,7 @@ def answer(rows: list[dict], fid_rows: list[dict]) -> str:
     if dcap and dcap["users"] is not None:
         ko = f", key offset {dcap['key_offset']}" if dcap.get("key_offset") else ""
         speed = (f"its aggregate decode rate is {dcap['vs_fp8_max']:.2f}x fp8's ({dcap['tok_s']:.1f} tok/s{ko})"
+                 f"{_stronger(dcap)}"
                  if dcap["vs_fp8_max"] is not None else f"it decodes {dcap['tok_s']:.1f} tok/s in aggregate{ko}")
         first = (f"**On one {_gpu_words(dcap)} at an emulated {gib}, kvrepro's default preset {DEFAULT_PRESET} serves "
                  f"{dcap['users']} users of 128K tokens{where}, "
@@ -833,7 +937,8 @@ def answer(rows: list[dict], fid_rows: list[dict]) -> str:
     if cap and cap["users"] is not None:
         second = (f"For throughput, the capacity preset {cap_fmt} serves {cap['users']} users at "
                   + (f"{cap['vs_fp8_max']:.2f}x fp8's aggregate decode tok/s ({cap['vs_fp8_best']:.2f}x fp8's best "
-                     "clean point)" if cap["vs_fp8_max"] is not None else "a decode speed not comparable with fp8's "
+                     f"clean point){_stronger(cap)}" if cap["vs_fp8_max"] is not None else "a decode speed not "
+                     "comparable with fp8's "
                      "run") + f"; it costs {cost(cap_fmt)}.")
     else:
         second = f"The capacity preset {cap_fmt} has no measured run for the seed's workload yet."

@@ -530,6 +530,48 @@ def test_ratios_use_the_fp8_of_the_modes_own_run_where_it_has_one(tmp_path):
     assert "fp8 from another run: b.jsonl" in next(ln for ln in lines if ln.startswith("| bf16"))
 
 
+def test_strongest_fp8_over_backends_and_the_answer_names_it(tmp_path):
+    """Each fp8 backend from its own newest run; the strongest at max clean capacity and at any clean point by plain
+    max; a capped backend has no capacity point; another setup is left out; the README line lists every backend and
+    the answer adds the ratio against a stronger fp8 than the row's own, only where one is stronger."""
+    write(tmp_path / "a.jsonl", sweep("fp8", FP8, "2026-12-01T09:00:00+00:00", run_id="a")
+          + sweep("kvrepro:k4v4", [(13, 480.0, True)], "2026-12-01T08:00:00+00:00", run_id="a"))
+    write(tmp_path / "b.jsonl", sweep("fp8:flashinfer", [(6, 230.0, True), (5, 220.0, True), (4, 200.0, True)],
+                                      "2026-12-02T09:00:00+00:00", run_id="b",
+                                      attention_backend_resolved=["FLASHINFER"]))
+    write(tmp_path / "c.jsonl", sweep("fp8:triton_attn", [(3, 300.0, True)], "2026-12-02T10:00:00+00:00",
+                                      run_id="c", measured_by="full", users_fit_arithmetic=6))   # capped at 3 of 6
+    write(tmp_path / "d.jsonl", sweep("fp8:flash_attn", [(6, 900.0, True)], "2026-12-03T10:00:00+00:00",
+                                      run_id="d", vllm_version="0.21.0"))             # another setup: left out
+    df = load(tmp_path)
+    s = summary.strongest_fp8(df)
+    assert (s["at_capacity"]["mode"], s["at_capacity"]["users"], s["at_capacity"]["tok_s"]) == ("fp8:flashinfer", 6,
+                                                                                             230.0)
+    assert (s["best_point"]["mode"], s["best_point"]["users"], s["best_point"]["tok_s"]) == ("fp8:triton_attn", 3,
+                                                                                           300.0)
+    line = summary.fp8_backends_line(df)
+    assert "fp8:triton_attn (TRITON_ATTN) capacity not measured (capped at 3 users)" in line
+    assert "fp8:flashinfer (FLASHINFER) 6 users at 230.0 tok/s, best clean point 6 users at 230.0" in line
+    assert "d.jsonl), not compared: setup differs from vLLM's choice fp8's run (vllm_version)" in line
+    assert "Strongest at its max clean capacity: fp8:flashinfer (FLASHINFER, 6 users, 230.0" in line
+    rows = summary.summary_rows(df)
+    k4 = next(r for r in rows if r["mode"] == "kvrepro:k4v4")
+    assert k4["vs_strongest_max"] == pytest.approx(480 / 230, rel=1e-15)
+    assert k4["vs_strongest_best"] == pytest.approx(480 / 300, rel=1e-15)
+    text = summary.answer(rows, [])
+    assert (f"{480 / 230:.2f}x the strongest fp8 at its max clean capacity (FLASHINFER: 6 users, 230.0 tok/s, "
+            "`b.jsonl`)") in text
+    assert f"{480 / 300:.2f}x the strongest fp8 at its best clean point (TRITON_ATTN: 3 users, 300.0 tok/s" in text
+    assert summary.verdict(rows, "kvrepro:k4v4").endswith(
+        f"{480 / 230:.2f}x the strongest fp8 at its max clean capacity (FLASHINFER: 6 users, 230.0 tok/s, `b.jsonl`), "
+        f"{480 / 300:.2f}x the strongest fp8 at its best clean point (TRITON_ATTN: 3 users, 300.0 tok/s, `c.jsonl`).")
+    # nothing stronger than the row's own fp8: no clause
+    only = load(tmp_path)
+    only = only[only["source_file"].str.endswith("a.jsonl")]
+    assert "the strongest fp8" not in summary.answer(summary.summary_rows(only), [])
+    assert summary.fp8_backends_line(only) is None
+
+
 def test_strongest_fp8_section_of_the_committed_run():
     """Notebook 02's fp8-backend section on the committed capacity run: its ratios are those of the capacity preset's
     own run (fp8 of that run, every backend it holds), equal to the results table's where that run is also fp8's
@@ -546,6 +588,14 @@ def test_strongest_fp8_section_of_the_committed_run():
     for m in r["missing"]:
         assert f"- {m} ({summary.sweep_backend(m)}): " in md
     assert "nothing to compare" in summary.strongest_fp8_markdown(summary.summary_rows(None))
+    # a stronger fp8 of another run gets its own line, with the ratio of the row's tok/s to it
+    p = cap["strongest_max"]
+    if p and p["tok_s"] > r["at_capacity"]["tok_s"]:
+        assert (f"Against the strongest fp8 of any run at its max clean capacity ({p['mode']}, {p['users']} users, "
+                f"{p['tok_s']:.1f} tok/s, `{Path(p['source_file']).name}`: another run): "
+                f"**{cap['tok_s'] / p['tok_s']:.2f}x**.") in md
+    else:
+        assert "of any run at its max clean capacity" not in md
 
 
 def test_the_capacity_preset_without_the_rope_mean_correction_is_its_newest_other_run(tmp_path):

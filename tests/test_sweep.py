@@ -456,7 +456,7 @@ def test_fp8_ratios_cli(tmp_path, capsys):
     path = _run_file(tmp_path, {"kvrepro:k4v4": {2: 100.0, 1: 50.0}, "fp8": {2: 40.0, 1: 25.0}})
     assert summary.main(["--fp8-ratios", str(path)]) == 0
     out = capsys.readouterr().out
-    assert "Against the strongest fp8 at its max clean capacity (fp8, 2 users, 40.0 tok/s): **2.50x**." in out
+    assert "Against the strongest fp8 of this run at its max clean capacity (fp8, 2 users, 40.0 tok/s): **2.50x**." in out
     assert summary.main(["--fp8-ratios", str(tmp_path / "none.jsonl")]) == 1
     assert "none.jsonl: No such file or directory (expected a capacity-sweep results file" in capsys.readouterr().err
     gz = tmp_path / "rows.csv.gz"
