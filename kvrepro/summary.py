@@ -222,7 +222,7 @@ def summary_rows(df, needle=None, modes=MODE_NAMES, workload: dict | None = SEED
     """
     runs = select_current(df, list(dict.fromkeys([*modes, BASELINE])), workload)
     base = runs.get(BASELINE)
-    strongest = strongest_fp8(df, workload) if df is not None and len(df) else dict(at_capacity=None, best_point=None)
+    backends = fp8_backends(df, workload) if df is not None and len(df) else []
     fp8_max = max_clean(base) if base is not None else None
     fp8_best = best_clean(base) if base is not None else None
     needle = needle or {}
@@ -250,10 +250,11 @@ def summary_rows(df, needle=None, modes=MODE_NAMES, workload: dict | None = SEED
             if cap is not None:
                 r.update(users=cap[0], tok_s=cap[1])
             ref = base if mode == BASELINE else same_run_fp8(df, rows, workload)
-            if ref is not None and base is not None and ref["source_file"].iloc[0] != base["source_file"].iloc[0]:
+            if ref is None or _same_setup(rows, ref):
+                match = _fp8_of_setup(df, rows, workload)
+                ref = match if match is not None else ref if ref is not None else base
+            if ref is not None and base is not None and _run_key(ref) != _run_key(base):
                 r.update(fp8_max=max_clean(ref), fp8_best=best_clean(ref), fp8_same_run=True)
-            else:
-                ref = base
             if ref is not None:
                 differs = _same_setup(rows, ref)
                 r["setup_differs"] = differs
@@ -262,10 +263,16 @@ def summary_rows(df, needle=None, modes=MODE_NAMES, workload: dict | None = SEED
                 if not differs and cap is not None:
                     r.update(vs_fp8_max=_ratio(cap[1], r["fp8_max"] and r["fp8_max"][1]),
                              vs_fp8_best=_ratio(cap[1], r["fp8_best"] and r["fp8_best"][1]))
-            for key, point in (("max", strongest["at_capacity"]), ("best", strongest["best_point"])):
-                if point is not None and cap is not None and not _same_setup(rows, point["rows"]):
-                    r[f"strongest_{key}"] = {k: point[k] for k in ("mode", "backend", "users", "tok_s", "source_file")}
-                    r[f"vs_strongest_{key}"] = _ratio(cap[1], point["tok_s"])
+            if cap is not None:
+                own = [dict(mode=BASELINE, source_file=_rel(ref["source_file"].iloc[0]), rows=ref,
+                            max_clean=r["fp8_max"], best_clean=r["fp8_best"])] if ref is not None else []
+                others = [b for b in backends if b["mode"] != BASELINE] + ([] if own else
+                                                                           [b for b in backends if b["mode"] == BASELINE])
+                for key, point in _strongest_of([*own, *others], rows).items():
+                    if point is not None and not (own and point["mode"] == BASELINE):
+                        r[f"strongest_{key}"] = {k: point[k] for k in ("mode", "backend", "users", "tok_s",
+                                                                       "source_file", "run_id")}
+                        r[f"vs_strongest_{key}"] = _ratio(cap[1], point["tok_s"])
         out.append(r)
     return out
 
@@ -287,11 +294,8 @@ def fp8_backends(df, workload: dict | None = SEED_WORKLOAD) -> list[dict]:
         rows = runs.get(m)
         if rows is None:
             continue
-        resolved = rows["attention_backend_resolved"].iloc[0] if "attention_backend_resolved" in rows.columns else None
-        backend = (", ".join(resolved) if isinstance(resolved, (list, tuple)) and len(resolved)
-                   else sweep.engine_settings(m)["attention_backend"] or "vllm-auto")
         cap = capped_at(rows)
-        out.append(dict(mode=m, backend=backend, max_clean=None if cap is not None else max_clean(rows),
+        out.append(dict(mode=m, backend=_backend_of(rows, m, sweep), max_clean=None if cap is not None else max_clean(rows),
                         best_clean=best_clean(rows), capped_at=cap, source_file=_rel(rows["source_file"].iloc[0]),
                         when=when(rows), rows=rows))
     return out
@@ -303,14 +307,34 @@ def strongest_fp8(df, workload: dict | None = SEED_WORKLOAD) -> dict:
     ``best_point`` (the most tok/s at any clean point), each a :func:`fp8_backends` entry plus users / tok_s, or None."""
     backends = fp8_backends(df, workload) if df is not None and len(df) else []
     base = next((b for b in backends if b["mode"] == BASELINE), None)
-    ok = [b for b in backends if base is None or not _same_setup(b["rows"], base["rows"])]
-    out = dict(at_capacity=None, best_point=None)
-    for key, field in (("at_capacity", "max_clean"), ("best_point", "best_clean")):
-        cands = [b for b in ok if b[field]]
-        if cands:
-            top = max(cands, key=lambda b: b[field][1])
-            out[key] = dict(top, users=top[field][0], tok_s=top[field][1])
+    top = _strongest_of(backends, base["rows"] if base is not None else None)
+    return dict(at_capacity=top["max"], best_point=top["best"])
+
+
+def _strongest_of(cands: list[dict], setup_rows=None) -> dict:
+    """``{"max": entry, "best": entry}``: among :func:`fp8_backends`-like entries (mode, rows, max_clean, best_clean)
+    whose setup equals ``setup_rows``' (None: all), the one with the most tok/s at its max clean capacity and the one
+    with the most at its best clean point, each with users / tok_s / backend / run_id added; None where none has one."""
+    from kvrepro import sweep
+
+    ok = [c for c in cands if setup_rows is None or not _same_setup(setup_rows, c["rows"])]
+    out = {}
+    for key, field in (("max", "max_clean"), ("best", "best_clean")):
+        have = [c for c in ok if c.get(field)]
+        top = max(have, key=lambda c: c[field][1]) if have else None
+        out[key] = None if top is None else dict(
+            top, users=top[field][0], tok_s=top[field][1], run_id=str(top["rows"]["run_id"].iloc[0]),
+            backend=top.get("backend") or _backend_of(top["rows"], top["mode"], sweep))
     return out
+
+
+def _backend_of(rows, mode: str, sweep) -> str:
+    """The attention backend a run's engine resolved (``attention_backend_resolved``), else the one its mode asks for
+    (``kvrepro.sweep.engine_settings``; "vllm-auto" when vLLM chooses)."""
+    resolved = rows["attention_backend_resolved"].iloc[0] if "attention_backend_resolved" in rows.columns else None
+    if isinstance(resolved, (list, tuple)) and len(resolved):
+        return ", ".join(resolved)
+    return sweep.engine_settings(mode)["attention_backend"] or "vllm-auto"
 
 
 def fp8_backends_line(df, workload: dict | None = SEED_WORKLOAD) -> str | None:
@@ -320,6 +344,7 @@ def fp8_backends_line(df, workload: dict | None = SEED_WORKLOAD) -> str | None:
     if len(backends) < 2:
         return None
     base = next((b for b in backends if b["mode"] == BASELINE), None)
+    top = _strongest_of(backends, base["rows"] if base is not None else None)
     parts = []
     for b in backends:
         differs = _same_setup(b["rows"], base["rows"]) if base is not None else []
@@ -329,14 +354,34 @@ def fp8_backends_line(df, workload: dict | None = SEED_WORKLOAD) -> str | None:
         note = f", not compared: setup differs from vLLM's choice fp8's run ({', '.join(differs)})" if differs else ""
         parts.append(f"{b['mode']} ({b['backend']}) {cap}{best} ([{Path(b['source_file']).name}]({b['source_file']})"
                      f"{note})")
-    s = strongest_fp8(df, workload)
     tail = ""
-    if s["at_capacity"] and s["best_point"]:
-        a, p = s["at_capacity"], s["best_point"]
-        tail = (f" Strongest at its max clean capacity: {a['mode']} ({a['backend']}, {a['users']} users, "
-                f"{a['tok_s']:.1f} tok/s); best clean point of any: {p['mode']} ({p['backend']}, {p['users']} users, "
-                f"{p['tok_s']:.1f} tok/s). The table's ratios use vLLM's choice fp8 of each row's own run.")
+    for label, t in (("Strongest at its max clean capacity", top["max"]), ("best clean point of any", top["best"])):
+        if t:
+            tail += (f"{'; ' if tail else ' '}{label}: {t['mode']} ({t['backend']}, {t['users']} users, "
+                     f"{t['tok_s']:.1f} tok/s)")
+    tail += (". " if tail else " ") + ("The table's ratios use vLLM's choice fp8 of each row's own run where that run "
+                                       "measured it, else fp8's newest run.")
     return "fp8 on each vLLM attention backend measured (each from its newest run): " + "; ".join(parts) + "." + tail
+
+
+def _fp8_of_setup(df, rows, workload: dict | None = SEED_WORKLOAD):
+    """The newest engine run of vLLM's choice fp8 (:func:`select_current`'s order) whose setup equals that of
+    ``rows`` (``_same_setup``), or None."""
+    d = df[(df["mode"] == BASELINE) & _matches(df, workload)]
+    if not len(d):
+        return None
+    d = d.assign(_run=run_keys(d))
+    runs = engine_runs(d)
+    for _, run in runs[~runs["sizing_only"]].sort_values(["last", "source_file", "run"], kind="stable")[::-1].iterrows():
+        cand = d[d["_run"] == run["run"]].drop(columns="_run").sort_values("num_users", kind="stable")
+        if not _same_setup(rows, cand):
+            return cand.reset_index(drop=True)
+    return None
+
+
+def _run_key(rows) -> str:
+    """The engine-run key of one engine run's rows (:func:`kvrepro.replay.run_keys` of its first row)."""
+    return run_keys(rows.iloc[:1])[0]
 
 
 def same_run_fp8(df, rows, workload: dict | None = SEED_WORKLOAD):
@@ -482,9 +527,7 @@ def fp8_ratios(source, mode: str = CAPACITY_PRESET) -> dict:
         rows = runs.get(m)
         if rows is None:
             continue
-        asked = sweep.engine_settings(m)["attention_backend"] or "vllm-auto"
-        resolved = rows["attention_backend_resolved"].iloc[0] if "attention_backend_resolved" in rows.columns else None
-        backend = ", ".join(resolved) if isinstance(resolved, (list, tuple)) and len(resolved) else asked
+        backend = _backend_of(rows, m, sweep)
         cap, best = max_clean(rows), best_clean(rows)
         differs = _same_setup(own, rows)
         ok = point is not None and not differs
@@ -514,9 +557,10 @@ def fp8_ratios_markdown(r: dict, other_errors: dict | None = None, other_runs: d
 
     ``other_errors``: ``{mode: (results file name, error)}`` of fp8 modes this run lacks whose engine did not start in
     another run (:func:`fp8_engine_errors`); their line says so and names that run. ``other_runs``: ``{mode:
-    (results file name, fp8 entry of that run's fp8_ratios, the mode's point there)}`` of fp8 modes this run lacks
-    that another run measured beside the same mode (:func:`fp8_measured_elsewhere`); their line gives that run's
-    figures and ratio (not this run's: the headline sentences stay this run's)."""
+    (results file name, fp8 entry of that run's fp8_ratios, the compared mode's point there, that mode)}`` of fp8
+    modes this run lacks that another run measured beside the same mode or beside vLLM's choice fp8
+    (:func:`fp8_measured_elsewhere`); their line gives that run's figures and ratios (not this run's: the headline
+    sentences stay this run's)."""
     def num(v, fmt="{:.1f}"):
         return "" if v is None else fmt.format(v)
 
@@ -602,10 +646,13 @@ def fp8_measured_elsewhere(current: str | os.PathLike, mode: str = CAPACITY_PRES
     current = Path(current)
     found: dict = {}
     near: dict = {}
+    runs = []
     for f in find_result_files(results_dir or current.parent):
-        if Path(f).resolve() == current.resolve():
-            continue
-        df = load_jsonl(f)
+        if Path(f).resolve() != current.resolve():
+            whole = load_jsonl(f)
+            runs += [g for _, g in whole.groupby(whole["run_id"].astype(str), sort=False)]   # fp8_ratios: one run
+    for df in runs:
+        f = str(df["source_file"].iloc[0])
         key = (str(df["date"].max()), Path(f).name)
         try:
             r, into, beside = fp8_ratios(df, mode), found, mode
@@ -889,8 +936,9 @@ def _stronger(r: dict) -> str:
                            ("best", r["fp8_best"], "at its best clean point")):
         p, x = r.get(f"strongest_{key}"), r.get(f"vs_strongest_{key}")
         if p and x is not None and (own is None or p["tok_s"] > own[1]):
+            other = (p["source_file"], p.get("run_id")) != (r["source_file"], r["run_id"])
             out.append(f"{x:.2f}x the strongest fp8 {what} ({p['backend']}: {p['users']} users, "
-                       f"{p['tok_s']:.1f} tok/s, `{Path(p['source_file']).name}`)")
+                       f"{p['tok_s']:.1f} tok/s, {'another run: ' if other else ''}`{Path(p['source_file']).name}`)")
     return ", " + ", ".join(out) if out else ""
 
 
@@ -924,8 +972,8 @@ def answer(rows: list[dict], fid_rows: list[dict]) -> str:
     met = d is not None and d.get("verdict") == "MET"
     if dcap and dcap["users"] is not None:
         ko = f", key offset {dcap['key_offset']}" if dcap.get("key_offset") else ""
-        speed = (f"its aggregate decode rate is {dcap['vs_fp8_max']:.2f}x fp8's ({dcap['tok_s']:.1f} tok/s{ko})"
-                 f"{_stronger(dcap)}"
+        speed = (f"its aggregate decode rate is {dcap['vs_fp8_max']:.2f}x fp8's ({dcap['tok_s']:.1f} tok/s{ko}; "
+                 f"{dcap['vs_fp8_best']:.2f}x fp8's best clean point){_stronger(dcap)}"
                  if dcap["vs_fp8_max"] is not None else f"it decodes {dcap['tok_s']:.1f} tok/s in aggregate{ko}")
         first = (f"**On one {_gpu_words(dcap)} at an emulated {gib}, kvrepro's default preset {DEFAULT_PRESET} serves "
                  f"{dcap['users']} users of 128K tokens{where}, "

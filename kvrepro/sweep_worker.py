@@ -259,6 +259,9 @@ def measure_mode(mode: str, results_path: str, run_id: str, *, model_dir: str | 
         "hostname": prov["hostname"], "kvrepro_src_sha256": src_sha256(),
         "vllm_memory": dict(sweep.parse_vllm_memory_log(mem_log.lines), worker_bytes=worker_memory(llm)),
     }
+    if "FLASHINFER" in base["attention_backend_resolved"]:   # FlashInfer ships apart from vLLM: record which one
+        import flashinfer
+        base["flashinfer_version"] = flashinfer.__version__
     if mode.startswith("kvrepro:"):   # the settings the engine's layers resolved (and logged) at its start
         from kvrepro.vllm_backend.runtime import settings_record
 

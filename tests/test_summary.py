@@ -560,16 +560,65 @@ def test_strongest_fp8_over_backends_and_the_answer_names_it(tmp_path):
     assert k4["vs_strongest_best"] == pytest.approx(480 / 300, rel=1e-15)
     text = summary.answer(rows, [])
     assert (f"{480 / 230:.2f}x the strongest fp8 at its max clean capacity (FLASHINFER: 6 users, 230.0 tok/s, "
-            "`b.jsonl`)") in text
+            "another run: `b.jsonl`)") in text
     assert f"{480 / 300:.2f}x the strongest fp8 at its best clean point (TRITON_ATTN: 3 users, 300.0 tok/s" in text
     assert summary.verdict(rows, "kvrepro:k4v4").endswith(
-        f"{480 / 230:.2f}x the strongest fp8 at its max clean capacity (FLASHINFER: 6 users, 230.0 tok/s, `b.jsonl`), "
-        f"{480 / 300:.2f}x the strongest fp8 at its best clean point (TRITON_ATTN: 3 users, 300.0 tok/s, `c.jsonl`).")
+        f"{480 / 230:.2f}x the strongest fp8 at its max clean capacity (FLASHINFER: 6 users, 230.0 tok/s, another run: "
+        f"`b.jsonl`), {480 / 300:.2f}x the strongest fp8 at its best clean point (TRITON_ATTN: 3 users, 300.0 tok/s, "
+        "another run: `c.jsonl`).")
     # nothing stronger than the row's own fp8: no clause
     only = load(tmp_path)
     only = only[only["source_file"].str.endswith("a.jsonl")]
     assert "the strongest fp8" not in summary.answer(summary.summary_rows(only), [])
     assert summary.fp8_backends_line(only) is None
+
+
+def test_own_run_fp8_is_chosen_by_engine_run_and_a_stronger_fp8_only_from_another_backend_of_the_setup(tmp_path):
+    """Two runs in one file: a mode takes the fp8 of its own run, not the newer run's; the newest run of vLLM's choice
+    fp8 does not count as a stronger fp8 than the row's own (run-to-run noise of one backend); a backend of another
+    setup than the row's is not its strongest, one of the row's setup is even when fp8's newest run has another setup;
+    an own-run fp8 of another setup falls back to fp8's newest run when that one matches."""
+    write(tmp_path / "a.jsonl", sweep("kvrepro:k4v4", [(13, 540.0, True)], "2026-12-01T08:00:00+00:00", run_id="r1")
+          + sweep("fp8", [(6, 150.0, True), (4, 230.0, True)], "2026-12-01T08:10:00+00:00", run_id="r1")
+          + sweep("fp8", [(6, 180.0, True), (4, 260.0, True)], "2026-12-02T08:10:00+00:00", run_id="r2"))
+    k = next(r for r in summary.summary_rows(load(tmp_path)) if r["mode"] == "kvrepro:k4v4")
+    assert k["fp8_same_run"] and k["vs_fp8_max"] == pytest.approx(540 / 150, rel=1e-15)
+    assert k["strongest_max"] is None and "the strongest fp8" not in summary.answer(summary.summary_rows(load(tmp_path)), [])
+
+    d2 = tmp_path / "b"
+    d2.mkdir()
+    write(d2 / "a.jsonl", sweep("kvrepro:k4v4", [(13, 500.0, True)], "2026-12-01T08:00:00+00:00", run_id="a")
+          + sweep("fp8:flashinfer", [(6, 300.0, True)], "2026-12-01T09:00:00+00:00", run_id="a",
+                  attention_backend_resolved=["FLASHINFER"]))
+    write(d2 / "b.jsonl", sweep("fp8", FP8, "2026-12-02T09:00:00+00:00", run_id="b", vllm_version="0.21.0"))
+    k = next(r for r in summary.summary_rows(load(d2)) if r["mode"] == "kvrepro:k4v4")
+    assert k["vs_fp8_max"] is None and k["setup_differs"] == ["vllm_version"]            # fp8 only on another vLLM
+    assert k["strongest_max"]["mode"] == "fp8:flashinfer" and k["vs_strongest_max"] == pytest.approx(500 / 300)
+
+    d3 = tmp_path / "c"
+    d3.mkdir()
+    write(d3 / "a.jsonl", sweep("kvrepro:k4v4", [(13, 500.0, True)], "2026-12-01T08:00:00+00:00", run_id="a")
+          + sweep("fp8", [(6, 100.0, True)], "2026-12-01T09:00:00+00:00", run_id="a", vllm_version="0.21.0"))
+    write(d3 / "b.jsonl", sweep("fp8", FP8, "2026-11-30T09:00:00+00:00", run_id="b"))
+    write(d3 / "c.jsonl", sweep("fp8:flashinfer", [(6, 900.0, True)], "2026-12-02T09:00:00+00:00", run_id="c",
+                                vllm_version="0.21.0"))
+    k = next(r for r in summary.summary_rows(load(d3)) if r["mode"] == "kvrepro:k4v4")
+    assert not k["setup_differs"] and k["vs_fp8_max"] == pytest.approx(500 / 160)     # b's fp8: the same setup
+    assert Path(k["fp8_source_file"]).name == "b.jsonl" and k["strongest_max"] is None   # 900: another vLLM
+
+
+def test_fp8_measured_elsewhere_reads_each_run_of_a_file_with_two(tmp_path):
+    """A results file holding two runs (two run_ids) is read run by run, not refused as a whole."""
+    cur = tmp_path / "cur.jsonl"
+    write(cur, sweep("kvrepro:k4v4", [(13, 500.0, True)], "2026-12-02T08:00:00+00:00", run_id="cur")
+          + sweep("fp8", FP8, "2026-12-02T09:00:00+00:00", run_id="cur"))
+    write(tmp_path / "x.jsonl", sweep("kvrepro:k4v2", [(17, 600.0, True)], "2026-12-03T08:00:00+00:00", run_id="x1")
+          + sweep("fp8", [(6, 150.0, True)], "2026-12-03T08:30:00+00:00", run_id="x2")
+          + sweep("fp8:flashinfer", [(6, 300.0, True)], "2026-12-03T09:00:00+00:00", run_id="x2"))
+    other = summary.fp8_measured_elsewhere(cur)
+    assert set(other) == {"fp8:flashinfer"} and other["fp8:flashinfer"][2:] == ((6, 150.0), "fp8")
+    assert "fp8:flashinfer (FLASHINFER): not run beside kvrepro k4v4; measured in `x.jsonl`" in \
+        summary.strongest_fp8_markdown([]) + summary.fp8_ratios_markdown(summary.fp8_ratios(cur), {}, other)
 
 
 def test_strongest_fp8_section_of_the_committed_run():
