@@ -13,9 +13,11 @@ for the fidelity block (:func:`fidelity_block`, ``kvrepro.accuracy_summary``), t
 
 Selection: one *current run* per mode = the newest engine run of that mode for the seed's workload
 (:data:`SEED_WORKLOAD`). An engine run is the rows sharing an ``engine_run_id``; rows without one are grouped by
-(file, ``run_id``, mode). Newest = latest ``date`` among its rows. Ratios "vs fp8" use the fp8 engine run of the mode's own run (same file
-and ``run_id``: both measured in one sweep) where it has one, else fp8's current run, selected the same way; the
-table's header gives fp8's current run, and a row says when its ratios use another fp8 run.
+(file, ``run_id``, mode). Newest = latest ``date`` among its rows. Ratios "vs fp8" use the fp8 engine run of the
+mode's own run (same file and ``run_id``: both measured in one sweep) where it has one of the same setup, else the
+newest fp8 run of the mode's setup, else fp8's current run; the table's header gives fp8's current run, and a row says
+when its ratios use another fp8 run. The strongest fp8 backend (:func:`strongest_fp8`, each backend from its newest
+run) is named beside where it is stronger than the fp8 a row's ratios use.
 """
 from __future__ import annotations
 
@@ -210,13 +212,15 @@ def summary_rows(df, needle=None, modes=MODE_NAMES, workload: dict | None = SEED
         seed's modes), users / tok_s (max clean capacity of the current run; None without a run or a clean point),
         vs_fp8_max / vs_fp8_best (float ratios of tok_s to fp8's tok/s at its max clean capacity / at its best
         clean point; None when either is missing or the setups differ), fp8_max / fp8_best ((users, tok/s) of the
-        fp8 run the ratios use: the mode's own run's fp8 where that run has one, else fp8's current run),
-        fp8_table_max / fp8_table_best (the same of fp8's current run: the table's header), fp8_same_run (True when
-        the ratios use the mode's own run's fp8 and that is not fp8's current run), source_file, run_id, when (UTC
+        fp8 run the ratios use: the mode's own run's fp8 where that run has one of the same setup, else the newest
+        fp8 run of the mode's setup, else fp8's current run), fp8_table_max / fp8_table_best (the same of fp8's
+        current run: the table's header), fp8_same_run (True when the ratios use an fp8 engine run other than the
+        header's, which the row then names), source_file, run_id, when (UTC
         span), fp8_source_file / fp8_when (when the fp8 run used is in another file), setup_differs (WORKLOAD_KEYS
-        that differ from that fp8 run), strongest_max / strongest_best (:func:`strongest_fp8`'s points: mode, backend,
-        users, tok_s, source_file; each backend from its own newest run, so possibly another run than the row's) and
-        vs_strongest_max / vs_strongest_best (tok_s over theirs; None where the setups differ), needle / needle_bf16
+        that differ from that fp8 run), strongest_max / strongest_best (the strongest fp8 at its max clean capacity /
+        best clean point among the row's ratio fp8 and every other fp8 backend of the row's setup, each from its newest
+        run: mode, backend, users, tok_s, source_file, run_id; None when it is the row's own fp8) and
+        vs_strongest_max / vs_strongest_best (tok_s over theirs), needle / needle_bf16
         ((correct, prompts) single-needle through vLLM, bf16's from the same run), key_offset (the kvrepro run's
         key offset, :func:`run_key_offset`; None for bf16 / fp8).
     """
