@@ -488,10 +488,13 @@ def test_rope_mean_refuses_rows_of_another_geometry_positions_of_another_type_an
     with pytest.raises(ValueError, match=r"pos must be an int32 or int64 tensor \[n\]"):
         rm.offset(torch.zeros(3))
     for q in (torch.randn(1, 3, 64), torch.randn(1, 4, 128), torch.randn(1, 1, 64), torch.randn(4, 64)):
-        with pytest.raises(ValueError, match=r"query must be \[T, Hq, head_dim=64\] with Hq a multiple of "
-                                             r"num_kv_heads=2"):
+        with pytest.raises(ValueError, match=r"query must be \[T, Hq, head_dim=64\] bfloat16, float16, float32, "
+                                             r"float64 with Hq a multiple of num_kv_heads=2"):
             rm.packed_terms(q)
     assert rm.packed_terms(torch.randn(1, 6, 64)).shape == (1, 6, 16)           # Hq = 3 x 2: accepted
+    with pytest.raises(ValueError, match=r"query must be \[T, Hq, head_dim=64\] bfloat16, float16, float32, float64 "
+                                         r"with Hq a multiple of num_kv_heads=2, got \(1, 6, 64\) torch.int32"):
+        rm.packed_terms(torch.zeros(1, 6, 64, dtype=torch.int32))
     for rope_, what in (({"rope_theta": "1e6", "neox": True}, r"rope\['rope_theta'\] must be a positive finite"),
                        ({"rope_theta": float("inf")}, r"rope\['rope_theta'\] must be a positive finite"),
                        ({"rope_theta": 0}, r"rope\['rope_theta'\] must be a positive finite"),

@@ -285,6 +285,10 @@ def rope_pairs(head_dim: int, rotary_dim: int, neox: bool) -> tuple[torch.Tensor
     return torch.cat([x, tail]), torch.cat([y, tail + 1])
 
 
+# query dtypes the score terms take: the model's (bf16, fp16, fp32) and float64 for references
+QUERY_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+
 class RopeMean:
     """The per-position key offset ``R(p) b_hat`` of one layer (``key_offset="rope-mean"``; module docstring).
 
@@ -543,7 +547,7 @@ class RopeMean:
         ``qx * bx + qy * by`` and ``qy * bx - qx * by``. The vLLM runtime computes them with
         ``kvrepro.ops.offset.rope_terms`` (one launch); this is its PyTorch reference."""
         self.check_device(query=query)
-        self.check_query(query)
+        self.check_query(query, QUERY_DTYPES)
         h = self.num_kv_heads
         t, hq, d = query.shape
         g = hq // h
