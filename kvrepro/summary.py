@@ -599,11 +599,13 @@ def fp8_ratios_markdown(r: dict, other_errors: dict | None = None, other_runs: d
         lines.append(f"- {m} ({sweep_backend(m)}): {text}")
     lines.append("")
     a, b = r["at_capacity"], r["best_point"]
+    if a or b:
+        lines += [f"{name}'s decode rate against fp8:", ""]
     if a:
-        lines.append(f"Against the strongest fp8 of this run at its max clean capacity ({a['fp8_mode']}, {a['users']} users, "
+        lines.append(f"- Against the strongest fp8 of this run at its max clean capacity ({a['fp8_mode']}, {a['users']} users, "
                      f"{a['tok_s']:.1f} tok/s): **{a['ratio']:.2f}x**.")
     if b:
-        lines.append(f"Against the best clean point of any fp8 backend of this run ({b['fp8_mode']}, {b['users']} users, "
+        lines.append(f"- Against the best clean point of any fp8 backend of this run ({b['fp8_mode']}, {b['users']} users, "
                      f"{b['tok_s']:.1f} tok/s): **{b['ratio']:.2f}x**.")
     return "\n".join(lines) + "\n"
 
@@ -691,7 +693,7 @@ def strongest_fp8_markdown(rows: list[dict]) -> str:
                             ("best", "at its best clean point", r["best_point"])):
         p, x = cap.get(f"strongest_{key}"), cap.get(f"vs_strongest_{key}")
         if p and x is not None and (here is None or p["tok_s"] > here["tok_s"]):
-            text += (f"Against the strongest fp8 of any run {what} ({p['mode']}, {p['users']} users, "
+            text += (f"- Against the strongest fp8 of any run {what} ({p['mode']}, {p['users']} users, "
                      f"{p['tok_s']:.1f} tok/s, `{Path(p['source_file']).name}`: another run): **{x:.2f}x**.\n")
     return text
 
