@@ -268,12 +268,12 @@ def summary_rows(df, needle=None, modes=MODE_NAMES, workload: dict | None = SEED
                     r.update(vs_fp8_max=_ratio(cap[1], r["fp8_max"] and r["fp8_max"][1]),
                              vs_fp8_best=_ratio(cap[1], r["fp8_best"] and r["fp8_best"][1]))
             if cap is not None:
+                # the row's ratio fp8 stands for vLLM's choice (ref is None only where no fp8 run exists at all)
                 own = [dict(mode=BASELINE, source_file=_rel(ref["source_file"].iloc[0]), rows=ref,
                             max_clean=r["fp8_max"], best_clean=r["fp8_best"])] if ref is not None else []
-                others = [b for b in backends if b["mode"] != BASELINE] + ([] if own else
-                                                                           [b for b in backends if b["mode"] == BASELINE])
+                others = [b for b in backends if b["mode"] != BASELINE]
                 for key, point in _strongest_of([*own, *others], rows).items():
-                    if point is not None and not (own and point["mode"] == BASELINE):
+                    if point is not None and point["mode"] != BASELINE:
                         r[f"strongest_{key}"] = {k: point[k] for k in ("mode", "backend", "users", "tok_s",
                                                                        "source_file", "run_id")}
                         r[f"vs_strongest_{key}"] = _ratio(cap[1], point["tok_s"])
@@ -309,10 +309,15 @@ def strongest_fp8(df, workload: dict | None = SEED_WORKLOAD) -> dict:
     """The strongest fp8 over :func:`fp8_backends` whose setup equals vLLM's choice fp8's (``_same_setup``), each
     backend from its own newest run: ``at_capacity`` (the most tok/s at a backend's own max clean capacity) and
     ``best_point`` (the most tok/s at any clean point), each a :func:`fp8_backends` entry plus users / tok_s, or None."""
-    backends = fp8_backends(df, workload) if df is not None and len(df) else []
-    base = next((b for b in backends if b["mode"] == BASELINE), None)
-    top = _strongest_of(backends, base["rows"] if base is not None else None)
+    top = _strongest_vs_choice(fp8_backends(df, workload) if df is not None and len(df) else [])
     return dict(at_capacity=top["max"], best_point=top["best"])
+
+
+def _strongest_vs_choice(backends: list[dict]) -> dict:
+    """:func:`_strongest_of` the :func:`fp8_backends` entries whose setup equals vLLM's choice fp8's (all of them
+    where that has no run)."""
+    base = next((b for b in backends if b["mode"] == BASELINE), None)
+    return _strongest_of(backends, base["rows"] if base is not None else None)
 
 
 def _strongest_of(cands: list[dict], setup_rows=None) -> dict:
@@ -348,7 +353,7 @@ def fp8_backends_line(df, workload: dict | None = SEED_WORKLOAD) -> str | None:
     if len(backends) < 2:
         return None
     base = next((b for b in backends if b["mode"] == BASELINE), None)
-    top = _strongest_of(backends, base["rows"] if base is not None else None)
+    top = _strongest_vs_choice(backends)
     parts = []
     for b in backends:
         differs = _same_setup(b["rows"], base["rows"]) if base is not None else []
