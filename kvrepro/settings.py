@@ -29,7 +29,7 @@ DECODE_IMPLS = ("auto", "cuda", "triton")
 PREFILL_PATHS = ("fa", "fa-sliced", "fa-pages", "dequant", "triton")
 CUDA_PRESETS = ("k4v4", "k8v4", "k4v2", "k5v4")   # the CUDA decode kernel's variants (= kvrepro.ops.cuda_decode.PRESETS)
 ROPE_GPU_PRESETS = ("k4v4", "k5v4")        # = kvrepro.ops.prefill.ROPE_GPU_PRESETS: rope-mean's Triton prefill on a GPU
-STORE_ROTATE_MODES = ("torch", "kernel")
+STORE_ROTATE_MODES = ("kernel", "torch")
 KEY_OFFSET_MODES = ("slow-pairs", "first-prefill", "off", "rope-mean")   # = kvrepro.formats.offset.MODES
 KEY_OFFSET_DEFAULT = "rope-mean"        # = kvrepro.formats.compressed.CompressedFormat.default_key_offset
 MAX_NUM_SPLITS = 256
@@ -164,15 +164,17 @@ SETTINGS: tuple[Declaration, ...] = (
         "at the tag lab-notebook-2026-12-01; each capacity row records the path that ran "
         "([capacity rows](results/capacity/h200-20261201-w13.jsonl))"),
     Declaration(
-        "store_rotate", "KVREPRO_STORE_ROTATE", ", ".join(STORE_ROTATE_MODES), "torch",
-        "Where new K/V are rotated before quantization. torch: x.float() @ R in PyTorch, then the quantize "
-        "kernel; kernel: inside the Triton store kernel. torch by default because the in-kernel rotation spills "
-        "a float32 [D, D] operand to a per-thread stack, and the driver then reserves local memory for every "
-        "resident thread of the GPU (~1.7 GiB on an H200) inside vLLM's CUDA-graph memory profiling, which "
-        "counts it twice against the KV cache (notes/vllm.md, 'Memory accounting: what was learned').",
+        "store_rotate", "KVREPRO_STORE_ROTATE", ", ".join(STORE_ROTATE_MODES), "kernel",
+        "Where new K/V are rotated before quantization. kernel: inside the Triton store kernel, by the +-1 Hadamard "
+        "matrix on the tensor cores (exact products, float32 sums; needs kvrepro's Hadamard rotation), streamed in "
+        "slices so that nothing spills to a per-thread stack; torch: x.float() @ R in PyTorch, then the quantize "
+        "kernel (two casts and two float32 GEMMs more per layer and step). An earlier in-kernel rotation held the "
+        "float32 [D, D] matrix in registers and spilled; the driver then reserved local memory for every resident "
+        "thread (~1.7 GiB on an H200) inside vLLM's CUDA-graph memory profiling, which counted it twice against the "
+        "KV cache (notes/vllm.md, 'Memory accounting: what was learned').",
         _choice("KVREPRO_STORE_ROTATE", STORE_ROTATE_MODES),
-        "KV capacity the in-kernel rotation's spill stack cost on the H200: [notes/vllm.md, Memory accounting]"
-        "(notes/vllm.md#memory-accounting-what-was-learned)"),
+        "KV capacity the spilling rotation cost on the H200, and what the store path takes of a decode step: "
+        "[notes/vllm.md, Memory accounting](notes/vllm.md#memory-accounting-what-was-learned)"),
     Declaration(
         "key_offset", "KVREPRO_KEY_OFFSET", ", ".join(KEY_OFFSET_MODES), KEY_OFFSET_DEFAULT,
         "How keys are stored (kvrepro.formats.offset); attention sees the exact keys in every mode. rope-mean: keys "
@@ -230,7 +232,7 @@ class Settings:
         decode_impl: ``"auto"`` | ``"cuda"`` | ``"triton"``.
         num_splits: int in 1..256, or None (the decode kernel's shape-only rule).
         prefill: ``"fa"`` | ``"fa-sliced"`` | ``"fa-pages"`` | ``"dequant"`` | ``"triton"``.
-        store_rotate: ``"torch"`` | ``"kernel"``.
+        store_rotate: ``"kernel"`` | ``"torch"``.
         key_offset: ``"slow-pairs"`` | ``"first-prefill"`` | ``"off"`` | ``"rope-mean"``.
         warmup: compile the decode kernels before vLLM's memory profiling.
         debug_check: compare every eager attention call with the reference (slow).
@@ -243,7 +245,7 @@ class Settings:
     decode_impl: str = "auto"
     num_splits: int | None = None
     prefill: str = "fa"
-    store_rotate: str = "torch"
+    store_rotate: str = "kernel"
     key_offset: str = KEY_OFFSET_DEFAULT
     warmup: bool = True
     debug_check: bool = False

@@ -258,7 +258,7 @@ def test_run_modes_with_fake_engine(tok, small_bundle, tmp_path, fake_env):
     assert (df["engine"] == "vllm").all()
     # kvrepro rows store the settings the engine resolved (kvrepro.vllm_backend.runtime.settings_record)
     ks = json.loads(df[df["format"] == "k4v4"]["kvrepro_settings"].iloc[0])
-    assert ks["preset"] == "k4v4" and ks["decode_impl_setting"] == "auto" and ks["store_rotate"] == "torch"
+    assert ks["preset"] == "k4v4" and ks["decode_impl_setting"] == "auto" and ks["store_rotate"] == "kernel"
     assert json.loads(df[df["format"] == "k4v2"]["kvrepro_settings"].iloc[0])["preset"] == "k4v2"
     assert (df[df["format"] == "bf16"]["kvrepro_settings"] == "").all()
     # a failing margin phase is recorded, the retrieval rows stay and the mode still counts as run

@@ -13,14 +13,14 @@ from kvrepro.settings import Settings
 def test_defaults_and_declarations():
     s = Settings.from_env({})
     assert s == Settings() and s.as_dict() == {"preset": "k5v4", "decode_impl": "auto", "num_splits": None,
-                                               "prefill": "fa", "store_rotate": "torch",
+                                               "prefill": "fa", "store_rotate": "kernel",
                                                "key_offset": "rope-mean", "warmup": True, "debug_check": False}
     assert [d.field for d in st.SETTINGS] == list(s.as_dict())
     assert [d.env for d in st.SETTINGS] == ["KVREPRO_PRESET", "KVREPRO_DECODE_IMPL", "KVREPRO_NUM_SPLITS",
                                             "KVREPRO_PREFILL", "KVREPRO_STORE_ROTATE", "KVREPRO_KEY_OFFSET", "KVREPRO_WARMUP",
                                             "KVREPRO_DEBUG_CHECK"]
     assert s.describe() == ("kvrepro settings: preset=k5v4 decode_impl=auto num_splits=auto prefill=fa "
-                            "store_rotate=torch key_offset=rope-mean warmup=1 debug_check=0")
+                            "store_rotate=kernel key_offset=rope-mean warmup=1 debug_check=0")
     assert s.decode_impl_arg is None and Settings(decode_impl="cuda").decode_impl_arg == "cuda"
     with pytest.raises(dataclasses.FrozenInstanceError):
         s.preset = "k8v4"
@@ -28,7 +28,7 @@ def test_defaults_and_declarations():
     k = Settings(preset="k4v4", key_offset="slow-pairs", num_splits=7)
     log = f"INFO boot\n(EngineCore pid=1) INFO [config.py:73] {k.describe()}\nINFO later {s.describe()}\n"
     assert st.described_in(log) == {"preset": "k4v4", "decode_impl": "auto", "num_splits": "7", "prefill": "fa",
-                                    "store_rotate": "torch", "key_offset": "slow-pairs", "warmup": "1",
+                                    "store_rotate": "kernel", "key_offset": "slow-pairs", "warmup": "1",
                                     "debug_check": "0"}
     assert st.described_in("INFO an fp8 engine logs no settings line\n") is None
 
@@ -96,18 +96,18 @@ def test_num_splits():
 def test_switches_and_store_rotate_ignore_case_and_spaces():
     """The 0/1 switches ignore surrounding spaces, KVREPRO_STORE_ROTATE case and spaces, like every setting;
     anything else is refused with the variable and the allowed values."""
-    s = Settings.from_env({"KVREPRO_WARMUP": " 0 ", "KVREPRO_DEBUG_CHECK": "1", "KVREPRO_STORE_ROTATE": " Kernel "})
-    assert (s.warmup, s.debug_check, s.store_rotate) == (False, True, "kernel")
+    s = Settings.from_env({"KVREPRO_WARMUP": " 0 ", "KVREPRO_DEBUG_CHECK": "1", "KVREPRO_STORE_ROTATE": " Torch "})
+    assert (s.warmup, s.debug_check, s.store_rotate) == (False, True, "torch")
     for env, bad, msg in (("KVREPRO_WARMUP", " on ", "KVREPRO_WARMUP='on'; allowed: 0, 1"),
                           ("KVREPRO_WARMUP", "yes", "KVREPRO_WARMUP='yes'; allowed: 0, 1"),
                           ("KVREPRO_DEBUG_CHECK", "true", "KVREPRO_DEBUG_CHECK='true'; allowed: 0, 1"),
-                          ("KVREPRO_STORE_ROTATE", "numpy", "KVREPRO_STORE_ROTATE='numpy'; allowed: torch, kernel")):
+                          ("KVREPRO_STORE_ROTATE", "numpy", "KVREPRO_STORE_ROTATE='numpy'; allowed: kernel, torch")):
         with pytest.raises(ValueError, match=msg):
             Settings.from_env({env: bad})
 
 
 def test_as_env_round_trips_and_unknown_variables():
-    s = Settings(preset="k4v2", decode_impl="triton", num_splits=4, prefill="dequant", store_rotate="kernel",
+    s = Settings(preset="k4v2", decode_impl="triton", num_splits=4, prefill="dequant", store_rotate="torch",
                  warmup=False, debug_check=True)
     assert Settings.from_env(s.as_env()) == s
     assert "KVREPRO_NUM_SPLITS" not in Settings().as_env() and Settings.from_env(Settings().as_env()) == Settings()

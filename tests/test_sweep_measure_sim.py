@@ -173,7 +173,7 @@ def test_measure_mode_on_a_simulated_engine(tmp_path, monkeypatch):
     ks = full["kvrepro_settings"]   # the settings object every layer of the engine uses, plus what they resolved
     assert {k: ks[k] for k in ("preset", "decode_impl_setting", "num_splits", "prefill", "store_rotate", "warmup",
                                "debug_check")} == {"preset": "k4v4", "decode_impl_setting": "auto", "num_splits": None,
-                                                   "prefill": "fa", "store_rotate": "torch", "warmup": True,
+                                                   "prefill": "fa", "store_rotate": "kernel", "warmup": True,
                                                    "debug_check": False}
     assert ks["decode_impl"] == "auto (no layer resolved it yet)"   # the simulated engine builds no layer
     from kvrepro.ops import decode as dec

@@ -31,9 +31,9 @@ def test_settings_for_engine_resolves_once_per_engine_and_logs_once(caplog):
         t = cfg.settings_for_engine(b, {"KVREPRO_NUM_SPLITS": "8"})
     assert (s.preset, t.preset, t.num_splits) == ("k8v4", "k5v4", 8)
     infos = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
-    assert infos == ["kvrepro settings: preset=k8v4 decode_impl=auto num_splits=auto prefill=fa store_rotate=torch "
+    assert infos == ["kvrepro settings: preset=k8v4 decode_impl=auto num_splits=auto prefill=fa store_rotate=kernel "
                      "key_offset=rope-mean warmup=1 debug_check=0",
-                     "kvrepro settings: preset=k5v4 decode_impl=auto num_splits=8 prefill=fa store_rotate=torch "
+                     "kvrepro settings: preset=k5v4 decode_impl=auto num_splits=8 prefill=fa store_rotate=kernel "
                      "key_offset=rope-mean warmup=1 debug_check=0"]
     warns = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warns) == 1 and "KVREPRO_RECENT_WINDOW set but not a kvrepro setting (ignored)" in warns[0]

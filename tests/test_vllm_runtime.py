@@ -314,18 +314,18 @@ def test_warmup_launches_one_decode_per_split_count(monkeypatch):
     rt = LayerRuntime("k4v4", 8, 2, 64, 0.125, ops=Ops, graph_sizes=(1, 2, 4, 8), max_batch=8, decode_impl="triton")
     got = rt.warmup(torch.device("cpu"), torch.bfloat16, 16, 4096)
     want = sorted({runtime.decode_splits(b, 2, 4096, torch.device("cpu"), (1, 2, 4, 8)) for b in range(1, 9)})
-    assert got == want and calls[0] == ("store", (1, 2, 64), "torch")
+    assert got == want and calls[0] == ("store", (1, 2, 64), "kernel")
     assert [c[2] for c in calls[1:]] == want and all(c[3] == 4096 // 16 for c in calls[1:])
 
 
-def test_store_rotates_in_torch_by_default_and_both_modes_write_the_reference_bytes(monkeypatch):
-    """Default ``store_rotate="torch"`` (no register-spill stack on the GPU, ``KVREPRO_STORE_ROTATE``);
-    both modes must store pages whose dequantized K/V equal the format's own round trip."""
+def test_store_rotates_in_the_kernel_by_default_and_both_modes_write_the_reference_bytes(monkeypatch):
+    """Default ``store_rotate="kernel"`` (``KVREPRO_STORE_ROTATE``); both modes must store pages whose dequantized
+    K/V equal the format's own round trip."""
     from kvrepro.settings import Settings
 
     monkeypatch.delenv("KVREPRO_STORE_ROTATE", raising=False)
-    assert Settings.from_env().store_rotate == "torch" == LayerRuntime("k4v4", 4, 2, 64, 0.125).store_rotate
-    with pytest.raises(ValueError, match="KVREPRO_STORE_ROTATE.*torch, kernel"):
+    assert Settings.from_env().store_rotate == "kernel" == LayerRuntime("k4v4", 4, 2, 64, 0.125).store_rotate
+    with pytest.raises(ValueError, match="KVREPRO_STORE_ROTATE.*kernel, torch"):
         Settings(store_rotate="host")
     with pytest.raises(ValueError, match="store_rotate"):
         LayerRuntime("k4v4", 4, 2, 64, 0.125, store_rotate="host")

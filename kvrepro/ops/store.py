@@ -12,14 +12,15 @@ from kvrepro.ops.common import (check_float, check_pool, check_rotation, check_s
 from kvrepro.ops.triton.store import store_kv_kernel
 
 STORE_BLOCK_T = 16
+STORE_WARPS = {True: 8, False: 4}   # by in-kernel rotation: the fewest warps at which no preset's kernel spills (sm_80-90)
 
 
-ROTATE_MODES = ("kernel", "torch")
+ROTATE_MODES = ("kernel", "torch")   # the default first
 ROTATE_PIECE = 4096  # rotate="torch": tokens rotated per float32 temporary (4096 x Hkv x D x 8 B)
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, pool, slot_mapping: torch.Tensor,
-             layout: PageLayout, rotation: torch.Tensor, *, rotate: str = "torch",
+             layout: PageLayout, rotation: torch.Tensor, *, rotate: str = "kernel",
              validate: bool | None = None) -> None:
     """Rotate, quantize and pack ``key``/``value`` into their slots of ``pool`` (in place).
 
@@ -33,13 +34,13 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, pool, slot_mapping: torch.T
             ``-1`` = padding, skipped.
         layout: the pool's ``PageLayout``.
         rotation: float32 ``[head_dim, head_dim]`` (``rotation_matrix(head_dim, seed)``), same device.
-        rotate: ``"torch"`` (default: ``x.float() @ R`` through PyTorch in pieces of
-            ``ROTATE_PIECE`` tokens, then the kernel quantizes; the same op as the reference;
-            0.22 ms per 8K tokens x 8 heads x 128 on the H200) or ``"kernel"`` (rotation
-            inside the Triton kernel: 2.50 ms there, and its float32 ``[D, D]`` operand spills to a
-            6,792 B stack per thread, for which the CUDA driver reserves ~1.7 GiB of local memory
-            at the first launch, notes/vllm.md, "Memory accounting: what was learned").
-
+        rotate: ``"kernel"`` (default: inside the Triton store kernel, as ``(x @ diag(s) H) / sqrt(head_dim)`` on
+            the tensor cores, whose TF32 products are exact for bf16 / fp16 inputs and +-1, so only the float32 sums
+            round; needs ``rotation`` of the form ``diag(s) H / sqrt(head_dim)``, checked on the host once per
+            rotation tensor by :func:`hadamard_operand`, which must therefore run once outside CUDA-graph capture)
+            or ``"torch"`` (``x.float() @ R`` through PyTorch in pieces of ``ROTATE_PIECE`` tokens, then the kernel
+            quantizes: the reference's op, for any rotation; two casts and two float32 GEMMs more per call, which a
+            decode step pays in every layer).
         validate: check slot range and finite K/V on the host (default: on for CPU tensors,
             off on CUDA, where it would need a host sync and break CUDA-graph capture).
 
@@ -48,8 +49,10 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, pool, slot_mapping: torch.T
     sync; CUDA-graph capturable. Page offsets are int64.
 
     Raises:
-        ValueError: wrong shapes, dtypes, devices or layout, or ``rotate`` not in ``ROTATE_MODES``; with
-            ``validate``, bad slots or non-finite K/V (or K/V beyond the float16 range after rotation).
+        ValueError: wrong shapes, dtypes, devices or layout, or ``rotate`` not in ``ROTATE_MODES``; ``rotate="kernel"``
+            with a rotation not of the Hadamard form; with ``validate``, bad slots or non-finite K/V (or K/V beyond
+            the float16 range after rotation).
+        RuntimeError: ``rotate="kernel"`` with a rotation tensor not seen before, during CUDA-graph capture.
     """
     data = pool_tensor(pool)
     _, hkv = check_pool(data, layout)
@@ -76,20 +79,47 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, pool, slot_mapping: torch.T
     if t == 0:
         return
     if rotate == "kernel":
-        _launch(key, value, data, slot_mapping, rotation, layout, hkv, True)
+        _launch(key, value, data, slot_mapping, hadamard_operand(rotation), layout, hkv)
         return
     for p0 in range(0, t, ROTATE_PIECE):
         p1 = min(t, p0 + ROTATE_PIECE)
         _launch(key[p0:p1].float() @ rotation, value[p0:p1].float() @ rotation, data, slot_mapping[p0:p1],
-                rotation, layout, hkv, False)
+                None, layout, hkv)
 
 
-def _launch(key, value, data, slot_mapping, rotation, layout, hkv, rotate_here):
+def hadamard_operand(rotation: torch.Tensor) -> torch.Tensor:
+    """The +-1 matrix ``diag(s) H`` (float32 ``[D, D]``, on the rotation's device) of a rotation
+    ``R = diag(s) H / sqrt(D)`` (``kvrepro.formats.hadamard.rotation_matrix``): the store kernel's operand
+    (``rotate="kernel"``).
+
+    The form is checked on the host once per rotation tensor and in-place version
+    (:func:`kvrepro.ops.cuda_decode.rotation_signs`: one sync) and the result cached, so call it once outside
+    CUDA-graph capture (``LayerRuntime.prepare`` does). Raises ValueError if ``rotation`` is not of that form,
+    RuntimeError if an unchecked rotation reaches it during graph capture.
+    """
+    from kvrepro.ops.cuda_decode import rotation_signs
+
+    try:
+        signs = rotation_signs(rotation)
+    except ValueError as e:
+        raise ValueError(f"rotate='kernel' needs rotation = diag(s) H / sqrt(head_dim) with H the Sylvester Hadamard "
+                         f"matrix and s signs (kvrepro.formats.hadamard.rotation_matrix); use rotate='torch' for "
+                         f"another rotation ({e})") from None
+    pm = _OPERANDS.get(id(signs))
+    if pm is None:       # |R| is 1 / sqrt(D) to float32 rounding, so the product rounds to exactly +-1
+        pm = _OPERANDS[id(signs)] = torch.round(rotation * rotation.shape[0] ** 0.5).contiguous()
+    return pm
+
+
+_OPERANDS: dict = {}     # id(sign vector of rotation_signs, which keeps it alive) -> +-1 [D, D] float32
+
+
+def _launch(key, value, data, slot_mapping, pm, layout, hkv):
     t = key.shape[0]
     grid = (triton.cdiv(t, STORE_BLOCK_T), hkv)
-    store_kv_kernel[grid](
-        key, value, data, slot_mapping, rotation, t,
+    return store_kv_kernel[grid](
+        key, value, data, slot_mapping, key if pm is None else pm, 1.0 / layout.head_dim ** 0.5, t,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         **page_constexprs(layout, hkv), BLOCK_T=STORE_BLOCK_T,
-        ROTATE=rotate_here,
+        ROTATE=pm is not None, num_warps=STORE_WARPS[pm is not None],
     )

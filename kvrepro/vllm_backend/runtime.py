@@ -156,8 +156,8 @@ class LayerRuntime:
         max_batch: largest decode batch (vLLM's ``max_num_seqs``, or the largest capture size if
             larger); :meth:`prepare` reserves the decode workspace for it so that no captured forward
             allocates. None = no reservation (grown on demand outside capture).
-        store_rotate: ``store_kv``'s ``rotate`` (``"torch"``: no kernel with a register-spill stack,
-            see ``KVREPRO_STORE_ROTATE`` in ``kvrepro.settings``; ``"kernel"``).
+        store_rotate: ``store_kv``'s ``rotate`` (``"kernel"``: the rotation inside the store kernel, the default;
+            ``"torch"``: two float32 GEMMs before it; ``KVREPRO_STORE_ROTATE`` in ``kvrepro.settings``).
         decode_impl: ``decode_attention``'s ``impl`` (``"cuda"``, ``"triton"``, or None = its default
             ``kvrepro.ops.decode.resolve_impl``; ``Settings.decode_impl_arg``).
         key_offset: ``"slow-pairs"`` or ``"first-prefill"``: every stored key and
@@ -180,7 +180,7 @@ class LayerRuntime:
 
     def __init__(self, preset: str, num_heads: int, num_kv_heads: int, head_size: int, scale: float,
                  num_splits: int | None = None, ops=None, prefill=None, graph_sizes=(),
-                 max_batch: int | None = None, store_rotate: str = "torch", decode_impl: str | None = None,
+                 max_batch: int | None = None, store_rotate: str = "kernel", decode_impl: str | None = None,
                  key_offset: str = "off", rope: dict | None = None) -> None:
         self.fmt = get_format(preset)
         self.key_offset_mode = check_mode(key_offset)
@@ -262,8 +262,9 @@ class LayerRuntime:
                    for b in range(1, self.max_batch + 1) for impl in ("triton", "cuda"))
 
     def prepare(self, device: torch.device) -> torch.Tensor:
-        """Put the rotation on ``device`` and reserve the shared decode workspace for ``max_batch`` and, for the
-        CUDA decode kernel, its split counters and rotation check (call before CUDA-graph capture and before
+        """Put the rotation on ``device`` and reserve the shared decode workspace for ``max_batch``, the store
+        kernel's rotation operands (``store_rotate="kernel"``) and, for the CUDA decode kernel, its split counters
+        and rotation check (call before CUDA-graph capture and before
         vLLM's memory profiling); returns the rotation."""
         if self.rotation is None or self.rotation.device != torch.device(device):
             self.rotation = shared_rotation(self.head_size, self.fmt.seed, torch.device(device))
@@ -271,6 +272,9 @@ class LayerRuntime:
                 self.key_offset.to(self.rotation.device)
             if self.max_batch:
                 decode_workspace(device, self.reserve_numel(device))
+        if self.store_rotate == "kernel" and self.rotation.is_cuda:
+            from kvrepro.ops.store import hadamard_operand     # its rotation check (a sync once), not in capture
+            hadamard_operand(self.rotation)
         if self.impl_used == "cuda" and self.rotation.is_cuda and self._cuda_ready != self.rotation.device:
             from kvrepro.ops import cuda_decode   # one-launch kernel: its rotation check (a sync) and split counters
             cuda_decode.rotation_signs(self.rotation)             # now, not inside graph capture

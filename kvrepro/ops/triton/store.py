@@ -84,16 +84,37 @@ def _quant_pack_store(x, page_base, off, keep, pool_ptr, CODE_OFF, META_OFF,
 
 
 @triton.jit
-def store_kv_kernel(key_ptr, value_ptr, pool_ptr, slot_ptr, rot_ptr, num_tokens,
+def _rows(rows, keep, pm_ptr, inv_sqrt_d, D: tl.constexpr, BLOCK_T: tl.constexpr, ROTATE: tl.constexpr,
+          CHUNK: tl.constexpr):
+    """float32 ``[BLOCK_T, D]``: the rows at ``rows`` (pointers ``[BLOCK_T, 1]``), times ``pm * inv_sqrt_d`` if
+    ``ROTATE`` (see :func:`store_kv_kernel`); rows not in ``keep`` are zero."""
+    d = tl.arange(0, D)
+    if ROTATE:
+        x = tl.zeros([BLOCK_T, D], dtype=tl.float32)
+        for c in tl.static_range(0, D, CHUNK):
+            dc = c + tl.arange(0, CHUNK)
+            x = tl.dot(tl.load(rows + dc[None, :], mask=keep[:, None], other=0.0).to(tl.float32),
+                       tl.load(pm_ptr + dc[:, None] * D + d[None, :]), x, input_precision="tf32")
+        return x * inv_sqrt_d
+    else:
+        return tl.load(rows + d[None, :], mask=keep[:, None], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def store_kv_kernel(key_ptr, value_ptr, pool_ptr, slot_ptr, pm_ptr, inv_sqrt_d, num_tokens,
                     stride_kt, stride_kh, stride_vt, stride_vh,
                     NUM_KV_HEADS: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                     PAGE_BYTES: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
                     V_CODE_OFF: tl.constexpr, K_META_OFF: tl.constexpr, V_META_OFF: tl.constexpr,
                     KSYM: tl.constexpr, VLOG: tl.constexpr,
-                    BLOCK_T: tl.constexpr, ROTATE: tl.constexpr):
-    """Grid ``(cdiv(num_tokens, BLOCK_T), NUM_KV_HEADS)``. K/V last dim contiguous. ``ROTATE``:
-    multiply by ``rot`` here; else K/V arrive already rotated (float32). ``KSYM`` / ``VLOG``: the layout's
-    ``key_symmetric`` / ``value_log_scale``."""
+                    BLOCK_T: tl.constexpr, ROTATE: tl.constexpr, CHUNK: tl.constexpr = 32):
+    """Grid ``(cdiv(num_tokens, BLOCK_T), NUM_KV_HEADS)``. K/V last dim contiguous.
+
+    ``ROTATE``: rotate here by ``R = diag(s) H / sqrt(D)`` as ``(x @ pm) * inv_sqrt_d``, ``pm = diag(s) H`` the float32
+    +-1 matrix ``[D, D]``: TF32 tensor-core products are exact here (bfloat16 / float16 inputs have at most TF32's 10
+    mantissa bits, and +-1 none), so only the float32 sums round; ``pm`` streams from L2 in ``[CHUNK, D]`` slices, so
+    no operand is held whole in registers and nothing spills. Else K/V arrive already rotated (float32) and ``pm`` /
+    ``inv_sqrt_d`` are unused. ``KSYM`` / ``VLOG``: the layout's ``key_symmetric`` / ``value_log_scale``."""
     pid_t = tl.program_id(0)
     h = tl.program_id(1)
     t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -104,17 +125,11 @@ def store_kv_kernel(key_ptr, value_ptr, pool_ptr, slot_ptr, rot_ptr, num_tokens,
     blk = slot // BS
     off = slot % BS
     page_base = (blk * NUM_KV_HEADS + h) * PAGE_BYTES
-    d = tl.arange(0, D)
     t64 = t.to(tl.int64)
-    xk = tl.load(key_ptr + t64[:, None] * stride_kt + h * stride_kh + d[None, :],
-                 mask=keep[:, None], other=0.0).to(tl.float32)
-    if ROTATE:
-        rot = tl.load(rot_ptr + d[:, None] * D + d[None, :])
-        xk = tl.dot(xk, rot, input_precision="ieee")
+    k_rows = key_ptr + t64[:, None] * stride_kt + h * stride_kh
+    v_rows = value_ptr + t64[:, None] * stride_vt + h * stride_vh
+    xk = _rows(k_rows, keep, pm_ptr, inv_sqrt_d, D, BLOCK_T, ROTATE, CHUNK)
     _quant_pack_store(xk, page_base, off, keep, pool_ptr, 0, K_META_OFF, KBITS, KSYM, D, BLOCK_T)
-    xv = tl.load(value_ptr + t64[:, None] * stride_vt + h * stride_vh + d[None, :],
-                 mask=keep[:, None], other=0.0).to(tl.float32)
-    if ROTATE:
-        xv = tl.dot(xv, rot, input_precision="ieee")
+    xv = _rows(v_rows, keep, pm_ptr, inv_sqrt_d, D, BLOCK_T, ROTATE, CHUNK)
     _quant_pack_store(xv, page_base, off, keep, pool_ptr, V_CODE_OFF, V_META_OFF, VBITS, True, D,
                       BLOCK_T, VLOG)
