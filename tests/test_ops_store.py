@@ -1,6 +1,8 @@
 """store_kv (Triton) vs the PyTorch reference write (kvrepro.formats.compressed)."""
 from test_ops_helpers import DEV, EXISTING_PRESET_SHA256, fixed_kv, make_pool, sha256_16  # noqa: I001
 
+import zlib
+
 import pytest
 import torch
 
@@ -9,11 +11,20 @@ from kvrepro.formats.compressed import unpack_codes
 from kvrepro.ops import store_kv
 
 
+def meta_steps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Per metadata entry, how many representable steps apart two meta regions (uint8 ``[..., bytes]``) are: float16
+    ulps for a float16 scale / zero (the int16 views' difference; entries of one sign), code steps for a uint8 log2
+    scale."""
+    if a.shape[-1] == 1:
+        return (a.int() - b.int()).abs()[..., 0]
+    return (a.contiguous().view(torch.int16).int() - b.contiguous().view(torch.int16).int()).abs()
+
+
 @pytest.mark.parametrize("rotate", ["kernel", "torch"])
 @pytest.mark.parametrize("preset", ["k4v4", "k8v4", "k4v2", "k5v4"])
 @pytest.mark.parametrize("d,bs,dtype", [(128, 16, torch.bfloat16), (64, 32, torch.float16), (64, 64, torch.bfloat16)])
 def test_store_matches_reference_bytes(preset, d, bs, dtype, rotate):
-    gen = torch.Generator().manual_seed(hash((preset, d, bs)) % 2**31)
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{preset}-{d}-{bs}".encode()))   # the same inputs in every process
     hkv, n, nb = 3, 45, 9
     mine = make_pool(preset, hkv, d, bs, nb, gen)
     ref = make_pool(preset, hkv, d, bs, nb, gen)
@@ -32,7 +43,10 @@ def test_store_matches_reference_bytes(preset, d, bs, dtype, rotate):
         diff = (unpack_codes(a, bits) - unpack_codes(b, bits)).abs()
         assert int(diff.max()) <= 1                         # only rounding ties may move a code
         assert float((diff > 0).float().mean()) < 1e-3
-    assert float((km == rkm).float().mean()) > 0.999 and float((vm == rvm).float().mean()) > 0.999
+    # a scale computed from a last-bit-different float32 may round to the neighbouring float16 / log2 code
+    for a, b in ((km, rkm), (vm, rvm)):
+        steps = meta_steps(a, b)
+        assert int(steps.max()) <= 1 and int((steps > 0).sum()) <= max(1, steps.numel() // 200), (rotate, steps.sum())
     # Bytes of slots that were not written (padding, other slots) are untouched.
     written = torch.zeros(nb, bs, dtype=torch.bool)
     keep = slots[slots >= 0]
@@ -144,6 +158,6 @@ def test_store_refuses_kv_beyond_float16_range_like_the_reference():
     with pytest.raises(ValueError, match="exceeds"):
         pool.write(k, v, s.long())
     for rotate in ("torch", "kernel"):
-        with pytest.raises(ValueError, match="exceeds the float16 range"):
-            store_kv(k, v, pool.data, s, pool.layout, pool.rotation, rotate=rotate)
+        with pytest.raises(ValueError, match="exceeds the float16 range"):      # validate: the default on the CPU only
+            store_kv(k, v, pool.data, s, pool.layout, pool.rotation, rotate=rotate, validate=True)
     assert torch.equal(pool.data, before)   # nothing written

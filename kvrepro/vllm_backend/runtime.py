@@ -209,7 +209,7 @@ class LayerRuntime:
             raise ValueError(f"max_batch must be a positive int or None, got {max_batch!r}")
         self.max_batch = max_batch
         if store_rotate not in ("torch", "kernel"):
-            raise ValueError(f"store_rotate={store_rotate!r}; allowed: torch, kernel")
+            raise ValueError(f"store_rotate={store_rotate!r}; allowed: kernel, torch")
         self.store_rotate = store_rotate
         if decode_impl not in (None, "cuda", "triton"):
             raise ValueError(f"decode_impl={decode_impl!r}; allowed: None (auto), 'cuda', 'triton'")
