@@ -112,7 +112,7 @@ def _matches(df, workload: dict | None):
     return ok
 
 
-def select_current(df, modes=None, workload: dict | None = SEED_WORKLOAD) -> dict:
+def select_current(df, modes=None, workload: dict | None = SEED_WORKLOAD, accept=None) -> dict:
     """One current run per mode: the newest engine run (latest row ``date``; ties: the later file name) among
     the rows whose columns equal ``workload`` (None: every row), leaving out runs of sizing rows only.
 
@@ -120,6 +120,7 @@ def select_current(df, modes=None, workload: dict | None = SEED_WORKLOAD) -> dic
         df: result rows (:func:`kvrepro.replay.load_jsonl`, concatenated), or None.
         modes: modes to select, in order (None: every mode present, :data:`MODE_NAMES` first, then by name).
         workload: column -> required value (default :data:`SEED_WORKLOAD`).
+        accept: None, or a predicate on one run's rows (a DataFrame sorted by num_users): the newest run it accepts.
 
     Returns:
         dict mode -> DataFrame of that run's rows (sorted by num_users), for the modes that have a run.
@@ -136,9 +137,11 @@ def select_current(df, modes=None, workload: dict | None = SEED_WORKLOAD) -> dic
         cand = runs[(runs["mode"] == mode) & ~runs["sizing_only"]] if runs is not None else []
         if not len(cand):
             continue
-        best = cand.sort_values(["last", "source_file", "run"], kind="stable").iloc[-1]
-        rows = d[d["_run"] == best["run"]].drop(columns="_run").sort_values("num_users", kind="stable")
-        out[mode] = rows.reset_index(drop=True)
+        for run in cand.sort_values(["last", "source_file", "run"], kind="stable")["run"][::-1]:
+            rows = d[d["_run"] == run].drop(columns="_run").sort_values("num_users", kind="stable")
+            if accept is None or accept(rows):
+                out[mode] = rows.reset_index(drop=True)
+                break
     return out
 
 
@@ -374,18 +377,9 @@ def fp8_backends_line(df, workload: dict | None = SEED_WORKLOAD) -> str | None:
 
 
 def _fp8_of_setup(df, rows, workload: dict | None = SEED_WORKLOAD):
-    """The newest engine run of vLLM's choice fp8 (:func:`select_current`'s order) whose setup equals that of
-    ``rows`` (``_same_setup``), or None."""
-    d = df[(df["mode"] == BASELINE) & _matches(df, workload)]
-    if not len(d):
-        return None
-    d = d.assign(_run=run_keys(d))
-    runs = engine_runs(d)
-    for _, run in runs[~runs["sizing_only"]].sort_values(["last", "source_file", "run"], kind="stable")[::-1].iterrows():
-        cand = d[d["_run"] == run["run"]].drop(columns="_run").sort_values("num_users", kind="stable")
-        if not _same_setup(rows, cand):
-            return cand.reset_index(drop=True)
-    return None
+    """The newest engine run of vLLM's choice fp8 (:func:`select_current`) whose setup equals that of ``rows``
+    (``_same_setup``), or None."""
+    return select_current(df, [BASELINE], workload, accept=lambda cand: not _same_setup(rows, cand)).get(BASELINE)
 
 
 def _run_key(rows) -> str:

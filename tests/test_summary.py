@@ -92,6 +92,20 @@ def test_newest_engine_run_per_mode_wins_across_files(tmp_path):
     assert sorted(runs["kvrepro:k4v4"]["num_users"]) == [13, 14]                    # only that run's rows
 
 
+def test_accept_takes_the_newest_run_it_accepts(tmp_path):
+    """select_current(accept=...): runs newest first, the first one the predicate accepts; none accepted, no entry."""
+    write(tmp_path / "a.jsonl", sweep("fp8", FP8, "2026-11-30T09:00:00+00:00", run_id="a")
+          + sweep("fp8", [(6, 150.0, True)], "2026-11-30T10:00:00+00:00", run_id="b")
+          + sweep("fp8", [(6, 170.0, True)], "2026-11-30T11:00:00+00:00", run_id="c"))
+    df = load(tmp_path)
+    assert summary.select_current(df, ["fp8"])["fp8"]["run_id"].iloc[0] == "c"
+    cheap = summary.select_current(df, ["fp8"], accept=lambda r: float(r["aggregate_decode_tok_s"].max()) < 165)
+    assert cheap["fp8"]["run_id"].iloc[0] == "b"                                    # c refused, b is the next newest
+    many = summary.select_current(df, ["fp8"], accept=lambda r: len(r) > 1)
+    assert list(many["fp8"]["num_users"]) == [3, 4, 5, 6, 7]                       # sorted rows of run a
+    assert summary.select_current(df, ["fp8"], accept=lambda r: False) == {}
+
+
 def test_engine_run_id_splits_runs_within_one_file(tmp_path):
     old = sweep("kvrepro:k4v4", [(13, 500.0, True)], "2026-11-30T09:00:00+00:00", engine_run_id="e1")
     new = sweep("kvrepro:k4v4", [(12, 520.0, True), (13, None, False)], "2026-11-30T10:00:00+00:00",
