@@ -82,8 +82,9 @@ def measure(preset: str, tokens_list, gen) -> tuple[dict, list[dict]]:
             worst = max(worst, int(diff.max()))
             share = max(share, float((diff > 0).float().sum()) / (t * HKV * D))
         (te, tg, terr), (ke, kg, kerr) = res["torch"], res["kernel"]
+        errors = "; ".join(f"{m}: {e}" for m, e in (("torch", terr), ("kernel", kerr)) if e)
         row = {"preset": preset, "tokens": t, "torch_ms": te, "kernel_ms": ke, "torch_ms_graph": tg,
-               "kernel_ms_graph": kg, "graph_error": terr or kerr, "kernel_over_torch": ke / te,
+               "kernel_ms_graph": kg, "graph_error": errors, "kernel_over_torch": ke / te,
                "kernel_over_torch_graph": kg / tg if kg and tg else None,
                "max_code_diff_vs_torch": worst, "codes_differing_vs_torch": share}
         rows.append(row)
@@ -103,13 +104,16 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=OUT, help=f"result file (default {os.path.relpath(OUT)})")
     a = ap.parse_args(argv)
     try:
-        presets = comma_list(a.presets, "--presets")
+        presets = list(dict.fromkeys(comma_list(a.presets, "--presets")))       # each once
         bad = [p for p in presets if p not in COMPRESSED_PRESETS]
         if bad:
             raise ValueError(f"--presets: {bad} unknown; allowed: {', '.join(COMPRESSED_PRESETS)}")
-        tokens = [int(x) for x in comma_list(a.tokens, "--tokens")]
+        try:
+            tokens = list(dict.fromkeys(int(x) for x in comma_list(a.tokens, "--tokens")))
+        except ValueError:
+            tokens = []
         if not tokens or min(tokens) < 1:
-            raise ValueError(f"--tokens takes positive integers, got {a.tokens!r}")
+            raise ValueError(f"--tokens takes comma-separated positive integers, got {a.tokens!r}")
     except ValueError as e:
         ap.error(str(e))
     if not torch.cuda.is_available():

@@ -23,7 +23,8 @@ What it builds
       FlashInfer's FA3 path takes an fp8 KV cache only with fp8 queries, and vLLM keeps queries
       in the model dtype where TRT-LLM attention is unavailable (below compute capability 10).
       It is built exactly as FlashInfer's JIT would build it (``gen_batch_prefill_module(...)``
-      then ``JitSpec.build``) with ``FLASHINFER_CUDA_ARCH_LIST=9.0a``: sm_90a SASS, no PTX.
+      then ``JitSpec.build``) with ``FLASHINFER_CUDA_ARCH_LIST=9.0a``: sm_90a SASS (FlashInfer
+      adds no PTX here; the script records any in modules.json).
     - ``kvfi.sh`` (source it on the device: stages everything into /tmp/kvfi and sets the
       environment), ``kvfi_check.py`` (loads the module without compiling and, on a GPU, checks
       one fp8-KV decode and prefill against a float32 reference), ``modules.json`` (what was
@@ -44,6 +45,8 @@ Needs, here
     nvidia-cuda-cuobjdump provides one). A toolkit without the driver stub libcuda.so (a CPU
     host) cannot satisfy FlashInfer's ``-lcuda``; an empty stand-in with SONAME libcuda.so.1 is
     then linked instead (the module uses no driver symbols; the linker drops it as unneeded).
+    The checks of the built module also call ``readelf`` and ``nm`` (binutils) and the stand-in is
+    compiled with ``cc``.
     For example::
 
         python3.12 -m venv /tmp/fikit-venv
@@ -675,7 +678,13 @@ def replace_out(staged: Path, out: Path) -> None:
         if any(out.iterdir()) and not (out / "modules.json").exists():
             raise KitError(f"{out} exists and is not a kit (no modules.json); refusing to replace it "
                            f"(the new kit is in {staged})")
-        shutil.rmtree(out)
+        old = out.with_name(out.name + ".old")      # a crash between the renames leaves one of the two kits whole
+        if old.exists():
+            shutil.rmtree(old)
+        out.rename(old)
+        staged.rename(out)
+        shutil.rmtree(old)
+        return
     staged.rename(out)
 
 

@@ -135,8 +135,9 @@ def test_store_in_kernel_rotation_needs_the_hadamard_form():
     k = torch.randn(3, 2, 64, generator=gen).to(DEV, torch.bfloat16)
     s = torch.arange(3, dtype=torch.int32, device=DEV)
     before = pool.data.clone()
-    with pytest.raises(ValueError, match="rotate='kernel' needs rotation = diag.s. H / sqrt.head_dim.*rotate='torch'"):
-        store_kv(k, k, pool.data, s, pool.layout, rot)
+    for n in (3, 0):                                    # refused for an empty batch as well
+        with pytest.raises(ValueError, match="rotate='kernel' needs rotation = diag.s. H / sqrt.head_dim.*rotate='torch'"):
+            store_kv(k[:n], k[:n], pool.data, s[:n], pool.layout, rot)
     assert torch.equal(pool.data, before)
     store_kv(k, k, pool.data, s, pool.layout, rot, rotate="torch")
     ref = make_pool("k4v4", 2, 64, 16, 4, gen)

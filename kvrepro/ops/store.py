@@ -76,10 +76,11 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, pool, slot_mapping: torch.T
                 if float((x.float() @ rotation).abs().max()) > FP16_MAX:
                     raise ValueError(f"K/V magnitude after rotation exceeds the float16 range ({FP16_MAX}) "
                                      "of the stored scale/zero; refusing to store them")
+    pm = hadamard_operand(rotation) if rotate == "kernel" else None     # the form is checked for 0 tokens too
     if t == 0:
         return
     if rotate == "kernel":
-        _launch(key, value, data, slot_mapping, hadamard_operand(rotation), layout, hkv)
+        _launch(key, value, data, slot_mapping, pm, layout, hkv)
         return
     for p0 in range(0, t, ROTATE_PIECE):
         p1 = min(t, p0 + ROTATE_PIECE)
@@ -99,13 +100,22 @@ def hadamard_operand(rotation: torch.Tensor) -> torch.Tensor:
     """
     from kvrepro.ops.cuda_decode import rotation_signs
 
+    capturing = rotation.is_cuda and torch.cuda.is_current_stream_capturing()
     try:
         signs = rotation_signs(rotation)
-    except ValueError as e:
-        raise ValueError(f"rotate='kernel' needs rotation = diag(s) H / sqrt(head_dim) with H the Sylvester Hadamard "
-                         f"matrix and s signs (kvrepro.formats.hadamard.rotation_matrix); use rotate='torch' for "
-                         f"another rotation ({e})") from None
-    pm = _OPERANDS.get(id(signs))
+    except ValueError:
+        raise ValueError("rotate='kernel' needs rotation = diag(s) H / sqrt(head_dim) with H the Sylvester Hadamard "
+                         "matrix and s signs (kvrepro.formats.hadamard.rotation_matrix); use rotate='torch' for "
+                         "another rotation") from None
+    except RuntimeError:             # an unchecked rotation during capture: said below, naming store_kv
+        if not capturing:
+            raise
+        signs = None
+    pm = _OPERANDS.get(id(signs)) if signs is not None else None
+    if pm is None and capturing:    # building the operand here would record it into the graph, empty until replay
+        raise RuntimeError("kvrepro store_kv(rotate='kernel'): a rotation tensor not seen before reached it during "
+                           "CUDA-graph capture; call kvrepro.ops.store.hadamard_operand(rotation) once eagerly first "
+                           "(LayerRuntime.prepare does), or store_kv once outside capture")
     if pm is None:       # |R| is 1 / sqrt(D) to float32 rounding, so the product rounds to exactly +-1
         pm = _OPERANDS[id(signs)] = torch.round(rotation * rotation.shape[0] ** 0.5).contiguous()
     return pm
