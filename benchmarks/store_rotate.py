@@ -98,9 +98,11 @@ def measure(preset: str, tokens_list, gen) -> tuple[dict, list[dict]]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--presets", default=",".join(COMPRESSED_PRESETS), help="comma-separated presets")
-    ap.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="comma-separated token counts per call")
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
+    ap.add_argument("--presets", default=",".join(COMPRESSED_PRESETS),
+                    help="comma-separated presets (default: %(default)s)")
+    ap.add_argument("--tokens", default=",".join(map(str, TOKENS)),
+                    help="comma-separated token counts per call (default: %(default)s)")
     ap.add_argument("--out", default=OUT, help=f"result file (default {os.path.relpath(OUT)})")
     a = ap.parse_args(argv)
     try:

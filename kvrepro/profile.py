@@ -382,6 +382,11 @@ def section_markdown(root: str | os.PathLike) -> str:
                         + formatted(t.loc[t["file"] == f, "src"].iloc[0], "; kvrepro source {:.8}")
                         + _fatbin_note(t.loc[t["file"] == f, "fatbin"].iloc[0], committed) + ")"
                         for f, i in tags.items())
+            + ("\n\nRows \"at most N KV splits\" ran FlashAttention 3 with vLLM's split cap for CUDA graphs set "
+               "(`scripts/step_profile.py --fa-max-splits`): a test of why FA3 fp8 is slower at 6 users than at 4 "
+               "(notes/vllm.md, \"FA3 fp8 at 6 users is slower than at 4\"), not a setting any ratio uses; the ratios "
+               "use fp8's best clean point too, which is above every capped step."
+               if any(", at most " in _mode_label(r) for r in t.to_dict("records")) else "")
             + "\n\nProfiles of different kvrepro sources measure different code: a kvrepro mode's rest and attention "
             "compare only between files of one source (git log names what changed).")
 

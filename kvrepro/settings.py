@@ -166,15 +166,14 @@ SETTINGS: tuple[Declaration, ...] = (
     Declaration(
         "store_rotate", "KVREPRO_STORE_ROTATE", ", ".join(STORE_ROTATE_MODES), "kernel",
         "Where new K/V are rotated before quantization. kernel: inside the Triton store kernel, by the +-1 Hadamard "
-        "matrix on the tensor cores (exact products, float32 sums; needs kvrepro's Hadamard rotation), streamed in "
-        "slices so that nothing spills to a per-thread stack; torch: x.float() @ R in PyTorch, then the quantize "
-        "kernel (two casts and two float32 GEMMs more per layer and step). An earlier in-kernel rotation held the "
-        "float32 [D, D] matrix in registers and spilled; the driver then reserved local memory for every resident "
-        "thread (~1.7 GiB on an H200) inside vLLM's CUDA-graph memory profiling, which counted it twice against the "
-        "KV cache (notes/vllm.md, 'Memory accounting: what was learned').",
+        "matrix on the tensor cores (exact products, float32 sums), with no register-spill stack; it needs kvrepro's "
+        "own rotation (any other is refused at the first store, naming torch); torch: x.float() @ R in PyTorch, then "
+        "the quantize kernel (two casts and two float32 GEMMs more per layer and step; any rotation).",
         _choice("KVREPRO_STORE_ROTATE", STORE_ROTATE_MODES),
-        "KV capacity the spilling rotation cost on the H200, and what the store path takes of a decode step: "
-        "[notes/vllm.md, Memory accounting](notes/vllm.md#memory-accounting-what-was-learned)"),
+        "time of one layer's store with each, every preset (H200): [store_rotate.json](benchmarks/results/"
+        "store_rotate.json); a decode step with each: [notes/vllm.md, Inside a decode step](notes/vllm.md"
+        "#inside-a-decode-step-and-under-serving-load-issue-23); the KV capacity an earlier, spilling in-kernel "
+        "rotation cost: [notes/vllm.md, Memory accounting](notes/vllm.md#memory-accounting-what-was-learned)"),
     Declaration(
         "key_offset", "KVREPRO_KEY_OFFSET", ", ".join(KEY_OFFSET_MODES), KEY_OFFSET_DEFAULT,
         "How keys are stored (kvrepro.formats.offset); attention sees the exact keys in every mode. rope-mean: keys "

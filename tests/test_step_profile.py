@@ -248,7 +248,9 @@ def test_profile_table_and_section_against_hand_figures(tmp_path):
     (d / "a2.json").write_text(json.dumps(dict(capped, params={"fa_max_splits": 2})))
     md = profile.section_markdown(tmp_path)
     assert "| fp8 (FLASH_ATTN, at most 2 KV splits) |  | 6 | 9.00 |" in md and "| fp8 (FLASH_ATTN) |  | 6 | 9.00 |" in md
+    assert 'Rows "at most N KV splits" ran FlashAttention 3 with vLLM\'s split cap' in md   # said where such a row is
     (d / "a2.json").unlink()
+    assert "at most N KV splits" not in profile.section_markdown(tmp_path)
     (d / "c.json").write_text("{}")
     with pytest.raises(ValueError, match="c.json: not a step-profile result"):
         profile.section_markdown(tmp_path)

@@ -45,8 +45,9 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, pool, slot_mapping: torch.T
             off on CUDA, where it would need a host sync and break CUDA-graph capture).
 
     Preconditions (checked only when ``validate``): slots in ``[-1, num_blocks * block_size)``,
-    K/V finite with magnitudes within float16 range after rotation. Without ``validate``: no host
-    sync; CUDA-graph capturable. Page offsets are int64.
+    K/V finite with magnitudes within float16 range after rotation. A slot out of range without ``validate`` writes
+    outside the pool (on the CPU, under Triton's interpreter, that corrupts the process's memory).
+    Without ``validate``: no host sync; CUDA-graph capturable. Page offsets are int64.
 
     Raises:
         ValueError: wrong shapes, dtypes, devices or layout, or ``rotate`` not in ``ROTATE_MODES``; ``rotate="kernel"``
@@ -72,10 +73,12 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, pool, slot_mapping: torch.T
         check_slots(slot_mapping, data.shape[0], layout.block_size)
         check_finite(key, value)
         for p0 in range(0, t, ROTATE_PIECE):   # the reference's range check (formats.compressed)
-            for x in (key[p0:p0 + ROTATE_PIECE], value[p0:p0 + ROTATE_PIECE]):
-                if float((x.float() @ rotation).abs().max()) > FP16_MAX:
-                    raise ValueError(f"K/V magnitude after rotation exceeds the float16 range ({FP16_MAX}) "
-                                     "of the stored scale/zero; refusing to store them")
+            for name, x in (("key", key[p0:p0 + ROTATE_PIECE]), ("value", value[p0:p0 + ROTATE_PIECE])):
+                big = (x.float() @ rotation).abs().amax(dim=(1, 2)) > FP16_MAX
+                if bool(big.any()):
+                    raise ValueError(f"{name}: magnitude after rotation exceeds the float16 range ({FP16_MAX}) of the "
+                                     f"stored scale/zero at token {p0 + int(big.nonzero()[0, 0])}; refusing to store "
+                                     "K/V")
     pm = hadamard_operand(rotation) if rotate == "kernel" else None     # the form is checked for 0 tokens too
     if t == 0:
         return
