@@ -162,3 +162,26 @@ def test_store_refuses_kv_beyond_float16_range_like_the_reference():
         with pytest.raises(ValueError, match="exceeds the float16 range"):      # validate: the default on the CPU only
             store_kv(k, v, pool.data, s, pool.layout, pool.rotation, rotate=rotate, validate=True)
     assert torch.equal(pool.data, before)   # nothing written
+
+
+def test_store_in_kernel_rotation_with_inference_mode_tensors():
+    """Rotations made under torch.inference_mode (vLLM runs its forward there) have no version counter: the cached
+    rotation is made outside it whoever asks first, and a rotation that is an inference tensor is checked and cached
+    by identity, so the store works with either, with the reference's bytes."""
+    from kvrepro.formats.hadamard import _rotation_cpu, rotation_matrix
+
+    _rotation_cpu.cache_clear()
+    with torch.inference_mode():
+        shared = rotation_matrix(64, 0)
+        own = shared.clone()                                  # an inference tensor proper
+    assert not shared.is_inference() and own.is_inference()
+    gen = torch.Generator().manual_seed(6)
+    k = torch.randn(5, 2, 64, generator=gen).to(DEV, torch.bfloat16)
+    s = torch.arange(5, dtype=torch.int32, device=DEV)
+    ref = get_format("k4v4").new_pool(2, 2, 64, 16)
+    ref.write(k.cpu(), k.cpu(), s.long().cpu())
+    for rot in (shared.to(DEV), own.to(DEV), own.to(DEV)):   # the third: the cached entry of an inference tensor
+        pool = get_format("k4v4").new_pool(2, 2, 64, 16, device=DEV)
+        store_kv(k, k, pool.data, s, pool.layout, rot)
+        assert torch.equal(pool.data.cpu(), ref.data)
+

@@ -51,9 +51,10 @@ def _sylvester(n: int) -> torch.Tensor:
 @functools.lru_cache(maxsize=None)
 def _rotation_cpu(head_dim: int, seed: int) -> torch.Tensor:
     check_head_dim(head_dim)
-    h = _sylvester(head_dim) / head_dim**0.5
-    s = rotation_signs(head_dim, seed).double()
-    return (s[:, None] * h).float()
+    with torch.inference_mode(False):   # cached for every later caller: never an inference tensor (no version counter)
+        h = _sylvester(head_dim) / head_dim**0.5
+        s = rotation_signs(head_dim, seed).double()
+        return (s[:, None] * h).float()
 
 
 def rotation_matrix(head_dim: int, seed: int = 0, device: torch.device | str = "cpu") -> torch.Tensor:

@@ -498,7 +498,7 @@ def rotation_signs(rotation: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"rotation must be a float32 [D, D] tensor, got "
                          f"{getattr(rotation, 'dtype', type(rotation).__name__)} {tuple(getattr(rotation, 'shape', ()))}")
     hit = _SIGNS.get(id(rotation))
-    if hit is not None and hit[0]() is rotation and hit[1] == rotation._version:
+    if hit is not None and hit[0]() is rotation and hit[1] == _version_of(rotation):
         return hit[2]
     if rotation.is_cuda and torch.cuda.is_current_stream_capturing():
         raise RuntimeError("kvrepro CUDA decode kernel: a rotation tensor not seen before reached it during CUDA-graph "
@@ -517,9 +517,15 @@ def rotation_signs(rotation: torch.Tensor) -> torch.Tensor:
     if len(_SIGNS) > 256:                     # drop entries whose rotation is gone
         for k in [k for k, v in _SIGNS.items() if v[0]() is None]:
             del _SIGNS[k]
-    _SIGNS[id(rotation)] = (weakref.ref(rotation), rotation._version, signs)
+    _SIGNS[id(rotation)] = (weakref.ref(rotation), _version_of(rotation), signs)
     _KEEP.append(signs)         # never freed: a graph captured with it keeps its address
     return signs
+
+
+def _version_of(t: torch.Tensor) -> int | None:
+    """``t``'s in-place version counter; None for an inference tensor (made under ``torch.inference_mode``), which has
+    none and can be changed in place only inside inference mode, so its cache entry is kept by identity alone."""
+    return None if t.is_inference() else t._version
 
 
 def split_counters(device: torch.device, n: int) -> torch.Tensor:
