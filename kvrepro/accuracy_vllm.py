@@ -60,7 +60,7 @@ import traceback
 from dataclasses import dataclass
 
 from kvrepro import formats
-from kvrepro.fileio import atomic_write
+from kvrepro.fileio import atomic_write, file_sha256  # file_sha256: callers use av.file_sha256
 from kvrepro.listarg import comma_list
 from kvrepro.needle import (HAYSTACK_FILLER, KEY_DIGITS, MULTI_NEEDLES, VARIANTS, answer_kind, build_prompt,
                             build_sanity_prompts, check_haystack, check_multi, check_needle_grid, ids_sha256, is_int,
@@ -264,14 +264,6 @@ def mode_settings(mode: str) -> dict:
     if mode in VLLM_MODES:
         return {"kv_cache_dtype": VLLM_MODES[mode], "attention_backend": None, "env": {}}
     return {"kv_cache_dtype": "auto", "attention_backend": "CUSTOM", "env": {"KVREPRO_PRESET": mode.split(":", 1)[1]}}
-
-
-def file_sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 # ---------------------------------------------------------------- prompt bundle (built on CPU)

@@ -4,9 +4,13 @@ Every result row file, report, generated document and sidecar of the kit is writ
 :func:`atomic_write`: the data goes to a temporary file in the target's folder, which is then renamed over
 the target (``os.replace``, atomic on POSIX within one file system). A reader, or a run killed half-way,
 sees the old file or the new one, never a torn one; the temporary file is removed on any error.
+
+:func:`file_sha256` is the kit's one file hash (bundles, models, notebooks, fatbins, wheels, built modules).
+This module imports only the standard library (no torch), so scripts run in other environments can use it.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 from typing import Callable, IO
@@ -52,3 +56,27 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> str:
 def atomic_write_text(path: str | os.PathLike, text: str) -> str:
     """:func:`atomic_write` of ``text`` (UTF-8)."""
     return atomic_write(path, lambda f: f.write(text), "w")
+
+
+def file_sha256(path: str | os.PathLike, chunk_bytes: int = 1 << 20) -> str:
+    """SHA-256 of the bytes of the file at ``path``, read ``chunk_bytes`` bytes at a time.
+
+    Args:
+        path: the file to hash.
+        chunk_bytes: read size [bytes], at least 1 (default 1 MiB); it bounds the memory used, not the digest.
+
+    Returns:
+        The digest as 64 lowercase hex characters (``hashlib.sha256(data).hexdigest()`` of the whole file).
+
+    Raises:
+        ValueError: ``chunk_bytes`` is not an int of at least 1 (checked before the file is opened).
+        FileNotFoundError: ``path`` does not exist; IsADirectoryError / PermissionError / other OSError as
+            ``open`` or ``read`` raise them.
+    """
+    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
+        raise ValueError(f"chunk_bytes must be an int >= 1, got {chunk_bytes!r}")
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(chunk_bytes), b""):
+            h.update(chunk)
+    return h.hexdigest()

@@ -56,7 +56,7 @@ from pathlib import Path
 from typing import Callable
 
 import kvrepro
-from kvrepro.fileio import atomic_write_bytes
+from kvrepro.fileio import atomic_write_bytes, file_sha256
 from kvrepro import provenance
 
 ROOT = Path(kvrepro.__file__).resolve().parents[1]
@@ -407,10 +407,6 @@ def _headline_order(records: list[dict]) -> list[tuple]:
 
 def _write_json(path: Path, obj) -> None:
     atomic_write_bytes(path, (json.dumps(obj, indent=1, allow_nan=True) + "\n").encode())
-
-
-def file_sha256(path: Path) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def _now() -> str:

@@ -70,7 +70,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import hashlib
 import json
 import os
 import re
@@ -81,6 +80,10 @@ import textwrap
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:  # the kit's venv need not have kvrepro installed; kvrepro.fileio needs no torch
+    sys.path.insert(0, str(REPO_ROOT))
+
+from kvrepro.fileio import file_sha256  # noqa: E402
 
 FLASHINFER_VERSION = "0.6.8.post1"
 TARGET_ARCH_LIST = "9.0a"  # FLASHINFER_CUDA_ARCH_LIST: H200 = compute capability 9.0, sm_90a
@@ -490,14 +493,6 @@ class KitError(RuntimeError):
     pass
 
 
-def sha256_of(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def run(cmd, **kw) -> subprocess.CompletedProcess:
     print("+ " + " ".join(str(c) for c in cmd), flush=True)
     return subprocess.run([str(c) for c in cmd], check=True, **kw)
@@ -565,7 +560,7 @@ def find_cuobjdump(cuda_home: Path) -> Path:
 def fetch_wheels(wheel_dir: Path) -> list[dict]:
     wheel_dir.mkdir(parents=True, exist_ok=True)
     missing = [w for w in WHEELS
-               if not (wheel_dir / w["name"]).exists() or sha256_of(wheel_dir / w["name"]) != w["sha256"]]
+               if not (wheel_dir / w["name"]).exists() or file_sha256(wheel_dir / w["name"]) != w["sha256"]]
     if missing:
         run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
              "--python-version", "3.12", "--platform", "manylinux_2_28_x86_64",
@@ -575,7 +570,7 @@ def fetch_wheels(wheel_dir: Path) -> list[dict]:
         p = wheel_dir / w["name"]
         if not p.exists():
             raise KitError(f"pip did not produce {p}")
-        digest = sha256_of(p)
+        digest = file_sha256(p)
         if digest != w["sha256"]:
             raise KitError(f"{p.name}: sha256 {digest} != pinned {w['sha256']}")
         out.append({"name": w["name"], "sha256": digest, "bytes": p.stat().st_size,
@@ -715,7 +710,7 @@ def write_kit(final: Path, wheels: list[dict], built: dict, prereq: dict) -> dic
         modules.append({
             "uri": uri,
             "path": str(dst.relative_to(out)),
-            "so_sha256": sha256_of(dst),
+            "so_sha256": file_sha256(dst),
             "so_bytes": dst.stat().st_size,
             "generator": spec_in["generator"],
             "args": spec_in["args"],

@@ -1,9 +1,10 @@
-"""kvrepro.fileio: a file is written whole or not at all."""
+"""kvrepro.fileio: a file is written whole or not at all; file_sha256 hashes a file in chunks."""
+import hashlib
 import os
 
 import pytest
 
-from kvrepro.fileio import atomic_write, atomic_write_bytes, atomic_write_text
+from kvrepro.fileio import atomic_write, atomic_write_bytes, atomic_write_text, file_sha256
 
 
 def test_writes_text_and_bytes_with_readable_mode(tmp_path):
@@ -33,3 +34,25 @@ def test_refuses_an_unknown_mode(tmp_path):
     with pytest.raises(ValueError, match="mode must be 'w' or 'wb', got 'a'"):
         atomic_write(tmp_path / "x", lambda f: None, "a")
     assert not os.listdir(tmp_path)
+
+
+def test_file_sha256_matches_hashlib_over_several_chunks_and_an_empty_file(tmp_path):
+    data = os.urandom((1 << 20) + 17)                   # one default chunk (1 MiB) and a partial one
+    big, empty = tmp_path / "big.bin", tmp_path / "empty.bin"
+    big.write_bytes(data)
+    empty.write_bytes(b"")
+    want = hashlib.sha256(data).hexdigest()
+    assert file_sha256(big) == want
+    assert file_sha256(str(big), chunk_bytes=4096) == want      # many chunks, a str path
+    assert file_sha256(big, chunk_bytes=len(data)) == want      # exactly one chunk
+    assert file_sha256(empty) == hashlib.sha256(b"").hexdigest()
+    assert file_sha256(empty, chunk_bytes=1024) == hashlib.sha256(b"").hexdigest()
+
+
+def test_file_sha256_refuses_a_missing_file_and_a_bad_chunk(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        file_sha256(tmp_path / "missing.bin")
+    (tmp_path / "a").write_bytes(b"x")
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="chunk_bytes must be an int >= 1"):
+            file_sha256(tmp_path / "a", chunk_bytes=bad)

@@ -32,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 
+from kvrepro.fileio import file_sha256
 from kvrepro.formats.compressed import LOG_MANT_NEAR
 from kvrepro.ops.cuda_decode import ALL_KERNELS, FATBIN, HERE, LAYOUTS, MANIFEST, PRESETS, read_manifest
 
@@ -138,11 +139,6 @@ def code_sha256(paths: tuple[str, ...] = SOURCES) -> str:
         with open(p) as f:
             h.update(f"// {os.path.basename(p)}\n{code_text(f.read())}".encode())
     return h.hexdigest()
-
-
-def _sha256(path: str) -> str:
-    with open(path, "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()
 
 
 def find_nvcc(nvcc: str | None = None) -> str:
@@ -331,7 +327,7 @@ def build(nvcc: str | None = None, out: str = FATBIN, manifest: str = MANIFEST) 
             raise RuntimeError(f"the fatbin from {exe} lacks the targets {missing} of GENCODE")
         info = {"kernels": list(ALL_KERNELS), "sources": [os.path.basename(p) for p in SOURCES],
                 CODE_HASH_FIELD: code_sha256(),
-                "fatbin_sha256": _sha256(tmp_out), "nvcc_version": version[-1] if version else "",
+                "fatbin_sha256": file_sha256(tmp_out), "nvcc_version": version[-1] if version else "",
                 "nvcc_flags": list(NVCC_FLAGS), "gencode": list(GENCODE), "entries": entries,
                 "resources": ptxas_resources(r.stdout + r.stderr)}
         shutil.copyfile(tmp_out, out + ".tmp")
@@ -362,7 +358,7 @@ def check(header: str = HEADER, manifest: str = MANIFEST, fatbin: str = FATBIN) 
     if info.get(CODE_HASH_FIELD) != code_sha256((SOURCE, header)):
         problems.append(f"{os.path.basename(SOURCE)} / {os.path.basename(header)} differ from the sources the fatbin "
                         f"was built from ({CODE_HASH_FIELD} in {os.path.basename(manifest)})")
-    same_fatbin = os.path.isfile(fatbin) and info.get("fatbin_sha256") == _sha256(fatbin)
+    same_fatbin = os.path.isfile(fatbin) and info.get("fatbin_sha256") == file_sha256(fatbin)
     if not same_fatbin:
         problems.append(f"{fatbin} is not the fatbin the manifest names (fatbin_sha256)")
     for field, want in (("gencode", list(GENCODE)), ("nvcc_flags", list(NVCC_FLAGS)), ("kernels", list(ALL_KERNELS))):
