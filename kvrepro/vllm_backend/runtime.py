@@ -11,6 +11,7 @@ from kvrepro.formats import get_format
 from kvrepro.formats.hadamard import rotation_matrix
 from kvrepro.formats.offset import KeyOffset, RopeMean, check_mode, mode_channels
 from kvrepro.ops.offset import rope_offset, rope_terms
+from kvrepro.settings import STORE_ROTATE_MODES
 
 _ROTATIONS: dict[tuple[int, int, str], torch.Tensor] = {}
 # One split-K decode workspace per device, shared by every layer (layers run one after another on
@@ -208,8 +209,8 @@ class LayerRuntime:
         if max_batch is not None and (not isinstance(max_batch, int) or max_batch < 1):
             raise ValueError(f"max_batch must be a positive int or None, got {max_batch!r}")
         self.max_batch = max_batch
-        if store_rotate not in ("torch", "kernel"):
-            raise ValueError(f"store_rotate={store_rotate!r}; allowed: kernel, torch")
+        if store_rotate not in STORE_ROTATE_MODES:
+            raise ValueError(f"store_rotate={store_rotate!r}; allowed: {', '.join(STORE_ROTATE_MODES)}")
         self.store_rotate = store_rotate
         if decode_impl not in (None, "cuda", "triton"):
             raise ValueError(f"decode_impl={decode_impl!r}; allowed: None (auto), 'cuda', 'triton'")
