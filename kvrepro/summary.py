@@ -202,13 +202,16 @@ def _ratio(num: float | None, den: float | None) -> float | None:
     return num / den
 
 
-def summary_rows(df, needle=None, modes=MODE_NAMES, workload: dict | None = SEED_WORKLOAD) -> list[dict]:
+def summary_rows(df, needle=None, modes=MODE_NAMES, workload: dict | None = SEED_WORKLOAD,
+                 backends: list[dict] | None = None) -> list[dict]:
     """The README table as plain values, one dict per mode of ``modes`` (in that order).
 
     Args:
         df: result rows (None: no measured runs).
         needle: :func:`needle_counts` output (None: no needle column values).
         modes, workload: as :func:`select_current`.
+        backends: :func:`fp8_backends` of ``df`` and ``workload`` where the caller has them already (one README
+            build computes them once); None: computed here.
 
     Returns:
         list of dicts: mode, name, bytes_per_token_head (int, head_dim 128), seed_users / seed_tok_s (None off the
@@ -229,7 +232,7 @@ def summary_rows(df, needle=None, modes=MODE_NAMES, workload: dict | None = SEED
     """
     runs = select_current(df, list(dict.fromkeys([*modes, BASELINE])), workload)
     base = runs.get(BASELINE)
-    backends = fp8_backends(df, workload) if df is not None and len(df) else []
+    backends = _measured_fp8_backends(df, workload) if backends is None else backends
     fp8_max = max_clean(base) if base is not None else None
     fp8_best = best_clean(base) if base is not None else None
     needle = needle or {}
@@ -308,11 +311,16 @@ def fp8_backends(df, workload: dict | None = SEED_WORKLOAD) -> list[dict]:
     return out
 
 
+def _measured_fp8_backends(df, workload: dict | None = SEED_WORKLOAD) -> list[dict]:
+    """:func:`fp8_backends`, or [] without result rows (``df`` None or empty)."""
+    return fp8_backends(df, workload) if df is not None and len(df) else []
+
+
 def strongest_fp8(df, workload: dict | None = SEED_WORKLOAD) -> dict:
     """The strongest fp8 over :func:`fp8_backends` whose setup equals vLLM's choice fp8's (``_same_setup``), each
     backend from its own newest run: ``at_capacity`` (the most tok/s at a backend's own max clean capacity) and
     ``best_point`` (the most tok/s at any clean point), each a :func:`fp8_backends` entry plus users / tok_s, or None."""
-    top = _strongest_vs_choice(fp8_backends(df, workload) if df is not None and len(df) else [])
+    top = _strongest_vs_choice(_measured_fp8_backends(df, workload))
     return dict(at_capacity=top["max"], best_point=top["best"])
 
 
@@ -349,10 +357,11 @@ def _backend_of(rows, mode: str, sweep) -> str:
     return sweep.engine_settings(mode)["attention_backend"] or "vllm-auto"
 
 
-def fp8_backends_line(df, workload: dict | None = SEED_WORKLOAD) -> str | None:
+def fp8_backends_line(df, workload: dict | None = SEED_WORKLOAD, backends: list[dict] | None = None) -> str | None:
     """The README line under the results table: each fp8 backend's points (its newest run) and which is the strongest
-    at its max clean capacity and at any clean point; None with fewer than two backends measured."""
-    backends = fp8_backends(df, workload) if df is not None and len(df) else []
+    at its max clean capacity and at any clean point; None with fewer than two backends measured. ``backends``:
+    :func:`fp8_backends` of ``df`` and ``workload`` where the caller has them already (None: computed here)."""
+    backends = _measured_fp8_backends(df, workload) if backends is None else backends
     if len(backends) < 2:
         return None
     base = next((b for b in backends if b["mode"] == BASELINE), None)
@@ -820,9 +829,9 @@ def uncorrected_point(df, mode: str = CAPACITY_PRESET) -> dict | None:
                 file=_rel(rows["source_file"].iloc[0]), when=when(rows))
 
 
-def notes_lines(df, needle: dict, chart: bool = True) -> list[str]:
-    """The lines under the table: the seed footnote, the workload, the GPU / ratios rule, the needle source, and
-    (``chart``) the chart image."""
+def notes_lines(df, needle: dict, chart: bool = True, backends: list[dict] | None = None) -> list[str]:
+    """The lines under the table: the seed footnote, the workload, the GPU / ratios rule, the fp8 backends
+    (:func:`fp8_backends_line`, with ``backends`` as there), the needle source, and (``chart``) the chart image."""
     s = _setup_words(df)
     w = SEED_WORKLOAD
     lines = [
@@ -836,9 +845,9 @@ def notes_lines(df, needle: dict, chart: bool = True) -> list[str]:
         "so user counts are for the same memory budget (the seed's own non-KV memory is not published) and tok/s "
         "are not comparable across GPUs: compare kvrepro with fp8 of the same run.",
     ]
-    backends = fp8_backends_line(df)
-    if backends:
-        lines.append(backends)
+    backends_line = fp8_backends_line(df, backends=backends)
+    if backends_line:
+        lines.append(backends_line)
     u = uncorrected_point(df)
     if u is not None:
         lines.append(f"{DISPLAY.get(u['mode'], u['mode'])} without the rope-mean correction (keys stored with key "
@@ -858,18 +867,26 @@ def notes_lines(df, needle: dict, chart: bool = True) -> list[str]:
     return lines
 
 
-def readme_block(df=None, needle=None) -> str:
-    """The README's results block, markers included (inputs default to the committed result files)."""
+def readme_block(df=None, needle=None, rows: list[dict] | None = None, backends: list[dict] | None = None) -> str:
+    """The README's results block, markers included (inputs default to the committed result files).
+
+    ``rows`` (:func:`summary_rows` of ``df`` and ``needle``) and ``backends`` (:func:`fp8_backends` of ``df``) may be
+    passed where the caller has them already (:func:`main` builds them once for this block and the answer block);
+    None: computed here, the fp8 backends once for the table and the line under it.
+    """
     if df is None:
         df = load_capacity()
     if needle is None:
         needle = needle_counts()
-    rows = summary_rows(df, needle)
+    if backends is None:
+        backends = _measured_fp8_backends(df)
+    if rows is None:
+        rows = summary_rows(df, needle, backends=backends)
     body = [BEGIN, "<!-- generated by `python -m kvrepro.summary --write` from results/capacity/*.jsonl and "
                    f"{_as_committed(VLLM_ACCURACY_REPLICA)}, {_as_committed(VLLM_ACCURACY)}: edit those, not this "
                    "block -->",
             markdown_table(rows)]
-    for line in notes_lines(df, needle):
+    for line in notes_lines(df, needle, backends=backends):
         body += ["", line]
     body.append(END)
     return "\n".join(body)
@@ -1269,7 +1286,9 @@ def main(argv: list[str] | None = None) -> int:
     root = repo_root()
     df = load_capacity()
     needle = needle_counts()
-    block = readme_block(df, needle)
+    backends = _measured_fp8_backends(df)   # once per build: the table's rows and the line under it
+    rows = summary_rows(df, needle, backends=backends)      # the results block's table and the answer block
+    block = readme_block(df, needle, rows=rows, backends=backends)
     from kvrepro import accuracy_summary as acs
 
     sources = fidelity_sources(root)      # read once: the fidelity block and the answer both come from them
@@ -1284,7 +1303,7 @@ def main(argv: list[str] | None = None) -> int:
         new_text = replace_block(text, block, README)
         new_text = replace_block(new_text, fblock, README, FIDELITY_BEGIN, FIDELITY_END)
         new_text = replace_block(new_text, settings_block(), README, SETTINGS_BEGIN, SETTINGS_END)
-        ablock = answer_block(summary_rows(df, needle), acs.summary_rows(sources))
+        ablock = answer_block(rows, acs.summary_rows(sources))
         new_text = replace_block(new_text, ablock, README, ANSWER_BEGIN, ANSWER_END)
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
