@@ -151,6 +151,17 @@ def run_client(argv: list[str], prompts: list[list[int]], output_len: int) -> di
         vs.get_samples, vs.get_tokenizer = saved
 
 
+def installed_version(dist: str) -> str | None:
+    """The installed version of distribution ``dist`` as this process (and the server it starts) imports it, or
+    None where it is not installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return None
+
+
 def bench_mode(mode: str, cfg: dict, util: float, prompts, model_dir: str, out: Path) -> list[dict]:
     """One server for ``mode`` and one client run per request rate; returns the runs (module docstring)."""
     port = free_port()
@@ -200,6 +211,8 @@ def bench_mode(mode: str, cfg: dict, util: float, prompts, model_dir: str, out: 
                        "summary": sb.summarize(result), "preemptions": int(post - pre), "peak": dict(poll.peak),
                        "metrics_samples": poll.samples, "wall_s": round(time.time() - t, 1),
                        "vllm_result_file": fname, "date": sweep.now_utc()}
+                if run["attention_backend"] == "FLASHINFER":  # as the capacity rows: which FlashInfer the server ran
+                    run["flashinfer_version"] = installed_version("flashinfer-python")
                 runs.append(run)
                 print(f"[serve] {mode} rate {rate_txt}: {json.dumps(run['summary'])} preemptions "
                       f"{run['preemptions']} peak {json.dumps(run['peak'])}", flush=True)
