@@ -517,19 +517,15 @@ def default_out(gpu: str, when: str, root: str | os.PathLike) -> Path:
     return Path(root) / "results" / "serve" / f"{slug}_{when}.json"
 
 
-def section_markdown(root: str | os.PathLike) -> str:
-    """Notebook 02's serving-load section: per workload (the files whose runs share ``WORKLOAD_FIELDS``), newest file
-    first, the workload and its SLOs in words and :func:`table_markdown` of its runs, with the files named; or a
-    sentence saying no run is committed and which command makes one.
+def workload_groups(root: str | os.PathLike) -> list[dict]:
+    """The committed serve-bench runs under ``root``/results/serve/*.json grouped by workload (the files whose runs
+    share ``WORKLOAD_FIELDS``), newest group first (by its newest run's date): each a dict with ``paths`` (the files),
+    ``runs`` (:func:`read_results`) and ``date``; [] where none is committed.
 
     Raises:
-        ValueError: a file's runs differ in workload (:func:`check_same_workload`) or lack a workload field."""
-    paths = sorted(Path(root, "results", "serve").glob("*.json"))
-    if not paths:
-        return ("Not measured yet: no `vllm bench serve` run is committed under `results/serve/` "
-                "(`bash scripts/h200_perf.sh serve MODE` on a GPU machine writes one).")
-    groups: dict[str, list] = {}
-    for p in paths:
+        ValueError: a file that is not a serve-bench result (:func:`read_doc`) or whose workload lacks a field."""
+    groups: dict[str, dict] = {}
+    for p in sorted(Path(root, "results", "serve").glob("*.json")):
         runs = read_results([p])
         w = runs[0]["workload"] if runs else {}
         missing = [k for k in WORKLOAD_FIELDS if k not in w]
@@ -540,16 +536,81 @@ def section_markdown(root: str | os.PathLike) -> str:
         g["paths"].append(p)
         g["runs"] += runs
         g["date"] = max([g["date"]] + [str(r.get("date", "")) for r in runs])
+    return sorted(groups.values(), key=lambda g: g["date"], reverse=True)
+
+
+def _missing(v) -> bool:
+    return v is None or (isinstance(v, float) and v != v)   # a table cell never filled: None or NaN
+
+
+def _slo_words(goodput: dict) -> str:
+    return " and ".join(f"{k.upper()} <= " + (f"{v / 1e3:g} s" if v >= 1e3 else f"{v:g} ms")
+                        for k, v in goodput.items())
+
+
+def readme_text(root: str | os.PathLike) -> str:
+    """The README's serving paragraph: for the newest committed workload (:func:`workload_groups`), each kvrepro
+    mode's goodput against the best fp8 at each request rate (:func:`serve_table`'s ratios), with the workload, SLOs,
+    files and date; or a sentence saying no run is committed.
+
+    Raises:
+        ValueError: as :func:`workload_groups`."""
+    groups = workload_groups(root)
+    if not groups:
+        return ("Under serving load: not measured yet (no `vllm bench serve` run is committed under `results/serve/`; "
+                "`bash scripts/h200_perf.sh serve MODE` on a GPU machine writes one).")
+    g = groups[0]
+    w = g["runs"][0]["workload"]
+    df = serve_table(g["runs"])
+    files = ", ".join(f"[{p.name}](results/serve/{p.name})" for p in g["paths"])
+    rates = ", ".join("all at once" if r == float("inf") else f"{r:g} requests/s"
+                      for r in sorted(df["request_rate"].unique()))
+    how = (f"`vllm serve` + `vllm bench serve` on one {w['gpu']} at an emulated {w['gpu_memory_gb']:g} GiB, "
+           f"{w['model']} with dummy weights: {w['num_prompts']} requests of {w['input_min']:,}-{w['input_max']:,}-"
+           f"token prompts arriving at {rates}, {w['output_len']:,} output tokens each ({files}, {g['date'][:10]})")
+    fp8 = df[df["mode"].isin(sweep.FP8_MODES)]
+    parts = []
+    for _, r in df[~df["mode"].isin(sweep.FP8_MODES)].iterrows():
+        name = r["mode"] + (f" ({r['key_offset']})" if r["key_offset"] else "")
+        rate = "all at once" if r["request_rate"] == float("inf") else f"{r['request_rate']:g} requests/s"
+        good = "no goodput recorded" if _missing(r["goodput_req_s"]) else f"{r['goodput_req_s']:.3f} req/s"
+        if _missing(r["best_fp8"]):
+            vs = "no fp8 mode ran at this rate"
+        else:
+            b = fp8[(fp8["mode"] == r["best_fp8"]) & (fp8["request_rate"] == r["request_rate"])].iloc[0]
+            ratio = "" if _missing(r["goodput_vs_best_fp8"]) else f"{r['goodput_vs_best_fp8']:.2f}x "
+            vs = f"{ratio}the best fp8's ({r['best_fp8']}, {b['goodput_req_s']:.3f} req/s)"
+            if not _missing(r["goodput_tpot_vs_best_fp8"]):
+                vs += f"; at the TPOT SLO alone {r['goodput_tpot_vs_best_fp8']:.2f}x"
+        parts.append(f"at {rate}, {name}'s goodput (requests per second within SLO {_slo_words(w['goodput'])}) is "
+                     f"{good}, {vs}")
+    body = "; ".join(parts) if parts else "no kvrepro mode was run in the newest workload"
+    return (f"**Under serving load**: {body}. Workload: {how}. Every mode's throughput, TTFT, TPOT and preemptions, "
+            f"and the other workloads: notebook "
+            f"02, \"Under serving load\"; what they mean: [notes/vllm.md](notes/vllm.md#inside-a-decode-step-and-under-"
+            f"serving-load-issue-23).")
+
+
+def section_markdown(root: str | os.PathLike) -> str:
+    """Notebook 02's serving-load section: per workload (the files whose runs share ``WORKLOAD_FIELDS``), newest file
+    first, the workload and its SLOs in words and :func:`table_markdown` of its runs, with the files named; or a
+    sentence saying no run is committed and which command makes one.
+
+    Raises:
+        ValueError: a file's runs differ in workload (:func:`check_same_workload`) or lack a workload field."""
+    groups = workload_groups(root)
+    if not groups:
+        return ("Not measured yet: no `vllm bench serve` run is committed under `results/serve/` "
+                "(`bash scripts/h200_perf.sh serve MODE` on a GPU machine writes one).")
     parts = [f"Decode step p50: the median gap between a request's tokens (a step of decodes only); time in prefill "
              f"steps: the share of all gaps spent in steps longer than {STALL_FACTOR:g}x that median, which also ran "
              f"other requests' prefill chunks (vLLM's chunked prefill mixes them into the decode steps). Goodput: "
              f"vLLM's, the requests per second that met every SLO of the run."]
-    for g in sorted(groups.values(), key=lambda g: g["date"], reverse=True):
+    for g in groups:
         w = g["runs"][0]["workload"]
         files = ", ".join(f"`{p.relative_to(root)}`" for p in g["paths"])
         total = f" ({w['prompt_tokens_total']:,} in all)" if "prompt_tokens_total" in w else ""
-        slo = " and ".join(f"{k.upper()} <= " + (f"{v / 1e3:g} s" if v >= 1e3 else f"{v:g} ms")
-                           for k, v in w["goodput"].items())
+        slo = _slo_words(w["goodput"])
         parts.append(f"**{w['num_prompts']} requests of {w['output_len']:,} output tokens, SLO {slo}.** Replayed "
                      f"from {files}: prompts of {w['input_min']:,}-{w['input_max']:,} tokens{total}, "
                      f"{w['gpu_memory_gb']:g} GiB emulated, {w['model']} (dummy weights), vLLM {w['vllm_version']}, "

@@ -420,3 +420,49 @@ def test_slo_goodput_by_hand_and_against_vllms_own_goodput():
             assert got["req_s"] == pytest.approx(res["request_goodput"], rel=1e-12), (p.name, r["mode"])
             checked += 1
     assert checked >= 4
+
+
+def test_readme_text_of_the_committed_run_against_its_raw_figures():
+    """The README's serving sentence: each kvrepro ratio recomputed from the newest committed file's raw summaries
+    (goodput over the highest fp8 goodput at the same rate) and, at the TPOT SLO alone, by counting the vLLM result
+    files' requests whose TPOT (the sum of its inter-token gaps over output - 1, vLLM's definition) meets the SLO."""
+    groups = sb.workload_groups(ROOT)
+    paths = groups[0]["paths"]
+    text = sb.readme_text(ROOT)
+    docs = [json.loads(Path(p).read_text()) for p in paths]
+    runs = [r for d in docs for r in d["runs"]]
+    slo = runs[0]["workload"]["goodput"]
+
+    def tpot_alone(path, run):
+        v = json.loads((Path(str(path)[:-len(".json")] + "_vllm") / run["vllm_result_file"]).read_text())
+        ok = sum(1 for gaps, n in zip(v["itls"], v["output_lens"]) if n and (n == 1 or
+                 sum(gaps) / (n - 1) * 1e3 <= slo["tpot"]))
+        return ok / v["duration"]
+
+    for r in runs:
+        if r["mode"].startswith("kvrepro:"):
+            fp8 = [f for f in runs if f["mode"].startswith("fp8") and f["request_rate"] == r["request_rate"]]
+            best = max(fp8, key=lambda f: f["summary"]["request_goodput"])
+            ratio = r["summary"]["request_goodput"] / best["summary"]["request_goodput"]
+            assert f"{r['summary']['request_goodput']:.3f} req/s, {ratio:.2f}x the best fp8's ({best['mode']}, " \
+                   f"{best['summary']['request_goodput']:.3f} req/s)" in text
+            if len(slo) > 1:
+                p = next(p for p, d in zip(paths, docs) if r in d["runs"])
+                t = tpot_alone(p, r) / max(tpot_alone(next(q for q, d in zip(paths, docs) if f in d["runs"]), f)
+                                           for f in fp8)
+                assert f"at the TPOT SLO alone {t:.2f}x" in text
+    assert text.startswith("**Under serving load**: at ") and \
+        f"Workload: `vllm serve` + `vllm bench serve` on one {runs[0]['workload']['gpu']}" in text
+
+
+def test_readme_text_without_runs_or_without_fp8(tmp_path):
+    assert "not measured yet" in sb.readme_text(tmp_path)
+    d = tmp_path / "results" / "serve"
+    d.mkdir(parents=True)
+    runs = [_run("kvrepro:k4v4", "0.25", 0.24, 120.0, 0.20, 45.0), _run("fp8", "inf", 0.2, 100.0, 0.1, 60.0)]
+    (d / "x_20261202.json").write_text(json.dumps({"workload": runs[0]["workload"], "runs": runs}))
+    text = sb.readme_text(tmp_path)
+    assert "at 0.25 requests/s, kvrepro:k4v4's goodput (requests per second within SLO TPOT <= 50 ms) is 0.200 " \
+        "req/s, no fp8 mode ran at this rate" in text
+    assert "arriving at 0.25 requests/s, all at once" in text
+    assert "[x_20261202.json](results/serve/x_20261202.json)" in text

@@ -273,6 +273,7 @@ def repo(tmp_path, monkeypatch):
     (tmp_path / "README.md").write_text(f"# x\n\n{summary.ANSWER_BEGIN}\n{summary.ANSWER_END}\n\n"
                                         f"{summary.BEGIN}\nold\n{summary.END}\n\n"
                                         f"{summary.FIDELITY_BEGIN}\n{summary.FIDELITY_END}\n\nafter\n"
+                                        f"{summary.SERVE_BEGIN}\n{summary.SERVE_END}\n"
                                         f"{summary.SETTINGS_BEGIN}\n{summary.SETTINGS_END}\n")
     monkeypatch.setattr(replay, "repo_root", lambda: tmp_path)
     monkeypatch.setattr(summary, "repo_root", lambda: tmp_path)
@@ -291,6 +292,7 @@ def test_cli_write_then_check(repo, capsys):
     from kvrepro.formats import COMPRESSED_PRESETS, DEFAULT_PRESET
     assert f"| `KVREPRO_PRESET` | {', '.join(COMPRESSED_PRESETS)} | {DEFAULT_PRESET} |" in text   # settings too
     assert "| bf16 | 512 | 2 (66.6 tok/s) | 3 | 170.0 |" in text
+    assert "Under serving load: not measured yet" in text.split(summary.SERVE_BEGIN)[1]   # no results/serve here
     from kvrepro.capacity import users_that_fit
     from kvrepro.formats import get_format
 
