@@ -582,7 +582,7 @@ def readme_text(root: str | os.PathLike) -> str:
             vs = f"{ratio}the best fp8's ({r['best_fp8']}, {b['goodput_req_s']:.3f} req/s)"
             if not _missing(r["goodput_tpot_vs_best_fp8"]):
                 vs += f"; at the TPOT SLO alone {r['goodput_tpot_vs_best_fp8']:.2f}x"
-        parts.append(f"at {rate}, {name}'s goodput (requests per second within SLO {_slo_words(w['goodput'])}) is "
+        parts.append(f"at {rate}, the goodput of {name} (requests per second within SLO {_slo_words(w['goodput'])}) is "
                      f"{good}, {vs}")
     body = "; ".join(parts) if parts else "no kvrepro mode was run in the newest workload"
     return (f"**Under serving load**: {body}. Workload: {how}. Every mode's throughput, TTFT, TPOT and preemptions, "

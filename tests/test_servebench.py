@@ -462,7 +462,7 @@ def test_readme_text_without_runs_or_without_fp8(tmp_path):
     runs = [_run("kvrepro:k4v4", "0.25", 0.24, 120.0, 0.20, 45.0), _run("fp8", "inf", 0.2, 100.0, 0.1, 60.0)]
     (d / "x_20261202.json").write_text(json.dumps({"workload": runs[0]["workload"], "runs": runs}))
     text = sb.readme_text(tmp_path)
-    assert "at 0.25 requests/s, kvrepro:k4v4's goodput (requests per second within SLO TPOT <= 50 ms) is 0.200 " \
+    assert "at 0.25 requests/s, the goodput of kvrepro:k4v4 (requests per second within SLO TPOT <= 50 ms) is 0.200 " \
         "req/s, no fp8 mode ran at this rate" in text
     assert "arriving at 0.25 requests/s, all at once" in text
     assert "[x_20261202.json](results/serve/x_20261202.json)" in text
