@@ -466,3 +466,10 @@ def test_readme_text_without_runs_or_without_fp8(tmp_path):
         "req/s, no fp8 mode ran at this rate" in text
     assert "arriving at 0.25 requests/s, all at once" in text
     assert "[x_20261202.json](results/serve/x_20261202.json)" in text
+
+
+def test_installed_version_of_a_distribution_or_none():
+    """What serve_bench records as a FlashInfer server's flashinfer_version: the installed distribution's version."""
+    sbs = scripts_module.load("serve_bench")
+    assert sbs.installed_version("pytest") == pytest.__version__
+    assert sbs.installed_version("kvrepro-no-such-distribution") is None
