@@ -572,20 +572,28 @@ def readme_text(root: str | os.PathLike) -> str:
     parts = []
     for _, r in df[~df["mode"].isin(sweep.FP8_MODES)].iterrows():
         name = r["mode"] + (f" ({r['key_offset']})" if r["key_offset"] else "")
-        rate = "all at once" if r["request_rate"] == float("inf") else f"{r['request_rate']:g} requests/s"
-        good = "no goodput recorded" if _missing(r["goodput_req_s"]) else f"{r['goodput_req_s']:.3f} req/s"
-        if _missing(r["best_fp8"]):
+        rate = "with every request at once" if r["request_rate"] == float("inf") else f"at {r['request_rate']:g} requests/s"
+        good = "recorded none" if _missing(r["goodput_req_s"]) else f"is {r['goodput_req_s']:.3f} req/s"
+        same = fp8[fp8["request_rate"] == r["request_rate"]]
+        listed = ", ".join(f"{m} " + ("not recorded" if _missing(g) else f"{g:.3f} req/s")
+                           for m, g in zip(same["mode"], same["goodput_req_s"]))
+        if not len(same):
             vs = "no fp8 mode ran at this rate"
+        elif _missing(r["best_fp8"]):
+            vs = f"no ratio: no fp8 mode recorded a goodput at this rate ({listed})"
+        elif _missing(r["goodput_vs_best_fp8"]):
+            vs = f"no ratio: every fp8 mode's goodput was 0 ({listed})" if not _missing(r["goodput_req_s"]) else \
+                f"fp8: {listed}"
         else:
-            b = fp8[(fp8["mode"] == r["best_fp8"]) & (fp8["request_rate"] == r["request_rate"])].iloc[0]
-            ratio = "" if _missing(r["goodput_vs_best_fp8"]) else f"{r['goodput_vs_best_fp8']:.2f}x "
-            vs = f"{ratio}the best fp8's ({r['best_fp8']}, {b['goodput_req_s']:.3f} req/s)"
+            vs = (f"{r['goodput_vs_best_fp8']:.2f}x the best of the fp8 backends run at this rate ({listed}; the best "
+                  f"is {r['best_fp8']})")
             if not _missing(r["goodput_tpot_vs_best_fp8"]):
-                vs += f"; at the TPOT SLO alone {r['goodput_tpot_vs_best_fp8']:.2f}x"
-        parts.append(f"at {rate}, the goodput of {name} (requests per second within SLO {_slo_words(w['goodput'])}) is "
+                vs += f"; at the TPOT SLO alone, {r['goodput_tpot_vs_best_fp8']:.2f}x the best fp8's"
+        parts.append(f"{rate}, the goodput of {name} (requests per second within SLO {_slo_words(w['goodput'])}) "
                      f"{good}, {vs}")
     body = "; ".join(parts) if parts else "no kvrepro mode was run in the newest workload"
-    return (f"**Under serving load**: {body}. Workload: {how}. Every mode's throughput, TTFT, TPOT and preemptions, "
+    return (f"**Under serving load**: {body}. One run per mode: a few requests either side of an SLO move these "
+            f"ratios by several percent. Workload: {how}. Every mode's throughput, TTFT, TPOT and preemptions, "
             f"and the other workloads: notebook "
             f"02, \"Under serving load\"; what they mean: [notes/vllm.md](notes/vllm.md#inside-a-decode-step-and-under-"
             f"serving-load-issue-23).")

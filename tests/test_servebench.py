@@ -444,13 +444,15 @@ def test_readme_text_of_the_committed_run_against_its_raw_figures():
             fp8 = [f for f in runs if f["mode"].startswith("fp8") and f["request_rate"] == r["request_rate"]]
             best = max(fp8, key=lambda f: f["summary"]["request_goodput"])
             ratio = r["summary"]["request_goodput"] / best["summary"]["request_goodput"]
-            assert f"{r['summary']['request_goodput']:.3f} req/s, {ratio:.2f}x the best fp8's ({best['mode']}, " \
-                   f"{best['summary']['request_goodput']:.3f} req/s)" in text
+            listed = ", ".join(f"{f['mode']} {f['summary']['request_goodput']:.3f} req/s"
+                               for f in sorted(fp8, key=lambda f: f["mode"]))
+            assert f"is {r['summary']['request_goodput']:.3f} req/s, {ratio:.2f}x the best of the fp8 backends run " \
+                   f"at this rate ({listed}; the best is {best['mode']})" in text
             if len(slo) > 1:
                 p = next(p for p, d in zip(paths, docs) if r in d["runs"])
                 t = tpot_alone(p, r) / max(tpot_alone(next(q for q, d in zip(paths, docs) if f in d["runs"]), f)
                                            for f in fp8)
-                assert f"at the TPOT SLO alone {t:.2f}x" in text
+                assert f"at the TPOT SLO alone, {t:.2f}x the best fp8's" in text
     assert text.startswith("**Under serving load**: at ") and \
         f"Workload: `vllm serve` + `vllm bench serve` on one {runs[0]['workload']['gpu']}" in text
 
@@ -473,3 +475,19 @@ def test_installed_version_of_a_distribution_or_none():
     sbs = scripts_module.load("serve_bench")
     assert sbs.installed_version("pytest") == pytest.__version__
     assert sbs.installed_version("kvrepro-no-such-distribution") is None
+
+
+def test_readme_text_says_why_there_is_no_ratio(tmp_path):
+    """fp8 with zero goodput, fp8 without a recorded goodput, every request at once: a sentence, never a silent ratio."""
+    d = tmp_path / "results" / "serve"
+    d.mkdir(parents=True)
+    k = _run("kvrepro:k4v4", "inf", 0.24, 120.0, 0.20, 45.0)
+    f = _run("fp8:flash_attn", "inf", 0.2, 100.0, 0.0, 60.0)
+    (d / "a_20261202.json").write_text(json.dumps({"workload": k["workload"], "runs": [k, f]}))
+    text = sb.readme_text(tmp_path)
+    assert "with every request at once, the goodput of kvrepro:k4v4" in text
+    assert "is 0.200 req/s, no ratio: every fp8 mode's goodput was 0 (fp8:flash_attn 0.000 req/s)" in text
+    f["summary"].pop("request_goodput")
+    (d / "a_20261202.json").write_text(json.dumps({"workload": k["workload"], "runs": [k, f]}))
+    assert "no ratio: no fp8 mode recorded a goodput at this rate (fp8:flash_attn not recorded)" in \
+        sb.readme_text(tmp_path)
