@@ -25,7 +25,6 @@ batch. About 150 s on an H200.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import sys
 import time
@@ -36,6 +35,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from benchmarks.common import (D, HKV, HQ, RESULTS, bench, copy_bandwidth, decode_setup, provenance,  # noqa: E402
                                write_json)
 from kvrepro.ops import cuda_decode, decode_attention, decode_workspace_numel, default_num_splits  # noqa: E402
+from kvrepro.fileio import file_sha256  # noqa: E402
 from kvrepro.ops.common import sm_count  # noqa: E402
 from kvrepro.reference import paged_attention_ref  # noqa: E402
 
@@ -47,11 +47,6 @@ OUT = os.path.join(RESULTS, "decode_splits.json")
 def candidates(batch: int, sms: int, rule: int) -> list[int]:
     waves = [k * CTAS_PER_SM * sms // (batch * HKV) for k in (1, 2, 3)]
     return sorted({s for s in [rule, 16, 32, 64, *waves] if 1 <= s <= 256})
-
-
-def _sha256(path: str) -> str:
-    with open(path, "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()
 
 
 TRACE_SLOTS = ("start", "query_ready", "loop_end_warp0", "loop_end_all", "counted_in", "merge_end")
@@ -135,7 +130,7 @@ def main() -> int:
     res = {"provenance": provenance({"script": "benchmarks/decode_splits.py", "preset": a.preset, "ctx": CTX,
                                      "sms": sms, "ctas_per_sm": CTAS_PER_SM, "variants": a.variant,
                                      "trace": a.trace,
-                                     "fatbin_sha256": {f: _sha256(f) for f in
+                                     "fatbin_sha256": {f: file_sha256(f) for f in
                                                        [v.split("=", 1)[1] for v in a.variant] + [a.trace] if f}}),
            "fatbin": cuda_decode.read_manifest(), "copy_bandwidth": copy_bandwidth(), "rows": []}
     copy_bw = res["copy_bandwidth"]["GBps_read_plus_write"]
