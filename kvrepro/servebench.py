@@ -575,8 +575,8 @@ def readme_text(root: str | os.PathLike) -> str:
         rate = "with every request at once" if r["request_rate"] == float("inf") else f"at {r['request_rate']:g} requests/s"
         good = "recorded none" if _missing(r["goodput_req_s"]) else f"is {r['goodput_req_s']:.3f} req/s"
         same = fp8[fp8["request_rate"] == r["request_rate"]]
-        listed = ", ".join(f"{m} " + ("not recorded" if _missing(g) else f"{g:.3f} req/s")
-                           for m, g in zip(same["mode"], same["goodput_req_s"]))
+        listed = ", ".join(f"{m} " + ("not recorded" if _missing(gp) else f"{gp:.3f} req/s")
+                           for m, gp in zip(same["mode"], same["goodput_req_s"]))
         if not len(same):
             vs = "no fp8 mode ran at this rate"
         elif _missing(r["best_fp8"]):
