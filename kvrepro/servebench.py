@@ -349,12 +349,19 @@ def server_log(out: str | os.PathLike, mode: str) -> Path:
     return side_dirs(out)[1] / f"serve_{mode.replace(':', '_')}.log"
 
 
+# What the table and the README read from each run of a results file (read_doc checks them).
+RUN_KEYS = ("mode", "request_rate", "summary", "preemptions", "workload")
+SUMMARY_KEYS = ("completed", "failed", "duration_s", "request_throughput", "output_throughput")
+
+
 def read_doc(path, empty_runs: bool = False) -> dict:
     """A serve-bench result file (``scripts/serve_bench.py``'s JSON, ``{"runs": [...], ...}``) as a dict; ``empty_runs``
     accepts an empty ``runs`` list.
 
     Raises:
-        ValueError: a file that is not JSON or has no ``runs`` list (or an empty one), naming it.
+        ValueError: naming the file: not JSON; no ``runs`` list (or an empty one); a run that is not a dict or lacks
+            one of ``RUN_KEYS``, or whose ``summary`` lacks one of ``SUMMARY_KEYS`` or whose ``workload`` is not a
+            dict (naming the run and the keys).
     """
     p = Path(path)
     try:
@@ -363,6 +370,17 @@ def read_doc(path, empty_runs: bool = False) -> dict:
         raise ValueError(f"{p}: not a serve-bench result (not JSON: {e})") from None
     if not isinstance(data, dict) or not isinstance(data.get("runs"), list) or not (data["runs"] or empty_runs):
         raise ValueError(f"{p}: not a serve-bench result (no 'runs' list, or an empty one)")
+    for i, r in enumerate(data["runs"]):
+        if not isinstance(r, dict):
+            raise ValueError(f"{p}: run {i} is not an object")
+        missing = [k for k in RUN_KEYS if k not in r]
+        if not missing:
+            missing = ([f"summary.{k}" for k in SUMMARY_KEYS if k not in r["summary"]]
+                       if isinstance(r["summary"], dict) else ["summary (not an object)"])
+            missing += [] if isinstance(r["workload"], dict) else ["workload (not an object)"]
+        if missing:
+            raise ValueError(f"{p}: run {i} ({r.get('mode', '?')}, rate {r.get('request_rate', '?')}) lacks "
+                             f"{', '.join(missing)}")
     return data
 
 
@@ -389,6 +407,26 @@ def read_results(paths) -> list[dict]:
                              goodput_tpot_alone=tpot_alone,
                              kvrepro_settings=logged_settings(server_log(p, str(r.get("mode", ""))))))
     return runs
+
+
+# vllm/platforms/cuda.py 0.20.2: the backend asked for, and the one chosen when none was asked for
+BACKEND_LINE = re.compile(r"Using AttentionBackendEnum\.(\w+) backend|Using (\w+) attention backend out of potential")
+
+
+def logged_backend(log_path: str | os.PathLike) -> str | None:
+    """The attention backend a vLLM 0.20.2 server ran, from its log (``vllm/platforms/cuda.py``: ``Using
+    AttentionBackendEnum.<NAME> backend.`` where one was asked for, ``CUSTOM`` for kvrepro's plugin; ``Using <NAME>
+    attention backend out of potential backends`` where vLLM chose); None where the file or the line is not there.
+
+    Raises:
+        ValueError: the log names two different backends (naming them): one server, one backend."""
+    p = Path(log_path)
+    if not p.is_file():
+        return None
+    found = sorted({a or b for a, b in BACKEND_LINE.findall(p.read_text(encoding="utf-8", errors="replace"))})
+    if len(found) > 1:
+        raise ValueError(f"{p}: the server log names several attention backends ({', '.join(found)})")
+    return found[0] if found else None
 
 
 def logged_settings(log_path: str | os.PathLike) -> dict | None:

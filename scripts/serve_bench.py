@@ -33,6 +33,7 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -54,19 +55,21 @@ START_TIMEOUT_S = 900
 
 def build_parser() -> argparse.ArgumentParser:
     d = sb.DEFAULTS
-    ap = argparse.ArgumentParser(prog="python3 scripts/serve_bench.py", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python3 scripts/serve_bench.py", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--modes", default=",".join(sb.DEFAULT_MODES), help=f"comma-separated; allowed: "
                     f"{', '.join(sb.SERVE_MODES)}")
-    ap.add_argument("--num-prompts", type=int, default=d["num_prompts"])
+    ap.add_argument("--num-prompts", type=int, default=d["num_prompts"], help="requests per rate")
     ap.add_argument("--input-min", type=int, default=d["input_min"], help="shortest prompt (tokens)")
     ap.add_argument("--input-max", type=int, default=d["input_max"], help="longest prompt (tokens)")
     ap.add_argument("--output-len", type=int, default=d["output_len"], help="output tokens per request")
     ap.add_argument("--request-rates", default=",".join(d["request_rates"]),
                     help="comma-separated requests per second (inf = all at once)")
-    ap.add_argument("--goodput", nargs="+", default=list(d["goodput"]), help="vLLM's SLOs, NAME:MS (tpot:50)")
-    ap.add_argument("--gpu-memory-gb", type=float, default=d["gpu_memory_gb"])
-    ap.add_argument("--max-num-seqs", type=int, default=d["max_num_seqs"])
-    ap.add_argument("--seed", type=int, default=d["seed"])
+    ap.add_argument("--goodput", nargs="+", default=list(d["goodput"]),
+                    help=f"vLLM's SLOs, NAME:MS; names: {', '.join(sb.GOODPUT_NAMES)}")
+    ap.add_argument("--gpu-memory-gb", type=float, default=d["gpu_memory_gb"], help="emulated card (GiB)")
+    ap.add_argument("--max-num-seqs", type=int, default=d["max_num_seqs"], help="vLLM's --max-num-seqs")
+    ap.add_argument("--seed", type=int, default=d["seed"], help="prompt draw and server seed")
     ap.add_argument("--out", default=None, help="result JSON (default results/serve/<gpu>_<date>.json)")
     return ap
 
@@ -84,10 +87,20 @@ def config_of(a: argparse.Namespace) -> dict:
                 sb.read_doc(out, empty_runs=True)
             except ValueError as e:
                 raise ValueError(f"--out {a.out!r} exists: {e}") from None
-    return sb.check_config({"modes": a.modes, "num_prompts": a.num_prompts, "input_min": a.input_min,
-                            "input_max": a.input_max, "output_len": a.output_len, "request_rates": a.request_rates,
-                            "goodput": a.goodput, "gpu_memory_gb": a.gpu_memory_gb, "max_num_seqs": a.max_num_seqs,
-                            "seed": a.seed})
+    try:
+        return sb.check_config({"modes": a.modes, "num_prompts": a.num_prompts, "input_min": a.input_min,
+                                "input_max": a.input_max, "output_len": a.output_len,
+                                "request_rates": a.request_rates, "goodput": a.goodput,
+                                "gpu_memory_gb": a.gpu_memory_gb, "max_num_seqs": a.max_num_seqs, "seed": a.seed})
+    except ValueError as e:
+        raise ValueError(flag_names(str(e))) from None
+
+
+def flag_names(message: str) -> str:
+    """``check_config``'s message with each setting name written as this script's flag (``num_prompts`` ->
+    ``--num-prompts``), so that an error names what the user typed."""
+    names = sorted(set(sb.DEFAULTS) - {"block_size"} | {"modes"}, key=len, reverse=True)
+    return re.sub(r"(?<![\w-])(" + "|".join(names) + r")(?!\w)", lambda m: "--" + m.group(1).replace("_", "-"), message)
 
 
 def free_port() -> int:
@@ -211,7 +224,8 @@ def bench_mode(mode: str, cfg: dict, util: float, prompts, model_dir: str, out: 
                        "summary": sb.summarize(result), "preemptions": int(post - pre), "peak": dict(poll.peak),
                        "metrics_samples": poll.samples, "wall_s": round(time.time() - t, 1),
                        "vllm_result_file": fname, "date": sweep.now_utc()}
-                if run["attention_backend"] == "FLASHINFER":  # as the capacity rows: which FlashInfer the server ran
+                run["attention_backend_used"] = sb.logged_backend(log_path)
+                if run["attention_backend_used"] == "FLASHINFER":  # as the capacity rows: which FlashInfer it ran
                     run["flashinfer_version"] = installed_version("flashinfer-python")
                 runs.append(run)
                 print(f"[serve] {mode} rate {rate_txt}: {json.dumps(run['summary'])} preemptions "
@@ -269,10 +283,12 @@ def main(argv=None) -> int:
             print(f"[serve] {mode} failed: {type(e).__name__}: {str(e)[:3000]}", flush=True)
             status = 1
             continue
-        runs = [dict(r, workload=workload) for r in runs]   # each run self-contained, as the table compares them
+        prov = dict(info, kvrepro_src_sha256=src_sha256(), script="scripts/serve_bench.py")
+        # each run self-contained (the table compares runs of several calls): its workload and its own provenance
+        runs = [dict(r, workload=workload, provenance=prov) for r in runs]
         existing = sb.read_doc(out, empty_runs=True) if out.exists() else None
         doc = sb.merge_runs(existing, runs, workload)
-        doc["provenance"] = dict(info, kvrepro_src_sha256=src_sha256(), script="scripts/serve_bench.py")
+        doc["provenance"] = prov     # the file's last call; each run's own is in the run
         atomic_write_text(out, json.dumps(doc, indent=1, default=str) + "\n")
     if out.exists():
         doc = sb.read_doc(out, empty_runs=True)

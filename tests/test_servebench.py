@@ -187,19 +187,31 @@ def test_usage_only_tokenizer_is_truthy_and_never_tokenizes():
 
 
 @pytest.mark.parametrize("args,msg", [
-    (["--modes", "fp16"], "modes: "), (["--request-rates", "-1"], "request_rates"),
-    (["--goodput", "tpot"], "NAME:MILLISECONDS"), (["--input-min", "0"], "input_min must be"),
+    (["--modes", "fp16"], "--modes: ['fp16']; allowed: bf16,"), (["--request-rates", "-1"], "--request-rates: each"),
+    (["--goodput", "tpot"], "--goodput: 'tpot' is not NAME:MILLISECONDS"), (["--input-min", "0"], "--input-min must be"),
+    (["--input-min", "9", "--input-max", "3"], "--input-min (9) must be <= --input-max (3)"),
+    (["--num-prompts", "0"], "--num-prompts must be an integer >= 1, got 0"),
     (["--out", "/nonexistent/s.json"], "its folder does not exist"), (["--out", "results"], "is a folder"),
     (["--out", "README.md"], "exists: README.md: not a serve-bench result (not JSON"),
     (["--out", "kvrepro/ops/cuda/decode.json"],
      "exists: kvrepro/ops/cuda/decode.json: not a serve-bench result (no 'runs' list"),
     (["--out", "pyproject.toml"], "not a serve-bench result"),
-    (["--request-rates", "0.5,0.5"], "names a rate more than once"), (["--gpu-memory-gb", "inf"], "gpu_memory_gb"),
+    (["--request-rates", "0.5,0.5"], "names a rate more than once"), (["--gpu-memory-gb", "inf"], "--gpu-memory-gb must"),
 ])
 def test_script_refuses_bad_arguments_naming_them(args, msg):
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "serve_bench.py"), *args], capture_output=True,
                        text=True, cwd=ROOT)
     assert r.returncode == 2 and msg in r.stderr, r.stderr
+
+
+def test_help_shows_every_default():
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "serve_bench.py"), "--help"], capture_output=True,
+                       text=True, cwd=ROOT)
+    text = " ".join(r.stdout.split())
+    for flag, value in (("--num-prompts", sb.DEFAULTS["num_prompts"]), ("--output-len", sb.DEFAULTS["output_len"]),
+                        ("--input-max", sb.DEFAULTS["input_max"]), ("--max-num-seqs", sb.DEFAULTS["max_num_seqs"])):
+        assert f"{flag} {flag[2:].upper().replace('-', '_')}" in text and f"(default: {value})" in text
+    assert r.returncode == 0 and text.count("(default:") == 11
 
 
 @pytest.mark.gpu
@@ -227,6 +239,9 @@ ap.add_argument("cmd"); ap.add_argument("model"); ap.add_argument("--port", type
 a, rest = ap.parse_known_args()
 with open(os.environ["FAKE_ARGS_LOG"], "a") as f:
     f.write(json.dumps({"argv": sys.argv[1:], "preset": os.environ.get("KVREPRO_PRESET")}) + "\n")
+if "--attention-backend" in rest:       # vLLM's line naming the backend it runs, into the server log
+    print(f"INFO [cuda.py:308] Using AttentionBackendEnum.{rest[rest.index('--attention-backend') + 1]} backend.",
+          flush=True)
 class H(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
         body = b"ok" if self.path == "/health" else (
@@ -312,6 +327,10 @@ def test_serve_bench_drives_servers_and_client(tmp_path, monkeypatch, capsys):
     lengths = sb.input_lengths(3, 20, 40, 0)
     assert detail["input_lens"] == lengths and detail["rate"] == "0.5"      # the token-id prompts reached the client
     assert doc["workload"]["prompt_tokens_total"] == sum(lengths) and doc["provenance"]["kvrepro_src_sha256"]
+    assert all(r["provenance"]["kvrepro_src_sha256"] == doc["provenance"]["kvrepro_src_sha256"] and
+               r["provenance"]["script"] == "scripts/serve_bench.py" for r in doc["runs"])
+    assert [r["attention_backend_used"] for r in doc["runs"]] == ["FLASH_ATTN", "FLASH_ATTN", "CUSTOM", "CUSTOM"]
+    assert not any("flashinfer_version" in r for r in doc["runs"])
     assert (tmp_path / "serve_logs" / "serve_kvrepro_k4v4.log").is_file()
     printed = capsys.readouterr().out
     # the run's own table: no decode-step split before the vLLM result files are read back (read_results)
@@ -491,3 +510,42 @@ def test_readme_text_says_why_there_is_no_ratio(tmp_path):
     (d / "a_20261202.json").write_text(json.dumps({"workload": k["workload"], "runs": [k, f]}))
     assert "no ratio: no fp8 mode recorded a goodput at this rate (fp8:flash_attn not recorded)" in \
         sb.readme_text(tmp_path)
+
+
+def test_logged_backend_reads_vllms_choice(tmp_path):
+    """The backend line of vLLM 0.20.2's log, asked for (``AttentionBackendEnum.<NAME>``) or chosen by vLLM (``Using
+    <NAME> attention backend out of potential backends``); none; two different ones refused."""
+    log = tmp_path / "serve.log"
+    assert sb.logged_backend(log) is None
+    log.write_text("(EngineCore pid=1) INFO 12-03 [cuda.py:308] Using AttentionBackendEnum.FLASHINFER backend.\n")
+    assert sb.logged_backend(log) == "FLASHINFER"
+    log.write_text("INFO [cuda.py:368] Using FLASH_ATTN attention backend out of potential backends: ['FLASH_ATTN', "
+                   "'TRITON_ATTN'].\nINFO Using FLASH_ATTN attention backend out of potential backends: []\n")
+    assert sb.logged_backend(log) == "FLASH_ATTN"
+    log.write_text("INFO nothing here\n")
+    assert sb.logged_backend(log) is None
+    log.write_text("Using AttentionBackendEnum.CUSTOM backend.\nUsing AttentionBackendEnum.FLASH_ATTN backend.\n")
+    with pytest.raises(ValueError, match="several attention backends \\(CUSTOM, FLASH_ATTN\\)"):
+        sb.logged_backend(log)
+    for f in ROOT.glob("results/serve/*_logs/serve_*.log"):        # every committed server log names its backend
+        want = "CUSTOM" if "kvrepro" in f.name else ("FLASHINFER" if "flashinfer" in f.name else "FLASH_ATTN")
+        assert sb.logged_backend(f) == want, f
+
+
+@pytest.mark.parametrize("drop,lacks", [("summary", "summary"), ("workload", "workload"),
+                                        ("preemptions", "preemptions"), ("summary.duration_s", "summary.duration_s")])
+def test_read_doc_names_the_file_and_run_missing_a_key(tmp_path, drop, lacks):
+    import re
+
+    runs = [_run("kvrepro:k4v4", "0.25", 1, 1, 1, 1), _run("fp8", "0.25", 1, 1, 1, 1)]
+    top, _, sub = drop.partition(".")
+    runs[1][top].pop(sub) if sub else runs[1].pop(top)
+    p = tmp_path / "s.json"
+    p.write_text(json.dumps({"workload": runs[0]["workload"], "runs": runs}))
+    msg = "^" + re.escape(f"{p}: run 1 (fp8, rate 0.25) lacks {lacks}") + "$"
+    for read in (sb.read_doc, lambda q: sb.read_results([q])):
+        with pytest.raises(ValueError, match=msg):
+            read(p)
+    p.write_text(json.dumps({"runs": [runs[0], "x"]}))
+    with pytest.raises(ValueError, match="run 1 is not an object"):
+        sb.read_doc(p)
