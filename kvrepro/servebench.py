@@ -463,7 +463,8 @@ def serve_table(runs: list[dict]):
     goodput_tpot_vs_best_fp8 (the same at the TPOT SLO alone: the run's ``goodput_tpot_alone``, :func:`read_results`;
     None where the run had no other SLO or its vLLM result file is missing), step_p50_ms and
     stalled_share (:func:`stall_split`: the median inter-token gap, and the share of inter-token time in steps that
-    also ran prefill; None without the run's vLLM result file), completed, failed, kv_tokens, slo.
+    also ran prefill; None without the run's vLLM result file), completed, failed, good_requests (the requests that
+    met every SLO: vLLM's goodput x the run's duration, rounded; None without a goodput), kv_tokens, slo.
 
     Raises:
         ValueError: runs of different workloads (:func:`check_same_workload`) or no runs.
@@ -489,7 +490,10 @@ def serve_table(runs: list[dict]):
                      "goodput_tpot_req_s": r.get("goodput_tpot_alone"), "goodput_tpot_vs_best_fp8": None,
                      "step_p50_ms": (r.get("stalls") or {}).get("step_p50_ms"),
                      "stalled_share": (r.get("stalls") or {}).get("stalled_share"),
-                     "completed": s["completed"], "failed": s["failed"], "kv_tokens": r.get("kv_tokens"),
+                     "completed": s["completed"], "failed": s["failed"],
+                     "good_requests": (None if _missing(s.get("request_goodput")) else
+                                       round(s["request_goodput"] * s["duration_s"])),
+                     "kv_tokens": r.get("kv_tokens"),
                      "slo": ", ".join(f"{k} <= {v:g} ms" for k, v in r["workload"]["goodput"].items())})
     df = pd.DataFrame(rows)
     for rate, g in df.groupby("request_rate"):
@@ -581,6 +585,11 @@ def _missing(v) -> bool:
     return v is None or (isinstance(v, float) and v != v)   # a table cell never filled: None or NaN
 
 
+def _of(row) -> str:
+    """``"22 of 24"``: a table row's requests within the SLOs of all it sent."""
+    return f"{int(row['good_requests'])} of {int(row['completed'] + row['failed'])}"
+
+
 def _slo_words(goodput: dict) -> str:
     return " and ".join(f"{k.upper()} <= " + (f"{v / 1e3:g} s" if v >= 1e3 else f"{v:g} ms")
                         for k, v in goodput.items())
@@ -611,10 +620,12 @@ def readme_text(root: str | os.PathLike) -> str:
     for _, r in df[~df["mode"].isin(sweep.FP8_MODES)].iterrows():
         name = r["mode"] + (f" ({r['key_offset']})" if r["key_offset"] else "")
         rate = "with every request at once" if r["request_rate"] == float("inf") else f"at {r['request_rate']:g} requests/s"
-        good = "recorded none" if _missing(r["goodput_req_s"]) else f"is {r['goodput_req_s']:.3f} req/s"
+        good = "recorded none" if _missing(r["goodput_req_s"]) else \
+            f"is {r['goodput_req_s']:.3f} req/s ({_of(r)} requests)"
         same = fp8[fp8["request_rate"] == r["request_rate"]]
-        listed = ", ".join(f"{m} " + ("not recorded" if _missing(gp) else f"{gp:.3f} req/s")
-                           for m, gp in zip(same["mode"], same["goodput_req_s"]))
+        listed = "; ".join(f"{f['mode']} " + ("not recorded" if _missing(f["goodput_req_s"]) else
+                                             f"{f['goodput_req_s']:.3f} req/s, {_of(f)}")
+                           for _, f in same.iterrows())
         if not len(same):
             vs = "no fp8 mode ran at this rate"
         elif _missing(r["best_fp8"]):

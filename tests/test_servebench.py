@@ -452,21 +452,29 @@ def test_readme_text_of_the_committed_run_against_its_raw_figures():
     runs = [r for d in docs for r in d["runs"]]
     slo = runs[0]["workload"]["goodput"]
 
-    def tpot_alone(path, run):
+    def good(path, run, slos):
+        """Requests within ``slos`` counted from the run's vLLM result file, and that count per second."""
         v = json.loads((Path(str(path)[:-len(".json")] + "_vllm") / run["vllm_result_file"]).read_text())
-        ok = sum(1 for gaps, n in zip(v["itls"], v["output_lens"]) if n and (n == 1 or
-                 sum(gaps) / (n - 1) * 1e3 <= slo["tpot"]))
-        return ok / v["duration"]
+        ok = sum(1 for ttft, gaps, n in zip(v["ttfts"], v["itls"], v["output_lens"]) if n and
+                 (n == 1 or sum(gaps) / (n - 1) * 1e3 <= slos["tpot"]) and ttft * 1e3 <= slos.get("ttft", math.inf))
+        return ok, ok / v["duration"]
+
+    def tpot_alone(path, run):
+        return good(path, run, {"tpot": slo["tpot"]})[1]
+
+    def count(run):
+        p = next(p for p, d in zip(paths, docs) if run in d["runs"])
+        return f"{good(p, run, slo)[0]} of {len(json.loads((Path(str(p)[:-5] + '_vllm') / run['vllm_result_file']).read_text())['ttfts'])}"
 
     for r in runs:
         if r["mode"].startswith("kvrepro:"):
             fp8 = [f for f in runs if f["mode"].startswith("fp8") and f["request_rate"] == r["request_rate"]]
             best = max(fp8, key=lambda f: f["summary"]["request_goodput"])
             ratio = r["summary"]["request_goodput"] / best["summary"]["request_goodput"]
-            listed = ", ".join(f"{f['mode']} {f['summary']['request_goodput']:.3f} req/s"
+            listed = "; ".join(f"{f['mode']} {f['summary']['request_goodput']:.3f} req/s, {count(f)}"
                                for f in sorted(fp8, key=lambda f: f["mode"]))
-            assert f"is {r['summary']['request_goodput']:.3f} req/s, {ratio:.2f}x the best of the fp8 backends run " \
-                   f"at this rate ({listed}; the best is {best['mode']})" in text
+            assert f"is {r['summary']['request_goodput']:.3f} req/s ({count(r)} requests), {ratio:.2f}x the best of " \
+                   f"the fp8 backends run at this rate ({listed}; the best is {best['mode']})" in text
             if len(slo) > 1:
                 p = next(p for p, d in zip(paths, docs) if r in d["runs"])
                 t = tpot_alone(p, r) / max(tpot_alone(next(q for q, d in zip(paths, docs) if f in d["runs"]), f)
@@ -484,7 +492,7 @@ def test_readme_text_without_runs_or_without_fp8(tmp_path):
     (d / "x_20261202.json").write_text(json.dumps({"workload": runs[0]["workload"], "runs": runs}))
     text = sb.readme_text(tmp_path)
     assert "at 0.25 requests/s, the goodput of kvrepro:k4v4 (requests per second within SLO TPOT <= 50 ms) is 0.200 " \
-        "req/s, no fp8 mode ran at this rate" in text
+        "req/s (27 of 32 requests), no fp8 mode ran at this rate" in text
     assert "arriving at 0.25 requests/s, all at once" in text
     assert "[x_20261202.json](results/serve/x_20261202.json)" in text
 
@@ -505,7 +513,8 @@ def test_readme_text_says_why_there_is_no_ratio(tmp_path):
     (d / "a_20261202.json").write_text(json.dumps({"workload": k["workload"], "runs": [k, f]}))
     text = sb.readme_text(tmp_path)
     assert "with every request at once, the goodput of kvrepro:k4v4" in text
-    assert "is 0.200 req/s, no ratio: every fp8 mode's goodput was 0 (fp8:flash_attn 0.000 req/s)" in text
+    assert "is 0.200 req/s (27 of 32 requests), no ratio: every fp8 mode's goodput was 0 (fp8:flash_attn 0.000 " \
+        "req/s, 0 of 32)" in text
     f["summary"].pop("request_goodput")
     (d / "a_20261202.json").write_text(json.dumps({"workload": k["workload"], "runs": [k, f]}))
     assert "no ratio: no fp8 mode recorded a goodput at this rate (fp8:flash_attn not recorded)" in \
