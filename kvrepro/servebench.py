@@ -464,7 +464,9 @@ def serve_table(runs: list[dict]):
     None where the run had no other SLO or its vLLM result file is missing), step_p50_ms and
     stalled_share (:func:`stall_split`: the median inter-token gap, and the share of inter-token time in steps that
     also ran prefill; None without the run's vLLM result file), completed, failed, good_requests (the requests that
-    met every SLO: vLLM's goodput x the run's duration, rounded; None without a goodput), kv_tokens, slo.
+    met every SLO: vLLM's goodput x the run's duration, rounded; None without a goodput), good_tpot_requests and
+    best_fp8_tpot (the same count at the TPOT SLO alone, and the fp8 mode with the highest such goodput at the rate),
+    duration_s (the run's, s), kv_tokens, slo.
 
     Raises:
         ValueError: runs of different workloads (:func:`check_same_workload`) or no runs.
@@ -493,7 +495,9 @@ def serve_table(runs: list[dict]):
                      "completed": s["completed"], "failed": s["failed"],
                      "good_requests": (None if _missing(s.get("request_goodput")) else
                                        round(s["request_goodput"] * s["duration_s"])),
-                     "kv_tokens": r.get("kv_tokens"),
+                     "good_tpot_requests": (None if _missing(r.get("goodput_tpot_alone")) else
+                                            round(r["goodput_tpot_alone"] * s["duration_s"])),
+                     "best_fp8_tpot": None, "duration_s": s["duration_s"], "kv_tokens": r.get("kv_tokens"),
                      "slo": ", ".join(f"{k} <= {v:g} ms" for k, v in r["workload"]["goodput"].items())})
     df = pd.DataFrame(rows)
     for rate, g in df.groupby("request_rate"):
@@ -502,8 +506,7 @@ def serve_table(runs: list[dict]):
             if not len(fp8):
                 continue
             best = fp8.loc[fp8[col].astype(float).idxmax()]
-            if col == "goodput_req_s":
-                df.loc[g.index, "best_fp8"] = best["mode"]
+            df.loc[g.index, "best_fp8" if col == "goodput_req_s" else "best_fp8_tpot"] = best["mode"]
             if best[col] > 0:
                 df.loc[g.index, ratio] = pd.to_numeric(g[col]) / float(best[col])
     df["_fp8"] = ~df["mode"].isin(sweep.FP8_MODES)
@@ -585,9 +588,9 @@ def _missing(v) -> bool:
     return v is None or (isinstance(v, float) and v != v)   # a table cell never filled: None or NaN
 
 
-def _of(row) -> str:
-    """``"22 of 24"``: a table row's requests within the SLOs of all it sent."""
-    return f"{int(row['good_requests'])} of {int(row['completed'] + row['failed'])}"
+def _of(row, col: str = "good_requests") -> str:
+    """``"22 of 24"``: a table row's requests within the SLOs (``col``) of all it sent."""
+    return f"{int(row[col])} of {int(row['completed'] + row['failed'])}"
 
 
 def _slo_words(goodput: dict) -> str:
@@ -637,7 +640,10 @@ def readme_text(root: str | os.PathLike) -> str:
             vs = (f"{r['goodput_vs_best_fp8']:.2f}x the best of the fp8 backends run at this rate ({listed}; the best "
                   f"is {r['best_fp8']})")
             if not _missing(r["goodput_tpot_vs_best_fp8"]):
-                vs += f"; at the TPOT SLO alone, {r['goodput_tpot_vs_best_fp8']:.2f}x the best fp8's"
+                bt = same[same["mode"] == r["best_fp8_tpot"]].iloc[0]
+                vs += (f"; at the TPOT SLO alone, {r['goodput_tpot_vs_best_fp8']:.2f}x the best fp8's ("
+                       f"{_of(r, 'good_tpot_requests')} requests in a run of {r['duration_s']:.0f} s against "
+                       f"{bt['mode']}'s {_of(bt, 'good_tpot_requests')} in {bt['duration_s']:.0f} s)")
         parts.append(f"{rate}, the goodput of {name} (requests per second within SLO {_slo_words(w['goodput'])}) "
                      f"{good}, {vs}")
     body = "; ".join(parts) if parts else "no kvrepro mode was run in the newest workload"
