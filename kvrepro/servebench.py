@@ -67,7 +67,7 @@ def parse_rate(text) -> float:
     except (TypeError, ValueError):
         v = float("nan")
     if math.isinf(v) and str(text).strip().lower() not in ("inf", "+inf"):
-        v = float("nan")                 # 1e400: a typo, not "all at once"
+        raise ValueError(f"request_rates: {text!r} overflows a float to infinity; write 'inf' for every request at once")
     if not (v > 0):
         raise ValueError(f"request_rates: each must be a number of requests per second > 0 or 'inf', got {text!r}")
     return v
@@ -78,10 +78,11 @@ def parse_goodput(items) -> dict[str, float]:
 
     Raises:
         ValueError: an item not ``name:value``, a name outside ``GOODPUT_NAMES`` or given twice, a negative value.
+            Items may also be comma-separated within one string (``"tpot:50,ttft:30000"``).
     """
     out = {}
-    for item in items:
-        name, _, val = str(item).partition(":")
+    for item in [x for it in items for x in str(it).split(",") if x.strip()]:   # "tpot:50 ttft:30000" or commas
+        name, _, val = item.strip().partition(":")
         try:
             v = float(val)
         except ValueError:
@@ -107,7 +108,7 @@ def check_config(cfg: dict) -> dict:
             num_prompts, output_len, max_num_seqs integers >= 1; 1 <= input_min <= input_max integers; request_rates
             non-empty, each once (:func:`parse_rate`); goodput (:func:`parse_goodput`); gpu_memory_gb finite > 0;
             block_size in
-            (16, 32, 64); seed an integer.
+            (16, 32, 64); seed an integer >= 0.
     """
     unknown = sorted(set(cfg) - set(DEFAULTS) - {"modes"})
     if unknown:
@@ -129,8 +130,8 @@ def check_config(cfg: dict) -> dict:
         raise ValueError(f"gpu_memory_gb must be a number of GiB > 0, got {g!r}")
     if c["block_size"] not in (16, 32, 64):
         raise ValueError(f"block_size must be one of (16, 32, 64), got {c['block_size']!r}")
-    if not _is_int(c["seed"]):
-        raise ValueError(f"seed must be an integer, got {c['seed']!r}")
+    if not _is_int(c["seed"]) or c["seed"] < 0:       # numpy's default_rng draws the prompts: seeds >= 0
+        raise ValueError(f"seed must be an integer >= 0, got {c['seed']!r}")
     rates = (comma_list(c["request_rates"], "request_rates") if isinstance(c["request_rates"], str)
              else list(c["request_rates"]))
     if not rates:
@@ -359,7 +360,8 @@ def read_doc(path, empty_runs: bool = False) -> dict:
     accepts an empty ``runs`` list.
 
     Raises:
-        ValueError: naming the file: not JSON; no ``runs`` list (or an empty one); a run that is not a dict or lacks
+        ValueError: naming the file: not JSON; no ``runs`` list (or an empty one) or no ``workload`` object; a run
+            that is not a dict or lacks
             one of ``RUN_KEYS``, or whose ``summary`` lacks one of ``SUMMARY_KEYS`` or whose ``workload`` is not a
             dict (naming the run and the keys).
     """
@@ -370,6 +372,8 @@ def read_doc(path, empty_runs: bool = False) -> dict:
         raise ValueError(f"{p}: not a serve-bench result (not JSON: {e})") from None
     if not isinstance(data, dict) or not isinstance(data.get("runs"), list) or not (data["runs"] or empty_runs):
         raise ValueError(f"{p}: not a serve-bench result (no 'runs' list, or an empty one)")
+    if not isinstance(data.get("workload"), dict):
+        raise ValueError(f"{p}: not a serve-bench result (no 'workload' object)")
     for i, r in enumerate(data["runs"]):
         if not isinstance(r, dict):
             raise ValueError(f"{p}: run {i} is not an object")
@@ -388,8 +392,9 @@ def read_results(paths) -> list[dict]:
     """The runs of serve-bench result files (``scripts/serve_bench.py``'s JSON: ``{"runs": [...], ...}``), each run
     with ``source_file`` added, ``stalls`` (:func:`stall_split` of its vLLM result file, :func:`side_dirs`; None where
     that file is not there), ``goodput_tpot_alone`` (req/s, :func:`slo_goodput` of that file at the workload's TPOT
-    SLO alone, where the run had a TPOT SLO and others; else None) and ``kvrepro_settings`` (:func:`logged_settings` of
-    its :func:`server_log`).
+    SLO alone, where the run had a TPOT SLO and others; else None), ``kvrepro_settings`` (:func:`logged_settings` of
+    its :func:`server_log`) and ``attention_backend_used`` (the run's own record, else :func:`logged_backend` of that
+    log; None where neither is there).
 
     Raises:
         ValueError: a file that is not JSON or has no ``runs`` list or an empty one (naming it).
@@ -403,9 +408,10 @@ def read_results(paths) -> list[dict]:
             slos = (r.get("workload") or {}).get("goodput") or {}
             tpot_alone = (slo_goodput(detail, {"tpot": slos["tpot"]})["req_s"]
                           if detail is not None and "tpot" in slos and len(slos) > 1 else None)
+            log = server_log(p, str(r.get("mode", "")))
             runs.append(dict(r, source_file=str(p), stalls=stall_split(detail) if detail is not None else None,
-                             goodput_tpot_alone=tpot_alone,
-                             kvrepro_settings=logged_settings(server_log(p, str(r.get("mode", ""))))))
+                             goodput_tpot_alone=tpot_alone, kvrepro_settings=logged_settings(log),
+                             attention_backend_used=r.get("attention_backend_used") or logged_backend(log)))
     return runs
 
 
@@ -454,7 +460,8 @@ def serve_table(runs: list[dict]):
     """The serving table: one row per (mode, request rate), fp8 modes first, then by mode and rate.
 
     Columns: mode, key_offset (a kvrepro server's, from its logged settings: :func:`logged_settings`; else None),
-    backend (what the server was asked for; vLLM's choice = ``vllm-auto``), request_rate (req/s asked;
+    backend (the run's ``attention_backend_used``, with "(vLLM's choice)" where the server was not asked for one;
+    without it, what the server was asked for, ``vllm-auto`` for vLLM's choice), request_rate (req/s asked;
     inf = all at once), req_s, out_tok_s, ttft_p50_ms, ttft_p99_ms, tpot_p50_ms, tpot_p99_ms, preemptions, kv_peak and
     waiting_peak (the highest KV-cache use, a fraction, and the most requests waiting, of the server's ``/metrics``
     samples every 2 s, which start at 0; None in a run recorded without them), goodput_req_s
@@ -466,7 +473,7 @@ def serve_table(runs: list[dict]):
     also ran prefill; None without the run's vLLM result file), completed, failed, good_requests (the requests that
     met every SLO: vLLM's goodput x the run's duration, rounded; None without a goodput), good_tpot_requests and
     best_fp8_tpot (the same count at the TPOT SLO alone, and the fp8 mode with the highest such goodput at the rate),
-    duration_s (the run's, s), kv_tokens, slo.
+    duration_s (the run's, s), kv_tokens, slo (in words), workload_goodput (the SLOs, ``{name: ms}``).
 
     Raises:
         ValueError: runs of different workloads (:func:`check_same_workload`) or no runs.
@@ -480,8 +487,9 @@ def serve_table(runs: list[dict]):
     for r in runs:
         s = r["summary"]
         offset = (r.get("kvrepro_settings") or {}).get("key_offset")
+        asked, used = r.get("attention_backend") or "vllm-auto", r.get("attention_backend_used")
         rows.append({"mode": r["mode"], "key_offset": offset,
-                     "backend": r.get("attention_backend") or "vllm-auto",
+                     "backend": asked if not used else (f"{used} (vLLM's choice)" if asked == "vllm-auto" else used),
                      "request_rate": parse_rate(r["request_rate"]), "req_s": s["request_throughput"],
                      "out_tok_s": s["output_throughput"], "ttft_p50_ms": s.get("p50_ttft_ms"),
                      "ttft_p99_ms": s.get("p99_ttft_ms"), "tpot_p50_ms": s.get("p50_tpot_ms"),
@@ -498,7 +506,8 @@ def serve_table(runs: list[dict]):
                      "good_tpot_requests": (None if _missing(r.get("goodput_tpot_alone")) else
                                             round(r["goodput_tpot_alone"] * s["duration_s"])),
                      "best_fp8_tpot": None, "duration_s": s["duration_s"], "kv_tokens": r.get("kv_tokens"),
-                     "slo": ", ".join(f"{k} <= {v:g} ms" for k, v in r["workload"]["goodput"].items())})
+                     "slo": ", ".join(f"{k} <= {v:g} ms" for k, v in r["workload"]["goodput"].items()),
+                     "workload_goodput": r["workload"]["goodput"]})
     df = pd.DataFrame(rows)
     for rate, g in df.groupby("request_rate"):
         for col, ratio in (("goodput_req_s", "goodput_vs_best_fp8"), ("goodput_tpot_req_s", "goodput_tpot_vs_best_fp8")):
@@ -519,7 +528,7 @@ def table_markdown(df) -> str:
     tpot_alone = "goodput_tpot_req_s" in df and df["goodput_tpot_req_s"].notna().any()
     head = ["mode", "backend", "rate (req/s)", "req/s", "output tok/s", "TTFT p50 (ms)", "TTFT p99 (ms)",
             "TPOT p50 (ms)", "TPOT p99 (ms)", "decode step p50 (ms)", "time in prefill steps", "preemptions",
-            "peak KV cache use", "peak waiting", "goodput (req/s)", "goodput vs best fp8"]
+            "peak KV cache use", "peak waiting", "goodput (req/s)", "goodput vs best fp8", "within SLOs (requests)"]
     if tpot_alone:
         head += ["goodput, TPOT SLO alone (req/s)", "vs best fp8, TPOT SLO alone"]
     lines = ["| " + " | ".join(head) + " |", "| --- | --- | " + " | ".join(["---:"] * (len(head) - 2)) + " |"]
@@ -533,11 +542,36 @@ def table_markdown(df) -> str:
             formatted(r.get("stalled_share"), "{:.0f}%", 100),
             formatted(r["preemptions"], "{:.0f}"), formatted(r.get("kv_peak"), "{:.0f}%", 100),
             formatted(r.get("waiting_peak"), "{:.0f}"), formatted(r["goodput_req_s"], "{:.3f}"),
-            formatted(r["goodput_vs_best_fp8"], "{:.2f}x")]
+            formatted(r["goodput_vs_best_fp8"], "{:.2f}x"),
+            "" if _missing(r.get("good_requests")) else _of(r)]
         if tpot_alone:
             cells += [formatted(r["goodput_tpot_req_s"], "{:.3f}"), formatted(r["goodput_tpot_vs_best_fp8"], "{:.2f}x")]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+# The workload fields that the settings alone decide (the others, e.g. gpu and vllm_version, come from the machine).
+CONFIG_WORKLOAD_FIELDS = ("num_prompts", "input_min", "input_max", "output_len", "goodput", "gpu_memory_gb",
+                          "max_num_seqs", "block_size", "seed")
+
+
+def config_workload(cfg: dict) -> dict:
+    """The ``CONFIG_WORKLOAD_FIELDS`` of checked settings (:func:`check_config`), as a results file records them."""
+    return {k: cfg[k] for k in CONFIG_WORKLOAD_FIELDS}
+
+
+def check_appendable(doc: dict, cfg: dict) -> None:
+    """Refuse, before any GPU work, to add runs of settings ``cfg`` (:func:`check_config`) to a results document whose
+    workload differs in a field the settings decide (:func:`merge_runs` would refuse it after the first server).
+
+    Raises:
+        ValueError: naming the fields, the file's values and the settings' values."""
+    want = json.loads(json.dumps(config_workload(cfg)))
+    have = doc.get("workload") or {}
+    diff = [k for k in CONFIG_WORKLOAD_FIELDS if have.get(k) != want[k]]
+    if diff:
+        raise ValueError("it holds another workload: " + "; ".join(f"{k} {have.get(k)!r} there, {want[k]!r} asked"
+                                                                    for k in diff) + "; use another --out")
 
 
 def merge_runs(existing: dict | None, new_runs: list[dict], workload: dict) -> dict:
@@ -593,6 +627,37 @@ def _of(row, col: str = "good_requests") -> str:
     return f"{int(row[col])} of {int(row['completed'] + row['failed'])}"
 
 
+def _ratio_words(df) -> str:
+    """Each kvrepro row of a :func:`serve_table` in a few words: its rate, SLOs and goodput ratios against the best
+    fp8 (``"kvrepro:k4v4 at 0.12 requests/s, 1.56x the best fp8's goodput within SLO TTFT <= 30 s and TPOT <= 50 ms,
+    1.32x at the TPOT SLO alone"``)."""
+    words = []
+    for _, r in df[~df["mode"].isin(sweep.FP8_MODES)].iterrows():
+        rate = "with every request at once" if r["request_rate"] == float("inf") else \
+            f"at {r['request_rate']:g} requests/s"
+        ratio = "no ratio" if _missing(r["goodput_vs_best_fp8"]) else f"{r['goodput_vs_best_fp8']:.2f}x"
+        alone = "" if _missing(r["goodput_tpot_vs_best_fp8"]) else \
+            f", {r['goodput_tpot_vs_best_fp8']:.2f}x at the TPOT SLO alone"
+        words.append(f"{r['mode']} {rate}, {ratio} the best fp8's goodput within SLO "
+                     f"{_slo_words(r['workload_goodput'])}{alone}")
+    return ", ".join(words) or "no kvrepro mode"
+
+
+def _command(w: dict, df) -> str:
+    """The ``scripts/h200_perf.sh serve`` command line of a workload (its modes, rates and every setting that is not
+    ``DEFAULTS``')."""
+    rates = ",".join("inf" if r == float("inf") else f"{r:g}" for r in sorted(df["request_rate"].unique()))
+    argv = ["bash scripts/h200_perf.sh serve", ",".join(dict.fromkeys(df["mode"]))]
+    for k in CONFIG_WORKLOAD_FIELDS:
+        if k in ("block_size", "goodput") or w.get(k) == DEFAULTS[k]:
+            continue
+        argv.append(f"--{k.replace('_', '-')} {w[k]:g}" if isinstance(w[k], float) else f"--{k.replace('_', '-')} {w[k]}")
+    argv.append(f"--request-rates {rates}")
+    if w["goodput"] != parse_goodput(DEFAULTS["goodput"]):
+        argv.append("--goodput " + " ".join(f"{k}:{v:g}" for k, v in w["goodput"].items()))
+    return " ".join(argv)
+
+
 def _slo_words(goodput: dict) -> str:
     return " and ".join(f"{k.upper()} <= " + (f"{v / 1e3:g} s" if v >= 1e3 else f"{v:g} ms")
                         for k, v in goodput.items())
@@ -637,18 +702,27 @@ def readme_text(root: str | os.PathLike) -> str:
             vs = f"no ratio: every fp8 mode's goodput was 0 ({listed})" if not _missing(r["goodput_req_s"]) else \
                 f"fp8: {listed}"
         else:
-            vs = (f"{r['goodput_vs_best_fp8']:.2f}x the best of the fp8 backends run at this rate ({listed}; the best "
-                  f"is {r['best_fp8']})")
+            vs = (f"{r['goodput_vs_best_fp8']:.2f}x fp8's, the one fp8 backend run at this rate ({listed})"
+                  if len(same) == 1 else f"{r['goodput_vs_best_fp8']:.2f}x the best of the fp8 backends run at this "
+                  f"rate ({listed}; the best is {r['best_fp8']})")
             if not _missing(r["goodput_tpot_vs_best_fp8"]):
                 bt = same[same["mode"] == r["best_fp8_tpot"]].iloc[0]
-                vs += (f"; at the TPOT SLO alone, {r['goodput_tpot_vs_best_fp8']:.2f}x the best fp8's ("
+                vs += (f"; at the TPOT SLO alone, {r['goodput_tpot_vs_best_fp8']:.2f}x "
+                       f"{'fp8' if len(same) == 1 else 'the best fp8'}'s ("
                        f"{_of(r, 'good_tpot_requests')} requests in a run of {r['duration_s']:.0f} s against "
                        f"{bt['mode']}'s {_of(bt, 'good_tpot_requests')} in {bt['duration_s']:.0f} s)")
         parts.append(f"{rate}, the goodput of {name} (requests per second within SLO {_slo_words(w['goodput'])}) "
                      f"{good}, {vs}")
     body = "; ".join(parts) if parts else "no kvrepro mode was run in the newest workload"
+    ran = set(df["mode"]) | {f"fp8:{b.lower()}" for b in df["backend"].str.split(" ").str[0]}
+    missing = [m for m in sweep.FP8_MODES if ":" in m and m not in ran]
+    body += f". Not run at this workload: {', '.join(missing)}" if missing else ""
+    others = [f"{og['runs'][0]['workload']['output_len']:,} output tokens: {_ratio_words(serve_table(og['runs']))}"
+              for og in groups[1:]]
+    other = f" The other committed workloads: {'; '.join(others)}." if others else ""
     return (f"**Under serving load**: {body}. One run per mode: a few requests either side of an SLO move these "
-            f"ratios by several percent. Workload: {how}. Every mode's throughput, TTFT, TPOT and preemptions, "
+            f"ratios by several percent.{other} Workload: {how}; to run it: `{_command(w, df)}`. Every mode's "
+            f"throughput, TTFT, TPOT and preemptions, "
             f"and the other workloads: notebook "
             f"02, \"Under serving load\"; what they mean: [notes/vllm.md](notes/vllm.md#inside-a-decode-step-and-under-"
             f"serving-load-issue-23).")
@@ -674,7 +748,7 @@ def section_markdown(root: str | os.PathLike) -> str:
         files = ", ".join(f"`{p.relative_to(root)}`" for p in g["paths"])
         total = f" ({w['prompt_tokens_total']:,} in all)" if "prompt_tokens_total" in w else ""
         slo = _slo_words(w["goodput"])
-        parts.append(f"**{w['num_prompts']} requests of {w['output_len']:,} output tokens, SLO {slo}.** Replayed "
+        parts.append(f"#### {w['num_prompts']} requests of {w['output_len']:,} output tokens, SLO {slo}\n\nReplayed "
                      f"from {files}: prompts of {w['input_min']:,}-{w['input_max']:,} tokens{total}, "
                      f"{w['gpu_memory_gb']:g} GiB emulated, {w['model']} (dummy weights), vLLM {w['vllm_version']}, "
                      f"{w['gpu']}.\n\n" + table_markdown(serve_table(g["runs"])))

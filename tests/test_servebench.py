@@ -196,6 +196,13 @@ def test_usage_only_tokenizer_is_truthy_and_never_tokenizes():
     (["--out", "kvrepro/ops/cuda/decode.json"],
      "exists: kvrepro/ops/cuda/decode.json: not a serve-bench result (no 'runs' list"),
     (["--out", "pyproject.toml"], "not a serve-bench result"),
+    (["--seed", "-1"], "--seed must be an integer >= 0, got -1"),
+    (["--input-max", "1000000000"], "--input-max (1000000000) + --output-len (1024) + 64 must be <= the bundled "
+                                    "model's max_position_embeddings (262144)"),
+    (["--request-rates", "1e400"], "'1e400' overflows a float to infinity; write 'inf'"),
+    (["--modes", "seed"], "--modes: ['seed']; allowed:"), (["--request-rates", "seed"], "got 'seed'"),
+    (["--out", "results/serve/nvidia-h200_20261203.json"], "exists: it holds another workload: --num-prompts 24 there, "
+                                                          "32 asked; --output-len 2048 there, 1024 asked"),
     (["--request-rates", "0.5,0.5"], "names a rate more than once"), (["--gpu-memory-gb", "inf"], "--gpu-memory-gb must"),
 ])
 def test_script_refuses_bad_arguments_naming_them(args, msg):
@@ -211,7 +218,7 @@ def test_help_shows_every_default():
     for flag, value in (("--num-prompts", sb.DEFAULTS["num_prompts"]), ("--output-len", sb.DEFAULTS["output_len"]),
                         ("--input-max", sb.DEFAULTS["input_max"]), ("--max-num-seqs", sb.DEFAULTS["max_num_seqs"])):
         assert f"{flag} {flag[2:].upper().replace('-', '_')}" in text and f"(default: {value})" in text
-    assert r.returncode == 0 and text.count("(default:") == 11
+    assert r.returncode == 0 and text.count("(default:") == 11 and "(default: tpot:50)" in text
 
 
 @pytest.mark.gpu
@@ -271,6 +278,8 @@ def add_cli_args(p):
     for flag in ("--ignore-eos", "--disable-tqdm", "--save-result", "--save-detailed"):
         p.add_argument(flag, action="store_true")
 def main(args):
+    if os.environ.get("FAKE_FAIL_RATE") == args.request_rate:
+        raise RuntimeError("the client failed at this rate")
     tok = get_tokenizer(args.model)
     assert tok
     reqs = get_samples(args, tok)
@@ -286,10 +295,10 @@ def main(args):
 '''
 
 
-def test_serve_bench_drives_servers_and_client(tmp_path, monkeypatch, capsys):
-    """scripts/serve_bench.py's main on the CPU against stand-ins for `vllm serve` (an HTTP server answering /health
-    and /metrics, started as the script starts vLLM's CLI) and vLLM's bench client module (same entry points): one
-    server per mode with its KV settings, one client run per rate with the token-id prompts, the file and the table."""
+def _drive_fake(tmp_path, monkeypatch, extra=()) -> dict:
+    """scripts/serve_bench.py's main against the stand-ins for `vllm serve` and vLLM's client (FAKE_SERVER,
+    FAKE_CLIENT): fp8 on FA3 and kvrepro k4v4, 3 prompts of 20-40 tokens, 8 output tokens, ``extra`` arguments last.
+    Returns rc, the module and the results document (None where no file was written)."""
     fake = tmp_path / "fake"
     for pkg in ("vllm", "vllm/entrypoints", "vllm/entrypoints/cli", "vllm/benchmarks"):
         (fake / pkg).mkdir(parents=True)
@@ -310,8 +319,18 @@ def test_serve_bench_drives_servers_and_client(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(sbs, "total_memory_bytes", lambda: 143771 * 2**20)
     out = tmp_path / "serve.json"
     argv = ["--modes", "fp8:flash_attn,kvrepro:k4v4", "--num-prompts", "3", "--input-min", "20", "--input-max", "40",
-            "--output-len", "8", "--request-rates", "0.5,inf", "--out", str(out)]
-    assert sbs.main(argv) == 0
+            "--output-len", "8", "--request-rates", "0.5,inf", "--out", str(out), *extra]
+    rc = sbs.main(argv)
+    return {"rc": rc, "module": sbs, "doc": json.loads(out.read_text()) if out.exists() else None}
+
+
+def test_serve_bench_drives_servers_and_client(tmp_path, monkeypatch, capsys):
+    """scripts/serve_bench.py's main on the CPU against stand-ins for `vllm serve` (an HTTP server answering /health
+    and /metrics, started as the script starts vLLM's CLI) and vLLM's bench client module (same entry points): one
+    server per mode with its KV settings, one client run per rate with the token-id prompts, the file and the table."""
+    got = _drive_fake(tmp_path, monkeypatch)
+    assert got["rc"] == 0
+    out = tmp_path / "serve.json"
     servers = [json.loads(x) for x in (tmp_path / "servers.jsonl").read_text().splitlines()]
     assert [s["preset"] for s in servers] == [None, "k4v4"]
     fa = servers[0]["argv"]
@@ -352,7 +371,7 @@ def test_notebook_section_replays_the_committed_files_or_says_none(tmp_path):
     (d / "nvidia-h200_20261202_logs" / "serve_kvrepro_k4v4.log").write_text(
         "INFO [config.py:73] kvrepro settings: preset=k4v4 prefill=fa key_offset=rope-mean warmup=1\n")
     md = sb.section_markdown(tmp_path)
-    assert ("**32 requests of 512 output tokens, SLO TPOT <= 50 ms.** Replayed from "
+    assert ("#### 32 requests of 512 output tokens, SLO TPOT <= 50 ms\n\nReplayed from "
             "`results/serve/nvidia-h200_20261202.json`: prompts of 8,192-131,072 tokens, 80 GiB emulated") in md
     # gaps 20, 20, 200, 20, 100 ms: median 20, the two > 40 ms hold 300 of 360 ms
     assert ("| kvrepro:k4v4 (rope-mean) | CUSTOM | 0.25 | 0.240 | 120.0 | 900.0 | 9000.0 | 22.5 | 45.0 | 20.0 | 83% | "
@@ -372,10 +391,10 @@ def test_notebook_section_replays_the_committed_files_or_says_none(tmp_path):
         (d / "nvidia-h200_20261203_vllm" / name).write_text(json.dumps(
             {"duration": 10.0, "ttfts": ttfts, "itls": itls, "output_lens": [3, 3]}))
     md = sb.section_markdown(tmp_path)
-    assert md.index("**32 requests of 3 output tokens, SLO TTFT <= 2 s and TPOT <= 50 ms.**") < md.index(
-        "**32 requests of 512 output tokens")
-    assert "| kvrepro:k4v4 | CUSTOM | 0.12 |" in md and "| 0.100 | 2.00x | 0.200 | 2.00x |" in md      # 2 / 10 s, 1 / 10 s
-    assert "| fp8 | vllm-auto | 0.12 |" in md and "| 0.050 | 1.00x | 0.100 | 1.00x |" in md
+    assert md.index("#### 32 requests of 3 output tokens, SLO TTFT <= 2 s and TPOT <= 50 ms\n") < md.index(
+        "#### 32 requests of 512 output tokens")
+    assert "| kvrepro:k4v4 | CUSTOM | 0.12 |" in md and "| 0.100 | 2.00x | 32 of 32 | 0.200 | 2.00x |" in md   # 2 / 10 s, 1 / 10 s
+    assert "| fp8 | vllm-auto | 0.12 |" in md and "| 0.050 | 1.00x | 16 of 32 | 0.100 | 1.00x |" in md
     bad = dict(runs[1], workload={"num_prompts": 32})
     (d / "nvidia-h200_20261202.json").write_text(json.dumps({"workload": {}, "runs": [bad]}))
     with pytest.raises(ValueError, match="the workload lacks"):
@@ -473,8 +492,9 @@ def test_readme_text_of_the_committed_run_against_its_raw_figures():
             ratio = r["summary"]["request_goodput"] / best["summary"]["request_goodput"]
             listed = "; ".join(f"{f['mode']} {f['summary']['request_goodput']:.3f} req/s, {count(f)}"
                                for f in sorted(fp8, key=lambda f: f["mode"]))
-            assert f"is {r['summary']['request_goodput']:.3f} req/s ({count(r)} requests), {ratio:.2f}x the best of " \
-                   f"the fp8 backends run at this rate ({listed}; the best is {best['mode']})" in text
+            vs = f"{ratio:.2f}x fp8's, the one fp8 backend run at this rate ({listed})" if len(fp8) == 1 else \
+                f"{ratio:.2f}x the best of the fp8 backends run at this rate ({listed}; the best is {best['mode']})"
+            assert f"is {r['summary']['request_goodput']:.3f} req/s ({count(r)} requests), {vs}" in text
             if len(slo) > 1:
                 p = next(p for p, d in zip(paths, docs) if r in d["runs"])
                 path_of = {id(f): next(q for q, d in zip(paths, docs) if f in d["runs"]) for f in fp8}
@@ -486,7 +506,8 @@ def test_readme_text_of_the_committed_run_against_its_raw_figures():
                     return f"{good(q, run, {'tpot': slo['tpot']})[0]} of {len(v['ttfts'])}", v["duration"]
 
                 (kc, kd), (fc, fd) = tpot_count(p, r), tpot_count(path_of[id(bt)], bt)
-                assert f"at the TPOT SLO alone, {t:.2f}x the best fp8's ({kc} requests in a run of {kd:.0f} s " \
+                assert f"at the TPOT SLO alone, {t:.2f}x {'fp8' if len(fp8) == 1 else 'the best fp8'}'s ({kc} " \
+                       f"requests in a run of {kd:.0f} s " \
                        f"against {bt['mode']}'s {fc} in {fd:.0f} s)" in text
     assert text.startswith("**Under serving load**: at ") and \
         f"Workload: `vllm serve` + `vllm bench serve` on one {runs[0]['workload']['gpu']}" in text
@@ -563,6 +584,56 @@ def test_read_doc_names_the_file_and_run_missing_a_key(tmp_path, drop, lacks):
     for read in (sb.read_doc, lambda q: sb.read_results([q])):
         with pytest.raises(ValueError, match=msg):
             read(p)
-    p.write_text(json.dumps({"runs": [runs[0], "x"]}))
+    p.write_text(json.dumps({"workload": {}, "runs": [runs[0], "x"]}))
     with pytest.raises(ValueError, match="run 1 is not an object"):
         sb.read_doc(p)
+    p.write_text(json.dumps({"runs": []}))      # an empty file must still say its workload, or nothing can join it
+    with pytest.raises(ValueError, match="no 'workload' object"):
+        sb.read_doc(p, empty_runs=True)
+
+
+def test_serve_bench_keeps_the_rates_measured_before_a_failure(tmp_path, monkeypatch):
+    """A mode whose second rate fails: the file keeps its first rate, the next mode still runs, exit 1."""
+    monkeypatch.setenv("FAKE_FAIL_RATE", "inf")
+    out = _drive_fake(tmp_path, monkeypatch, ["--request-rates", "0.5,inf"])
+    assert out["rc"] == 1
+    assert [(r["mode"], r["request_rate"]) for r in out["doc"]["runs"]] == [("fp8:flash_attn", "0.5"),
+                                                                           ("kvrepro:k4v4", "0.5")]
+
+
+def test_goodput_items_by_spaces_or_commas_and_the_appendable_check():
+    assert sb.parse_goodput(["tpot:50,ttft:30000"]) == sb.parse_goodput(["tpot:50", "ttft:30000"]) == \
+        {"tpot": 50.0, "ttft": 30000.0}
+    cfg = sb.check_config({"num_prompts": 24, "output_len": 4096, "goodput": ["ttft:30000", "tpot:50"]})
+    doc = {"workload": dict(sb.config_workload(cfg), gpu="NVIDIA H200"), "runs": []}
+    sb.check_appendable(json.loads(json.dumps(doc)), cfg)          # the same settings: accepted
+    with pytest.raises(ValueError, match=r"^it holds another workload: seed 0 there, 1 asked; use another --out$"):
+        sb.check_appendable(doc, dict(cfg, seed=1))
+    with pytest.raises(ValueError, match="num_prompts None there, 24 asked"):
+        sb.check_appendable({"workload": {}}, cfg)
+
+
+def test_readme_command_and_other_workloads_from_the_committed_files():
+    """The README block's command, parsed by serve_bench's own parser and checks, gives the newest workload's
+    settings and modes; each older workload's kvrepro ratio is recomputed from its file's raw summaries."""
+    import re
+
+    groups = sb.workload_groups(ROOT)
+    text = sb.readme_text(ROOT)
+    modes, rest = re.search(r"to run it: `bash scripts/h200_perf.sh serve (\S+) ([^`]*)`", text).groups()
+    sbs = scripts_module.load("serve_bench")
+    cfg = sbs.config_of(sbs.build_parser().parse_args(["--modes", modes, *rest.split()]))
+    w = groups[0]["runs"][0]["workload"]
+    assert json.loads(json.dumps(sb.config_workload(cfg))) == {k: w[k] for k in sb.CONFIG_WORKLOAD_FIELDS}
+    assert set(cfg["modes"]) == {r["mode"] for r in groups[0]["runs"]}
+    assert {f"{x:g}" if x != math.inf else "inf" for x in cfg["request_rates"]} == \
+        {r["request_rate"] for r in groups[0]["runs"]}
+    assert len(groups) > 1 and "The other committed workloads: " in text
+    for g in groups[1:]:
+        for r in g["runs"]:
+            if r["mode"].startswith("kvrepro:"):
+                best = max(f["summary"]["request_goodput"] for f in g["runs"]
+                           if f["mode"].startswith("fp8") and f["request_rate"] == r["request_rate"])
+                ratio = r["summary"]["request_goodput"] / best
+                assert f"{g['runs'][0]['workload']['output_len']:,} output tokens: {r['mode']} " in text
+                assert f", {ratio:.2f}x the best fp8's goodput within SLO" in text
