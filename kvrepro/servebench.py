@@ -719,13 +719,13 @@ def readme_text(root: str | os.PathLike) -> str:
     body += f". Not run at this workload: {', '.join(missing)}" if missing else ""
     others = [f"{og['runs'][0]['workload']['output_len']:,} output tokens: {_ratio_words(serve_table(og['runs']))}"
               for og in groups[1:]]
-    other = f" The other committed workloads: {'; '.join(others)}." if others else ""
-    return (f"**Under serving load**: {body}. One run per mode: a few requests either side of an SLO move these "
-            f"ratios by several percent.{other} Workload: {how}; to run it: `{_command(w, df)}`. Every mode's "
-            f"throughput, TTFT, TPOT and preemptions, "
-            f"and the other workloads: notebook "
-            f"02, \"Under serving load\"; what they mean: [notes/vllm.md](notes/vllm.md#inside-a-decode-step-and-under-"
-            f"serving-load-issue-23).")
+    other = f"\n- The other committed workloads: {'; '.join(others)}." if others else ""
+    return (f"**Under serving load**: {body}.\n\n"
+            f"- One run per mode: a few requests either side of an SLO move these ratios by several percent.{other}\n"
+            f"- Workload: {how}; to run it: `{_command(w, df)}`.\n"
+            f"- Every mode's throughput, TTFT, TPOT and preemptions, and the other workloads: notebook 02, \"Under "
+            f"serving load\"; what they mean: [notes/vllm.md](notes/vllm.md#inside-a-decode-step-and-under-serving-load-"
+            f"issue-23).")
 
 
 def section_markdown(root: str | os.PathLike) -> str:
