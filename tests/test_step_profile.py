@@ -233,16 +233,16 @@ def test_profile_table_and_section_against_hand_figures(tmp_path):
     assert t.iloc[0]["of_bound"] == pytest.approx(1 / 3) and t.iloc[0]["backend"] == "FLASH_ATTN"
     assert t.isna().iloc[2][["attention_ms", "attention_bw", "of_bound"]].all() and t.iloc[2]["step_ms"] == 2.0
     md = profile.section_markdown(tmp_path)
-    assert "| fp8 (FLASH_ATTN) |  | 6 | 9.00 | 667 | 0.50 | 50% | 4.00 | 50% | 0.25 | 0.10 | 3.00 | 33.3% | [1] |" in md
-    assert "| kvrepro:k4v4 | rope-mean | 13 | 4.50 | 2889 | 0.50 | 50% | 4.00 | 50% | 0.25 | 0.10 | 2.25 | 50.0% | [2] |" \
+    assert "| fp8 (FLASH_ATTN) |  | 6 | 9.00 | 667 | 0.50 | 50% | 4.00 | 50% | 0.25 | 0.10 | 3.00 | 33.3% | 70.6% | [1] |" in md
+    assert "| kvrepro:k4v4 | rope-mean | 13 | 4.50 | 2889 | 0.50 | 50% | 4.00 | 50% | 0.25 | 0.10 | 2.25 | 50.0% | 52.9% | [2] |" \
         in md
-    assert "| kvrepro:k4v4 | rope-mean | 3 | 2.00 | 1500 |  |  |  |  |  |  |  |  | [2] |" in md
+    assert "| kvrepro:k4v4 | rope-mean | 3 | 2.00 | 1500 |  |  |  |  |  |  |  |  |  | [2] |" in md
     assert "- [2] `results/profile/b.json` (2026-12-02 09:28 UTC)" in md
     # ceiling: 1e9 KV bytes at 4000 GB/s = 0.25 ms, + 4 ms of GEMMs; bound 2.25 ms (kvrepro), 3.0 ms (fp8)
     assert k["ceiling"] == pytest.approx(2.25 / 4.25) and t.iloc[0]["ceiling"] == pytest.approx(3.0 / 4.25)
-    assert ("(attention reading the KV at the copy bandwidth, no other kernel, no idle time; the bound over that step): "
-            "fp8 (FLASH_ATTN) at 6 users 70.6% [1]; kvrepro:k4v4 rope-mean at 13 users 52.9% [2]. So no kvrepro batch here "
-            "can reach issue 23's 95% of the bound by a faster attention alone: the rest of that gap is in the GEMMs") in md
+    assert ("the attention reading the KV at the copy bandwidth, no other kernel and no idle time. So no kvrepro batch "
+            "here can reach issue 23's 95% of the bound by a faster attention alone: the rest of that gap is in the GEMMs"
+            ) in md
     # an engine with FlashAttention's split cap set (step_profile --fa-max-splits) is named with it
     capped = json.loads((d / "a.json").read_text())
     (d / "a2.json").write_text(json.dumps(dict(capped, params={"fa_max_splits": 2})))
