@@ -308,8 +308,9 @@ def outputs_from_tiles(tc: np.ndarray, first_channel) -> np.ndarray:
     return out
 
 
-# --- key offset rope-mean (decode.cu rope_setup, rope_sincos, rope_add) -----------------------------------------------
+# --- key offset rope-mean (decode.cu rope_setup, rope_sincos, rope_angles, rope_add) -----------------------------------
 RPAIRS = 8
+ROPE_NEXT = 64                      # decode.cu: WARPS x BS positions between a warp's consecutive pages
 
 
 def _fma32(a, b, c):
@@ -389,14 +390,23 @@ def rope_scale_pow2(m: float) -> tuple[np.float32, np.float32]:
     return np.float32(2.0 ** (12 - e)), np.float32(2.0 ** (e - 12))
 
 
+def _turn(x, y, s, c) -> tuple[np.ndarray, np.ndarray]:
+    """The kernel's turn of (x, y) by an angle of sine ``s`` and cosine ``c`` in float32: ``(fma(x, c, y s),
+    fma(y, c, -(x s)))``, each product before the FMA rounded to float32 (``__fmul_rn``)."""
+    return (_fma32(x, c, (np.float32(1) * y * s).astype(np.float32)),
+            _fma32(y, c, -(np.float32(1) * x * s).astype(np.float32)))
+
+
 def rope_shared(terms: np.ndarray, freq: np.ndarray, rope_scale: float, b: int, kvh: int, group: int,
-                mufu_err: float = 0.0) -> tuple:
-    """What warp 0 puts in the kernel's ``rope_s`` (``rope_setup``), as ``(tab, ab, fr, inv)``: ``tab`` [2, 32, 4, 2]
+                mufu_err: float = 0.0, np_: int = 1) -> tuple:
+    """What warp 0 puts in the kernel's ``rope_s`` (``rope_setup``) for a kernel of ``np_`` pages per step, as
+    ``(tab, ab, fr, inv, ab_next)``: ``tab`` [2, 32, 4, 2]
     float16: (hi, lo) x lane (g, tq) x the m16n8k16 A fragments (cos of t theta at t = g, g + 8, then sin at g, g + 8)
     x pairs (2 tq, 2 tq + 1); ``ab`` [32, 4] float32: (A, B of pair 2 tq, A, B of pair 2 tq + 1) of head g times
     ``rope_scale`` in float32 (heads past ``group`` 0), times the CTA's power-of-two scale (``rope_scale_pow2``);
-    ``fr`` [32, 2] float32: the two pairs' frequencies; ``inv``: 1 / the scale. ``terms`` float32 [B, Hq, 2 RPAIRS]
-    (A then B), ``freq`` float32 [Hkv, RPAIRS]; ``mufu_err``: rope_sincos's."""
+    ``fr`` [32, 2] float32: the two pairs' frequencies; ``inv``: 1 / the scale; ``ab_next`` [32, 4]: ``ab`` turned by
+    ``ROPE_NEXT`` theta (``rope_sincos``; two-page kernels, None for ``np_`` 1). ``terms``
+    float32 [B, Hq, 2 RPAIRS] (A then B), ``freq`` float32 [Hkv, RPAIRS]; ``mufu_err``: rope_sincos's."""
     hq = terms.shape[1]
     rows = terms.reshape(-1, 2 * RPAIRS)
     tab = np.zeros((2, 32, 4, 2), np.float16)
@@ -414,18 +424,28 @@ def rope_shared(terms: np.ndarray, freq: np.ndarray, rope_scale: float, b: int, 
             s = np.float32(rope_scale)
             ab[lane] = (row[2 * tq] * s, row[RPAIRS + 2 * tq] * s, row[2 * tq + 1] * s, row[RPAIRS + 2 * tq + 1] * s)
     sc, inv = rope_scale_pow2(np.abs(ab).max())
-    return tab, (ab * sc).astype(np.float32), fr, inv
+    ab = (ab * sc).astype(np.float32)
+    ab_next = None
+    if np_ == 2:
+        sn, cs = rope_sincos(np.float32(ROPE_NEXT) * fr, 0.0, mufu_err)     # an exact product: a power of two
+        ab_next = np.empty_like(ab)
+        for j in range(2):
+            ab_next[:, 2 * j], ab_next[:, 2 * j + 1] = _turn(ab[:, 2 * j], ab[:, 2 * j + 1], sn[:, j], cs[:, j])
+    return tab, ab, fr, inv, ab_next
 
 
-def rope_add(pos0: int, shared: tuple, mufu_err: float = 0.0) -> np.ndarray:
+def rope_add(pos0: int, shared: tuple, mufu_err: float = 0.0, ang=None, second: bool = False) -> np.ndarray:
     """The kernel's ``rope_add`` for the page whose first token is at ``pos0``, from ``rope_shared``'s tuple: the
     correction's C fragments [32, 4] (rows g, g + 8 = tokens pos0 + g, + 8; heads 2 tq, 2 tq + 1), lane by lane: sin / cos
     of the exact angle ``pos0 x theta`` (``_sincos_of_product``), the coefficients turned by it in float32 (``A' =
     fma(A, cos, B sin)``, ``B' = fma(B, cos, -(A sin))``), their float16 hi / lo split and the m16n8k16 MMAs with the
     table in the kernel's order (table hi x coefficients lo, lo x hi, hi x hi), times 1 / the scale; ``mufu_err``:
-    rope_sincos's."""
-    tab, ab, fr, inv = shared
-    sn, cs = _sincos_of_product(np.full((32, 2), pos0, np.float32), fr, mufu_err)  # [lane, pair]
+    rope_sincos's. ``ang``: the angles (sin, cos) [32, 2] each to use instead of ``pos0``'s (``rope_pages``);
+    ``second``: the coefficients ``ab_next`` (the second page of a two-page step, at the first page's angles)."""
+    tab, ab, fr, inv = shared[:4]
+    if second:
+        ab = shared[4]
+    sn, cs = _sincos_of_product(np.full((32, 2), pos0, np.float32), fr, mufu_err) if ang is None else ang
     A, B = ab[:, 0::2], ab[:, 1::2]                                             # [lane, pair]
     turned = np.stack([_fma32(A, cs, (B * sn).astype(np.float32)), _fma32(B, cs, -(A * sn).astype(np.float32))], 1)
     hi, lo = f16_split(turned)                                                  # [lane, (A', B'), pair]
@@ -433,3 +453,17 @@ def rope_add(pos0: int, shared: tuple, mufu_err: float = 0.0) -> np.ndarray:
     c = mma_f16_k16(tab[1], hi, c)
     c = mma_f16_k16(tab[0], hi, c)
     return c * np.float64(inv)
+
+
+def rope_pages(start: int, steps: int, shared: tuple, np_: int, mufu_err: float = 0.0) -> list:
+    """The correction of the pages one warp reads in ``steps`` steps of a kernel of ``np_`` pages per step, as the
+    kernel takes their angles: the warp's pages start at ``start`` (a multiple of 16) and lie ``ROPE_NEXT`` positions
+    apart; each step's first page takes its exact angle (``rope_angles``), a two-page step's second page uses the
+    first's angles with ``ab_next``. Returns ``[(pos0, C fragments [32, 4])]`` in page order."""
+    out = []
+    for j in range(steps):
+        pos = start + j * np_ * ROPE_NEXT
+        ang = _sincos_of_product(np.full((32, 2), pos, np.float32), shared[2], mufu_err)
+        for k in range(np_):
+            out.append((pos + k * ROPE_NEXT, rope_add(pos + k * ROPE_NEXT, shared, ang=ang, second=k == 1)))
+    return out

@@ -990,6 +990,48 @@ def test_emulated_rope_correction_equals_float64_over_the_restored_keys(neox):
             assert not got[:, group:].any()
 
 
+@pytest.mark.parametrize("np_", [1, 2])
+def test_emulated_rope_correction_of_a_warps_pages_equals_float64(np_):
+    """A warp's pages as the *_rope kernels take their angles (decode.cu rope_angles / ROPE_NEXT): each step's first
+    page at its exact angle, a two-page step's second page at the first's angles with its coefficients turned by
+    ROPE_NEXT theta in rope_setup. Every page of 5 steps against float64 q . R(j) b_hat within the same bounds as one
+    page at its exact angle (1.5e-6 of the largest correction, 3e-6 with the hardware sine / cosine off by their
+    bound either way; 4e-6 then for a second page, whose turn by ROPE_NEXT theta adds that bound once more; 3.03e-6
+    seen), from position 0 up to 2^20; a second page that takes the unturned coefficients is off by > 1e-3 (the test
+    sees the turn)."""
+    gen = torch.Generator().manual_seed(3)
+    hq, hkv, d, batch = 32, 8, 128, 2
+    rm = _rope_mean_set(hkv, d, True, gen)
+    q = torch.randn(batch, hq, d, generator=gen)
+    a_, b_ = rm.score_terms(q)
+    terms = torch.cat([a_, b_], -1).contiguous().numpy()
+    freq = rm.inv_freq.numpy()
+    group = hq // hkv
+    steps = 5
+    span = steps * np_ * emu.ROPE_NEXT
+    for (b, kvh), mul, mufu in zip(((1, 3), (0, 7), (1, 0)) * 3, (1.0, 1e-9, 1e7) * 3, (0,) * 3 + (1,) * 3 + (-1,) * 3):
+        shared = emu.rope_shared(terms * np.float32(mul), freq, 1.0, b, kvh, group, mufu, np_=np_)
+        assert (shared[4] is None) == (np_ == 1)
+        for start in (0, 48, 65_520, 131_072 - span, 2 ** 20 - span):
+            pages = emu.rope_pages(start, steps, shared, np_, mufu)
+            assert [p for p, _ in pages] == [start + j * emu.ROPE_NEXT for j in range(steps * np_)]
+            for pos0, frag in pages:
+                got = emu.logits_from_fragments(frag)
+                off = rm.offset(torch.arange(pos0, pos0 + 16))[:, kvh].double()
+                want = (q[b, kvh * group:(kvh + 1) * group].double() @ off.T).T.numpy() * np.float32(mul)
+                big = np.abs(want).max()
+                bound = 1.5e-6 if not mufu else 4e-6 if (pos0 - start) % (2 * emu.ROPE_NEXT) and np_ == 2 else 3e-6
+                assert np.abs(got[:, :group] - want).max() / big < bound, (np_, b, kvh, pos0, mufu)
+                assert not got[:, group:].any()
+    if np_ == 2:
+        shared = emu.rope_shared(terms, freq, 1.0, 1, 3, group, np_=2)
+        unturned = shared[:4] + (shared[1],)
+        pos0, frag = emu.rope_pages(65_520, 1, unturned, 2)[1]
+        off = rm.offset(torch.arange(pos0, pos0 + 16))[:, 3].double()
+        want = (q[1, 3 * group:4 * group].double() @ off.T).T.numpy()
+        assert np.abs(emu.logits_from_fragments(frag)[:, :group] - want).max() / np.abs(want).max() > 1e-3
+
+
 def test_emulated_rope_correction_reads_each_row_of_terms():
     """Index check with one-hot coefficients: A_i = 1 for one (head, pair) gives cos(j theta_i) in that head's column
     only, B_i sin; at GQA groups 1..8 and the last KV head of the last sequence."""

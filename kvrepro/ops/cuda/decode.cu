@@ -95,9 +95,9 @@ template <int KB, int VB> struct PageFmt;
 #ifndef KVREPRO_STEP_K5V4
 #define KVREPRO_STEP_K5V4 1
 #endif
-// ROPE_STEP: STEP of the *_rope kernels: two pages per step for k4v4 and k4v2, as their kernels without the correction
-// (faster at batches 3-13 on the H200; their rope kernels spill up to 92 B there, rope_add), one for k5v4 (two
-// spilled 12 / 20 B on sm_90).
+// ROPE_STEP: STEP of the *_rope kernels: two pages per step for k4v4, k4v2 and k5v4 (the second page then takes no
+// sine or cosine, ROPE_NEXT; faster at batches 3-13 on the H200 although these kernels spill at the 128-register cap),
+// one for k8v4 as its kernel without the correction.
 #ifndef KVREPRO_ROPE_STEP_K4V4
 #define KVREPRO_ROPE_STEP_K4V4 2
 #endif
@@ -105,7 +105,7 @@ template <int KB, int VB> struct PageFmt;
 #define KVREPRO_ROPE_STEP_K4V2 2
 #endif
 #ifndef KVREPRO_ROPE_STEP_K5V4
-#define KVREPRO_ROPE_STEP_K5V4 1
+#define KVREPRO_ROPE_STEP_K5V4 2
 #endif
 template <> struct PageFmt<4, 4> : PageLayout<4, 4> {
   static constexpr int KSTAGES = KVREPRO_STAGES, STEP = KVREPRO_STEP_K4V4, ROPE_STEP = KVREPRO_ROPE_STEP_K4V4;
@@ -287,23 +287,38 @@ __device__ __forceinline__ void rope_sincos(float a, float lo, float& s, float& 
 // [64, 96): float4 (A, B of pair 2 tq, A, B of pair 2 tq + 1) x rope_scale x the CTA's power-of-two scale, head g
 //   (0 past the group);
 // [96, 112): float2 frequencies of pairs 2 tq, 2 tq + 1;
-// [112]: float 1 / the power-of-two scale (x).
+// [112]: float 1 / the power-of-two scale (x);
+// [113, 145), two-page kernels only: [64, 96) turned by ROPE_NEXT theta (as rope_add turns them), lane at + lane.
 // terms row of head h: rope_terms + (b Hq + kvh group + h) 2 RPAIRS (A_0..7, B_0..7).
 // Written by rope_setup (below the namespace), read by rope_add.
-constexpr int ROPE_SM_UINT4 = 113;
-// s[0..3] (tokens n0 + g, n0 + g + 8; heads 2 tq, 2 tq + 1) += c of those keys, n0 = pos0 the page's first position:
-// lane (g, tq) turns head g's coefficients of pairs 2 tq, 2 tq + 1 by n0 theta (the exact product, as rope_setup's
-// angles), splits them into float16 hi / lo and multiplies the table: the small products first, then the large one.
-// Both pairs in one m16n8k16: the two-page k4v4 / k4v2 rope kernels then spill up to 92 B at the 128-register cap,
-// and still ran faster on the H200 than a rolled loop over the pairs (m16n8k8) that spilled nothing.
-__device__ __forceinline__ void rope_add(float (&s)[4], int pos0, const uint4* rope_sm, int lane) {
+constexpr int ROPE_SM_UINT4 = 113, ROPE_SM_UINT4_TWO = 145;
+// A warp's pages are p0 + warp + 4 i, so the second page of a two-page step starts ROPE_NEXT positions after the
+// first: its coefficients turned by n0 theta are the ones at 113 turned by the first page's n0 theta (rotations
+// compose), and it takes no sine or cosine of its own (the hardware's MUFU unit was a large part of the correction's
+// cost on the H200; the commit that added this has the times). The turn by ROPE_NEXT theta (rope_sincos, as any page's)
+// adds its sine and cosine's error (~5e-7 absolute) and one float32 rounding to the second page's coefficients.
+// Turning each step's first page from the last one's instead of taking its exact angle ran no faster (more spills);
+// sincosf here instead of rope_sincos cost the kernels 4-12 more bytes of spills.
+constexpr int ROPE_NEXT = WARPS * BS;
+// Lane (g, tq)'s sin / cos of n0 theta for pairs 2 tq, 2 tq + 1 (the exact product, as rope_setup's angles), n0 = pos0
+// a page's first position: (sin, cos of pair 2 tq, sin, cos of pair 2 tq + 1).
+__device__ __forceinline__ float4 rope_angles(int pos0, const uint4* rope_sm, int lane) {
   const float n0 = (float)pos0;
   const float2 fr = reinterpret_cast<const float2*>(rope_sm + 96)[lane];
-  const float4 ab = reinterpret_cast<const float4*>(rope_sm + 64)[lane];
-  float sn0, cs0, sn1, cs1;
+  float4 r;
   const float a0 = __fmul_rn(n0, fr.x), a1 = __fmul_rn(n0, fr.y);
-  rope_sincos(a0, __fmaf_rn(n0, fr.x, -a0), sn0, cs0);
-  rope_sincos(a1, __fmaf_rn(n0, fr.y, -a1), sn1, cs1);
+  rope_sincos(a0, __fmaf_rn(n0, fr.x, -a0), r.x, r.y);
+  rope_sincos(a1, __fmaf_rn(n0, fr.y, -a1), r.z, r.w);
+  return r;
+}
+// s[0..3] (tokens n0 + g, n0 + g + 8; heads 2 tq, 2 tq + 1) += c of those keys: lane (g, tq) turns head g's
+// coefficients of pairs 2 tq, 2 tq + 1 (ab: rope_sm + 64, or + 113 for the second page of a two-page step, whose
+// angles are then the first page's) by the angles of rope_angles, splits them into float16 hi / lo and multiplies the
+// table: the small products first, then the large one. Both pairs in one m16n8k16: the two-page k4v4 / k4v2 rope
+// kernels then spill up to 92 B at the 128-register cap, and still ran faster on the H200 than a rolled loop over the
+// pairs (m16n8k8) that spilled nothing.
+__device__ __forceinline__ void rope_add(float (&s)[4], float4 ang, float4 ab, const uint4* rope_sm, int lane) {
+  const float sn0 = ang.x, cs0 = ang.y, sn1 = ang.z, cs1 = ang.w;  // rope_angles' order
   uint32_t bh0, bl0, bh1, bl1;  // b0: A' of pairs 2 tq, 2 tq + 1 (k = 2 tq, + 1); b1: B' (k = 8 + 2 tq, + 1)
   split_f16x2(__fmaf_rn(ab.x, cs0, __fmul_rn(ab.y, sn0)), __fmaf_rn(ab.z, cs1, __fmul_rn(ab.w, sn1)), bh0, bl0);
   split_f16x2(__fmaf_rn(ab.y, cs0, -__fmul_rn(ab.x, sn0)), __fmaf_rn(ab.w, cs1, -__fmul_rn(ab.z, sn1)), bh1, bl1);
@@ -383,7 +398,7 @@ __device__ __forceinline__ unsigned split_weight_prefix(int s, int c, int P, int
 namespace kvrepro_rope {
 __device__ __noinline__ void rope_setup(uint4* rope_sm, const float* __restrict__ rope_terms,
                                            const float* __restrict__ rope_freq, float rope_scale, int b, int hq,
-                                           int kvh, int group, int g, int tq, int lane) {
+                                           int kvh, int group, int g, int tq, int lane, int np) {
   const float f0 = rope_freq[kvh * RPAIRS + 2 * tq], f1 = rope_freq[kvh * RPAIRS + 2 * tq + 1];
   float sn[4], cs[4];  // [2 r + j]: token g + 8 r, pair 2 tq + j
 #pragma unroll
@@ -414,6 +429,15 @@ __device__ __noinline__ void rope_setup(uint4* rope_sm, const float* __restrict_
   const int e = min(max((int)((__float_as_uint(m) >> 23) & 255u) - 127, -110), 127);
   const float sc = __uint_as_float((uint32_t)(127 + 12 - e) << 23);
   reinterpret_cast<float4*>(rope_sm + 64)[lane] = make_float4(A0 * sc, B0 * sc, A1 * sc, B1 * sc);
+  if (np == 2) {  // the coefficients turned by ROPE_NEXT theta (rope_add's turn; the norm of each (A, B) pair is kept)
+    float s0, c0, s1, c1;  // ROPE_NEXT: a power of two, its product with a float32 frequency is exact
+    rope_sincos((float)ROPE_NEXT * f0, 0.f, s0, c0);
+    rope_sincos((float)ROPE_NEXT * f1, 0.f, s1, c1);
+    const float a0s = A0 * sc, b0s = B0 * sc, a1s = A1 * sc, b1s = B1 * sc;
+    reinterpret_cast<float4*>(rope_sm + 113)[lane] =
+        make_float4(__fmaf_rn(a0s, c0, __fmul_rn(b0s, s0)), __fmaf_rn(b0s, c0, -__fmul_rn(a0s, s0)),
+                    __fmaf_rn(a1s, c1, __fmul_rn(b1s, s1)), __fmaf_rn(b1s, c1, -__fmul_rn(a1s, s1)));
+  }
   reinterpret_cast<float2*>(rope_sm + 96)[lane] = make_float2(f0, f1);
   if (lane == 0) reinterpret_cast<float*>(rope_sm + 112)[0] = __uint_as_float((uint32_t)(127 - 12 + e) << 23);
 }
@@ -726,9 +750,11 @@ __device__ __forceinline__ void decode_step(KVREPRO_DECODE_PARAMS, const float* 
   // memory, read back per page (in registers, ptxas spilled ~200 bytes)
   const uint4* rope_sm = nullptr;
   if constexpr (ROPE) {
-    __shared__ __align__(16) uint4 rope_s[ROPE_SM_UINT4];
+    static_assert(NP <= 2, "rope_add: the second page's coefficients are turned by ROPE_NEXT, a third's are not");
+    __shared__ __align__(16) uint4 rope_s[NP == 2 ? ROPE_SM_UINT4_TWO : ROPE_SM_UINT4];
     rope_sm = rope_s;
-    if (warp == 0) kvrepro_rope::rope_setup(rope_s, rope_terms, rope_freq, rope_scale, b, hq, kvh, group, g, tq, lane);
+    if (warp == 0)
+      kvrepro_rope::rope_setup(rope_s, rope_terms, rope_freq, rope_scale, b, hq, kvh, group, g, tq, lane, NP);
   }
   __shared__ unsigned log_mant[8];  // k5v4's value scales: kvrepro_page::LOG_MANT_NEAR
   if constexpr (K5) {
@@ -771,7 +797,10 @@ __device__ __forceinline__ void decode_step(KVREPRO_DECODE_PARAMS, const float* 
   // 1 / 16, KMID 8; k8v4: 1, 128); s[0], s[1] = token g, heads h0, h0 + 1; s[2], s[3] = token g + 8. Tokens at or past
   // `end` (the split's last, partial page) get -inf and okA / okB false when `masked` (the caller's full steps pass
   // false: every token there is < end); their bytes are never used, so stale NaN scales there cannot leak.
-  auto page_logits = [&](const uint8_t* pg, int tok0, float (&s)[4], bool& okA, bool& okB, bool masked) {
+  // ROPE: k, the page's index in its step; ang, the angles of the step's first page (rope_angles' order), set at k = 0
+  // (after the key MMAs: taken before them, the two-page kernels spilled more).
+  auto page_logits = [&](const uint8_t* pg, int tok0, float (&s)[4], bool& okA, bool& okB, bool masked, int k,
+                         float4& ang) {
     // two int32 chains (high and low query digits), exact
     int chi[4] = {0, 0, 0, 0}, clo[4] = {0, 0, 0, 0};
     if (KB == 8) {
@@ -835,7 +864,12 @@ __device__ __forceinline__ void decode_step(KVREPRO_DECODE_PARAMS, const float* 
     s[1] = (float)(chi[1] * 128 + clo[1]) * (kmul1 * ksA) + qs1 * kzA;
     s[2] = (float)(chi[2] * 128 + clo[2]) * (kmul0 * ksB) + qs0 * kzB;
     s[3] = (float)(chi[3] * 128 + clo[3]) * (kmul1 * ksB) + qs1 * kzB;
-    if constexpr (ROPE) rope_add(s, tok0, rope_sm, lane);  // tok0: the page's first position in the sequence
+    // tok0: the page's first position; page k = 1 starts ROPE_NEXT after k = 0: the first's angles and the coefficients
+    // turned by ROPE_NEXT theta (rope_setup)
+    if constexpr (ROPE) {
+      if (k == 0) ang = rope_angles(tok0, rope_sm, lane);
+      rope_add(s, ang, reinterpret_cast<const float4*>(rope_sm + (k ? 113 : 64))[lane], rope_sm, lane);
+    }
     okA = true, okB = true;
     if (masked && tok0 + BS > end) {
       okA = tok0 + g < end;
@@ -948,6 +982,7 @@ __device__ __forceinline__ void decode_step(KVREPRO_DECODE_PARAMS, const float* 
     cp_wait<(STAGES - NP) / NP>();  // one commit group per NP pages
     __syncwarp();
     const uint8_t* pg[NP];
+    float4 ang;  // ROPE: the angles of the step's first page (a warp's pages are ROPE_NEXT positions apart)
     float s[NP][4];
     bool okA[NP], okB[NP];
 #pragma unroll
@@ -956,7 +991,7 @@ __device__ __forceinline__ void decode_step(KVREPRO_DECODE_PARAMS, const float* 
       // the page's first token position; past my_pages (masked last step) at or past `end`: every token masked
       const int tok0 = ROPE ? (p0 + warp + (i + k) * WARPS) * BS
                             : !masked ? 0 : i + k < my_pages ? (p0 + warp + (i + k) * WARPS) * BS : end;
-      page_logits(pg[k], tok0, s[k], okA[k], okB[k], masked);
+      page_logits(pg[k], tok0, s[k], okA[k], okB[k], masked, k, ang);
     }
     float pm0 = fmaxf(s[0][0], s[0][2]), pm1 = fmaxf(s[0][1], s[0][3]);
 #pragma unroll
