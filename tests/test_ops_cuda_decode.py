@@ -171,13 +171,14 @@ def test_committed_fatbin_is_built_from_the_committed_source(tmp_path):
     for arch in ("sm_80", "sm_86", "sm_89", "sm_90"):   # the SASS measured or shipped before sm_100 / sm_120: no spills
         res = info["resources"][arch]
         assert all(res[k]["spill_stores"] == res[k]["spill_loads"] == 0 for k in cuda_decode.KERNELS.values()), arch
-        # the rope-mean kernels: k8v4_rope none, k5v4_rope at most one word; k4v4_rope and k4v2_rope (two pages per
-        # step) up to 96 bytes at the 128-register cap: with both pair halves in one m16n8k16 they ran faster on the
-        # H200 than a rolled pair loop without spills (decode.cu, rope_add; the commit that added it gives the times)
+        # the rope-mean kernels: k8v4_rope none; k4v4_rope, k4v2_rope and k5v4_rope (two pages per step) up to 136
+        # bytes at the 128-register cap (132 seen: k5v4_rope on sm_86 / sm_89): with both pair halves in one m16n8k16
+        # and the second page at the first's angles they ran faster on the H200 than a rolled pair loop or one page
+        # per step without spills (decode.cu, rope_add and ROPE_NEXT; the commits that added them give the times)
         rope = {k: res[cuda_decode.ROPE_KERNELS[k]] for k in cuda_decode.ROPE_KERNELS}
         assert rope[(8, 4)]["spill_stores"] == rope[(8, 4)]["spill_loads"] == 0, arch
-        assert rope[(5, 4)]["spill_stores"] <= 4 and rope[(5, 4)]["spill_loads"] <= 4, arch
-        assert all(rope[b]["spill_stores"] <= 96 and rope[b]["spill_loads"] <= 96 for b in ((4, 4), (4, 2))), arch
+        assert all(rope[b]["spill_stores"] <= 136 and rope[b]["spill_loads"] <= 136
+                   for b in ((4, 4), (4, 2), (5, 4))), arch
         assert all(res[k]["registers"] <= 128 for k in res), arch
     assert cuda_build.check() == [] and cuda_build.main(["--check"]) == 0
     try:

@@ -35,8 +35,11 @@ def _static_smem_from_source(preset: str, rope: bool = False) -> int:
     assert "__shared__ float s_q[8], q_sum[8];" in src and "__shared__ int s_last;" in src
     d = 128
     assert "__shared__ unsigned log_mant[8];" in src
-    assert "__shared__ __align__(16) uint4 rope_s[ROPE_SM_UINT4];" in src    # rope: the table and coefficients
-    rope_uint4 = int(re.search(r"constexpr int ROPE_SM_UINT4 = (\d+);", src).group(1))
+    # rope: the table and coefficients, and for a two-page step the second page's turned coefficients
+    assert "__shared__ __align__(16) uint4 rope_s[NP == 2 ? ROPE_SM_UINT4_TWO : ROPE_SM_UINT4];" in src
+    one, two = map(int, re.search(r"constexpr int ROPE_SM_UINT4 = (\d+), ROPE_SM_UINT4_TWO = (\d+);", src).groups())
+    step = {"k8v4": "KVREPRO_STEP_K8V4"}.get(preset, f"KVREPRO_ROPE_STEP_{preset.upper()}")   # ROPE_STEP's source
+    rope_uint4 = two if int(re.search(rf"#define {step} (\d+)", src).group(1)) == 2 else one
     total = (warps * depth * get_format(preset).layout(d, 16).page_bytes + 2 * 8 * d + 2 * 8 * 4 + 4
              + (8 * 4 if preset == "k5v4" else 0) + (rope_uint4 * 16 if rope else 0))
     return -(-total // 128) * 128
