@@ -961,6 +961,22 @@ def _rope_mean_set(hkv, d, neox, gen, norm=1000.0):
     return rm
 
 
+def _rope_case(seed: int, neox: bool):
+    """A CTA's inputs for the emulated correction tests: ``(rm, q, terms, freq, group)``, a ``_rope_mean_set`` at
+    Qwen3-4B shapes (32 q / 8 KV heads, head_dim 128, batch 2), queries, their score terms (A then B, float32 numpy
+    [2, 32, 16]), the kept pairs' frequencies and the GQA group."""
+    gen = torch.Generator().manual_seed(seed)
+    hq, hkv, d, batch = 32, 8, 128, 2
+    rm = _rope_mean_set(hkv, d, neox, gen)
+    q = torch.randn(batch, hq, d, generator=gen)
+    a_, b_ = rm.score_terms(q)
+    return rm, q, torch.cat([a_, b_], -1).contiguous().numpy(), rm.inv_freq.numpy(), hq // hkv
+
+
+# (sequence b, KV head kvh), coefficient scale, MUFU error direction: every pair of each at least once
+ROPE_GRID = list(zip(((1, 3), (0, 7), (1, 0)) * 3, (1.0, 1e-9, 1e7) * 3, (0,) * 3 + (1,) * 3 + (-1,) * 3))
+
+
 @pytest.mark.parametrize("neox", [True, False])
 def test_emulated_rope_correction_equals_float64_over_the_restored_keys(neox):
     """The *_rope kernels' correction for one CTA (sequence b, KV head kvh), emulated lane by lane (rope_setup's table
@@ -971,15 +987,8 @@ def test_emulated_rope_correction_equals_float64_over_the_restored_keys(neox):
     1.5e-6 of the largest correction with the hardware sine / cosine correctly rounded, as the Triton kernel's
     float64-reduced one, and within 3e-6 with them off by their documented bound either way (~1.9e-6 seen; scale 1:
     rope_scale multiplies A, B)."""
-    gen = torch.Generator().manual_seed(1 + neox)
-    hq, hkv, d, batch = 32, 8, 128, 2
-    rm = _rope_mean_set(hkv, d, neox, gen)
-    q = torch.randn(batch, hq, d, generator=gen)
-    a_, b_ = rm.score_terms(q)
-    terms = torch.cat([a_, b_], -1).contiguous().numpy()
-    freq = rm.inv_freq.numpy()
-    group = hq // hkv
-    for (b, kvh), mul, mufu in zip(((1, 3), (0, 7), (1, 0)) * 3, (1.0, 1e-9, 1e7) * 3, (0,) * 3 + (1,) * 3 + (-1,) * 3):
+    rm, q, terms, freq, group = _rope_case(1 + neox, neox)
+    for (b, kvh), mul, mufu in ROPE_GRID:
         shared = emu.rope_shared(terms * np.float32(mul), freq, 1.0, b, kvh, group, mufu)
         for pos0 in (0, 16, 4080, 65_520, 105_600, 131_056, 2 ** 20 - 16):
             got = emu.logits_from_fragments(emu.rope_add(pos0, shared, mufu))     # [16 tokens, 8 heads]
@@ -1000,17 +1009,10 @@ def test_emulated_rope_correction_of_a_warps_pages_equals_float64(np_):
     bound either way; 4e-6 then for a second page, whose turn by ROPE_NEXT theta adds that bound once more; 3.03e-6
     seen), from position 0 up to 2^20; a second page that takes the unturned coefficients is off by > 1e-3 (the test
     sees the turn)."""
-    gen = torch.Generator().manual_seed(3)
-    hq, hkv, d, batch = 32, 8, 128, 2
-    rm = _rope_mean_set(hkv, d, True, gen)
-    q = torch.randn(batch, hq, d, generator=gen)
-    a_, b_ = rm.score_terms(q)
-    terms = torch.cat([a_, b_], -1).contiguous().numpy()
-    freq = rm.inv_freq.numpy()
-    group = hq // hkv
+    rm, q, terms, freq, group = _rope_case(3, True)
     steps = 5
     span = steps * np_ * emu.ROPE_NEXT
-    for (b, kvh), mul, mufu in zip(((1, 3), (0, 7), (1, 0)) * 3, (1.0, 1e-9, 1e7) * 3, (0,) * 3 + (1,) * 3 + (-1,) * 3):
+    for (b, kvh), mul, mufu in ROPE_GRID:
         shared = emu.rope_shared(terms * np.float32(mul), freq, 1.0, b, kvh, group, mufu, np_=np_)
         assert (shared[4] is None) == (np_ == 1)
         for start in (0, 48, 65_520, 131_072 - span, 2 ** 20 - span):
