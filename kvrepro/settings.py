@@ -128,9 +128,9 @@ SETTINGS: tuple[Declaration, ...] = (
         "vLLM runs with kv_cache_dtype='auto' and --attention-backend CUSTOM: the compression is the KV dtype.",
         _preset,
         "users and decode tok/s per preset at 128K on an 80 GiB budget (H200): capacity rows with the default key "
-        "offset for k5v4 and k4v4 (with fp8 on FA3 and on FlashInfer, one run: [h200-20261203-sk.jsonl]"
-        "(results/capacity/h200-20261203-sk.jsonl)) and k4v2 ([h200-20261203-k2.jsonl](results/capacity/"
-        "h200-20261203-k2.jsonl)), and [earlier rows](results/capacity/h200-20261201-w13.jsonl) (k8v4); KL and perplexity vs bf16: [fidelity rows](results/fidelity/"
+        "offset for k5v4, k4v4 and k4v2 (with fp8 on FA3 and on FlashInfer, one run: [h200-20261204-r3.jsonl]"
+        "(results/capacity/h200-20261204-r3.jsonl)), and [earlier rows](results/capacity/h200-20261201-w13.jsonl) "
+        "(k8v4); KL and perplexity vs bf16: [fidelity rows](results/fidelity/"
         "reference_cpu_smollm2.csv); needle retrieval through vLLM: [accuracy rows](results/accuracy/vllm_h200_replica/"
         "vllm_accuracy.csv.gz) (the README's results and fidelity tables)"),
     Declaration(
@@ -191,8 +191,8 @@ SETTINGS: tuple[Declaration, ...] = (
         "[the others](results/keybias/keybias_cpu.csv); KL per mode: [CPU reference rows](results/fidelity/"
         "reference_cpu_smollm2.csv) and [vLLM rows](results/fidelity/vllm_h200_smollm2.csv) (rope-mean and "
         "slow-pairs); decode time of the correction: [decode_rope_mean.json](benchmarks/results/decode_rope_mean.json);"
-        " 128K capacity with rope-mean: [h200-20261203-sk.jsonl](results/capacity/h200-20261203-sk.jsonl) (k5v4 and"
-        " k4v4 on the CUDA kernel, with fp8), [h200-20261203-k2.jsonl](results/capacity/h200-20261203-k2.jsonl) (k4v2)"),
+        " 128K capacity with rope-mean: [h200-20261204-r3.jsonl](results/capacity/h200-20261204-r3.jsonl) (k5v4,"
+        " k4v4 and k4v2 on the CUDA kernel, with fp8 on FA3 and on FlashInfer)"),
     Declaration(
         "warmup", "KVREPRO_WARMUP", "0, 1", "1",
         "1: compile and load every decode-kernel variant before vLLM's memory profiling, so that no compilation "
