@@ -195,7 +195,8 @@ def test_measured_fatbins_hold_the_code_of_the_fatbins_in_git_history(tmp_path):
                             "7ed507566e92541b159e267a2f9cc8b361e4b79367b22927ba5d715583cf7f48",
                             "dd0946a2044af594b8c7778777f4c98b856ac03cc7e7cc0d33c8ad4c25748db4",
                             "2374058f382b89c5852fb0462b3eba7ab3d98fe875c16f1b4e3976cee5e482e7",
-                            "7787629efbb8764f558e42f6a7fc0fc6c57426d856721b9e793d14e7b1d9650f"}
+                            "7787629efbb8764f558e42f6a7fc0fc6c57426d856721b9e793d14e7b1d9650f",
+                            "472f5289ae94156387c13f23cb1e5b0bb94f283a1600b43c4e7e61ec3330ca47"}
     current = {e["code"]: e for e in cuda_decode.read_manifest()["entries"]}
     for sha, rec in fatbins.items():
         for e in rec["entries"]:
