@@ -682,3 +682,74 @@ def test_readme_command_and_other_workloads_from_the_committed_files():
                 ratio = r["summary"]["request_goodput"] / best
                 assert f"{g['runs'][0]['workload']['output_len']:,} output tokens: {r['mode']} " in text
                 assert f", {ratio:.2f}x the best fp8's goodput within SLO" in text
+
+
+def _git(*args, text=True):
+    """``git args`` in this checkout, its stdout; None without git or where the command fails (a shallow copy)."""
+    import shutil
+
+    if shutil.which("git") is None:
+        return None
+    r = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=text)
+    return r.stdout if r.returncode == 0 else None
+
+
+def _src_sha256_at(commit, tmp_path):
+    """kvrepro.provenance.src_sha256 of the kvrepro package as committed at ``commit`` (that commit's own function over
+    its own files), or None without that commit here."""
+    import importlib.util
+    import io
+    import tarfile
+
+    data = _git("archive", commit, "kvrepro", text=False)
+    if data is None:
+        return None
+    d = tmp_path / commit[:12]
+    tarfile.open(fileobj=io.BytesIO(data)).extractall(d)
+    spec = importlib.util.spec_from_file_location(f"provenance_{commit[:12]}", d / "kvrepro" / "provenance.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.src_sha256()
+
+
+def test_every_committed_serve_run_carries_its_own_provenance(tmp_path):
+    """Each committed run names the kvrepro source that served it (its own provenance, as serve_bench writes it). A run
+    whose provenance was reconstructed after it ran says so: every field is explained or listed as not reconstructed,
+    and, with git history here, the commit it names added the file, and the source hash and fatbin are recomputed
+    from the source commit it names."""
+    import hashlib
+    import re
+
+    # Files whose runs carry no provenance of their own: one serve_bench call wrote all their runs, so the file's
+    # top-level provenance (that call's) is each run's, as the parameters.modes check below shows.
+    one_call = {"nvidia-h200_20261202.json"}
+    reconstructed = 0
+    for p in sorted(ROOT.glob("results/serve/*.json")):
+        rel = str(p.relative_to(ROOT))
+        doc = sb.read_doc(p)
+        if p.name in one_call:
+            assert not any("provenance" in r for r in doc["runs"]) and \
+                {r["mode"] for r in doc["runs"]} <= set(doc["provenance"]["parameters"]["modes"])
+            continue
+        for r in doc["runs"]:
+            prov = r.get("provenance")
+            assert isinstance(prov, dict), (rel, r["mode"])
+            assert re.fullmatch("[0-9a-f]{64}", prov["kvrepro_src_sha256"]) and prov["script"] == "scripts/serve_bench.py"
+            assert (prov["vllm_version"], prov["gpu"]) == (r["workload"]["vllm_version"], r["workload"]["gpu"])
+            rec = prov.get("provenance_reconstructed_from")
+            if rec is None:
+                continue
+            reconstructed += 1
+            assert set(prov) - {"provenance_reconstructed_from"} == set(rec["fields"]), (rel, r["mode"])
+            absent = {k for names in rec["not_reconstructed"] for k in names.split(", ")}
+            assert not absent & set(prov) and rec["about"], (rel, r["mode"])
+            if "cuda_fatbin_sha256" not in prov:
+                assert "cuda_fatbin_sha256" in absent          # said why: an fp8 server runs no kvrepro kernel
+            added = _git("log", "--format=%H", "--", rel)
+            if added is None or rec["commit"] not in added.split():
+                continue                                  # no history here (a copy of the tree): the checks above hold
+            assert _src_sha256_at(rec["source_commit"], tmp_path) == prov["kvrepro_src_sha256"], (rel, r["mode"])
+            if "cuda_fatbin_sha256" in prov:
+                fatbin = _git("show", f"{rec['source_commit']}:kvrepro/ops/cuda/decode.fatbin", text=False)
+                assert hashlib.sha256(fatbin).hexdigest() == prov["cuda_fatbin_sha256"], (rel, r["mode"])
+    assert reconstructed == 3                   # nvidia-h200_20261203.json's runs, recorded before per-run provenance
