@@ -663,10 +663,69 @@ def _slo_words(goodput: dict) -> str:
                         for k, v in goodput.items())
 
 
+def _tokens_short(n: int) -> str:
+    """A prompt length in the README's words: ``131072`` -> ``"128K"`` (a multiple of 1,024), else ``"8,000"``."""
+    return f"{n // 1024}K" if n % 1024 == 0 else f"{n:,}"
+
+
+def _arrivals(rates) -> str:
+    """``"at 0.12 requests/s"``, ``"all at once"``, or both joined: how a workload's requests arrived."""
+    return " and ".join("all at once" if r == float("inf") else f"at {r:g} requests/s" for r in sorted(rates))
+
+
+def _within_words(slos: dict) -> str:
+    """``"within both SLOs"`` / ``"within every SLO"`` / ``"within the SLO"`` by how many SLOs a workload set."""
+    return "within both SLOs" if len(slos) == 2 else ("within every SLO" if len(slos) > 2 else "within the SLO")
+
+
+def _no_ratio_reason(r, same) -> str | None:
+    """Why a kvrepro row of :func:`serve_table` has no goodput ratio (``same``: the fp8 rows of its rate), or None
+    where it has one."""
+    if not len(same):
+        return "no fp8 mode ran at this rate"
+    if _missing(r["best_fp8"]):
+        return "no fp8 mode recorded a goodput at this rate"
+    if _missing(r["goodput_req_s"]):
+        return "its goodput was not recorded"
+    if _missing(r["goodput_vs_best_fp8"]):
+        return "every fp8 mode's goodput was 0"
+    return None
+
+
+def _readme_table(df, slos: dict) -> str:
+    """The README's serving table: per mode (and rate, where the workload ran several) the requests within the SLOs of
+    all sent, the goodput, its ratio to the best fp8 at that rate, the requests within the TPOT SLO alone (where the
+    workload had another SLO too), the run's length and its preemptions (where recorded)."""
+    rates = df["request_rate"].nunique() > 1
+    one_fp8 = df[df["mode"].isin(sweep.FP8_MODES)].groupby("request_rate").size().max() == 1
+    tpot_alone = len(slos) > 1 and "tpot" in slos and df["good_tpot_requests"].notna().any()
+    preempt = df["preemptions"].notna().any()
+    # &nbsp;: at GitHub's README width the table wraps its headers, and "vs / fp8" on two lines reads badly
+    head = (["mode (attention backend)"] + (["rate (req/s)"] if rates else [])
+            + [_within_words(slos), "goodput (req/s)", "vs&nbsp;fp8" if one_fp8 else "vs best&nbsp;fp8"]
+            + (["within TPOT SLO alone"] if tpot_alone else []) + ["run length (s)"]
+            + (["preemptions"] if preempt else []))
+    lines = ["| " + " | ".join(head) + " |", "| --- | " + " | ".join(["---:"] * (len(head) - 1)) + " |"]
+    for _, r in df.iterrows():
+        backend = str(r["backend"]).replace(" (vLLM's choice)", ", vLLM's choice")
+        name = f"{r['mode']} ({backend})"
+        cells = ([name] + (["inf" if math.isinf(r["request_rate"]) else f"{r['request_rate']:g}"] if rates else [])
+                 + ["" if _missing(r["good_requests"]) else _of(r),
+                    formatted(r["goodput_req_s"], "{:.3f}"), formatted(r["goodput_vs_best_fp8"], "{:.2f}x")]
+                 + (["" if _missing(r["good_tpot_requests"]) else _of(r, "good_tpot_requests")]
+                    if tpot_alone else [])
+                 + [formatted(r["duration_s"], "{:.0f}")]
+                 + ([formatted(r["preemptions"], "{:.0f}")] if preempt else []))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def readme_text(root: str | os.PathLike) -> str:
-    """The README's serving paragraph: for the newest committed workload (:func:`workload_groups`), each kvrepro
-    mode's goodput against the best fp8 at each request rate (:func:`serve_table`'s ratios), with the workload, SLOs,
-    files and date; or a sentence saying no run is committed.
+    """The README's serving block for the newest committed workload (:func:`workload_groups`): a lead sentence with
+    each kvrepro mode's goodput against the best fp8 at its rate (:func:`serve_table`'s ratios, or why there is none),
+    the workload and its SLOs; a table of every mode's run (:func:`_readme_table`); what the TPOT SLO alone gives and
+    the fp8 backends not run; then the other workloads, the workload's files, date and command. Or a sentence saying
+    no run is committed.
 
     Raises:
         ValueError: as :func:`workload_groups`."""
@@ -683,44 +742,42 @@ def readme_text(root: str | os.PathLike) -> str:
     how = (f"`vllm serve` + `vllm bench serve` on one {w['gpu']} at an emulated {w['gpu_memory_gb']:g} GiB, "
            f"{w['model']} with dummy weights: {w['num_prompts']} requests of {w['input_min']:,}-{w['input_max']:,}-"
            f"token prompts arriving at {rates}, {w['output_len']:,} output tokens each ({files}, {g['date'][:10]})")
+    several_rates = df["request_rate"].nunique() > 1
     fp8 = df[df["mode"].isin(sweep.FP8_MODES)]
-    parts = []
+    clauses, alone = [], []
     for _, r in df[~df["mode"].isin(sweep.FP8_MODES)].iterrows():
-        name = r["mode"] + (f" ({r['key_offset']})" if r["key_offset"] else "")
-        rate = "with every request at once" if r["request_rate"] == float("inf") else f"at {r['request_rate']:g} requests/s"
-        good = "recorded none" if _missing(r["goodput_req_s"]) else \
-            f"is {r['goodput_req_s']:.3f} req/s ({_of(r)} requests)"
+        at = "" if not several_rates else (" with every request at once" if math.isinf(r["request_rate"])
+                                           else f" at {r['request_rate']:g} requests/s")
         same = fp8[fp8["request_rate"] == r["request_rate"]]
-        listed = "; ".join(f"{f['mode']} " + ("not recorded" if _missing(f["goodput_req_s"]) else
-                                             f"{f['goodput_req_s']:.3f} req/s, {_of(f)}")
-                           for _, f in same.iterrows())
-        if not len(same):
-            vs = "no fp8 mode ran at this rate"
-        elif _missing(r["best_fp8"]):
-            vs = f"no ratio: no fp8 mode recorded a goodput at this rate ({listed})"
-        elif _missing(r["goodput_vs_best_fp8"]):
-            vs = f"no ratio: every fp8 mode's goodput was 0 ({listed})" if not _missing(r["goodput_req_s"]) else \
-                f"fp8: {listed}"
+        fp8s = "fp8's" if len(same) == 1 else f"the best fp8's ({r['best_fp8']})"
+        why = _no_ratio_reason(r, same)
+        name = r["mode"] + ("" if _missing(r["key_offset"]) else f" (key offset {r['key_offset']})") + at
+        goodput = "" if clauses else f" goodput within SLO {_slo_words(w['goodput'])}"
+        clauses.append(f"{name} has no ratio to fp8's{goodput} ({why})" if why else
+                       f"{name} has **{r['goodput_vs_best_fp8']:.2f}x** {fp8s}{goodput}")
+        if why or _missing(r["goodput_tpot_vs_best_fp8"]):
+            continue
+        bt = same[same["mode"] == r["best_fp8_tpot"]].iloc[0]
+        t = r["goodput_tpot_vs_best_fp8"]
+        if r["good_tpot_requests"] == bt["good_tpot_requests"]:
+            alone.append(f"At the TPOT SLO alone {r['mode']}{at} and {bt['mode']} both met it with "
+                         f"{_of(r, 'good_tpot_requests')} requests, so the {t:.2f}x goodput there comes only from the run "
+                         f"lengths ({r['duration_s']:.0f} s against {bt['duration_s']:.0f} s).")
         else:
-            vs = (f"{r['goodput_vs_best_fp8']:.2f}x fp8's, the one fp8 backend run at this rate ({listed})"
-                  if len(same) == 1 else f"{r['goodput_vs_best_fp8']:.2f}x the best of the fp8 backends run at this "
-                  f"rate ({listed}; the best is {r['best_fp8']})")
-            if not _missing(r["goodput_tpot_vs_best_fp8"]):
-                bt = same[same["mode"] == r["best_fp8_tpot"]].iloc[0]
-                vs += (f"; at the TPOT SLO alone, {r['goodput_tpot_vs_best_fp8']:.2f}x "
-                       f"{'fp8' if len(same) == 1 else 'the best fp8'}'s ("
-                       f"{_of(r, 'good_tpot_requests')} requests in a run of {r['duration_s']:.0f} s against "
-                       f"{bt['mode']}'s {_of(bt, 'good_tpot_requests')} in {bt['duration_s']:.0f} s)")
-        parts.append(f"{rate}, the goodput of {name} (requests per second within SLO {_slo_words(w['goodput'])}) "
-                     f"{good}, {vs}")
-    body = "; ".join(parts) if parts else "no kvrepro mode was run in the newest workload"
+            alone.append(f"At the TPOT SLO alone {r['mode']}{at}'s goodput is {t:.2f}x "
+                         f"{'fp8' if len(same) == 1 else bt['mode']}'s ({_of(r, 'good_tpot_requests')} requests in "
+                         f"{r['duration_s']:.0f} s against {_of(bt, 'good_tpot_requests')} in {bt['duration_s']:.0f} s).")
+    lead = ("**Under serving load**, " + ("; ".join(clauses) if clauses else "no kvrepro mode was measured (fp8 only)")
+            + f", for {w['num_prompts']} requests of {_tokens_short(w['input_min'])}-{_tokens_short(w['input_max'])}-"
+            f"token prompts and {w['output_len']:,} output tokens each arriving {_arrivals(df['request_rate'].unique())}.")
     ran = set(df["mode"]) | {f"fp8:{b.lower()}" for b in df["backend"].str.split(" ").str[0]}
     missing = [m for m in sweep.FP8_MODES if ":" in m and m not in ran]
-    body += f". Not run at this workload: {', '.join(missing)}" if missing else ""
+    after = " ".join([f"Goodput: the requests {_within_words(w['goodput'])} over the run's length."] + alone) \
+        + (f"\n\nNot run at this workload: {', '.join(missing)}." if missing else "")
     others = [f"{og['runs'][0]['workload']['output_len']:,} output tokens: {_ratio_words(serve_table(og['runs']))}"
               for og in groups[1:]]
     other = f"\n- The other committed workloads: {'; '.join(others)}." if others else ""
-    return (f"**Under serving load**: {body}.\n\n"
+    return (f"{lead}\n\n{_readme_table(df, w['goodput'])}\n\n{after}\n\n"
             f"- One run per mode: a few requests either side of an SLO move these ratios by several percent.{other}\n"
             f"- Workload: {how}; to run it: `{_command(w, df)}`.\n"
             f"- Every mode's throughput, TTFT, TPOT and preemptions, and the other workloads: notebook 02, \"Under "

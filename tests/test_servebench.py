@@ -460,57 +460,92 @@ def test_slo_goodput_by_hand_and_against_vllms_own_goodput():
     assert checked >= 4
 
 
+def _block_parts(text):
+    """The README serving block split into its lead sentence, its table (header cells, rows of cells) and the rest."""
+    lines = text.split("\n")
+    rows = [[c.strip() for c in ln.strip("|").split("|")] for ln in lines if ln.startswith("| ")]
+    return lines[0], rows[0], rows[2:], "\n".join(ln for ln in lines[1:] if not ln.startswith("|"))
+
+
 def test_readme_text_of_the_committed_run_against_its_raw_figures():
-    """The README's serving sentence: each kvrepro ratio recomputed from the newest committed file's raw summaries
-    (goodput over the highest fp8 goodput at the same rate) and, at the TPOT SLO alone, by counting the vLLM result
-    files' requests whose TPOT (the sum of its inter-token gaps over output - 1, vLLM's definition) meets the SLO."""
+    """The README's serving block, recomputed from the newest committed workload's files: each mode's row (backend,
+    requests within the SLOs and within the TPOT SLO alone, counted from the vLLM result file's per-request lists by
+    vLLM's rule: TPOT = the sum of its inter-token gaps over output - 1; goodput; ratio to the best fp8 of its rate;
+    the run's length; preemptions), the lead's ratio with the SLOs and workload as the file states them, the TPOT-alone
+    line and the fp8 backends not run."""
+    import re
+
+    from kvrepro import sweep
+
     groups = sb.workload_groups(ROOT)
     paths = groups[0]["paths"]
     text = sb.readme_text(ROOT)
-    docs = [json.loads(Path(p).read_text()) for p in paths]
-    runs = [r for d in docs for r in d["runs"]]
-    slo = runs[0]["workload"]["goodput"]
+    lead, head, rows, rest = _block_parts(text)
+    docs = {p: json.loads(Path(p).read_text()) for p in paths}
+    runs = [(p, r) for p, d in docs.items() for r in d["runs"]]
+    w = runs[0][1]["workload"]
+    slo = w["goodput"]
+    assert len({r["request_rate"] for _, r in runs}) == 1        # one rate: the table has no rate column
+    assert len(slo) == 2 and "tpot" in slo                      # two SLOs: the TPOT-alone column is there
 
-    def good(path, run, slos):
-        """Requests within ``slos`` counted from the run's vLLM result file, and that count per second."""
-        v = json.loads((Path(str(path)[:-len(".json")] + "_vllm") / run["vllm_result_file"]).read_text())
+    def vllm_of(p, r):
+        return json.loads((sb.side_dirs(p)[0] / r["vllm_result_file"]).read_text())
+
+    def good(p, r, slos):
+        """Requests within ``slos`` counted from the run's vLLM result file, and all it sent."""
+        v = vllm_of(p, r)
         ok = sum(1 for ttft, gaps, n in zip(v["ttfts"], v["itls"], v["output_lens"]) if n and
                  (n == 1 or sum(gaps) / (n - 1) * 1e3 <= slos["tpot"]) and ttft * 1e3 <= slos.get("ttft", math.inf))
-        return ok, ok / v["duration"]
+        return ok, len(v["ttfts"])
 
-    def tpot_alone(path, run):
-        return good(path, run, {"tpot": slo["tpot"]})[1]
+    def backend(p, r):
+        return r.get("attention_backend_used") or sb.logged_backend(sb.server_log(p, r["mode"]))
 
-    def count(run):
-        p = next(p for p, d in zip(paths, docs) if run in d["runs"])
-        return f"{good(p, run, slo)[0]} of {len(json.loads((Path(str(p)[:-5] + '_vllm') / run['vllm_result_file']).read_text())['ttfts'])}"
+    fp8 = [(p, r) for p, r in runs if r["mode"] in sweep.FP8_MODES]
+    best = max(fp8, key=lambda x: x[1]["summary"]["request_goodput"])[1]["summary"]["request_goodput"]
+    assert head == ["mode (attention backend)", "within both SLOs", "goodput (req/s)",
+                    "vs&nbsp;fp8" if len(fp8) == 1 else "vs best&nbsp;fp8", "within TPOT SLO alone", "run length (s)",
+                    "preemptions"]
+    want = []
+    for p, r in sorted(runs, key=lambda x: (x[1]["mode"] not in sweep.FP8_MODES, x[1]["mode"])):
+        (both, sent), (alone, _) = good(p, r, slo), good(p, r, {"tpot": slo["tpot"]})
+        want.append([f"{r['mode']} ({backend(p, r)})", f"{both} of {sent}", f"{r['summary']['request_goodput']:.3f}",
+                     f"{r['summary']['request_goodput'] / best:.2f}x", f"{alone} of {sent}",
+                     f"{vllm_of(p, r)['duration']:.0f}", str(r["preemptions"])])
+    assert rows == want
 
-    for r in runs:
-        if r["mode"].startswith("kvrepro:"):
-            fp8 = [f for f in runs if f["mode"].startswith("fp8") and f["request_rate"] == r["request_rate"]]
-            best = max(fp8, key=lambda f: f["summary"]["request_goodput"])
-            ratio = r["summary"]["request_goodput"] / best["summary"]["request_goodput"]
-            listed = "; ".join(f"{f['mode']} {f['summary']['request_goodput']:.3f} req/s, {count(f)}"
-                               for f in sorted(fp8, key=lambda f: f["mode"]))
-            vs = f"{ratio:.2f}x fp8's, the one fp8 backend run at this rate ({listed})" if len(fp8) == 1 else \
-                f"{ratio:.2f}x the best of the fp8 backends run at this rate ({listed}; the best is {best['mode']})"
-            assert f"is {r['summary']['request_goodput']:.3f} req/s ({count(r)} requests), {vs}" in text
-            if len(slo) > 1:
-                p = next(p for p, d in zip(paths, docs) if r in d["runs"])
-                path_of = {id(f): next(q for q, d in zip(paths, docs) if f in d["runs"]) for f in fp8}
-                bt = max(fp8, key=lambda f: tpot_alone(path_of[id(f)], f))
-                t = tpot_alone(p, r) / tpot_alone(path_of[id(bt)], bt)
+    def slo_words(name):
+        v = slo[name]
+        return f"{name.upper()} <= " + (f"{v / 1e3:g} s" if v >= 1e3 else f"{v:g} ms")
 
-                def tpot_count(q, run):
-                    v = json.loads((Path(str(q)[:-5] + "_vllm") / run["vllm_result_file"]).read_text())
-                    return f"{good(q, run, {'tpot': slo['tpot']})[0]} of {len(v['ttfts'])}", v["duration"]
+    kv = [(p, r) for p, r in runs if r["mode"] not in sweep.FP8_MODES]
+    assert len(kv) == 1
+    p, r = kv[0]
+    offset = re.search(r"kvrepro settings: .*key_offset=(\S+)", sb.server_log(p, r["mode"]).read_text()).group(1)
+    ratio = r["summary"]["request_goodput"] / best
+    assert lead == (f"**Under serving load**, {r['mode']} (key offset {offset}) has **{ratio:.2f}x** "
+                    f"{'fp8' if len(fp8) == 1 else 'the best fp8'}'s goodput within SLO "
+                    f"{' and '.join(slo_words(k) for k in slo)}, for {w['num_prompts']} requests of "
+                    f"{w['input_min'] // 1024}K-{w['input_max'] // 1024}K-token prompts and {w['output_len']:,} output "
+                    f"tokens each arriving at {float(r['request_rate']):g} requests/s.")
+    assert "TTFT <= 30 s and TPOT <= 50 ms" in lead              # the SLOs this workload ran with, as the file says
 
-                (kc, kd), (fc, fd) = tpot_count(p, r), tpot_count(path_of[id(bt)], bt)
-                assert f"at the TPOT SLO alone, {t:.2f}x {'fp8' if len(fp8) == 1 else 'the best fp8'}'s ({kc} " \
-                       f"requests in a run of {kd:.0f} s " \
-                       f"against {bt['mode']}'s {fc} in {fd:.0f} s)" in text
-    assert text.startswith("**Under serving load**: at ") and \
-        f"Workload: `vllm serve` + `vllm bench serve` on one {runs[0]['workload']['gpu']}" in text
+    def tpot_alone(q, run):
+        ok, _ = good(q, run, {"tpot": slo["tpot"]})
+        return ok, ok / vllm_of(q, run)["duration"]
+
+    bp, bt = max(fp8, key=lambda x: tpot_alone(*x)[1])
+    (kc, kg), (fc, fg) = tpot_alone(p, r), tpot_alone(bp, bt)
+    kd, fd = vllm_of(p, r)["duration"], vllm_of(bp, bt)["duration"]
+    n = good(p, r, slo)[1]
+    if kc == fc:
+        assert (f"At the TPOT SLO alone {r['mode']} and {bt['mode']} both met it with {kc} of {n} requests, so the "
+                f"{kg / fg:.2f}x goodput there comes only from the run lengths ({kd:.0f} s against {fd:.0f} s).") in rest
+    else:
+        assert f"At the TPOT SLO alone {r['mode']}'s goodput is {kg / fg:.2f}x " in rest
+    not_run = [m for m in sweep.FP8_MODES if ":" in m and m not in {x["mode"] for _, x in runs}]
+    assert f"\n\nNot run at this workload: {', '.join(not_run)}.\n\n" in text
+    assert f"Workload: `vllm serve` + `vllm bench serve` on one {w['gpu']}" in text
 
 
 def test_readme_text_without_runs_or_without_fp8(tmp_path):
@@ -520,8 +555,15 @@ def test_readme_text_without_runs_or_without_fp8(tmp_path):
     runs = [_run("kvrepro:k4v4", "0.25", 0.24, 120.0, 0.20, 45.0), _run("fp8", "inf", 0.2, 100.0, 0.1, 60.0)]
     (d / "x_20261202.json").write_text(json.dumps({"workload": runs[0]["workload"], "runs": runs}))
     text = sb.readme_text(tmp_path)
-    assert "at 0.25 requests/s, the goodput of kvrepro:k4v4 (requests per second within SLO TPOT <= 50 ms) is 0.200 " \
-        "req/s (27 of 32 requests), no fp8 mode ran at this rate" in text
+    lead, head, rows, _ = _block_parts(text)
+    assert lead == ("**Under serving load**, kvrepro:k4v4 at 0.25 requests/s has no ratio to fp8's goodput within SLO "
+                    "TPOT <= 50 ms (no fp8 mode ran at this rate), for 32 requests of 8K-128K-token prompts and 512 "
+                    "output tokens each arriving at 0.25 requests/s and all at once.")
+    assert head == ["mode (attention backend)", "rate (req/s)", "within the SLO", "goodput (req/s)", "vs&nbsp;fp8",
+                    "run length (s)", "preemptions"]                  # one SLO: no TPOT-alone column
+    assert rows == [["fp8 (vllm-auto)", "inf", "16 of 32", "0.100", "1.00x", "160", "0"],
+                    ["kvrepro:k4v4 (CUSTOM)", "0.25", "27 of 32", "0.200", "", "133", "0"]]
+    assert "Goodput: the requests within the SLO over the run's length." in text
     assert "arriving at 0.25 requests/s, all at once" in text
     assert "[x_20261202.json](results/serve/x_20261202.json)" in text
 
@@ -541,13 +583,16 @@ def test_readme_text_says_why_there_is_no_ratio(tmp_path):
     f = _run("fp8:flash_attn", "inf", 0.2, 100.0, 0.0, 60.0)
     (d / "a_20261202.json").write_text(json.dumps({"workload": k["workload"], "runs": [k, f]}))
     text = sb.readme_text(tmp_path)
-    assert "with every request at once, the goodput of kvrepro:k4v4" in text
-    assert "is 0.200 req/s (27 of 32 requests), no ratio: every fp8 mode's goodput was 0 (fp8:flash_attn 0.000 " \
-        "req/s, 0 of 32)" in text
+    lead, _, rows, _ = _block_parts(text)
+    assert lead.startswith("**Under serving load**, kvrepro:k4v4 has no ratio to fp8's goodput within SLO TPOT <= 50 "
+                           "ms (every fp8 mode's goodput was 0), for 32 requests of 8K-128K-token prompts and 512 "
+                           "output tokens each arriving all at once.")
+    assert rows[1][:4] == ["kvrepro:k4v4 (CUSTOM)", "27 of 32", "0.200", ""] and rows[0][1:4] == ["0 of 32", "0.000", ""]
     f["summary"].pop("request_goodput")
     (d / "a_20261202.json").write_text(json.dumps({"workload": k["workload"], "runs": [k, f]}))
-    assert "no ratio: no fp8 mode recorded a goodput at this rate (fp8:flash_attn not recorded)" in \
-        sb.readme_text(tmp_path)
+    text = sb.readme_text(tmp_path)
+    assert "has no ratio to fp8's goodput within SLO TPOT <= 50 ms (no fp8 mode recorded a goodput at this rate)" in text
+    assert _block_parts(text)[2][0][:3] == ["fp8:flash_attn (FLASH_ATTN)", "", ""]     # blank, not invented
 
 
 def test_logged_backend_reads_vllms_choice(tmp_path):
@@ -637,3 +682,74 @@ def test_readme_command_and_other_workloads_from_the_committed_files():
                 ratio = r["summary"]["request_goodput"] / best
                 assert f"{g['runs'][0]['workload']['output_len']:,} output tokens: {r['mode']} " in text
                 assert f", {ratio:.2f}x the best fp8's goodput within SLO" in text
+
+
+def _git(*args, text=True):
+    """``git args`` in this checkout, its stdout; None without git or where the command fails (a shallow copy)."""
+    import shutil
+
+    if shutil.which("git") is None:
+        return None
+    r = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=text)
+    return r.stdout if r.returncode == 0 else None
+
+
+def _src_sha256_at(commit, tmp_path):
+    """kvrepro.provenance.src_sha256 of the kvrepro package as committed at ``commit`` (that commit's own function over
+    its own files), or None without that commit here."""
+    import importlib.util
+    import io
+    import tarfile
+
+    data = _git("archive", commit, "kvrepro", text=False)
+    if data is None:
+        return None
+    d = tmp_path / commit[:12]
+    tarfile.open(fileobj=io.BytesIO(data)).extractall(d)
+    spec = importlib.util.spec_from_file_location(f"provenance_{commit[:12]}", d / "kvrepro" / "provenance.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.src_sha256()
+
+
+def test_every_committed_serve_run_carries_its_own_provenance(tmp_path):
+    """Each committed run names the kvrepro source that served it (its own provenance, as serve_bench writes it). A run
+    whose provenance was reconstructed after it ran says so: every field is explained or listed as not reconstructed,
+    and, with git history here, the commit it names added the file, and the source hash and fatbin are recomputed
+    from the source commit it names."""
+    import hashlib
+    import re
+
+    # Files whose runs carry no provenance of their own: one serve_bench call wrote all their runs, so the file's
+    # top-level provenance (that call's) is each run's, as the parameters.modes check below shows.
+    one_call = {"nvidia-h200_20261202.json"}
+    reconstructed = 0
+    for p in sorted(ROOT.glob("results/serve/*.json")):
+        rel = str(p.relative_to(ROOT))
+        doc = sb.read_doc(p)
+        if p.name in one_call:
+            assert not any("provenance" in r for r in doc["runs"]) and \
+                {r["mode"] for r in doc["runs"]} <= set(doc["provenance"]["parameters"]["modes"])
+            continue
+        for r in doc["runs"]:
+            prov = r.get("provenance")
+            assert isinstance(prov, dict), (rel, r["mode"])
+            assert re.fullmatch("[0-9a-f]{64}", prov["kvrepro_src_sha256"]) and prov["script"] == "scripts/serve_bench.py"
+            assert (prov["vllm_version"], prov["gpu"]) == (r["workload"]["vllm_version"], r["workload"]["gpu"])
+            rec = prov.get("provenance_reconstructed_from")
+            if rec is None:
+                continue
+            reconstructed += 1
+            assert set(prov) - {"provenance_reconstructed_from"} == set(rec["fields"]), (rel, r["mode"])
+            absent = {k for names in rec["not_reconstructed"] for k in names.split(", ")}
+            assert not absent & set(prov) and rec["about"], (rel, r["mode"])
+            if "cuda_fatbin_sha256" not in prov:
+                assert "cuda_fatbin_sha256" in absent          # said why: an fp8 server runs no kvrepro kernel
+            added = _git("log", "--format=%H", "--", rel)
+            if added is None or rec["commit"] not in added.split():
+                continue                                  # no history here (a copy of the tree): the checks above hold
+            assert _src_sha256_at(rec["source_commit"], tmp_path) == prov["kvrepro_src_sha256"], (rel, r["mode"])
+            if "cuda_fatbin_sha256" in prov:
+                fatbin = _git("show", f"{rec['source_commit']}:kvrepro/ops/cuda/decode.fatbin", text=False)
+                assert hashlib.sha256(fatbin).hexdigest() == prov["cuda_fatbin_sha256"], (rel, r["mode"])
+    assert reconstructed == 3                   # nvidia-h200_20261203.json's runs, recorded before per-run provenance
