@@ -758,7 +758,7 @@ def _measured_cell(r: dict, compact: bool = False) -> str:
         text += (f"; fp8 from another run: {Path(r['fp8_source_file']).name}, {r['fp8_when']}")
     if r.get("fp8_same_run") and r["fp8_max"] and r["fp8_best"]:
         (mu, mt), (bu, bt) = r["fp8_max"], r["fp8_best"]
-        text += f"; ratios vs this run's fp8 ({mu} users, {mt:.1f} tok/s; best {bu} users, {bt:.1f})"
+        text += f"; vs its run's fp8: {mu} users {mt:.1f} tok/s, best {bu} users {bt:.1f}"
     if r["setup_differs"]:
         text += f"; no ratio: setup differs from fp8's run ({', '.join(r['setup_differs'])})"
     return text
@@ -782,10 +782,11 @@ def markdown_table(rows: list[dict], compact: bool = False) -> str:
         head = ["mode", "KV B/token/head", "users, seed A100", "users, H200 @80 GiB", "tok/s at those users",
                 f"vs fp8 max clean{at(fp8_max)}", f"vs fp8 best{at(fp8_best)}", "needle vLLM (single)", "measured"]
     else:
-        head = ["mode", f"KV bytes per token and KV head (head_dim {HEAD_DIM})", "users, seed (A100, published)",
-                "users, kvrepro (H200 at 80 GiB)", "aggregate decode tok/s at those users",
-                f"vs fp8 at its max clean capacity{at(fp8_max)}", f"vs fp8's best clean point{at(fp8_best)}",
-                "needle retrieval through vLLM (single-needle correct / prompts)", "measured (date, file)"]
+        # short headers: long ones wrap the table at GitHub's README width (the line under it defines the terms)
+        head = ["mode", f"KV bytes per token and KV head (head_dim {HEAD_DIM})", "users, seed (A100)",
+                "users, kvrepro (H200, 80 GiB)", "decode tok/s at those users",
+                f"vs fp8 at capacity{at(fp8_max)}", f"vs fp8's best point{at(fp8_best)}",
+                "needle via vLLM (single, correct / prompts)", "measured (date, file)"]
     lines = ["| " + " | ".join(head) + " |", "| --- | " + " | ".join(["---:"] * 6) + " | --- | --- |"]
     for r in rows:
         seed = ""
@@ -841,7 +842,9 @@ def notes_lines(df, needle: dict, chart: bool = True, backends: list[dict] | Non
         "(kvrepro's capacity preset) for comparison only.",
         f"Workload: {s['model']}{s['load']} on vLLM {s['vllm']}, each user {w['prompt_tokens']:,} prompt + "
         f"{w['decode_tokens']:,} decode tokens; users = max clean capacity (most concurrent users with no "
-        "preemption); one current run per mode (the newest in `results/capacity/`).",
+        "preemption); tok/s = aggregate decode tok/s; fp8 \"at capacity\" = at its max clean capacity, \"best "
+        "point\" = its best clean point (the highest tok/s of any clean user count); needle: single-needle prompts "
+        "through vLLM; one current run per mode (the newest in `results/capacity/`).",
         f"GPU: the seed ran on one A100 80GB; kvrepro on one {s['gpu']} emulating an {w['gpu_memory_gb']:g} GiB card "
         "(vLLM's memory budget scaled to it), "
         "so user counts are for the same memory budget (the seed's own non-KV memory is not published) and tok/s "

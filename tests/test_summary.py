@@ -541,7 +541,7 @@ def test_ratios_use_the_fp8_of_the_modes_own_run_where_it_has_one(tmp_path):
     lines = summary.markdown_table(list(rows.values())).splitlines()
     assert "(6 users, 160.0 tok/s)" in lines[0] and "(5 users, 250.0 tok/s)" in lines[0]
     line = next(ln for ln in lines if summary.DISPLAY["kvrepro:k4v4"] in ln)
-    assert "ratios vs this run's fp8 (6 users, 150.0 tok/s; best 4 users, 230.0)" in line
+    assert "vs its run's fp8: 6 users 150.0 tok/s, best 4 users 230.0" in line
     assert f"{540.0 / 150.0:.2f}x" in line and "fp8 from another run" not in line
     assert "fp8 from another run: b.jsonl" in next(ln for ln in lines if ln.startswith("| bf16"))
 
