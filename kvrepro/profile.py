@@ -356,7 +356,7 @@ def section_markdown(root: str | os.PathLike) -> str:
     paths = sorted(Path(root, PROFILE_DIR).glob("*.json"))
     if not paths:
         return ("Not measured yet: no step profile is committed under `results/profile/` "
-                "(`bash scripts/h200_perf.sh profile MODE USERS` on a GPU machine writes one).")
+                "(`python scripts/step_profile.py --mode MODE --users N` on a GPU machine with vLLM writes one).")
     t = profile_table(paths)
     tags = {f: i + 1 for i, f in enumerate(dict.fromkeys(t["file"]))}
     from kvrepro.ops.cuda_decode import read_manifest
@@ -430,12 +430,12 @@ def _ceiling_text(t) -> str:
     kv = c[c["mode"].astype(str).str.startswith("kvrepro")]
     verdict = ""
     if len(kv) and kv["ceiling"].max() < E2E_GOAL:
-        verdict = (f" So no kvrepro batch here can reach issue 23's {100 * E2E_GOAL:.0f}% of the bound by a faster "
-                   "attention alone: the rest of that gap is in the GEMMs (the model's linear layers and, in a kvrepro "
+        verdict = (f" So no kvrepro batch here can reach the project's goal of {100 * E2E_GOAL:.0f}% of the bound by a "
+                   "faster attention alone: the rest of that gap is in the GEMMs (the model's linear layers and, in a kvrepro "
                    "step, its own K / V rotation before the store).")
     elif len(kv):
         verdict = (f" So a faster attention alone could take the kvrepro batches whose ceiling passes "
-                   f"{100 * E2E_GOAL:.0f}% to issue 23's goal.")
+                   f"{100 * E2E_GOAL:.0f}% to the project's goal.")
     return ("Ceiling: the share of the bound a step would reach with its GEMMs as measured, the attention reading the "
             f"KV at the copy bandwidth, no other kernel and no idle time.{verdict}")
 
@@ -521,7 +521,7 @@ def kernel_section_markdown(root: str | os.PathLike) -> str:
             "replayed in a CUDA graph, without and with the key offset rope-mean's score correction (the default offset; "
             "`slow-pairs` and `off` run the kernel without it); % of copy bw = the KV bytes the step must read over its "
             "time, against the device-to-device copy bandwidth of the same run.\n\n" + "\n".join(lines) + "\n\n"
-            f"The goal (issue 23) is every preset's kernel at >= {KERNEL_GOAL:.0%} of the copy bandwidth at batch 3, 6 "
+            f"The project's goal is every preset's kernel at >= {KERNEL_GOAL:.0%} of the copy bandwidth at batch 3, 6 "
             f"and 13. Reached here without the correction: {met('bw')}; with it: {met('bw_rope')}. (The step profile "
             "above times the same kernel inside vLLM, all layers back to back under the profiler, and can read a few "
             "points higher than this one-layer timing.)")

@@ -778,6 +778,10 @@ def main(argv=None) -> int:
         return 1
     if a.check:
         if updated != text:
+            import difflib
+
+            sys.stdout.write("".join(difflib.unified_diff(text.splitlines(True), updated.splitlines(True),
+                                                          f"{README} (committed)", f"{README} (from the results)")))
             print(f"{README}'s reach block differs: run python -m kvrepro.reach --write", file=sys.stderr)
             return 1
         print(f"{README} reach block matches the results")

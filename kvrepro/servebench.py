@@ -644,10 +644,10 @@ def _ratio_words(df) -> str:
 
 
 def _command(w: dict, df) -> str:
-    """The ``scripts/h200_perf.sh serve`` command line of a workload (its modes, rates and every setting that is not
-    ``DEFAULTS``')."""
+    """The ``scripts/serve_bench.py`` command line of a workload (its modes, rates and every setting that is not
+    ``DEFAULTS``'), as a user with vLLM and kvrepro installed runs it."""
     rates = ",".join("inf" if r == float("inf") else f"{r:g}" for r in sorted(df["request_rate"].unique()))
-    argv = ["bash scripts/h200_perf.sh serve", ",".join(dict.fromkeys(df["mode"]))]
+    argv = ["python scripts/serve_bench.py --modes", ",".join(dict.fromkeys(df["mode"]))]
     for k in CONFIG_WORKLOAD_FIELDS:
         if k in ("block_size", "goodput") or w.get(k) == DEFAULTS[k]:
             continue
@@ -732,7 +732,7 @@ def readme_text(root: str | os.PathLike) -> str:
     groups = workload_groups(root)
     if not groups:
         return ("Under serving load: not measured yet (no `vllm bench serve` run is committed under `results/serve/`; "
-                "`bash scripts/h200_perf.sh serve MODE` on a GPU machine writes one).")
+                "`python scripts/serve_bench.py --modes MODE` on a GPU machine with vLLM writes one).")
     g = groups[0]
     w = g["runs"][0]["workload"]
     df = serve_table(g["runs"])
@@ -795,7 +795,7 @@ def section_markdown(root: str | os.PathLike) -> str:
     groups = workload_groups(root)
     if not groups:
         return ("Not measured yet: no `vllm bench serve` run is committed under `results/serve/` "
-                "(`bash scripts/h200_perf.sh serve MODE` on a GPU machine writes one).")
+                "(`python scripts/serve_bench.py --modes MODE` on a GPU machine with vLLM writes one).")
     parts = [f"Decode step p50: the median gap between a request's tokens (a step of decodes only); time in prefill "
              f"steps: the share of all gaps spent in steps longer than {STALL_FACTOR:g}x that median, which also ran "
              f"other requests' prefill chunks (vLLM's chunked prefill mixes them into the decode steps). Goodput: "

@@ -161,7 +161,7 @@ SETTINGS: tuple[Declaration, ...] = (
         "with the key offset rope-mean on a GPU only for k4v4 and k5v4: notes/kernels.md, Known limits).",
         _choice("KVREPRO_PREFILL", PREFILL_PATHS),
         "prefill time of the paths at 128K (H200): [notes/kernels.md, Prefill](notes/kernels.md#prefill), run folders "
-        "at the tag lab-notebook-2026-12-01; each capacity row records the path that ran "
+        "at commit 0718ce1 (tag lab-notebook-2026-12-01); each capacity row records the path that ran "
         "([capacity rows](results/capacity/h200-20261201-w13.jsonl))"),
     Declaration(
         "store_rotate", "KVREPRO_STORE_ROTATE", ", ".join(STORE_ROTATE_MODES), "kernel",

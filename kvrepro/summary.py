@@ -47,6 +47,9 @@ MODES = tuple((m, f"kvrepro {f} (default)" if f == DEFAULT_PRESET else d, f) for
 CAPACITY_PRESET = "kvrepro:k4v4"   # the preset with the most users at fp8-class speed: the seed's point sits beside it
 MODE_NAMES = tuple(m for m, _, _ in MODES)
 DISPLAY = {m: d for m, d, _ in MODES}
+# The chart adds the fp8 backend the README's answer compares with at capacity (vLLM's choice, FLASH_ATTN, is "fp8")
+CHART_MODES = MODE_NAMES + ("fp8:flashinfer",)
+DISPLAY["fp8:flashinfer"] = "fp8 on FlashInfer"
 FORMAT_OF = {m: f for m, _, f in MODES}
 BASELINE = "fp8"
 HEAD_DIM = 128  # Qwen3-4B's head_dim: the bytes column is per token and KV head at this size
@@ -359,10 +362,12 @@ def _backend_of(rows, mode: str, sweep) -> str:
     return sweep.engine_settings(mode)["attention_backend"] or "vllm-auto"
 
 
-def fp8_backends_line(df, workload: dict | None = SEED_WORKLOAD, backends: list[dict] | None = None) -> str | None:
+def fp8_backends_line(df, workload: dict | None = SEED_WORKLOAD, backends: list[dict] | None = None,
+                      link_prefix: str = "") -> str | None:
     """The README line under the results table: each fp8 backend's points (its newest run) and which is the strongest
     at its max clean capacity and at any clean point; None with fewer than two backends measured. ``backends``:
-    :func:`fp8_backends` of ``df`` and ``workload`` where the caller has them already (None: computed here)."""
+    :func:`fp8_backends` of ``df`` and ``workload`` where the caller has them already (None: computed here).
+    ``link_prefix``: put before the repository-relative file links (``"../"`` for a report under ``reports/``)."""
     backends = _measured_fp8_backends(df, workload) if backends is None else backends
     if len(backends) < 2:
         return None
@@ -375,7 +380,8 @@ def fp8_backends_line(df, workload: dict | None = SEED_WORKLOAD, backends: list[
                f"{b['max_clean'][0]} users at {b['max_clean'][1]:.1f} tok/s" if b["max_clean"] else "no clean point")
         best = f", best clean point {b['best_clean'][0]} users at {b['best_clean'][1]:.1f}" if b["best_clean"] else ""
         note = f", not compared: setup differs from vLLM's choice fp8's run ({', '.join(differs)})" if differs else ""
-        parts.append(f"{b['mode']} ({b['backend']}) {cap}{best} ([{Path(b['source_file']).name}]({b['source_file']})"
+        parts.append(f"{b['mode']} ({b['backend']}) {cap}{best} ([{Path(b['source_file']).name}]"
+                     f"({link_prefix}{b['source_file']})"
                      f"{note})")
     tail = ""
     for label, t in (("Strongest at its max clean capacity", top["max"]), ("best clean point of any", top["best"])):
@@ -832,9 +838,11 @@ def uncorrected_point(df, mode: str = CAPACITY_PRESET) -> dict | None:
                 file=_rel(rows["source_file"].iloc[0]), when=when(rows))
 
 
-def notes_lines(df, needle: dict, chart: bool = True, backends: list[dict] | None = None) -> list[str]:
+def notes_lines(df, needle: dict, chart: bool = True, backends: list[dict] | None = None,
+                link_prefix: str = "") -> list[str]:
     """The lines under the table: the seed footnote, the workload, the GPU / ratios rule, the fp8 backends
-    (:func:`fp8_backends_line`, with ``backends`` as there), the needle source, and (``chart``) the chart image."""
+    (:func:`fp8_backends_line`, with ``backends`` as there), the needle source, and (``chart``) the chart image.
+    ``link_prefix``: put before the repository-relative links (``"../"`` for a report under ``reports/``)."""
     s = _setup_words(df)
     w = SEED_WORKLOAD
     lines = [
@@ -850,14 +858,14 @@ def notes_lines(df, needle: dict, chart: bool = True, backends: list[dict] | Non
         "so user counts are for the same memory budget (the seed's own non-KV memory is not published) and tok/s "
         "are not comparable across GPUs: compare kvrepro with fp8 of the same run.",
     ]
-    backends_line = fp8_backends_line(df, backends=backends)
+    backends_line = fp8_backends_line(df, backends=backends, link_prefix=link_prefix)
     if backends_line:
         lines.append(backends_line)
     u = uncorrected_point(df)
     if u is not None:
         lines.append(f"{DISPLAY.get(u['mode'], u['mode'])} without the rope-mean correction (keys stored with key "
                      f"offset {u['key_offset']}, the speed of `KVREPRO_KEY_OFFSET=slow-pairs`): {u['users']} users, "
-                     f"{u['tok_s']:.1f} tok/s ({u['when']}, [{Path(u['file']).name}]({u['file']})).")
+                     f"{u['tok_s']:.1f} tok/s ({u['when']}, [{Path(u['file']).name}]({link_prefix}{u['file']})).")
     metas = (needle.get("_meta") or []) if needle else []
     for i, meta in enumerate([metas] if isinstance(metas, dict) else metas):
         lens = meta["context_lengths"]
@@ -868,7 +876,7 @@ def notes_lines(df, needle: dict, chart: bool = True, backends: list[dict] | Non
                      f"({meta['first']:%Y-%m-%d}), single needle at {span}{ko}, `{meta['file']}`.")
     if chart:
         lines.append(f"![Aggregate decode tok/s vs concurrent users, one current run per mode, with the seed's "
-                     f"A100 points]({CHART})")
+                     f"A100 points]({link_prefix}{CHART})")
     return lines
 
 
@@ -969,6 +977,35 @@ def _stronger(r: dict) -> str:
     return ", " + ", ".join(out) if out else ""
 
 
+def _speed(r: dict) -> str:
+    """A summary row's decode rate against fp8, the fairest comparison first: against the best clean point of any fp8
+    backend, then the strongest fp8 at its max clean capacity, then (where that is another backend) vLLM's default
+    fp8 at its max clean capacity, the seed's protocol; each with the fp8 point it divides by."""
+    ko = f", key offset {r['key_offset']}" if r.get("key_offset") else ""
+    rate = f"its aggregate decode rate ({r['tok_s']:.1f} tok/s{ko})"
+    if r["vs_fp8_max"] is None:
+        return f"{rate} is not comparable with fp8's run"
+
+    def point(p: dict) -> str:
+        other = (p["source_file"], p.get("run_id")) != (r["source_file"], r["run_id"])
+        return (f"{p['backend']}: {p['users']} users, {p['tok_s']:.1f} tok/s"
+                f"{', another run: `' + Path(p['source_file']).name + '`' if other else ''}")
+
+    own_max, own_best = r["fp8_max"], r["fp8_best"]
+    sb, sm = r.get("strongest_best"), r.get("strongest_max")
+    if sb and r.get("vs_strongest_best") is not None and (own_best is None or sb["tok_s"] > own_best[1]):
+        best = f"{r['vs_strongest_best']:.2f}x the best clean point of any fp8 backend ({point(sb)})"
+    else:
+        best = (f"{r['vs_fp8_best']:.2f}x the best clean point of any fp8 backend (vLLM's default: {own_best[0]} "
+                f"users, {own_best[1]:.1f} tok/s)")
+    seed_protocol = f"{r['vs_fp8_max']:.2f}x fp8 on vLLM's default backend at its max clean capacity " \
+                    f"({own_max[0]} users, {own_max[1]:.1f} tok/s: the seed's protocol)"
+    if sm and r.get("vs_strongest_max") is not None and sm["tok_s"] > own_max[1]:
+        return (f"{rate} is {best} and {r['vs_strongest_max']:.2f}x the strongest fp8 at its max clean capacity "
+                f"({point(sm)}); {seed_protocol}")
+    return f"{rate} is {best}; {seed_protocol}"
+
+
 def answer(rows: list[dict], fid_rows: list[dict]) -> str:
     """The README's opening answer (markdown, two sentences), from the capacity rows (:func:`summary_rows`) and the
     fidelity rows (``kvrepro.accuracy_summary.summary_rows``): first the default preset (what a user gets): its
@@ -998,23 +1035,16 @@ def answer(rows: list[dict], fid_rows: list[dict]) -> str:
     where = f" where fp8 serves {fp8_users}" if fp8_users is not None else ""
     met = d is not None and d.get("verdict") == "MET"
     if dcap and dcap["users"] is not None:
-        ko = f", key offset {dcap['key_offset']}" if dcap.get("key_offset") else ""
-        speed = (f"its aggregate decode rate is {dcap['vs_fp8_max']:.2f}x fp8's ({dcap['tok_s']:.1f} tok/s{ko}; "
-                 f"{dcap['vs_fp8_best']:.2f}x fp8's best clean point){_stronger(dcap)}"
-                 if dcap["vs_fp8_max"] is not None else f"it decodes {dcap['tok_s']:.1f} tok/s in aggregate{ko}")
         first = (f"**On one {_gpu_words(dcap)} at an emulated {gib}, kvrepro's default preset {DEFAULT_PRESET} serves "
                  f"{dcap['users']} users of 128K tokens{where}, "
                  + ("at fp8's fidelity or better**" if met else "at a fidelity cost**")
-                 + f": {cost(DEFAULT_PRESET)}; {speed}.")
+                 + f": {cost(DEFAULT_PRESET)}; {_speed(dcap)}.")
     else:
         users = f"{d['users']} users by the capacity arithmetic (no 128K run yet)" if d else "users not known"
         first = f"kvrepro's default preset {DEFAULT_PRESET}: {cost(DEFAULT_PRESET)}; {users}."
     if cap and cap["users"] is not None:
-        second = (f"For throughput, the capacity preset {cap_fmt} serves {cap['users']} users at "
-                  + (f"{cap['vs_fp8_max']:.2f}x fp8's aggregate decode tok/s ({cap['vs_fp8_best']:.2f}x fp8's best "
-                     f"clean point){_stronger(cap)}" if cap["vs_fp8_max"] is not None else "a decode speed not "
-                     "comparable with fp8's "
-                     "run") + f"; it costs {cost(cap_fmt)}.")
+        second = (f"For throughput, the capacity preset {cap_fmt} serves {cap['users']} users; {_speed(cap)}; "
+                  f"it costs {cost(cap_fmt)}.")
     else:
         second = f"The capacity preset {cap_fmt} has no measured run for the seed's workload yet."
     return f"{first} {second} Details, sources and dates: the tables below."
@@ -1317,7 +1347,8 @@ def main(argv: list[str] | None = None) -> int:
         new_text = replace_block(text, block, README)
         new_text = replace_block(new_text, fblock, README, FIDELITY_BEGIN, FIDELITY_END)
         new_text = replace_block(new_text, settings_block(), README, SETTINGS_BEGIN, SETTINGS_END)
-        new_text = replace_block(new_text, serve_block(root), README, SERVE_BEGIN, SERVE_END)
+        sblock = serve_block(root)
+        new_text = replace_block(new_text, sblock, README, SERVE_BEGIN, SERVE_END)
         ablock = answer_block(rows, acs.summary_rows(sources))
         new_text = replace_block(new_text, ablock, README, ANSWER_BEGIN, ANSWER_END)
     except (OSError, ValueError) as e:
@@ -1325,7 +1356,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     index_path = root / CAPACITY_INDEX
     if args.write:
-        atomic_write_bytes(root / CHART, chart_png(select_current(df, MODE_NAMES)))
+        atomic_write_bytes(root / CHART, chart_png(select_current(df, CHART_MODES)))
         atomic_write_bytes(index_path, index.encode())
         if new_text != text:
             atomic_write_bytes(readme, new_text.encode())
@@ -1337,6 +1368,7 @@ def main(argv: list[str] | None = None) -> int:
         problems.append(_diff(current_block(text, README, FIDELITY_BEGIN, FIDELITY_END), fblock, README))
         problems.append(_diff(current_block(text, README, SETTINGS_BEGIN, SETTINGS_END), settings_block(), README))
         problems.append(_diff(current_block(text, README, ANSWER_BEGIN, ANSWER_END), ablock, README))
+        problems.append(_diff(current_block(text, README, SERVE_BEGIN, SERVE_END), sblock, README))
     old_index = index_path.read_text(encoding="utf-8") if index_path.is_file() else ""
     if old_index != index:
         problems.append(_diff(old_index, index, CAPACITY_INDEX))

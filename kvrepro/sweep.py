@@ -477,8 +477,9 @@ def check_params(params: dict) -> dict:
             raise ValueError(f"{name} must be an integer >= 1, got {p[name]!r}")
     if p["block_size"] not in SUPPORTED_BLOCK_SIZES or not _is_int(p["block_size"]):
         raise ValueError(f"block_size must be one of {tuple(SUPPORTED_BLOCK_SIZES)}, got {p['block_size']!r}")
-    if not _is_int(p["seed"]):
-        raise ValueError(f"seed must be an integer, got {p['seed']!r}")
+    if not _is_int(p["seed"]) or p["seed"] < 0:
+        # numpy's default_rng (the prompts' draw) refuses a negative seed, after the engine was built
+        raise ValueError(f"seed must be an integer >= 0, got {p['seed']!r}")
     if not isinstance(p["load_format"], str) or not p["load_format"]:
         raise ValueError(f"load_format must be a non-empty string (e.g. 'dummy', 'auto'), got {p['load_format']!r}")
     md = p["model_dir"]
@@ -486,7 +487,33 @@ def check_params(params: dict) -> dict:
         raise ValueError(f"model_dir must be None (bundled Qwen3-4B config) or a folder with config.json, got {md!r}")
     if p["cudagraph_mode"] is not None and p["cudagraph_mode"] not in CUDAGRAPH_MODES:
         raise ValueError(f"cudagraph_mode must be None or one of {CUDAGRAPH_MODES}, got {p['cudagraph_mode']!r}")
+    limit = max_positions(md)
+    need = max_model_len(p)
+    if limit is not None and need > limit:
+        # vLLM refuses a max_model_len past the model's positions, but only once the engine is being built
+        raise ValueError(f"prompt_tokens ({p['prompt_tokens']}) + decode_tokens ({p['decode_tokens']}) + the sweep's "
+                         f"headroom ({need - p['prompt_tokens'] - p['decode_tokens']}: window_steps x max_users + "
+                         f"{64 + EDGE_STEPS}) must be <= the model's max_position_embeddings ({limit})")
     return p
+
+
+EDGE_STEPS = 1024  # decode steps of headroom for the edge check (part of max_tokens: sweep_worker's margin)
+
+
+def max_model_len(p: dict) -> int:
+    """The engine's ``max_model_len`` for sweep parameters ``p``: prompt and decode tokens plus the headroom the abort
+    windows (``window_steps`` per user) and the edge check (``EDGE_STEPS``) decode after the full window."""
+    return p["prompt_tokens"] + p["decode_tokens"] + p["window_steps"] * p["max_users"] + 64 + EDGE_STEPS
+
+
+def max_positions(model_dir: str | None) -> int | None:
+    """``max_position_embeddings`` of ``model_dir``'s config.json (None: the bundled Qwen3-4B config); None if the
+    config does not give it."""
+    from kvrepro.configs import config_dir
+
+    with open(os.path.join(model_dir or str(config_dir()), "config.json"), encoding="utf-8") as f:
+        v = json.load(f).get("max_position_embeddings")
+    return int(v) if isinstance(v, int) else None
 
 
 def model_label(model_dir: str | None) -> str:

@@ -218,7 +218,9 @@ def measure_mode(mode: str, results_path: str, run_id: str, *, model_dir: str | 
     # (EDGE_STEPS) decode after the full window; the same for every mode, so max_model_len is too.
     margin = window_steps * max_users + 64 + EDGE_STEPS
     kwargs = dict(model=model_dir, load_format=load_format, skip_tokenizer_init=True, seed=seed,
-                  max_model_len=prompt_tokens + decode_tokens + margin, gpu_memory_utilization=util,
+                  max_model_len=sweep.max_model_len(dict(prompt_tokens=prompt_tokens, decode_tokens=decode_tokens,
+                                                         window_steps=window_steps, max_users=max_users)),
+                  gpu_memory_utilization=util,
                   kv_cache_dtype=settings["kv_cache_dtype"], enable_prefix_caching=False,
                   max_num_seqs=max_num_seqs, block_size=block_size, disable_log_stats=False)
     if settings["attention_backend"]:
@@ -329,7 +331,7 @@ def measure_mode(mode: str, results_path: str, run_id: str, *, model_dir: str | 
     return rows
 
 
-EDGE_STEPS = 1024  # decode steps of headroom for the edge check (part of max_tokens, see margin)
+EDGE_STEPS = sweep.EDGE_STEPS
 
 
 def _edge_check(run: Runner, llm, base: dict, old_ids: list[str], seed: int, prompt_tokens: int,

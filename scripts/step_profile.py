@@ -118,6 +118,15 @@ def check_args(a: argparse.Namespace) -> dict:
             raise ValueError(f"--fa-max-splits caps FlashAttention's splits under full CUDA graphs only (vLLM's "
                              f"flash_attn.py); --cudagraph-mode {a.cudagraph_mode} has none: use FULL, "
                              "FULL_DECODE_ONLY, FULL_AND_PIECEWISE or vLLM's default")
+    if a.seed < 0:
+        # numpy's default_rng (the prompts' draw) refuses a negative seed, after the engine was built
+        raise ValueError(f"--seed must be an integer >= 0, got {a.seed}")
+    limit = sweep.max_positions(None)
+    if limit is not None and a.prompt_tokens + MAX_NEW_TOKENS + 64 > limit:
+        raise ValueError(f"--prompt-tokens ({a.prompt_tokens}) + {MAX_NEW_TOKENS + 64} (each request's decode budget "
+                         f"and margin) must be <= the bundled model's max_position_embeddings ({limit})")
+    if a.trace_dir is not None and Path(a.trace_dir).exists() and not Path(a.trace_dir).is_dir():
+        raise ValueError(f"--trace-dir {a.trace_dir!r} is a file: give a folder (created if missing)")
     if a.out is not None and not Path(a.out).resolve().parent.is_dir():
         raise ValueError(f"--out {a.out!r}: its folder does not exist")
     if a.out is not None and Path(a.out).is_dir():

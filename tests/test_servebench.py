@@ -665,7 +665,7 @@ def test_readme_command_and_other_workloads_from_the_committed_files():
 
     groups = sb.workload_groups(ROOT)
     text = sb.readme_text(ROOT)
-    modes, rest = re.search(r"to run it: `bash scripts/h200_perf.sh serve (\S+) ([^`]*)`", text).groups()
+    modes, rest = re.search(r"to run it: `python scripts/serve_bench.py --modes (\S+) ([^`]*)`", text).groups()
     sbs = scripts_module.load("serve_bench")
     cfg = sbs.config_of(sbs.build_parser().parse_args(["--modes", modes, *rest.split()]))
     w = groups[0]["runs"][0]["workload"]

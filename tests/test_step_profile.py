@@ -183,6 +183,9 @@ def test_script_settings_and_engine_arguments(tmp_path):
     (["--mode", "kvrepro:k4v4", "--fa-max-splits", "2"], "--fa-max-splits applies to FlashAttention"),
     (["--mode", "fp8", "--fa-max-splits", "2", "--cudagraph-mode", "PIECEWISE"], "under full CUDA graphs only"),
     (["--gpu-memory-gb", "inf"], "--gpu-memory-gb must be a finite number"),
+    (["--seed", "-1"], "--seed must be an integer >= 0, got -1"),
+    (["--prompt-tokens", "999999999"], "must be <= the bundled model's max_position_embeddings (262144)"),
+    (["--trace-dir", "README.md"], "--trace-dir 'README.md' is a file"),
 ])
 def test_script_refuses_bad_arguments_naming_them(args, msg):
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "step_profile.py"), *args], capture_output=True,
@@ -241,8 +244,8 @@ def test_profile_table_and_section_against_hand_figures(tmp_path):
     # ceiling: 1e9 KV bytes at 4000 GB/s = 0.25 ms, + 4 ms of GEMMs; bound 2.25 ms (kvrepro), 3.0 ms (fp8)
     assert k["ceiling"] == pytest.approx(2.25 / 4.25) and t.iloc[0]["ceiling"] == pytest.approx(3.0 / 4.25)
     assert ("the attention reading the KV at the copy bandwidth, no other kernel and no idle time. So no kvrepro batch "
-            "here can reach issue 23's 95% of the bound by a faster attention alone: the rest of that gap is in the GEMMs"
-            ) in md
+            "here can reach the project's goal of 95% of the bound by a faster attention alone: the rest of that gap is "
+            "in the GEMMs") in md
     # an engine with FlashAttention's split cap set (step_profile --fa-max-splits) is named with it
     capped = json.loads((d / "a.json").read_text())
     (d / "a2.json").write_text(json.dumps(dict(capped, params={"fa_max_splits": 2})))

@@ -109,6 +109,9 @@ def _cli(tmp_path, *extra):
     (["--run-id", ""], "run_id"), (["--timeout-s", "-1"], "timeout_s"), (["--budget-s", "0"], "budget_s"),
     (["--confirm-edge", "kvrepro:k4v5"], "confirm_edge: unknown"), (["--sizing-only", "bf16"], "sizing_only: .*not among"),
     (["--min-start-s", '{"fp8": -3}'], "min_start_s"),
+    (["--params", '{"seed": -1}'], r"seed must be an integer >= 0, got -1"),
+    (["--params", '{"prompt_tokens": 999999999}'],
+     r"prompt_tokens \(999999999\) \+ decode_tokens \(1024\) \+ the sweep's headroom \(2112: .*\(262144\)"),
 ])
 def test_cli_rejects_bad_values_before_the_gpu_check(tmp_path, monkeypatch, capsys, extra, name):
     import re
