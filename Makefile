@@ -52,6 +52,7 @@ endif
 # undeclared parameter, before anything runs (the notebooks refuse undeclared names themselves too).
 check-notebooks: env
 	@set -e; for nb in $(NOTEBOOKS); do \
+	  [ -f notebooks/$$nb.ipynb ] || { echo "error: NOTEBOOKS: no notebooks/$$nb.ipynb; allowed: $$(cd notebooks && ls *.ipynb | sed 's/\.ipynb$$//' | tr '\n' ' ')" >&2; exit 2; }; \
 	  $(PY) -m kvrepro.provenance check notebooks/$$nb.ipynb notebooks/params/$${nb%%_*}_default.yaml; \
 	done
 

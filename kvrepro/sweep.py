@@ -639,7 +639,9 @@ def run_sweep(modes, results_path: str | os.PathLike, run_id: str, params: dict 
     modes = check_modes(modes)
     overrides = param_overrides or {}
     if overrides:
-        check_modes(list(overrides))
+        bad = [m for m in overrides if m not in ALL_MODES]
+        if bad:
+            raise ValueError(f"param_overrides: unknown mode(s) {bad}; allowed: {', '.join(ALL_MODES)}")
     unknown = sorted(set(params or {}).union(*[set(v) for v in overrides.values()]) - set(DEFAULT_PARAMS))
     if unknown:
         raise ValueError(f"unknown sweep parameter(s) {unknown}; allowed: {sorted(DEFAULT_PARAMS)}")
@@ -699,12 +701,15 @@ def run_sweep(modes, results_path: str | os.PathLike, run_id: str, params: dict 
 def main(argv=None) -> int:
     import argparse
 
-    ap = argparse.ArgumentParser(prog="python -m kvrepro.sweep", description="Measured capacity sweep (see module docstring).")
+    ap = argparse.ArgumentParser(prog="python -m kvrepro.sweep", description="Measured capacity sweep: per KV mode, the most concurrent users served without "
+                                 "preemption and their aggregate decode tok/s (the module docstring has the protocol).")
     ap.add_argument("--modes", nargs="+", default=list(ALL_MODES),
                     help=f"modes, space- or comma-separated; allowed: {', '.join(ALL_MODES)}")
     ap.add_argument("--results", required=True, help="JSONL file of this run (resumed if it exists)")
     ap.add_argument("--run-id", required=True)
-    ap.add_argument("--params", default="{}", help="JSON overrides of DEFAULT_PARAMS")
+    ap.add_argument("--params", default="{}",
+                    help="JSON object overriding the sweep parameters; keys and defaults: "
+                         + ", ".join(f"{k}={v!r}" for k, v in DEFAULT_PARAMS.items()))
     ap.add_argument("--confirm-edge", default="", help="comma-separated modes that also run the N+1 check")
     ap.add_argument("--sizing-only", default="", help="comma-separated modes: KV-cache size only")
     ap.add_argument("--timeout-s", type=float, default=540.0, help="wall seconds per mode")
@@ -726,7 +731,9 @@ def main(argv=None) -> int:
             ap.error(f"{flag} must be a JSON object, e.g. '{{\"gpu_memory_gb\": 40}}'")
     if not all(isinstance(v, dict) for v in parsed["--mode-params"].values()):
         ap.error("--mode-params must map each mode to a JSON object")
-    modes = [m for arg in a.modes for m in arg.split(",") if m]
+    modes = [m.strip() for arg in a.modes for m in arg.split(",")]
+    if not all(modes):
+        ap.error(f"--modes has an empty item: {' '.join(a.modes)!r}; allowed: {', '.join(ALL_MODES)}")
     try:
         run_sweep(modes, a.results, a.run_id, parsed["--params"],
                   confirm_edge=[m for m in a.confirm_edge.split(",") if m],
@@ -734,9 +741,25 @@ def main(argv=None) -> int:
                   budget_s=a.budget_s, param_overrides=parsed["--mode-params"],
                   min_start_s=parsed["--min-start-s"])
     except (ValueError, RuntimeError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {_flag_names(str(e))}", file=sys.stderr)
         return 2
     return 0
+
+
+# run_sweep's argument names as main's flags (the sweep parameters keep their names: they are --params' JSON keys)
+_FLAGS = {"results_path": "--results", "run_id": "--run-id", "confirm_edge": "--confirm-edge",
+          "sizing_only": "--sizing-only", "timeout_s": "--timeout-s", "budget_s": "--budget-s",
+          "min_start_s": "--min-start-s", "param_overrides": "--mode-params", "modes": "--modes"}
+
+
+def _flag_names(message: str) -> str:
+    """``run_sweep``'s message with each of its argument names written as the flag a user typed, where the message
+    names it (before ':', '[', ' must', ' and', ' both', ' {', ' ''), never inside quoted or listed values."""
+    import re
+
+    names = sorted(_FLAGS, key=len, reverse=True)
+    return re.sub(r"(?<![\w'\-\[])(" + "|".join(names) + r")(?=:|\[| must| and | both| \{| ')",
+                  lambda m: _FLAGS[m.group(1)], message)
 
 
 if __name__ == "__main__":

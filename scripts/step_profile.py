@@ -64,7 +64,8 @@ def kv_format(mode: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python3 scripts/step_profile.py", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python3 scripts/step_profile.py", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--mode", default="kvrepro:k4v4", help=f"KV mode (kvrepro.sweep); allowed: {', '.join(ENGINE_MODES)}")
     ap.add_argument("--users", default="13", help="decode batches to profile, comma-separated (e.g. 13 or 6,4)")
     ap.add_argument("--prompt-tokens", type=int, default=131072, help="prompt tokens per user (128K)")
@@ -78,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="vLLM's attention_config.flash_attn_max_num_splits_for_cuda_graph (the most KV splits per "
                          "sequence FlashAttention may use under full CUDA graphs; vLLM's default 32); FlashAttention "
                          "modes only")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="prompt draw and engine seed, an integer >= 0")
     ap.add_argument("--out", default=None, help="result JSON (default results/profile/<gpu>_<mode>[-fa-splits<N>]_<users>u_"
                                                 "<date>.json)")
     ap.add_argument("--trace-dir", default=None, help="folder for vLLM's traces (default <out stem>_traces/)")

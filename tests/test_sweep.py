@@ -106,9 +106,11 @@ def _cli(tmp_path, *extra):
     (["--params", '{"decode_tokens": 0}'], "decode_tokens"), (["--params", '{"cudagraph_mode": "ful"}'], "cudagraph_mode"),
     (["--params", '{"model_dir": "/nonexistent"}'], "model_dir"),
     (["--mode-params", '{"fp8": {"prompt_tokens": -1}}'], "prompt_tokens"),
-    (["--run-id", ""], "run_id"), (["--timeout-s", "-1"], "timeout_s"), (["--budget-s", "0"], "budget_s"),
-    (["--confirm-edge", "kvrepro:k4v5"], "confirm_edge: unknown"), (["--sizing-only", "bf16"], "sizing_only: .*not among"),
-    (["--min-start-s", '{"fp8": -3}'], "min_start_s"),
+    (["--run-id", ""], "--run-id must"), (["--timeout-s", "-1"], "--timeout-s must"), (["--budget-s", "0"], "--budget-s must"),
+    (["--confirm-edge", "kvrepro:k4v5"], "--confirm-edge: unknown"),
+    (["--sizing-only", "bf16"], "--sizing-only: .*not among"),
+    (["--min-start-s", '{"fp8": -3}'], r"--min-start-s\['fp8'\] must"),
+    (["--mode-params", '{"bogus": {}}'], r"--mode-params: unknown mode\(s\) \['bogus'\]; allowed: "),
     (["--params", '{"seed": -1}'], r"seed must be an integer >= 0, got -1"),
     (["--params", '{"prompt_tokens": 999999999}'],
      r"prompt_tokens \(999999999\) \+ decode_tokens \(1024\) \+ the sweep's headroom \(2112: .*\(262144\)"),
@@ -124,10 +126,17 @@ def test_cli_rejects_bad_values_before_the_gpu_check(tmp_path, monkeypatch, caps
     assert re.search(name, err), err
 
 
+def test_cli_refuses_an_empty_mode_item(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        sweep.main(["--modes", "fp8,,kvrepro:k4v4", "--results", str(tmp_path / "r.jsonl"), "--run-id", "r"])
+    assert e.value.code == 2
+    assert "--modes has an empty item: 'fp8,,kvrepro:k4v4'; allowed: bf16, fp8" in capsys.readouterr().err
+
+
 def test_cli_rejects_results_in_a_missing_folder(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(sweep, "measurement_blockers", lambda info=None: ["a CUDA GPU (found none)"])
     assert sweep.main(["--modes", "fp8", "--results", str(tmp_path / "no" / "r.jsonl"), "--run-id", "r"]) == 2
-    assert "results_path" in capsys.readouterr().err
+    assert "--results '" in capsys.readouterr().err
     assert sweep.main(_cli(tmp_path)) == 2  # valid values: stops at the missing GPU, saying so
     assert "missing: a CUDA GPU" in capsys.readouterr().err
 

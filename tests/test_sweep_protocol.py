@@ -109,7 +109,7 @@ def test_budgeted_sweep_skips_what_no_longer_fits_and_continues_after_a_failure(
     assert (k4["window_steps"], bf16["window_steps"]) == (8, 4)
     with pytest.raises(ValueError, match="unknown sweep parameter"):
         sweep.run_sweep(["bf16"], path, "r", param_overrides={"bf16": {"windows": 1}})
-    with pytest.raises(ValueError, match="modes"):
+    with pytest.raises(ValueError, match=r"param_overrides: unknown mode\(s\) \[.fp16.\]; allowed: "):
         sweep.run_sweep(["bf16"], path, "r", param_overrides={"fp16": {}})
 
 
