@@ -77,7 +77,7 @@ def parse_goodput(items) -> dict[str, float]:
     """``["tpot:50"]`` -> ``{"tpot": 50.0}`` (vLLM's ``--goodput KEY:VALUE`` in ms).
 
     Raises:
-        ValueError: an item not ``name:value``, a name outside ``GOODPUT_NAMES`` or given twice, a negative value.
+        ValueError: an item not ``name:value``, a name outside ``GOODPUT_NAMES`` or given twice, a value <= 0.
             Items may also be comma-separated within one string (``"tpot:50,ttft:30000"``).
     """
     out = {}
@@ -89,8 +89,8 @@ def parse_goodput(items) -> dict[str, float]:
             raise ValueError(f"goodput: {item!r} is not NAME:MILLISECONDS (e.g. tpot:50)") from None
         if name not in GOODPUT_NAMES:
             raise ValueError(f"goodput: unknown SLO {name!r}; allowed: {', '.join(GOODPUT_NAMES)}")
-        if v < 0 or not math.isfinite(v):
-            raise ValueError(f"goodput: {name} must be a finite number of ms >= 0, got {val!r}")
+        if v <= 0 or not math.isfinite(v):  # an SLO of 0 ms no request meets
+            raise ValueError(f"goodput: {name} must be a finite number of ms > 0, got {val!r}")
         if name in out:
             raise ValueError(f"goodput: {name} is given more than once ({items})")
         out[name] = v

@@ -30,6 +30,7 @@ def test_check_config_defaults_and_errors():
                      ({"request_rates": "0"}, "request_rates"), ({"request_rates": "fast"}, "request_rates"),
                      ({"goodput": ["tpot=50"]}, "NAME:MILLISECONDS"), ({"goodput": ["latency:5"]}, "allowed: ttft"),
                      ({"goodput": ["tpot:-1"]}, "tpot must be"), ({"gpu_memory_gb": 0}, "gpu_memory_gb"),
+                     ({"goodput": ["ttft:0"]}, "ttft must be a finite number of ms > 0, got '0'"),
                      ({"block_size": 8}, "block_size"), ({"rates": 1}, "unknown serve-bench setting"),
                      ({"request_rates": "0.5,0.50,5e-1"}, "names a rate more than once"),
                      ({"request_rates": "1e400"}, "request_rates"), ({"gpu_memory_gb": math.inf}, "gpu_memory_gb"),
