@@ -739,12 +739,14 @@ def readme_text(root: str | os.PathLike) -> str:
     files = ", ".join(f"[{p.name}](results/serve/{p.name})" for p in g["paths"])
     rates = ", ".join("all at once" if r == float("inf") else f"{r:g} requests/s"
                       for r in sorted(df["request_rate"].unique()))
+    days = sorted({str(r.get("date", ""))[:10] for r in g["runs"]} - {""})
+    dates = "" if not days else (f", {days[0]}" if len(days) == 1 else f", runs of {days[0]} to {days[-1]}")
     how = (f"`vllm serve` + `vllm bench serve` on one {w['gpu']} at an emulated {w['gpu_memory_gb']:g} GiB, "
            f"{w['model']} with dummy weights: {w['num_prompts']} requests of {w['input_min']:,}-{w['input_max']:,}-"
-           f"token prompts arriving at {rates}, {w['output_len']:,} output tokens each ({files}, {g['date'][:10]})")
+           f"token prompts arriving at {rates}, {w['output_len']:,} output tokens each ({files}{dates})")
     several_rates = df["request_rate"].nunique() > 1
     fp8 = df[df["mode"].isin(sweep.FP8_MODES)]
-    clauses, alone = [], []
+    clauses, alone, both_met = [], [], []
     for _, r in df[~df["mode"].isin(sweep.FP8_MODES)].iterrows():
         at = "" if not several_rates else (" with every request at once" if math.isinf(r["request_rate"])
                                            else f" at {r['request_rate']:g} requests/s")
@@ -760,13 +762,27 @@ def readme_text(root: str | os.PathLike) -> str:
         bt = same[same["mode"] == r["best_fp8_tpot"]].iloc[0]
         t = r["goodput_tpot_vs_best_fp8"]
         if r["good_tpot_requests"] == bt["good_tpot_requests"]:
-            alone.append(f"At the TPOT SLO alone {r['mode']}{at} and {bt['mode']} both met it with "
-                         f"{_of(r, 'good_tpot_requests')} requests, so the {t:.2f}x goodput there comes only from the run "
-                         f"lengths ({r['duration_s']:.0f} s against {bt['duration_s']:.0f} s).")
+            both_met.append((r, bt, at, t))
         else:
             alone.append(f"At the TPOT SLO alone {r['mode']}{at}'s goodput is {t:.2f}x "
                          f"{'fp8' if len(same) == 1 else bt['mode']}'s ({_of(r, 'good_tpot_requests')} requests in "
                          f"{r['duration_s']:.0f} s against {_of(bt, 'good_tpot_requests')} in {bt['duration_s']:.0f} s).")
+    if len(both_met) == 1:
+        r, bt, at, t = both_met[0]
+        alone.insert(0, f"At the TPOT SLO alone {r['mode']}{at} and {bt['mode']} both met it with "
+                        f"{_of(r, 'good_tpot_requests')} requests, so the {t:.2f}x goodput there comes only from the "
+                        f"run lengths ({r['duration_s']:.0f} s against {bt['duration_s']:.0f} s).")
+    elif both_met:      # one sentence, not one per mode saying the same
+        fp8_names = list(dict.fromkeys(bt["mode"] for _, bt, _, _ in both_met))
+        counts = list(dict.fromkeys(_of(r, "good_tpot_requests") for r, _, _, _ in both_met))
+        same_count = f"the same number of requests ({counts[0]})" if len(counts) == 1 else \
+            "as many requests as " + ("fp8" if len(fp8_names) == 1 else "its fp8") + " (" + "; ".join(
+                f"{r['mode']}{at} {_of(r, 'good_tpot_requests')}" for r, _, at, _ in both_met) + ")"
+        alone.insert(0, "At the TPOT SLO alone " + ", ".join(f"{r['mode']}{at}" for r, _, at, _ in both_met)
+                     + f" and {' and '.join(fp8_names)} met it with {same_count}, so the goodput ratios there come only "
+                     "from the run lengths: " + ", ".join(
+                         f"{r['mode']}{at} {t:.2f}x ({r['duration_s']:.0f} s against {bt['duration_s']:.0f} s)"
+                         for r, bt, at, t in both_met) + ".")
     lead = ("**Under serving load**, " + ("; ".join(clauses) if clauses else "no kvrepro mode was measured (fp8 only)")
             + f", for {w['num_prompts']} requests of {_tokens_short(w['input_min'])}-{_tokens_short(w['input_max'])}-"
             f"token prompts and {w['output_len']:,} output tokens each arriving {_arrivals(df['request_rate'].unique())}.")

@@ -25,9 +25,9 @@ Writes ``--out`` (default ``results/serve/<gpu>_<UTC date>.json``; written then 
 same workload are kept, a (mode, rate) measured again replaced; a file of another workload is refused before any GPU
 work): ``workload``, ``runs`` (per mode and rate: the server command, KV tokens, the client's arguments,
 ``servebench.summarize`` of vLLM's result, preemptions, peak usage, the vLLM result file's name, the attention backend
-the server logged, the run's provenance), ``provenance`` (the last call's). Prints the table
-(``servebench.serve_table``). Exit 2 on bad arguments, 1 when a mode failed (the others still run; the file keeps what
-was measured, a failed mode's earlier rates included).
+the server logged, the run's provenance, for kvrepro's modes with the SHA-256 of the CUDA fatbin the server loads),
+``provenance`` (the last call's). Prints the table (``servebench.serve_table``). Exit 2 on bad arguments, 1 when a mode
+failed (the others still run; the file keeps what was measured, a failed mode's earlier rates included).
 """
 from __future__ import annotations
 
@@ -305,6 +305,8 @@ def main(argv=None) -> int:
 
     from kvrepro.configs import config_dir
     from kvrepro.fileio import atomic_write_text
+    from kvrepro.fileio import file_sha256
+    from kvrepro.ops.cuda_decode import FATBIN
     from kvrepro.provenance import collect, src_sha256
 
     info = collect({k: v for k, v in cfg.items()})
@@ -334,6 +336,9 @@ def main(argv=None) -> int:
             if not runs:
                 continue
         prov = dict(info, kvrepro_src_sha256=src_sha256(), script="scripts/serve_bench.py")
+        if mode.startswith("kvrepro:"):
+            # the server process loads the committed fatbin of this tree (its log says whether decode ran on it)
+            prov["cuda_fatbin_sha256"] = file_sha256(FATBIN)
         # each run self-contained (the table compares runs of several calls): its workload and its own provenance
         runs = [dict(r, workload=workload, provenance=prov) for r in runs]
         existing = sb.read_doc(out, empty_runs=True) if out.exists() else None
