@@ -34,11 +34,13 @@ import re
 from pathlib import Path
 
 from kvrepro import sweep
+from kvrepro.formats import DEFAULT_PRESET
 from kvrepro.listarg import comma_list
 from kvrepro.style import formatted
 
 SERVE_MODES = tuple(m for m in sweep.ALL_MODES if not m.startswith("turboquant"))
 DEFAULT_MODES = ("fp8:flash_attn", "kvrepro:k4v4")
+DEFAULT_MODE = f"kvrepro:{DEFAULT_PRESET}"        # the kvrepro mode a user gets without setting a preset
 GOODPUT_NAMES = ("ttft", "tpot", "e2el")   # vLLM 0.20.2 check_goodput_args VALID_NAMES
 PERCENTILES = (50, 99)
 # Default rate: all at once. The rates an H200 sustains at these prompt lengths are prefill-bound (a 128K prefill of
@@ -457,7 +459,8 @@ def check_same_workload(runs: list[dict]) -> None:
 
 
 def serve_table(runs: list[dict]):
-    """The serving table: one row per (mode, request rate), fp8 modes first, then by mode and rate.
+    """The serving table: one row per (mode, request rate), fp8 modes first, then the default preset's
+    (``DEFAULT_MODE``), then by mode and rate.
 
     Columns: mode, key_offset (a kvrepro server's, from its logged settings: :func:`logged_settings`; else None),
     backend (the run's ``attention_backend_used``, with "(vLLM's choice)" where the server was not asked for one;
@@ -519,7 +522,9 @@ def serve_table(runs: list[dict]):
             if best[col] > 0:
                 df.loc[g.index, ratio] = pd.to_numeric(g[col]) / float(best[col])
     df["_fp8"] = ~df["mode"].isin(sweep.FP8_MODES)
-    return df.sort_values(["_fp8", "mode", "request_rate"], kind="stable").drop(columns="_fp8").reset_index(drop=True)
+    df["_other"] = df["mode"] != DEFAULT_MODE          # the default preset's rows right after fp8's
+    return df.sort_values(["_fp8", "_other", "mode", "request_rate"], kind="stable").drop(
+        columns=["_fp8", "_other"]).reset_index(drop=True)
 
 
 def table_markdown(df) -> str:
@@ -708,7 +713,7 @@ def _readme_table(df, slos: dict) -> str:
     lines = ["| " + " | ".join(head) + " |", "| --- | " + " | ".join(["---:"] * (len(head) - 1)) + " |"]
     for _, r in df.iterrows():
         backend = str(r["backend"]).replace(" (vLLM's choice)", ", vLLM's choice")
-        name = f"{r['mode']} ({backend})"
+        name = f"{r['mode']} ({backend}{'; default preset' if r['mode'] == DEFAULT_MODE else ''})"
         cells = ([name] + (["inf" if math.isinf(r["request_rate"]) else f"{r['request_rate']:g}"] if rates else [])
                  + ["" if _missing(r["good_requests"]) else _of(r),
                     formatted(r["goodput_req_s"], "{:.3f}"), formatted(r["goodput_vs_best_fp8"], "{:.2f}x")]
@@ -718,6 +723,27 @@ def _readme_table(df, slos: dict) -> str:
                  + ([formatted(r["preemptions"], "{:.0f}")] if preempt else []))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _run_dates(runs: list[dict], order: list[str]) -> str:
+    """``", 2026-12-04"`` where every run of a workload ended on one day, else each day's modes (in ``order``):
+    ``", runs: fp8:flash_attn 2026-12-03; kvrepro:k5v4 and kvrepro:k4v4 2026-12-04"``; a day's CUDA fatbins (8 hex
+    digits, from the runs' provenance) follow it where recorded. "" where no run has a date."""
+    days: dict[str, dict] = {}
+    for r in sorted(runs, key=lambda r: order.index(r["mode"]) if r["mode"] in order else len(order)):
+        day = str(r.get("date", ""))[:10]
+        if day:
+            d = days.setdefault(day, {"modes": [], "fatbins": []})
+            d["modes"] += [r["mode"]] if r["mode"] not in d["modes"] else []
+            fb = (r.get("provenance") or {}).get("cuda_fatbin_sha256")
+            d["fatbins"] += [fb[:8]] if fb and fb[:8] not in d["fatbins"] else []
+
+    def fatbins(d):
+        return f" (CUDA fatbin {', '.join(d['fatbins'])})" if d["fatbins"] else ""
+
+    if len(days) <= 1:
+        return "".join(f", {day}{fatbins(d)}" for day, d in days.items())
+    return ", runs: " + "; ".join(f"{' and '.join(d['modes'])} {day}{fatbins(d)}" for day, d in sorted(days.items()))
 
 
 def readme_text(root: str | os.PathLike) -> str:
@@ -739,8 +765,7 @@ def readme_text(root: str | os.PathLike) -> str:
     files = ", ".join(f"[{p.name}](results/serve/{p.name})" for p in g["paths"])
     rates = ", ".join("all at once" if r == float("inf") else f"{r:g} requests/s"
                       for r in sorted(df["request_rate"].unique()))
-    days = sorted({str(r.get("date", ""))[:10] for r in g["runs"]} - {""})
-    dates = "" if not days else (f", {days[0]}" if len(days) == 1 else f", runs of {days[0]} to {days[-1]}")
+    dates = _run_dates(g["runs"], list(df["mode"]))
     how = (f"`vllm serve` + `vllm bench serve` on one {w['gpu']} at an emulated {w['gpu_memory_gb']:g} GiB, "
            f"{w['model']} with dummy weights: {w['num_prompts']} requests of {w['input_min']:,}-{w['input_max']:,}-"
            f"token prompts arriving at {rates}, {w['output_len']:,} output tokens each ({files}{dates})")
@@ -753,7 +778,9 @@ def readme_text(root: str | os.PathLike) -> str:
         same = fp8[fp8["request_rate"] == r["request_rate"]]
         fp8s = "fp8's" if len(same) == 1 else f"the best fp8's ({r['best_fp8']})"
         why = _no_ratio_reason(r, same)
-        name = r["mode"] + ("" if _missing(r["key_offset"]) else f" (key offset {r['key_offset']})") + at
+        notes = (["the default preset"] if r["mode"] == DEFAULT_MODE else []) + \
+            ([] if _missing(r["key_offset"]) else [f"key offset {r['key_offset']}"])
+        name = r["mode"] + (f" ({', '.join(notes)})" if notes else "") + at
         goodput = "" if clauses else f" goodput within SLO {_slo_words(w['goodput'])}"
         clauses.append(f"{name} has no ratio to fp8's{goodput} ({why})" if why else
                        f"{name} has **{r['goodput_vs_best_fp8']:.2f}x** {fp8s}{goodput}")

@@ -309,6 +309,10 @@ def main(argv=None) -> int:
     from kvrepro.ops.cuda_decode import FATBIN
     from kvrepro.provenance import collect, src_sha256
 
+    try:        # before any folder is made: a card smaller than the budget is a bad argument, not a failed run
+        util = sweep.memory_utilization(cfg["gpu_memory_gb"], total_memory_bytes())
+    except ValueError as e:
+        ap.error(f"--gpu-memory-gb {cfg['gpu_memory_gb']:g}: {e} (allowed: more than 0, at most this GPU's memory)")
     info = collect({k: v for k, v in cfg.items()})
     out = Path(a.out) if a.out else sb.default_out(info["gpu"], time.strftime("%Y%m%d", time.gmtime()), ROOT)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -317,7 +321,6 @@ def main(argv=None) -> int:
     model_dir = str(config_dir())
     with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
         vocab = json.load(f)["vocab_size"]
-    util = sweep.memory_utilization(cfg["gpu_memory_gb"], total_memory_bytes())
     lengths = sb.input_lengths(cfg["num_prompts"], cfg["input_min"], cfg["input_max"], cfg["seed"])
     prompts = sb.token_prompts(lengths, vocab, cfg["seed"])
     workload = sb.config_workload(cfg)

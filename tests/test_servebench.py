@@ -481,6 +481,7 @@ def test_readme_text_of_the_committed_run_against_its_raw_figures():
     import re
 
     from kvrepro import sweep
+    from kvrepro.formats import DEFAULT_PRESET
 
     groups = sb.workload_groups(ROOT)
     paths = groups[0]["paths"]
@@ -512,9 +513,12 @@ def test_readme_text_of_the_committed_run_against_its_raw_figures():
                     "vs&nbsp;fp8" if len(fp8) == 1 else "vs best&nbsp;fp8", "within TPOT SLO alone", "run length (s)",
                     "preemptions"]
     want = []
-    for p, r in sorted(runs, key=lambda x: (x[1]["mode"] not in sweep.FP8_MODES, x[1]["mode"])):
+    default = f"kvrepro:{DEFAULT_PRESET}"          # fp8 first, then the preset a user gets by default
+    for p, r in sorted(runs, key=lambda x: (x[1]["mode"] not in sweep.FP8_MODES, x[1]["mode"] != default,
+                                            x[1]["mode"])):
         (both, sent), (alone, _) = good(p, r, slo), good(p, r, {"tpot": slo["tpot"]})
-        want.append([f"{r['mode']} ({backend(p, r)})", f"{both} of {sent}", f"{r['summary']['request_goodput']:.3f}",
+        label = "; default preset" if r["mode"] == default else ""
+        want.append([f"{r['mode']} ({backend(p, r)}{label})", f"{both} of {sent}", f"{r['summary']['request_goodput']:.3f}",
                      f"{r['summary']['request_goodput'] / best:.2f}x", f"{alone} of {sent}",
                      f"{vllm_of(p, r)['duration']:.0f}", str(r["preemptions"])])
     assert rows == want
@@ -523,13 +527,15 @@ def test_readme_text_of_the_committed_run_against_its_raw_figures():
         v = slo[name]
         return f"{name.upper()} <= " + (f"{v / 1e3:g} s" if v >= 1e3 else f"{v:g} ms")
 
-    kv = sorted([(p, r) for p, r in runs if r["mode"] not in sweep.FP8_MODES], key=lambda x: x[1]["mode"])
+    kv = sorted([(p, r) for p, r in runs if r["mode"] not in sweep.FP8_MODES],
+                key=lambda x: (x[1]["mode"] != default, x[1]["mode"]))
     assert kv
     clauses = []
     for p, r in kv:
         offset = re.search(r"kvrepro settings: .*key_offset=(\S+)", sb.server_log(p, r["mode"]).read_text()).group(1)
         ratio = r["summary"]["request_goodput"] / best
-        clauses.append(f"{r['mode']} (key offset {offset}) has **{ratio:.2f}x** "
+        label = "the default preset, " if r["mode"] == default else ""
+        clauses.append(f"{r['mode']} ({label}key offset {offset}) has **{ratio:.2f}x** "
                        f"{'fp8' if len(fp8) == 1 else 'the best fp8'}'s"
                        + ("" if clauses else f" goodput within SLO {' and '.join(slo_words(k) for k in slo)}"))
     r = kv[0][1]
@@ -564,6 +570,14 @@ def test_readme_text_of_the_committed_run_against_its_raw_figures():
     not_run = [m for m in sweep.FP8_MODES if ":" in m and m not in {x["mode"] for _, x in runs}]
     assert f"\n\nNot run at this workload: {', '.join(not_run)}.\n\n" in text
     assert f"Workload: `vllm serve` + `vllm bench serve` on one {w['gpu']}" in text
+    days = {}                                   # each day's modes, as the runs record them
+    for _, r in runs:
+        days.setdefault(r["date"][:10], set()).add(r["mode"])
+    order = [row[0].split(" ")[0] for row in want]    # the table's order of modes
+    if len(days) > 1:
+        assert ", runs: " in text
+        for day, modes in days.items():
+            assert f"{' and '.join(m for m in order if m in modes)} {day}" in text, day
 
 
 def test_readme_text_without_runs_or_without_fp8(tmp_path):
@@ -653,6 +667,18 @@ def test_read_doc_names_the_file_and_run_missing_a_key(tmp_path, drop, lacks):
     p.write_text(json.dumps({"runs": []}))      # an empty file must still say its workload, or nothing can join it
     with pytest.raises(ValueError, match="no 'workload' object"):
         sb.read_doc(p, empty_runs=True)
+
+
+def test_serve_bench_refuses_a_budget_above_the_card_before_making_folders(tmp_path, monkeypatch, capsys):
+    """--gpu-memory-gb above the card (the stand-in's 140.4 GiB) is a bad argument: exit 2 naming the flag, no result
+    file and none of its side folders made."""
+    with pytest.raises(SystemExit) as e:
+        _drive_fake(tmp_path, monkeypatch, extra=["--gpu-memory-gb", "500"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--gpu-memory-gb 500: gpu_memory_gb=500.0 exceeds this GPU (140.4 GiB)" in err
+    assert not (tmp_path / "serve.json").exists() and not (tmp_path / "serve_vllm").exists()
+    assert not (tmp_path / "serve_logs").exists() and not (tmp_path / "servers.jsonl").exists()
 
 
 def test_serve_bench_keeps_the_rates_measured_before_a_failure(tmp_path, monkeypatch):
