@@ -726,11 +726,11 @@ def _readme_table(df, slos: dict) -> str:
 
 
 def _run_dates(runs: list[dict], order: list[str]) -> str:
-    """``", 2026-12-04"`` where every run of a workload ended on one day, else each day's modes (in ``order``):
-    ``", runs: fp8:flash_attn 2026-12-03; kvrepro:k5v4 and kvrepro:k4v4 2026-12-04"``; a day's CUDA fatbins (8 hex
+    """``", YYYY-MM-DD"`` where every run of a workload ended on one day, else each day's modes (in ``order``):
+    ``", runs: fp8:flash_attn DAY1; kvrepro:k5v4 and kvrepro:k4v4 DAY2"``; a day's CUDA fatbins (8 hex
     digits, from the runs' provenance) follow it where recorded. "" where no run has a date."""
     days: dict[str, dict] = {}
-    for r in sorted(runs, key=lambda r: order.index(r["mode"]) if r["mode"] in order else len(order)):
+    for r in sorted(runs, key=lambda r: order.index(r["mode"])):
         day = str(r.get("date", ""))[:10]
         if day:
             d = days.setdefault(day, {"modes": [], "fatbins": []})

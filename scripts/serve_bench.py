@@ -305,8 +305,7 @@ def main(argv=None) -> int:
 
     from kvrepro.configs import config_dir
     from kvrepro.fileio import atomic_write_text
-    from kvrepro.fileio import file_sha256
-    from kvrepro.ops.cuda_decode import FATBIN
+    from kvrepro.ops.cuda_decode import read_manifest
     from kvrepro.provenance import collect, src_sha256
 
     try:        # before any folder is made: a card smaller than the budget is a bad argument, not a failed run
@@ -328,6 +327,9 @@ def main(argv=None) -> int:
                     gpu_memory_utilization=util,
                     prompt_lengths_sha256=hashlib.sha256(json.dumps(lengths).encode()).hexdigest(),
                     prompt_tokens_total=sum(lengths))
+    # the committed fatbin the kvrepro servers load (the runtime's kvrepro settings name it the same way); its log says
+    # whether decode ran on it
+    fatbin = read_manifest()["fatbin_sha256"]
     status = 0
     for mode in cfg["modes"]:
         try:
@@ -340,8 +342,7 @@ def main(argv=None) -> int:
                 continue
         prov = dict(info, kvrepro_src_sha256=src_sha256(), script="scripts/serve_bench.py")
         if mode.startswith("kvrepro:"):
-            # the server process loads the committed fatbin of this tree (its log says whether decode ran on it)
-            prov["cuda_fatbin_sha256"] = file_sha256(FATBIN)
+            prov["cuda_fatbin_sha256"] = fatbin
         # each run self-contained (the table compares runs of several calls): its workload and its own provenance
         runs = [dict(r, workload=workload, provenance=prov) for r in runs]
         existing = sb.read_doc(out, empty_runs=True) if out.exists() else None
