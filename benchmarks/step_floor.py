@@ -1,0 +1,170 @@
+"""What the parts of a decode step other than kvrepro's can reach on this GPU: the read-only bandwidth beside the copy
+bandwidth of issue 23's bound, and a model's decode GEMMs through PyTorch's ``torch.nn.functional.linear`` (cuBLAS, as
+vLLM's unquantized linear layers call it) at the profiled batch sizes against their weight bytes at those bandwidths.
+
+    PYTHONPATH=. python benchmarks/step_floor.py [--rows 12 13 17] [--model qwen3-4b-instruct-2507] [--out PATH]
+
+- copy: ``benchmarks.common.copy_bandwidth`` (4 GiB device-to-device, read + write bytes over time), as the bound;
+- read: :func:`read_kernel` (Triton) streams a 4 GiB buffer, each program summing int32 words over a grid stride and
+  writing one int64 word; every launch in :data:`READ_LAUNCHES` is timed, and each launch's sum is checked against
+  PyTorch's over the same buffer (a read that skipped bytes would not match);
+- GEMMs: every decode linear layer of ``--model`` (:func:`gemm_shapes`: q / k / v, o, gate / up, down per layer, then
+  the LM head), each layer's own bfloat16 weights (no weight is read twice in a step, as in vLLM), for ``M`` rows of
+  activations, captured as one CUDA graph per ``M`` and timed by ``triton.testing.do_bench`` (L2 flushed before each
+  replay); the graph's figure is the time of all the step's GEMMs, beside its weight bytes at the copy and the read
+  bandwidth. vLLM's step adds its own choices (fused q/k/v and gate/up, the same cuBLAS calls): the profiles'
+  ``gemm_ms`` (``results/profile/``) are the figures in vLLM.
+
+Writes ``--out`` (default ``benchmarks/results/step_floor.json``; provenance, the two bandwidths, one row per read
+launch and per ``M``), atomically. About a minute on an H200 (8 GB of weights).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from benchmarks.common import RESULTS, capture_graph, copy_bandwidth, provenance, write_json  # noqa: E402
+
+OUT = os.path.join(RESULTS, "step_floor.json")
+READ_BYTES = 4 << 30
+# (BLOCK int32 words per program and iteration, num_warps, programs per SM)
+READ_LAUNCHES = ((1024, 4, 8), (2048, 4, 8), (4096, 8, 4), (4096, 8, 8), (8192, 8, 4), (8192, 16, 2))
+
+
+def _read_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def read_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+        """Program p of P sums x[i] for i = (p + k P) BLOCK + j, k < ITERS, j < BLOCK, i < n (int32, wrapping), into
+        out[p] (int64)."""
+        pid = tl.program_id(0)
+        nprog = tl.num_programs(0)
+        offs = tl.arange(0, BLOCK)
+        acc = tl.zeros([BLOCK], dtype=tl.int32)
+        for k in range(ITERS):
+            i = (pid + k * nprog) * BLOCK + offs
+            acc += tl.load(x_ptr + i, mask=i < n, other=0)
+        tl.store(out_ptr + pid, tl.sum(acc.to(tl.int64), axis=0))
+
+    return read_kernel
+
+
+def read_sum(x: torch.Tensor, block: int, num_warps: int, programs: int) -> torch.Tensor:
+    """Per program, the wrapping int32 sum of the words of ``x`` (int32, 1-D, contiguous) it read: int64 [programs].
+    Their total equals ``x.sum()`` modulo 2^32 when every word was read once.
+
+    Raises:
+        ValueError: ``x`` not a contiguous 1-D int32 tensor, or a non-positive ``block`` / ``programs`` (named), or
+            ``block`` not a power of two.
+    """
+    if x.dtype != torch.int32 or x.dim() != 1 or not x.is_contiguous():
+        raise ValueError(f"x must be a contiguous 1-D int32 tensor, got {x.dtype} of shape {tuple(x.shape)}")
+    if block <= 0 or block & (block - 1):
+        raise ValueError(f"block must be a power of two > 0, got {block}")
+    if programs <= 0:
+        raise ValueError(f"programs must be > 0, got {programs}")
+    out = torch.empty(programs, dtype=torch.int64, device=x.device)
+    iters = -(-x.numel() // (programs * block))
+    _read_kernel()[(programs,)](x, out, x.numel(), BLOCK=block, ITERS=iters, num_warps=num_warps)
+    return out
+
+
+def gemm_shapes(cfg: dict) -> list[tuple[str, int, int, int]]:
+    """``(name, in_features, out_features, count)`` of a decoder's decode-step linear layers from its ``config.json``:
+    q / k / v, o, gate / up and down once per layer (``count`` = ``num_hidden_layers``), then the LM head once
+    (``vocab_size`` outputs; tied or not, it is read once per step).
+
+    Raises:
+        ValueError: a key the computation needs is missing (named).
+    """
+    need = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "num_hidden_layers",
+            "vocab_size")
+    missing = [k for k in need if k not in cfg]
+    if missing:
+        raise ValueError(f"config lacks {', '.join(missing)}")
+    h, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    hd = cfg.get("head_dim") or h // cfg["num_attention_heads"]
+    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
+    return [("qkv", h, q + 2 * kv, layers), ("o", q, h, layers), ("gate_up", h, 2 * inter, layers),
+            ("down", inter, h, layers), ("lm_head", h, cfg["vocab_size"], 1)]
+
+
+def gemm_weight_bytes(shapes, itemsize: int = 2) -> int:
+    """Bytes of all the step's weight matrices (``itemsize`` bytes a weight: bfloat16 2)."""
+    return sum(i * o * n for _, i, o, n in shapes) * itemsize
+
+
+def main(argv=None) -> int:
+    from kvrepro.configs import DEFAULT_MODEL, load_config
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", type=int, nargs="+", default=[12, 13, 17],
+                    help="decode batch sizes (activation rows) to time the GEMMs at (default: the profiled batches)")
+    ap.add_argument("--model", default=DEFAULT_MODEL, help="a bundled config (kvrepro/configs)")
+    ap.add_argument("--out", default=OUT, help=f"result file (default {os.path.relpath(OUT)})")
+    a = ap.parse_args(argv)
+    bad = [m for m in a.rows if m < 1 or m > 4096]
+    if bad:
+        ap.error(f"--rows must be in 1..4096, got {bad}")
+    try:
+        shapes = gemm_shapes(load_config(a.model))
+    except ValueError as e:
+        ap.error(f"--model {a.model!r}: {e}")
+    if not torch.cuda.is_available():
+        raise SystemExit("step_floor.py needs a CUDA device")
+    import triton.testing
+
+    t0 = time.time()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    res = {"provenance": provenance({"script": "benchmarks/step_floor.py", "model": a.model, "rows": a.rows}),
+           "copy_bandwidth": copy_bandwidth(), "read": [], "gemm_shapes": shapes, "gemms": []}
+    copy_gbps = res["copy_bandwidth"]["GBps_read_plus_write"]
+    print(f"copy {copy_gbps:.0f} GB/s", flush=True)
+
+    x = torch.randint(-2**31, 2**31 - 1, (READ_BYTES // 4,), dtype=torch.int32, device=dev)
+    want = int(x.sum(dtype=torch.int64).item()) % 2**32
+    for block, warps, per_sm in READ_LAUNCHES:
+        progs = per_sm * sms
+        got = int(read_sum(x, block, warps, progs).sum().item()) % 2**32
+        if got != want:
+            raise RuntimeError(f"read kernel BLOCK={block} warps={warps} programs={progs}: sum {got} != {want}")
+        ms = triton.testing.do_bench(lambda: read_sum(x, block, warps, progs), warmup=50, rep=300,
+                                     return_mode="median")
+        row = {"block": block, "num_warps": warps, "programs": progs, "ms": ms, "GBps_read": READ_BYTES / ms / 1e6}
+        row["of_copy"] = row["GBps_read"] / copy_gbps
+        res["read"].append(row)
+        print(row, flush=True)
+    del x
+    torch.cuda.empty_cache()
+    read_gbps = max(r["GBps_read"] for r in res["read"])
+    res["read_bandwidth"] = {"GBps": read_gbps, "of_copy": read_gbps / copy_gbps}
+
+    gen = torch.Generator(device=dev).manual_seed(0)
+    weights = [(name, [torch.empty(o, i, dtype=torch.bfloat16, device=dev).normal_(0, 0.02, generator=gen)
+                       for _ in range(n)]) for name, i, o, n in shapes]
+    wbytes = gemm_weight_bytes(shapes)
+    for m in a.rows:
+        ins = {i: torch.randn(m, i, dtype=torch.bfloat16, device=dev, generator=gen) for _, i, _, _ in shapes}
+        step = lambda: [torch.nn.functional.linear(ins[w.shape[1]], w) for _, ws in weights for w in ws]  # noqa: E731
+        g = capture_graph(step)
+        ms = triton.testing.do_bench(g.replay, warmup=10, rep=100, return_mode="median")
+        row = {"rows": m, "ms": ms, "weight_bytes": wbytes, "GBps": wbytes / ms / 1e6,
+               "of_copy": wbytes / ms / 1e6 / copy_gbps, "of_read": wbytes / ms / 1e6 / read_gbps}
+        res["gemms"].append(row)
+        print(row, flush=True)
+        del g
+    res["total_s"] = time.time() - t0
+    write_json(a.out, res)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
