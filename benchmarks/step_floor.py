@@ -5,9 +5,10 @@ vLLM's unquantized linear layers call it) at the profiled batch sizes against th
     PYTHONPATH=. python benchmarks/step_floor.py [--rows 12 13 17] [--model qwen3-4b-instruct-2507] [--out PATH]
 
 - copy: ``benchmarks.common.copy_bandwidth`` (4 GiB device-to-device, read + write bytes over time), as the bound;
-- read: :func:`read_kernel` (Triton) streams a 4 GiB buffer, each program summing int32 words over a grid stride and
-  writing one int64 word; every launch in :data:`READ_LAUNCHES` is timed, and each launch's sum is checked against
-  PyTorch's over the same buffer (a read that skipped bytes would not match);
+- read: a Triton kernel (:func:`read_sum`) streams a 4 GiB buffer, each program summing ``ITERS`` blocks of int32
+  words and writing one int64 word; every launch in :data:`READ_LAUNCHES` is timed, and each launch's sum is checked
+  against PyTorch's over the same buffer (a read that skipped bytes would not match); PyTorch's own ``sum`` beside
+  them. The read bandwidth is the fastest of them;
 - GEMMs: every decode linear layer of ``--model`` (:func:`gemm_shapes`: q / k / v, o, gate / up, down per layer, then
   the LM head), each layer's own bfloat16 weights (no weight is read twice in a step, as in vLLM), for ``M`` rows of
   activations, captured as one CUDA graph per ``M`` and timed by ``triton.testing.do_bench`` (L2 flushed before each
@@ -32,8 +33,8 @@ from benchmarks.common import RESULTS, capture_graph, copy_bandwidth, provenance
 
 OUT = os.path.join(RESULTS, "step_floor.json")
 READ_BYTES = 4 << 30
-# (BLOCK int32 words per program and iteration, num_warps, programs per SM)
-READ_LAUNCHES = ((1024, 4, 8), (2048, 4, 8), (4096, 8, 4), (4096, 8, 8), (8192, 8, 4), (8192, 16, 2))
+# (BLOCK int32 words per program and iteration, num_warps, ITERS): programs = words / (BLOCK x ITERS)
+READ_LAUNCHES = ((1024, 4, 1), (2048, 4, 1), (4096, 8, 1), (2048, 4, 2), (4096, 4, 2), (4096, 8, 4), (8192, 8, 2))
 
 
 def _read_kernel():
@@ -43,12 +44,12 @@ def _read_kernel():
     @triton.jit
     def read_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr, ITERS: tl.constexpr):
         """Program p of P sums x[i] for i = (p + k P) BLOCK + j, k < ITERS, j < BLOCK, i < n (int32, wrapping), into
-        out[p] (int64)."""
+        out[p] (int64). The ITERS loads are unrolled (static_range), so that they are in flight together."""
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
         offs = tl.arange(0, BLOCK)
         acc = tl.zeros([BLOCK], dtype=tl.int32)
-        for k in range(ITERS):
+        for k in tl.static_range(ITERS):
             i = (pid + k * nprog) * BLOCK + offs
             acc += tl.load(x_ptr + i, mask=i < n, other=0)
         tl.store(out_ptr + pid, tl.sum(acc.to(tl.int64), axis=0))
@@ -56,22 +57,23 @@ def _read_kernel():
     return read_kernel
 
 
-def read_sum(x: torch.Tensor, block: int, num_warps: int, programs: int) -> torch.Tensor:
-    """Per program, the wrapping int32 sum of the words of ``x`` (int32, 1-D, contiguous) it read: int64 [programs].
-    Their total equals ``x.sum()`` modulo 2^32 when every word was read once.
+def read_sum(x: torch.Tensor, block: int, num_warps: int, iters: int) -> torch.Tensor:
+    """Per program, the wrapping int32 sum of the words of ``x`` (int32, 1-D, contiguous) it read, ``iters`` blocks of
+    ``block`` words each: int64 [ceil(x.numel() / (block x iters))]. Their total equals ``x.sum()`` modulo 2^32 when
+    every word was read once.
 
     Raises:
-        ValueError: ``x`` not a contiguous 1-D int32 tensor, or a non-positive ``block`` / ``programs`` (named), or
+        ValueError: ``x`` not a contiguous 1-D int32 tensor, or a non-positive ``block`` / ``iters`` (named), or
             ``block`` not a power of two.
     """
     if x.dtype != torch.int32 or x.dim() != 1 or not x.is_contiguous():
         raise ValueError(f"x must be a contiguous 1-D int32 tensor, got {x.dtype} of shape {tuple(x.shape)}")
     if block <= 0 or block & (block - 1):
         raise ValueError(f"block must be a power of two > 0, got {block}")
-    if programs <= 0:
-        raise ValueError(f"programs must be > 0, got {programs}")
+    if iters <= 0:
+        raise ValueError(f"iters must be > 0, got {iters}")
+    programs = -(-x.numel() // (iters * block))
     out = torch.empty(programs, dtype=torch.int64, device=x.device)
-    iters = -(-x.numel() // (programs * block))
     _read_kernel()[(programs,)](x, out, x.numel(), BLOCK=block, ITERS=iters, num_warps=num_warps)
     return out
 
@@ -123,7 +125,6 @@ def main(argv=None) -> int:
 
     t0 = time.time()
     dev = torch.device("cuda", torch.cuda.current_device())
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count
     res = {"provenance": provenance({"script": "benchmarks/step_floor.py", "model": a.model, "rows": a.rows}),
            "copy_bandwidth": copy_bandwidth(), "read": [], "gemm_shapes": shapes, "gemms": []}
     copy_gbps = res["copy_bandwidth"]["GBps_read_plus_write"]
@@ -131,17 +132,21 @@ def main(argv=None) -> int:
 
     x = torch.randint(-2**31, 2**31 - 1, (READ_BYTES // 4,), dtype=torch.int32, device=dev)
     want = int(x.sum(dtype=torch.int64).item()) % 2**32
-    for block, warps, per_sm in READ_LAUNCHES:
-        progs = per_sm * sms
-        got = int(read_sum(x, block, warps, progs).sum().item()) % 2**32
-        if got != want:
-            raise RuntimeError(f"read kernel BLOCK={block} warps={warps} programs={progs}: sum {got} != {want}")
-        ms = triton.testing.do_bench(lambda: read_sum(x, block, warps, progs), warmup=50, rep=300,
+    for block, warps, iters in READ_LAUNCHES:
+        got = read_sum(x, block, warps, iters)
+        if int(got.sum().item()) % 2**32 != want:
+            raise RuntimeError(f"read kernel BLOCK={block} warps={warps} ITERS={iters}: its sum is not PyTorch's")
+        ms = triton.testing.do_bench(lambda: read_sum(x, block, warps, iters), warmup=50, rep=300,
                                      return_mode="median")
-        row = {"block": block, "num_warps": warps, "programs": progs, "ms": ms, "GBps_read": READ_BYTES / ms / 1e6}
+        row = {"kernel": "read_kernel", "block": block, "num_warps": warps, "iters": iters, "programs": got.numel(),
+               "ms": ms, "GBps_read": READ_BYTES / ms / 1e6}
         row["of_copy"] = row["GBps_read"] / copy_gbps
         res["read"].append(row)
         print(row, flush=True)
+    ms = triton.testing.do_bench(lambda: x.sum(dtype=torch.int64), warmup=50, rep=300, return_mode="median")
+    res["read"].append({"kernel": "torch.sum(dtype=int64)", "ms": ms, "GBps_read": READ_BYTES / ms / 1e6,
+                        "of_copy": READ_BYTES / ms / 1e6 / copy_gbps})
+    print(res["read"][-1], flush=True)
     del x
     torch.cuda.empty_cache()
     read_gbps = max(r["GBps_read"] for r in res["read"])
