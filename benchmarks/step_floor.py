@@ -34,7 +34,8 @@ from benchmarks.common import RESULTS, capture_graph, copy_bandwidth, provenance
 OUT = os.path.join(RESULTS, "step_floor.json")
 READ_BYTES = 4 << 30
 # (BLOCK int32 words per program and iteration, num_warps, ITERS): programs = words / (BLOCK x ITERS)
-READ_LAUNCHES = ((1024, 4, 1), (2048, 4, 1), (4096, 8, 1), (2048, 4, 2), (4096, 4, 2), (4096, 8, 4), (8192, 8, 2))
+READ_LAUNCHES = ((1024, 4, 1), (1024, 4, 4), (1024, 4, 8), (2048, 4, 4), (2048, 8, 4), (4096, 8, 2), (4096, 8, 8),
+                 (8192, 8, 4))
 
 
 def _read_kernel():
@@ -42,16 +43,15 @@ def _read_kernel():
     import triton.language as tl
 
     @triton.jit
-    def read_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr, ITERS: tl.constexpr):
-        """Program p of P sums x[i] for i = (p + k P) BLOCK + j, k < ITERS, j < BLOCK, i < n (int32, wrapping), into
-        out[p] (int64). The ITERS loads are unrolled (static_range), so that they are in flight together."""
-        pid = tl.program_id(0)
-        nprog = tl.num_programs(0)
+    def read_kernel(x_ptr, out_ptr, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+        """Program p sums x[i] for i in [p ITERS BLOCK, (p + 1) ITERS BLOCK) (int32, wrapping) into out[p] (int64).
+        The ITERS loads are unrolled (static_range) and unmasked, so that they are in flight together as 16-byte
+        loads."""
+        pid = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         acc = tl.zeros([BLOCK], dtype=tl.int32)
         for k in tl.static_range(ITERS):
-            i = (pid + k * nprog) * BLOCK + offs
-            acc += tl.load(x_ptr + i, mask=i < n, other=0)
+            acc += tl.load(x_ptr + (pid * ITERS + k) * BLOCK + offs)
         tl.store(out_ptr + pid, tl.sum(acc.to(tl.int64), axis=0))
 
     return read_kernel
@@ -59,12 +59,12 @@ def _read_kernel():
 
 def read_sum(x: torch.Tensor, block: int, num_warps: int, iters: int) -> torch.Tensor:
     """Per program, the wrapping int32 sum of the words of ``x`` (int32, 1-D, contiguous) it read, ``iters`` blocks of
-    ``block`` words each: int64 [ceil(x.numel() / (block x iters))]. Their total equals ``x.sum()`` modulo 2^32 when
-    every word was read once.
+    ``block`` words each: int64 [x.numel() / (block x iters)]. Their total equals ``x.sum()`` modulo 2^32 when every
+    word was read once.
 
     Raises:
         ValueError: ``x`` not a contiguous 1-D int32 tensor, or a non-positive ``block`` / ``iters`` (named), or
-            ``block`` not a power of two.
+            ``block`` not a power of two, or ``x.numel()`` not a multiple of ``block`` x ``iters``.
     """
     if x.dtype != torch.int32 or x.dim() != 1 or not x.is_contiguous():
         raise ValueError(f"x must be a contiguous 1-D int32 tensor, got {x.dtype} of shape {tuple(x.shape)}")
@@ -72,9 +72,11 @@ def read_sum(x: torch.Tensor, block: int, num_warps: int, iters: int) -> torch.T
         raise ValueError(f"block must be a power of two > 0, got {block}")
     if iters <= 0:
         raise ValueError(f"iters must be > 0, got {iters}")
-    programs = -(-x.numel() // (iters * block))
+    if x.numel() % (iters * block):
+        raise ValueError(f"x.numel() = {x.numel()} must be a multiple of block x iters = {block * iters}")
+    programs = x.numel() // (iters * block)
     out = torch.empty(programs, dtype=torch.int64, device=x.device)
-    _read_kernel()[(programs,)](x, out, x.numel(), BLOCK=block, ITERS=iters, num_warps=num_warps)
+    _read_kernel()[(programs,)](x, out, BLOCK=block, ITERS=iters, num_warps=num_warps)
     return out
 
 
@@ -143,10 +145,12 @@ def main(argv=None) -> int:
         row["of_copy"] = row["GBps_read"] / copy_gbps
         res["read"].append(row)
         print(row, flush=True)
-    ms = triton.testing.do_bench(lambda: x.sum(dtype=torch.int64), warmup=50, rep=300, return_mode="median")
-    res["read"].append({"kernel": "torch.sum(dtype=int64)", "ms": ms, "GBps_read": READ_BYTES / ms / 1e6,
-                        "of_copy": READ_BYTES / ms / 1e6 / copy_gbps})
-    print(res["read"][-1], flush=True)
+    for name, fn in (("torch.sum(dtype=int64)", lambda: x.sum(dtype=torch.int64)),
+                     ("torch.sum of the words as float32", lambda: x.view(torch.float32).sum())):
+        ms = triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
+        res["read"].append({"kernel": name, "ms": ms, "GBps_read": READ_BYTES / ms / 1e6,
+                            "of_copy": READ_BYTES / ms / 1e6 / copy_gbps})
+        print(res["read"][-1], flush=True)
     del x
     torch.cuda.empty_cache()
     read_gbps = max(r["GBps_read"] for r in res["read"])
