@@ -5,19 +5,17 @@ vLLM's unquantized linear layers call it) at the profiled batch sizes against th
     PYTHONPATH=. python benchmarks/step_floor.py [--rows 12 13 17] [--model qwen3-4b-instruct-2507] [--out PATH]
 
 - copy: ``benchmarks.common.copy_bandwidth`` (4 GiB device-to-device, read + write bytes over time), as the bound;
-- read: a Triton kernel (:func:`read_sum`) streams a 4 GiB buffer, each program summing ``ITERS`` blocks of int32
-  words and writing one int64 word; every launch in :data:`READ_LAUNCHES` is timed, and each launch's sum is checked
-  against PyTorch's over the same buffer (a read that skipped bytes would not match); PyTorch's own ``sum`` beside
-  them. The read bandwidth is the fastest of them;
-- GEMMs: every decode linear layer of ``--model`` (:func:`gemm_shapes`: q / k / v, o, gate / up, down per layer, then
-  the LM head), each layer's own bfloat16 weights (no weight is read twice in a step, as in vLLM), for ``M`` rows of
-  activations, captured as one CUDA graph per ``M`` and timed by ``triton.testing.do_bench`` (L2 flushed before each
-  replay); the graph's figure is the time of all the step's GEMMs, beside its weight bytes at the copy and the read
-  bandwidth. vLLM's step adds its own choices (fused q/k/v and gate/up, the same cuBLAS calls): the profiles'
-  ``gemm_ms`` (``results/profile/``) are the figures in vLLM.
+- read: PyTorch's own reductions (:data:`READS`) over a 4 GiB float32 buffer, bytes read over time (``do_bench``
+  medians, L2 flushed before each call); the read bandwidth is the fastest of them (a hand-written Triton read kernel
+  was slower than all of them: git history);
+- GEMMs: every decode linear layer of ``--model`` (:func:`gemm_shapes`: fused q / k / v, o, fused gate / up, down per
+  layer, then the LM head), each layer's own bfloat16 weights (no weight is read twice in a step, as in vLLM), for
+  ``M`` rows of activations, captured as one CUDA graph per ``M`` and timed by ``triton.testing.do_bench`` (L2 flushed
+  before each replay): the time of all the step's GEMMs, beside its weight bytes at the copy and the read bandwidth.
+  The profiles' ``gemm_ms`` (``results/profile/``) are the same GEMMs inside vLLM.
 
 Writes ``--out`` (default ``benchmarks/results/step_floor.json``; provenance, the two bandwidths, one row per read
-launch and per ``M``), atomically. About a minute on an H200 (8 GB of weights).
+and per ``M``), atomically. About 10 s on an H200 (8 GB of weights).
 """
 from __future__ import annotations
 
@@ -33,51 +31,9 @@ from benchmarks.common import RESULTS, capture_graph, copy_bandwidth, provenance
 
 OUT = os.path.join(RESULTS, "step_floor.json")
 READ_BYTES = 4 << 30
-# (BLOCK int32 words per program and iteration, num_warps, ITERS): programs = words / (BLOCK x ITERS)
-READ_LAUNCHES = ((1024, 4, 1), (1024, 4, 4), (1024, 4, 8), (2048, 4, 4), (2048, 8, 4), (4096, 8, 2), (4096, 8, 8),
-                 (8192, 8, 4))
-
-
-def _read_kernel():
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def read_kernel(x_ptr, out_ptr, BLOCK: tl.constexpr, ITERS: tl.constexpr):
-        """Program p sums x[i] for i in [p ITERS BLOCK, (p + 1) ITERS BLOCK) (int32, wrapping) into out[p] (int64).
-        The ITERS loads are unrolled (static_range) and unmasked, so that they are in flight together as 16-byte
-        loads."""
-        pid = tl.program_id(0).to(tl.int64)
-        offs = tl.arange(0, BLOCK)
-        acc = tl.zeros([BLOCK], dtype=tl.int32)
-        for k in tl.static_range(ITERS):
-            acc += tl.load(x_ptr + (pid * ITERS + k) * BLOCK + offs)
-        tl.store(out_ptr + pid, tl.sum(acc.to(tl.int64), axis=0))
-
-    return read_kernel
-
-
-def read_sum(x: torch.Tensor, block: int, num_warps: int, iters: int) -> torch.Tensor:
-    """Per program, the wrapping int32 sum of the words of ``x`` (int32, 1-D, contiguous) it read, ``iters`` blocks of
-    ``block`` words each: int64 [x.numel() / (block x iters)]. Their total equals ``x.sum()`` modulo 2^32 when every
-    word was read once.
-
-    Raises:
-        ValueError: ``x`` not a contiguous 1-D int32 tensor, or a non-positive ``block`` / ``iters`` (named), or
-            ``block`` not a power of two, or ``x.numel()`` not a multiple of ``block`` x ``iters``.
-    """
-    if x.dtype != torch.int32 or x.dim() != 1 or not x.is_contiguous():
-        raise ValueError(f"x must be a contiguous 1-D int32 tensor, got {x.dtype} of shape {tuple(x.shape)}")
-    if block <= 0 or block & (block - 1):
-        raise ValueError(f"block must be a power of two > 0, got {block}")
-    if iters <= 0:
-        raise ValueError(f"iters must be > 0, got {iters}")
-    if x.numel() % (iters * block):
-        raise ValueError(f"x.numel() = {x.numel()} must be a multiple of block x iters = {block * iters}")
-    programs = x.numel() // (iters * block)
-    out = torch.empty(programs, dtype=torch.int64, device=x.device)
-    _read_kernel()[(programs,)](x, out, BLOCK=block, ITERS=iters, num_warps=num_warps)
-    return out
+# PyTorch's own reductions over the buffer (float32 words): the read bandwidth is the fastest of them
+READS = {"torch.sum": lambda x: x.sum(), "torch.amax": lambda x: x.amax(),
+         "torch.sum, bfloat16 view": lambda x: x.view(torch.bfloat16).sum()}
 
 
 def gemm_shapes(cfg: dict) -> list[tuple[str, int, int, int]]:
@@ -132,23 +88,10 @@ def main(argv=None) -> int:
     copy_gbps = res["copy_bandwidth"]["GBps_read_plus_write"]
     print(f"copy {copy_gbps:.0f} GB/s", flush=True)
 
-    x = torch.randint(-2**31, 2**31 - 1, (READ_BYTES // 4,), dtype=torch.int32, device=dev)
-    want = int(x.sum(dtype=torch.int64).item()) % 2**32
-    for block, warps, iters in READ_LAUNCHES:
-        got = read_sum(x, block, warps, iters)
-        if int(got.sum().item()) % 2**32 != want:
-            raise RuntimeError(f"read kernel BLOCK={block} warps={warps} ITERS={iters}: its sum is not PyTorch's")
-        ms = triton.testing.do_bench(lambda: read_sum(x, block, warps, iters), warmup=50, rep=300,
-                                     return_mode="median")
-        row = {"kernel": "read_kernel", "block": block, "num_warps": warps, "iters": iters, "programs": got.numel(),
-               "ms": ms, "GBps_read": READ_BYTES / ms / 1e6}
-        row["of_copy"] = row["GBps_read"] / copy_gbps
-        res["read"].append(row)
-        print(row, flush=True)
-    for name, fn in (("torch.sum(dtype=int64)", lambda: x.sum(dtype=torch.int64)),
-                     ("torch.sum of the words as float32", lambda: x.view(torch.float32).sum())):
-        ms = triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
-        res["read"].append({"kernel": name, "ms": ms, "GBps_read": READ_BYTES / ms / 1e6,
+    x = torch.randn(READ_BYTES // 4, dtype=torch.float32, device=dev)
+    for name, fn in READS.items():
+        ms = triton.testing.do_bench(lambda fn=fn: fn(x), warmup=50, rep=300, return_mode="median")
+        res["read"].append({"op": name, "bytes": READ_BYTES, "ms": ms, "GBps_read": READ_BYTES / ms / 1e6,
                             "of_copy": READ_BYTES / ms / 1e6 / copy_gbps})
         print(res["read"][-1], flush=True)
     del x
