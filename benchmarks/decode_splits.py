@@ -1,7 +1,8 @@
 """The CUDA decode kernel at 128K per split count (one GPU call), and other builds of it side by side.
 
-    PYTHONPATH=. python benchmarks/decode_splits.py [--preset k4v4|k8v4|k4v2] [--batches 1 3 6 13] [--rule-only]
-        [--extra-splits S ...] [--variant NAME=PATH.fatbin ...] [--trace PATH.fatbin] [--skews K ...] [--out PATH]
+    PYTHONPATH=. python benchmarks/decode_splits.py [--preset k4v4|k8v4|k4v2|k5v4] [--batches 1 3 6 13] [--rule-only]
+        [--extra-splits S ...] [--variant NAME=PATH.fatbin ...] [--trace PATH.fatbin] [--skews K ...] [--rope]
+        [--out PATH]
 
 For each batch (Qwen3-4B shapes: 32 q / 8 KV heads, head_dim 128, ``--preset`` pages (default k4v4), block 16,
 context 131,072) and each split count S of a list (the rule's count, powers of two, and the counts that give exactly
@@ -16,7 +17,12 @@ num_splits=S)``:
 loop end, all warps' loop end, counted in, merge end; and the SM id), launched once per batch at the rule's split
 count after an L2 flush; the stamps' spread says where a step's time goes (``trace`` in the JSON).
 ``--rule-only``: time only the rule's split count (and ``--extra-splits``).
-Each timed output is checked against float64 attention over the dequantized pages (``paged_attention_ref``).
+``--rope``: the preset's rope-mean kernel (``ROPE_KERNELS``) in every build, each step with the same ``rope_bias``
+(``decode_side_by_side.rope_bias_args``: the runtime's form, 8 pairs per KV head); not with ``--trace`` / ``--skews``.
+Each timed output is checked against float64 attention over the dequantized pages (``paged_attention_ref``), with
+``--rope`` against the Triton kernel with the same ``rope_bias`` (``relerr_vs_triton``: ``paged_attention_ref`` has
+no correction), and every row records the largest difference from the committed build's output at the same split
+count (``max_abs_vs_committed``; 0: the same bits).
 % of copy bandwidth = the pages' bytes (B x 131,072 x 8 heads x bytes per token: 134 B for k4v4) / time / the copy
 bandwidth measured in the same run (read + write), as in ``decode_side_by_side.py``. Writes ``--out`` (default
 ``benchmarks/results/decode_splits.json``: provenance, the fatbin's manifest, every row), write-then-rename after each
@@ -38,6 +44,7 @@ from kvrepro.ops import cuda_decode, decode_attention, decode_workspace_numel, d
 from kvrepro.fileio import file_sha256  # noqa: E402
 from kvrepro.ops.common import sm_count  # noqa: E402
 from kvrepro.reference import paged_attention_ref  # noqa: E402
+from benchmarks.decode_side_by_side import rope_bias_args  # noqa: E402
 
 CTX = 131072
 CTAS_PER_SM = cuda_decode.CTAS_PER_SM
@@ -101,7 +108,11 @@ def main() -> int:
                     help="also time the committed build at these cuda_decode.RANK_SKEW values (and trace each)")
     ap.add_argument("--rule-only", action="store_true", help="time only the rule's split count and --extra-splits")
     ap.add_argument("--extra-splits", type=int, nargs="*", default=[], help="more split counts to time")
+    ap.add_argument("--rope", action="store_true",
+                    help="time the preset's rope-mean kernel (rope_bias of the runtime's form) in every build")
     a = ap.parse_args()
+    if a.rope and (a.trace or a.skews):
+        ap.error("--rope times the builds' rope-mean kernels; --trace and --skews take the kernel without it")
     # arguments first (they do not need a GPU), then the device
     for v in a.variant:
         name, sep, p = v.partition("=")
@@ -123,12 +134,13 @@ def main() -> int:
     mods = {"committed": committed}
     bits = {v: k for k, v in cuda_decode.PRESETS.items()}[a.preset]
     one = {bits: cuda_decode.KERNELS[bits]}            # the preset's kernel only: older builds hold fewer kernels
+    one_rope = {bits: cuda_decode.ROPE_KERNELS[bits]} if a.rope else {}
     for v in a.variant:
         name, p = v.split("=", 1)
-        mods[name] = cuda_decode._Module(dev, p, one)
+        mods[name] = cuda_decode._Module(dev, p, one, one_rope)
     tracer = cuda_decode._Module(dev, a.trace, one) if a.trace else None
     res = {"provenance": provenance({"script": "benchmarks/decode_splits.py", "preset": a.preset, "ctx": CTX,
-                                     "sms": sms, "ctas_per_sm": CTAS_PER_SM, "variants": a.variant,
+                                     "sms": sms, "ctas_per_sm": CTAS_PER_SM, "variants": a.variant, "rope": a.rope,
                                      "trace": a.trace,
                                      "fatbin_sha256": {f: file_sha256(f) for f in
                                                        [v.split("=", 1)[1] for v in a.variant] + [a.trace] if f}}),
@@ -139,20 +151,29 @@ def main() -> int:
     scale = D ** -0.5
     default_skew = cuda_decode.RANK_SKEW
 
-    def step(mod, q, pool, bt, sl, out, s, ws, skew=default_skew):
-        """One decode step through the build ``mod`` with ``cuda_decode.RANK_SKEW = skew`` (restored after)."""
+    def step(mod, q, pool, bt, sl, out, s, ws, skew=default_skew, rb=None):
+        """One decode step through the build ``mod`` with ``cuda_decode.RANK_SKEW = skew`` (restored after) and
+        ``rope_bias=rb``."""
         cuda_decode._MODULES[dev.index] = mod          # the launch goes through this build
         cuda_decode.RANK_SKEW = skew
         try:
             decode_attention(q, pool.data, bt, sl, pool.layout, pool.rotation, scale, out=out, num_splits=s,
-                             workspace=ws, impl="cuda")
+                             workspace=ws, impl="cuda", rope_bias=rb)
         finally:
             cuda_decode.RANK_SKEW = default_skew
 
     for batch in a.batches:
         pool, bt, sl, q = decode_setup(a.preset, CTX, batch, gen)
         nbytes = batch * CTX * HKV * pool.layout.bytes_per_token
-        ref = paged_attention_ref(q, pool, bt, sl, torch.arange(batch + 1, device=dev), scale, dtype=torch.float64)
+        rb = rope_bias_args(batch, gen) if a.rope else None
+        if a.rope:
+            cuda_decode._MODULES[dev.index] = committed
+            ref = decode_attention(q, pool.data, bt, sl, pool.layout, pool.rotation, scale, impl="triton",
+                                   rope_bias=rb).double()
+        else:
+            ref = paged_attention_ref(q, pool, bt, sl, torch.arange(batch + 1, device=dev), scale,
+                                      dtype=torch.float64)
+        err_key = "relerr_vs_triton" if a.rope else "relerr_vs_f64"
         rule = default_num_splits(batch, HKV, bt.shape[1] * 16, dev, "cuda")
         out = torch.empty_like(q)
         for skew in ([default_skew] + [k for k in a.skews if k != default_skew]) if tracer is not None else []:
@@ -170,18 +191,23 @@ def main() -> int:
         split_list = {rule} if a.rule_only else set(candidates(batch, sms, rule))
         for s in sorted(split_list | set(a.extra_splits)):
             ws = torch.empty(decode_workspace_numel(batch, HQ, D, s), device=dev, dtype=torch.float32)
-            fns = {name: (lambda mod=mod, s=s, ws=ws: step(mod, q, pool, bt, sl, out, s, ws))
+            fns = {name: (lambda mod=mod, s=s, ws=ws: step(mod, q, pool, bt, sl, out, s, ws, rb=rb))
                    for name, mod in mods.items()}
             for skew in a.skews:
                 fns[f"committed_skew{skew}"] = (lambda s=s, ws=ws, skew=skew:
                                                 step(committed, q, pool, bt, sl, out, s, ws, skew))
+            base = None
             for name, fn in fns.items():
                 out.fill_(float("nan"))
                 fn()
                 err = float(((out.double() - ref).norm() / ref.norm()).item())
+                if base is None:                           # the committed build comes first
+                    base = out.clone()
+                vs_committed = float((out.float() - base.float()).abs().max().item())
                 _, gms, gerr = bench(fn)
                 row = {"kernel": name, "batch": batch, "splits": s, "ctas": batch * HKV * s,
-                       "waves": batch * HKV * s / (CTAS_PER_SM * sms), "rule": s == rule, "relerr_vs_f64": err,
+                       "waves": batch * HKV * s / (CTAS_PER_SM * sms), "rule": s == rule, err_key: err,
+                       "max_abs_vs_committed": vs_committed,
                        "ms_graph": gms, "graph_error": gerr,
                        "pct_copy": None if gms is None else 100 * nbytes / gms / 1e6 / copy_bw}
                 res["rows"].append(row)
