@@ -25,8 +25,8 @@ no correction), and every row records the largest difference from the committed 
 count (``max_abs_vs_committed``; 0: the same bits).
 % of copy bandwidth = the pages' bytes (B x 131,072 x 8 heads x bytes per token: 134 B for k4v4) / time / the copy
 bandwidth measured in the same run (read + write), as in ``decode_side_by_side.py``. Writes ``--out`` (default
-``benchmarks/results/decode_splits.json``: provenance, the fatbin's manifest, every row), write-then-rename after each
-batch. About 150 s on an H200.
+``benchmarks/results/decode_splits.json``: provenance, the fatbin's manifest, every row) once, at the end,
+write-then-rename: an interrupted run leaves the file as it was. About 150 s on an H200.
 """
 from __future__ import annotations
 
@@ -38,8 +38,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from benchmarks.common import (D, HKV, HQ, RESULTS, bench, copy_bandwidth, decode_setup, provenance,  # noqa: E402
-                               write_json)
+from benchmarks.common import (D, HKV, HQ, RESULTS, bench, copy_bandwidth, decode_setup, out_error,  # noqa: E402
+                               provenance, write_json)
 from kvrepro.ops import cuda_decode, decode_attention, decode_workspace_numel, default_num_splits  # noqa: E402
 from kvrepro.fileio import file_sha256  # noqa: E402
 from kvrepro.ops.common import sm_count  # noqa: E402
@@ -118,6 +118,11 @@ def main() -> int:
         name, sep, p = v.partition("=")
         if not sep or not name or not p:
             ap.error(f"--variant takes NAME=PATH.fatbin, got {v!r}")
+    names = [v.partition("=")[0] for v in a.variant]
+    if "committed" in names or len(set(names)) < len(names):
+        ap.error(f"--variant names must be distinct and not 'committed' (the committed build's row), got {names}")
+    if out_error(a.out):
+        ap.error(out_error(a.out))
     for p in [v.partition("=")[2] for v in a.variant] + [a.trace]:
         if p and not os.path.isfile(p):
             ap.error(f"no such fatbin: {p}")
@@ -214,7 +219,6 @@ def main() -> int:
                 print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items() if k != "graph_error"},
                       gerr or "", flush=True)
         cuda_decode._MODULES[dev.index] = committed
-        write_json(path, res)
         torch.cuda.empty_cache()
     res["total_s"] = time.time() - t0
     write_json(path, res)

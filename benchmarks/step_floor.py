@@ -27,7 +27,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from benchmarks.common import RESULTS, capture_graph, copy_bandwidth, provenance, write_json  # noqa: E402
+from benchmarks.common import (RESULTS, capture_graph, copy_bandwidth, out_error, provenance,  # noqa: E402
+                               write_json)
 
 OUT = os.path.join(RESULTS, "step_floor.json")
 READ_BYTES = 4 << 30
@@ -77,6 +78,8 @@ def main(argv=None) -> int:
         shapes = gemm_shapes(load_config(a.model))
     except ValueError as e:
         ap.error(f"--model {a.model!r}: {e}")
+    if out_error(a.out):
+        ap.error(out_error(a.out))
     if not torch.cuda.is_available():
         raise SystemExit("step_floor.py needs a CUDA device")
     import triton.testing

@@ -305,9 +305,17 @@ def profile_table(paths):
     without the profiler), attention_ms / gemm_ms / rest_ms / idle_ms (per profiled step: kernel classes and GPU
     idle, :func:`step_breakdown`), attention_bw (the batch's KV bytes over the attention time, as a fraction of the
     copy bandwidth), gemm_bw (the weights over the GEMM time, likewise), bound_ms (:func:`decode_bound`),
-    of_bound (bound_ms / step_ms) and ceiling (bound_ms over the step a batch would take with its GEMMs as measured,
-    attention reading the KV at the copy bandwidth and nothing else running: the most of the bound a faster
-    attention alone could reach). Batches that were not profiled keep their timed figures and blank breakdowns.
+    of_bound (bound_ms / step_ms), ceiling (bound_ms over the step a batch would take with its GEMMs as measured,
+    attention reading the KV at the copy bandwidth and nothing else running: it leaves out the rest and the idle
+    time, so it overstates what a faster attention alone could reach), copy_gbps (the profile's copy bandwidth), gpu
+    (the profile's GPU name), kvrepro_rest_ms (kvrepro's own kernels among the rest: :data:`KVREPRO_REST_KERNELS` in
+    the profile's ``top_kernels``, a top list per class, so a kvrepro kernel below it counts as vLLM's, as do
+    kvrepro's PyTorch ops in older profiles; None without ``top_kernels``), goal_attention_gbps (the rate in GB/s at
+    which the attention would have to read the batch's KV bytes for the step to take bound_ms / :data:`E2E_GOAL`, the
+    GEMMs, the rest and the GPU's idle time as measured; inf when those alone take that long or longer),
+    goal_attention_bw (that over copy_gbps) and goal_attention_gbps_free (the same with kvrepro's own rest kernels
+    taken as free, everything else, the idle time too, as measured). A goal figure is None when one of its inputs is
+    missing or not finite. Batches that were not profiled keep their timed figures and blank breakdowns.
 
     Raises:
         ValueError: a file that is not a step-profile result (no ``batches`` list), naming it.
@@ -330,17 +338,15 @@ def profile_table(paths):
             def bw(nbytes, ms):
                 return nbytes / (ms * 1e-3) / (gbps * 1e9) if nbytes and ms and gbps else None
 
-            top = (b.get("breakdown") or {}).get("top_kernels") or {}
-            own = sum(k.get("ms_per_step", 0.0) for c in PARTS["rest"] for k in top.get(c) or []
-                      if any(n in str(k.get("name")) for n in KVREPRO_REST_KERNELS))
-            goal, goal_vllm = None, None
-            if bound.get("kv_bytes") and gbps and bound.get("step_ms") and m.get("gemm_ms") is not None:
-                kv_ms = bound["kv_bytes"] / (gbps * 1e9) * 1e3
-                left = bound["step_ms"] / E2E_GOAL - m["gemm_ms"]
-                rest_all = m.get("rest_ms", 0.0) + m.get("gpu_idle_ms", 0.0)
-                goal = kv_ms / (left - rest_all) if left - rest_all > 0 else math.inf
-                rest_vllm = m.get("rest_ms", 0.0) - own
-                goal_vllm = kv_ms / (left - rest_vllm) if left - rest_vllm > 0 else math.inf
+            top = (b.get("breakdown") or {}).get("top_kernels")
+            own = (sum(k.get("ms_per_step", 0.0) for c in PARTS["rest"] for k in top.get(c) or []
+                       if any(n in str(k.get("name")) for n in KVREPRO_REST_KERNELS))
+                   if isinstance(top, dict) and m else None)
+            goal = _goal_gbps(bound.get("kv_bytes"), bound.get("step_ms"),
+                              [m.get("gemm_ms"), m.get("rest_ms"), m.get("gpu_idle_ms")])
+            goal_free = (_goal_gbps(bound.get("kv_bytes"), bound.get("step_ms"),
+                                    [m.get("gemm_ms"), m.get("rest_ms"), m.get("gpu_idle_ms"), -own])
+                         if own is not None else None)
 
             rows.append({"file": path.name, "date": str(r.get("date", ""))[:16].replace("T", " "),
                          "mode": r.get("mode"), "backend": backend,
@@ -357,12 +363,28 @@ def profile_table(paths):
                          "of_bound": bound["step_ms"] / timed["step_ms"] if bound and timed else None,
                          "ceiling": (bound["step_ms"] / (bound["kv_bytes"] / (gbps * 1e9) * 1e3 + m["gemm_ms"])
                                      if bound.get("kv_bytes") and gbps and m.get("gemm_ms") else None),
-                         "gpu": (r.get("provenance") or {}).get("gpu"), "kvrepro_rest_ms": own if m else None,
-                         "goal_attention_bw": goal, "goal_attention_bw_vllm": goal_vllm})
+                         "copy_gbps": gbps, "gpu": (r.get("provenance") or {}).get("gpu"), "kvrepro_rest_ms": own,
+                         "goal_attention_gbps": goal,
+                         "goal_attention_bw": goal / gbps if goal is not None and _finite(gbps) and gbps > 0 else None,
+                         "goal_attention_gbps_free": goal_free})
     return pd.DataFrame(rows, columns=["file", "date", "src", "fatbin", "mode", "backend", "fa_max_splits", "key_offset", "users", "step_ms", "tok_s",
                                        "attention_ms", "gemm_ms", "rest_ms", "idle_ms", "attention_bw", "gemm_bw",
-                                       "bound_ms", "of_bound", "ceiling", "gpu", "kvrepro_rest_ms",
-                                       "goal_attention_bw", "goal_attention_bw_vllm"])
+                                       "bound_ms", "of_bound", "ceiling", "copy_gbps", "gpu", "kvrepro_rest_ms",
+                                       "goal_attention_gbps", "goal_attention_bw", "goal_attention_gbps_free"])
+
+
+def _finite(*vals) -> bool:
+    """Every value is a real number (not a bool), finite."""
+    return all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in vals)
+
+
+def _goal_gbps(kv_bytes, bound_ms, parts_ms) -> float | None:
+    """GB/s at which ``kv_bytes`` must be read for a step of ``bound_ms / E2E_GOAL`` that also holds ``parts_ms``
+    (their sum); inf when they fill that step; None when an input is missing or not finite."""
+    if not _finite(kv_bytes, bound_ms, *parts_ms) or kv_bytes <= 0 or bound_ms <= 0:
+        return None
+    left_ms = bound_ms / E2E_GOAL - sum(parts_ms)
+    return kv_bytes / (left_ms * 1e-3) / 1e9 if left_ms > 0 else math.inf
 
 
 def section_markdown(root: str | os.PathLike) -> str:
@@ -446,7 +468,7 @@ def _ceiling_text(t) -> str:
 
 
 def _goal_bw(v) -> str:
-    """A ``goal_attention_bw`` cell: a percentage, "none" where the other parts alone pass the goal's step time."""
+    """A ``goal_attention_bw`` cell: a percentage, "none" where the other parts alone fill the goal's step time."""
     if v is None or pd_isna(v):
         return ""
     return "none" if math.isinf(v) else f"{100 * v:.0f}%"
@@ -454,62 +476,75 @@ def _goal_bw(v) -> str:
 
 def read_bandwidth(root: str | os.PathLike) -> dict | None:
     """The read bandwidth of :data:`STEP_FLOOR` under ``root`` (``benchmarks/step_floor.py``): ``{"gpu", "GBps",
-    "of_copy", "date"}``, its fastest read and that over the copy bandwidth of the same run; None if the file is not
-    committed.
+    "of_copy", "op", "ops", "date"}``: the fastest of its reads (``op``, out of ``ops`` timed), in GB/s and over the
+    copy bandwidth of the same run; None if the file is not committed.
 
     Raises:
-        ValueError: the file is there but holds no ``read_bandwidth`` (naming it).
+        ValueError: the file is there but holds no read rows with a finite positive ``GBps_read``, or no finite
+            positive copy bandwidth (naming it).
     """
     path = Path(root, STEP_FLOOR)
     if not path.is_file():
         return None
     r = _read_json(path, "a step_floor.py result")
-    rb = r.get("read_bandwidth") if isinstance(r, dict) else None
-    if not isinstance(rb, dict) or "of_copy" not in rb:
-        raise ValueError(f"{path}: no read_bandwidth (benchmarks/step_floor.py writes one)")
+    reads = r.get("read") if isinstance(r, dict) else None
+    reads = [x for x in reads if isinstance(x, dict) and _finite(x.get("GBps_read")) and x["GBps_read"] > 0] \
+        if isinstance(reads, list) else []
+    copy = (r.get("copy_bandwidth") or {}).get("GBps_read_plus_write") if isinstance(r, dict) else None
+    if not reads or not _finite(copy) or copy <= 0:
+        raise ValueError(f"{path}: no read rows with a positive GBps_read and a copy bandwidth "
+                         "(benchmarks/step_floor.py writes both)")
+    best = max(reads, key=lambda x: x["GBps_read"])
     prov = r.get("provenance") or {}
-    return {"gpu": prov.get("gpu"), "GBps": rb.get("GBps"), "of_copy": rb["of_copy"],
-            "date": str(prov.get("date_utc", ""))[:10]}
+    return {"gpu": prov.get("gpu"), "GBps": best["GBps_read"], "of_copy": best["GBps_read"] / copy,
+            "op": best.get("op"), "ops": len(reads), "date": str(prov.get("date_utc", ""))[:10]}
 
 
 def _goal_text(t, read: dict | None, committed: str) -> str:
-    """The paragraph under the step table on its goal column: what it is, the GPU's read bandwidth (``read``, from
-    :func:`read_bandwidth`) and, for each kvrepro batch of ``read``'s GPU decoded with the ``committed`` fatbin, what
-    the goal needs with the rest of the step as measured and with only vLLM's kernels kept, and whether a kernel
-    reading at the read bandwidth could meet it."""
+    """The paragraphs under the step table on its goal column: what it is, the GPU's read bandwidth (``read``, from
+    :func:`read_bandwidth`) and, for each kvrepro batch of ``read``'s GPU decoded with the ``committed`` fatbin, the
+    read rate the goal needs of the attention (with the rest of the step as measured, and with kvrepro's own rest
+    kernels free) against that read bandwidth, in GB/s, and a verdict drawn from them."""
     goal = f"{100 * E2E_GOAL:.0f}%"
     text = (f"Attention for {goal}: the share of the copy bandwidth at which the attention would have to read the "
-            f"batch's KV for the step to reach {goal} of the bound, the GEMMs, the rest and the GPU's idle time as "
-            "measured (\"none\": they alone take longer).")
+            f"batch's KV for the step to reach {goal} of the bound, with the GEMMs, the rest and the GPU's idle time "
+            f"as measured (\"none\": those alone take longer than a {goal} step).")
     if read is None:
         return text
-    text += (f" Reading alone (PyTorch's sum over 4 GiB, `{STEP_FLOOR}`, {read['gpu']}, {read['date']}) reaches "
-             f"{100 * read['of_copy']:.1f}% of the copy bandwidth: the fastest read measured on that GPU.")
-    kv = t[t["goal_attention_bw"].notna() & t["mode"].astype(str).str.startswith("kvrepro") & (t["gpu"] == read["gpu"])
-           & (t["fatbin"] == committed)]
-    if not len(kv):
+    text += (f" A bare read of memory on {read['gpu']} (`{STEP_FLOOR}`, {read['date']}: the fastest of "
+             f"{read['ops']} PyTorch reductions over 4 GiB, {read['op']}) reaches {read['GBps']:,.0f} GB/s, "
+             f"{100 * read['of_copy']:.1f}% of the copy bandwidth of its own run.")
+    ok = (t["mode"].astype(str).str.startswith("kvrepro") & (t["gpu"] == read["gpu"]) & (t["fatbin"] == committed)
+          & t["goal_attention_gbps"].notna() & t["goal_attention_gbps_free"].notna())
+    rows = t[ok].to_dict("records")
+    if not rows:
         return text
-    rows = kv.to_dict("records")
-    text += (f"\n\nWhat {goal} needs of the attention, for the kvrepro batches decoded with the committed kernel: with "
-             "the rest of the step as measured, and with only vLLM's kernels kept (its GEMMs and its other kernels as "
-             "measured; kvrepro's store and offset kernels and the GPU's idle time removed):\n\n"
-             + "\n".join(f"- {r['mode']}, {r['users']} users: {_goal_bw(r['goal_attention_bw'])} / "
-                         f"{_goal_bw(r['goal_attention_bw_vllm'])} of the copy bandwidth "
-                         f"(kvrepro's store and offset kernels {r['kvrepro_rest_ms']:.2f} ms, idle {r['idle_ms']:.2f} ms)"
+
+    def rate(v):
+        return "no read rate (the rest alone fills the step)" if math.isinf(v) else f"{v:,.0f} GB/s"
+    text += (f"\n\nThe read rate {goal} needs of the attention, for the kvrepro batches decoded with the committed "
+             "kernel (first with the rest of the step as measured, then with kvrepro's own kernels outside the "
+             "attention taken as free: its KV store and the rope-mean offset kernels; vLLM's GEMMs and other kernels "
+             "and the GPU's idle time as measured):\n\n"
+             + "\n".join(f"- {r['mode']}, {r['users']} users: {rate(r['goal_attention_gbps'])}; "
+                         f"{rate(r['goal_attention_gbps_free'])} without kvrepro's "
+                         f"{r['kvrepro_rest_ms']:.2f} ms of store and offset kernels"
                          for r in rows))
-    over = [r for r in rows if r["goal_attention_bw"] > read["of_copy"]]
-    over_vllm = [r for r in rows if r["goal_attention_bw_vllm"] > read["of_copy"]]
-    if len(over_vllm) == len(rows):
-        verdict = "none of them can reach it with any attention kernel unless vLLM's own kernels get faster."
+    over = [r for r in rows if r["goal_attention_gbps"] > read["GBps"]]
+    over_free = [r for r in rows if r["goal_attention_gbps_free"] > read["GBps"]]
+    if len(over_free) == len(rows):
+        verdict = (f"each of these needs a faster read than the bare read's {read['GBps']:,.0f} GB/s, even with "
+                   "kvrepro's own kernels outside the attention free: no attention kernel can take them to "
+                   f"{goal} unless vLLM's GEMMs, vLLM's other kernels or the idle time get shorter.")
     elif len(over) == len(rows):
-        worst = max(r["goal_attention_bw_vllm"] for r in rows)
-        verdict = ("none of them can reach it with the rest of its step as it is: that would take an attention "
-                   "reading the KV faster than a bare reduction reads memory. With kvrepro's store and offset kernels "
-                   f"and the idle time gone as well, it would take an attention at up to {100 * worst:.1f}% of the "
-                   f"copy bandwidth, against the bare reduction's {100 * read['of_copy']:.1f}%.")
+        verdict = (f"each of these needs a faster read than the bare read's {read['GBps']:,.0f} GB/s with the "
+                   "rest of its step as it is; " + ", ".join(f"{r['mode']} at {r['users']} users" for r in rows
+                                                            if r not in over_free)
+                   + " would need less than that only with kvrepro's store and offset kernels free.")
     else:
-        verdict = (f"{len(rows) - len(over)} of them could reach it with an attention kernel reading at "
-                   "the share given, up to the read bandwidth.")
+        verdict = (", ".join(f"{r['mode']} at {r['users']} users" for r in rows if r not in over)
+                   + f" could reach {goal} with an attention reading at the rate given, below the bare read's "
+                   f"{read['GBps']:,.0f} GB/s.")
     return text + "\n\nSo " + verdict
 
 

@@ -42,7 +42,9 @@ def test_gemm_shapes_names_a_missing_key():
 
 @pytest.mark.parametrize("args, msg", [(["--rows", "0"], "--rows must be in 1..4096"),
                                        (["--rows", "13", "5000"], "--rows must be in 1..4096"),
-                                       (["--model", "nope"], "--model 'nope'")])
+                                       (["--model", "nope"], "--model 'nope'"),
+                                       (["--out", "benchmarks"], "--out 'benchmarks' is a folder"),
+                                       (["--out", "/nonexistent/x.json"], "its folder does not exist")])
 def test_command_line_refuses_bad_input(args, msg):
     r = subprocess.run([sys.executable, "benchmarks/step_floor.py", *args], cwd=ROOT, capture_output=True, text=True,
                        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, timeout=120)
