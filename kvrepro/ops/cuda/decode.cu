@@ -311,25 +311,55 @@ __device__ __forceinline__ float4 rope_angles(int pos0, const uint4* rope_sm, in
   rope_sincos(a1, __fmaf_rn(n0, fr.y, -a1), r.z, r.w);
   return r;
 }
-// s[0..3] (tokens n0 + g, n0 + g + 8; heads 2 tq, 2 tq + 1) += c of those keys: lane (g, tq) turns head g's
-// coefficients of pairs 2 tq, 2 tq + 1 (ab: rope_sm + 64, or + 113 for the second page of a two-page step, whose
-// angles are then the first page's) by the angles of rope_angles, splits them into float16 hi / lo and multiplies the
-// table: the small products first, then the large one. Both pairs in one m16n8k16: the two-page k4v4 / k4v2 rope
+// c[0..3] (tokens n0 + g, n0 + g + 8; MMA columns 2 tq, 2 tq + 1) of a page: lane (g, tq) turns the coefficients
+// of column g, pairs 2 tq, 2 tq + 1 (ab) by the angles of rope_angles, splits them into float16 hi / lo and multiplies
+// the table: the small products first, then the large one. Both pairs in one m16n8k16: the two-page k4v4 / k4v2 rope
 // kernels then spill up to 92 B at the 128-register cap, and still ran faster on the H200 than a rolled loop over the
-// pairs (m16n8k8) that spilled nothing.
-__device__ __forceinline__ void rope_add(float (&s)[4], float4 ang, float4 ab, const uint4* rope_sm, int lane) {
+// pairs (m16n8k8) that spilled nothing. Column n of c depends on column n of the coefficients only.
+__device__ __forceinline__ void rope_c(float (&c)[4], float4 ang, float4 ab, const uint4* rope_sm, int lane) {
   const float sn0 = ang.x, cs0 = ang.y, sn1 = ang.z, cs1 = ang.w;  // rope_angles' order
   uint32_t bh0, bl0, bh1, bl1;  // b0: A' of pairs 2 tq, 2 tq + 1 (k = 2 tq, + 1); b1: B' (k = 8 + 2 tq, + 1)
   split_f16x2(__fmaf_rn(ab.x, cs0, __fmul_rn(ab.y, sn0)), __fmaf_rn(ab.z, cs1, __fmul_rn(ab.w, sn1)), bh0, bl0);
   split_f16x2(__fmaf_rn(ab.y, cs0, -__fmul_rn(ab.x, sn0)), __fmaf_rn(ab.w, cs1, -__fmul_rn(ab.z, sn1)), bh1, bl1);
   const uint4 th = rope_sm[lane], tl = rope_sm[32 + lane];
-  float c[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+  for (int e = 0; e < 4; ++e) c[e] = 0.f;
   hmma(c, th.x, th.y, th.z, th.w, bl0, bl1);
   hmma(c, tl.x, tl.y, tl.z, tl.w, bh0, bh1);
   hmma(c, th.x, th.y, th.z, th.w, bh0, bh1);
+}
+// s[0..3] (tokens n0 + g, n0 + g + 8; heads 2 tq, 2 tq + 1) += c of those keys, column g of the coefficients head g's
+// (ab: rope_sm + 64, or + 113 for the second page of a two-page step, whose angles are then the first page's).
+__device__ __forceinline__ void rope_add(float (&s)[4], float4 ang, float4 ab, const uint4* rope_sm, int lane) {
+  float c[4];
+  rope_c(c, ang, ab, rope_sm, lane);
   const float inv = reinterpret_cast<const float*>(rope_sm + 112)[0];
 #pragma unroll
   for (int e = 0; e < 4; ++e) s[e] = __fmaf_rn(c[e], inv, s[e]);
+}
+// Both pages of a two-page step in one rope_c, for GQA groups of at most 4 heads (the MMA's columns 4-7 would otherwise
+// hold padding heads): columns 0-3 take the first page's coefficients of heads 0-3 (rope_sm + 64), columns 4-7 the
+// second page's (rope_sm + 113, lanes g - 4), both turned by the first page's angles (pos0: its first position). The
+// products are those rope_add makes page by page (the same operands in every column), at half the MMAs, splits and
+// turns. They depend on positions only, not on the pages' bytes.
+__device__ __forceinline__ void rope_pair_c(float (&c)[4], int pos0, const uint4* rope_sm, int lane) {
+  const int g = lane >> 2;
+  rope_c(c, rope_angles(pos0, rope_sm, lane), reinterpret_cast<const float4*>(rope_sm + (g < 4 ? 64 : 113 - 16))[lane],
+         rope_sm, lane);
+}
+// s0 += the first page's c (lanes tq = 0, 1: heads 2 tq, 2 tq + 1), s1 += the second page's (from lane + 2, tq + 2):
+// the same bits as rope_add on each page. Padding heads (lanes tq = 2, 3) get nothing, as rope_add gives them 0.
+__device__ __forceinline__ void rope_pair_add(float (&s0)[4], float (&s1)[4], const float (&c)[4],
+                                              const uint4* rope_sm, int lane) {
+  const float inv = reinterpret_cast<const float*>(rope_sm + 112)[0];
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const float c1 = __shfl_down_sync(0xffffffffu, c[e], 2);
+    if ((lane & 3) < 2) {
+      s0[e] = __fmaf_rn(c[e], inv, s0[e]);
+      s1[e] = __fmaf_rn(c1, inv, s1[e]);
+    }
+  }
 }
 
 // In-place unnormalized Walsh-Hadamard transform (Sylvester order) of 128 values held 4 per lane, lane l holding
@@ -749,6 +779,7 @@ __device__ __forceinline__ void decode_step(KVREPRO_DECODE_PARAMS, const float* 
   // ROPE: the table and the group's coefficients (rope_setup), the same in every warp: warp 0 puts them in shared
   // memory, read back per page (in registers, ptxas spilled ~200 bytes)
   const uint4* rope_sm = nullptr;
+  const bool rope_pair = group <= 4;  // two-page rope kernels: rope_pair_c / rope_pair_add (one MMA set, both pages)
   if constexpr (ROPE) {
     static_assert(NP <= 2, "rope_add: the second page's coefficients are turned by ROPE_NEXT, a third's are not");
     __shared__ __align__(16) uint4 rope_s[NP == 2 ? ROPE_SM_UINT4_TWO : ROPE_SM_UINT4];
@@ -867,8 +898,10 @@ __device__ __forceinline__ void decode_step(KVREPRO_DECODE_PARAMS, const float* 
     // tok0: the page's first position; page k = 1 starts ROPE_NEXT after k = 0: the first's angles and the coefficients
     // turned by ROPE_NEXT theta (rope_setup)
     if constexpr (ROPE) {
-      if (k == 0) ang = rope_angles(tok0, rope_sm, lane);
-      rope_add(s, ang, reinterpret_cast<const float4*>(rope_sm + (k ? 113 : 64))[lane], rope_sm, lane);
+      if (!(NP == 2 && rope_pair)) {  // rope_pair: the step adds both pages' corrections at once (rope_pair_add)
+        if (k == 0) ang = rope_angles(tok0, rope_sm, lane);
+        rope_add(s, ang, reinterpret_cast<const float4*>(rope_sm + (k ? 113 : 64))[lane], rope_sm, lane);
+      }
     }
     okA = true, okB = true;
     if (masked && tok0 + BS > end) {
@@ -992,6 +1025,13 @@ __device__ __forceinline__ void decode_step(KVREPRO_DECODE_PARAMS, const float* 
       const int tok0 = ROPE ? (p0 + warp + (i + k) * WARPS) * BS
                             : !masked ? 0 : i + k < my_pages ? (p0 + warp + (i + k) * WARPS) * BS : end;
       page_logits(pg[k], tok0, s[k], okA[k], okB[k], masked, k, ang);
+    }
+    if constexpr (ROPE && NP == 2) {  // after the mask: -inf plus a finite correction stays -inf
+      if (rope_pair) {
+        float rc[4];
+        rope_pair_c(rc, (p0 + warp + i * WARPS) * BS, rope_sm, lane);
+        rope_pair_add(s[0], s[1], rc, rope_sm, lane);
+      }
     }
     float pm0 = fmaxf(s[0][0], s[0][2]), pm1 = fmaxf(s[0][1], s[0][3]);
 #pragma unroll
