@@ -341,7 +341,7 @@ __device__ __forceinline__ void rope_add(float (&s)[4], float4 ang, float4 ab, c
 // hold padding heads): columns 0-3 take the first page's coefficients of heads 0-3 (rope_sm + 64), columns 4-7 the
 // second page's (rope_sm + 113, lanes g - 4), both turned by the first page's angles (pos0: its first position). The
 // products are those rope_add makes page by page (the same operands in every column), at half the MMAs, splits and
-// turns. They depend on positions only, not on the pages' bytes.
+// turns. They depend on positions only, not on the pages' bytes: the step takes them before it waits for its pages.
 __device__ __forceinline__ void rope_pair_c(float (&c)[4], int pos0, const uint4* rope_sm, int lane) {
   const int g = lane >> 2;
   rope_c(c, rope_angles(pos0, rope_sm, lane), reinterpret_cast<const float4*>(rope_sm + (g < 4 ? 64 : 113 - 16))[lane],
@@ -1012,6 +1012,10 @@ __device__ __forceinline__ void decode_step(KVREPRO_DECODE_PARAMS, const float* 
     uint32_t o = rd + (STAGES - NP) * PAGE;  // the slot of page i + STAGES - NP
     if (o >= STAGES * PAGE) o -= STAGES * PAGE;
     issue(i + STAGES - NP, o);
+    float rc[4];  // ROPE, two pages, group <= 4: both pages' corrections (rope_pair_c), while the pages arrive
+    if constexpr (ROPE && NP == 2) {
+      if (rope_pair) rope_pair_c(rc, (p0 + warp + i * WARPS) * BS, rope_sm, lane);
+    }
     cp_wait<(STAGES - NP) / NP>();  // one commit group per NP pages
     __syncwarp();
     const uint8_t* pg[NP];
@@ -1027,11 +1031,7 @@ __device__ __forceinline__ void decode_step(KVREPRO_DECODE_PARAMS, const float* 
       page_logits(pg[k], tok0, s[k], okA[k], okB[k], masked, k, ang);
     }
     if constexpr (ROPE && NP == 2) {  // after the mask: -inf plus a finite correction stays -inf
-      if (rope_pair) {
-        float rc[4];
-        rope_pair_c(rc, (p0 + warp + i * WARPS) * BS, rope_sm, lane);
-        rope_pair_add(s[0], s[1], rc, rope_sm, lane);
-      }
+      if (rope_pair) rope_pair_add(s[0], s[1], rc, rope_sm, lane);
     }
     float pm0 = fmaxf(s[0][0], s[0][2]), pm1 = fmaxf(s[0][1], s[0][3]);
 #pragma unroll
