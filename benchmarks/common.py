@@ -40,16 +40,6 @@ def provenance(extra: dict | None = None) -> dict:
     return info
 
 
-def out_error(path: str) -> str | None:
-    """Why ``path`` cannot take a result file (a folder, or in a folder that does not exist), else None: checked
-    before any GPU work."""
-    if os.path.isdir(path):
-        return f"--out {path!r} is a folder: give a file path"
-    if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
-        return f"--out {path!r}: its folder does not exist"
-    return None
-
-
 def write_json(path: str, obj) -> None:
     """Write ``obj`` as JSON to a temp file in the same folder, then rename (atomic)."""
     from kvrepro.fileio import atomic_write

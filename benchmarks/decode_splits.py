@@ -38,10 +38,10 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from benchmarks.common import (D, HKV, HQ, RESULTS, bench, copy_bandwidth, decode_setup, out_error,  # noqa: E402
+from benchmarks.common import (D, HKV, HQ, RESULTS, bench, copy_bandwidth, decode_setup,  # noqa: E402
                                provenance, write_json)
 from kvrepro.ops import cuda_decode, decode_attention, decode_workspace_numel, default_num_splits  # noqa: E402
-from kvrepro.fileio import file_sha256  # noqa: E402
+from kvrepro.fileio import file_sha256, out_path_error  # noqa: E402
 from kvrepro.ops.common import sm_count  # noqa: E402
 from kvrepro.reference import paged_attention_ref  # noqa: E402
 from benchmarks.decode_side_by_side import rope_bias_args  # noqa: E402
@@ -121,8 +121,8 @@ def main() -> int:
     names = [v.partition("=")[0] for v in a.variant]
     if "committed" in names or len(set(names)) < len(names):
         ap.error(f"--variant names must be distinct and not 'committed' (the committed build's row), got {names}")
-    if out_error(a.out):
-        ap.error(out_error(a.out))
+    if out_path_error(a.out):
+        ap.error(out_path_error(a.out))
     for p in [v.partition("=")[2] for v in a.variant] + [a.trace]:
         if p and not os.path.isfile(p):
             ap.error(f"no such fatbin: {p}")
@@ -172,7 +172,6 @@ def main() -> int:
         nbytes = batch * CTX * HKV * pool.layout.bytes_per_token
         rb = rope_bias_args(batch, gen) if a.rope else None
         if a.rope:
-            cuda_decode._MODULES[dev.index] = committed
             ref = decode_attention(q, pool.data, bt, sl, pool.layout, pool.rotation, scale, impl="triton",
                                    rope_bias=rb).double()
         else:

@@ -27,8 +27,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from benchmarks.common import (RESULTS, capture_graph, copy_bandwidth, out_error, provenance,  # noqa: E402
-                               write_json)
+from benchmarks.common import RESULTS, capture_graph, copy_bandwidth, provenance, write_json  # noqa: E402
+from kvrepro.fileio import out_path_error  # noqa: E402
 
 OUT = os.path.join(RESULTS, "step_floor.json")
 READ_BYTES = 4 << 30
@@ -50,11 +50,13 @@ def gemm_shapes(cfg: dict) -> list[tuple[str, int, int, int]]:
     missing = [k for k in need if k not in cfg]
     if missing:
         raise ValueError(f"config lacks {', '.join(missing)}")
-    h, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
-    hd = cfg.get("head_dim") or h // cfg["num_attention_heads"]
-    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
+    from kvrepro.capacity import ModelConfig
+
+    m = ModelConfig.from_hf(cfg)          # the shapes the bound's weights_bytes counts
+    h, inter, layers = m.hidden_size, m.intermediate_size, m.num_layers
+    q, kv = m.num_q_heads * m.head_dim, m.num_kv_heads * m.head_dim
     return [("qkv", h, q + 2 * kv, layers), ("o", q, h, layers), ("gate_up", h, 2 * inter, layers),
-            ("down", inter, h, layers), ("lm_head", h, cfg["vocab_size"], 1)]
+            ("down", inter, h, layers), ("lm_head", h, m.vocab_size, 1)]
 
 
 def gemm_weight_bytes(shapes, itemsize: int = 2) -> int:
@@ -78,8 +80,8 @@ def main(argv=None) -> int:
         shapes = gemm_shapes(load_config(a.model))
     except ValueError as e:
         ap.error(f"--model {a.model!r}: {e}")
-    if out_error(a.out):
-        ap.error(out_error(a.out))
+    if out_path_error(a.out):
+        ap.error(out_path_error(a.out))
     if not torch.cuda.is_available():
         raise SystemExit("step_floor.py needs a CUDA device")
     import triton.testing

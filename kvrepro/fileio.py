@@ -48,6 +48,17 @@ def atomic_write(path: str | os.PathLike, write: Callable[[IO], object], mode: s
     return path
 
 
+def out_path_error(path: str, flag: str = "--out", give: str = "the result file's path") -> str | None:
+    """Why ``path`` cannot take a result file, as a message naming ``flag``: its folder does not exist, or it is a
+    folder (the message then asks for ``give``); None if it can. Scripts check their output path with it before any
+    GPU work."""
+    if not os.path.isdir(os.path.dirname(os.path.abspath(os.path.realpath(path)))):
+        return f"{flag} {path!r}: its folder does not exist"
+    if os.path.isdir(path):
+        return f"{flag} {path!r} is a folder: give {give}"
+    return None
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> str:
     """:func:`atomic_write` of ``data`` (bytes)."""
     return atomic_write(path, lambda f: f.write(data), "wb")

@@ -51,6 +51,7 @@ if str(ROOT) not in sys.path:
 
 from kvrepro import servebench as sb  # noqa: E402
 from kvrepro import sweep  # noqa: E402
+from kvrepro.fileio import out_path_error  # noqa: E402
 
 START_TIMEOUT_S = 900
 
@@ -86,12 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_of(a: argparse.Namespace) -> dict:
     """Validated settings (``servebench.check_config``); raises ValueError naming the bad parameter."""
-    if a.out is not None:
-        out = Path(a.out)
-        if not out.resolve().parent.is_dir():
-            raise ValueError(f"--out {a.out!r}: its folder does not exist")
-        if out.is_dir():
-            raise ValueError(f"--out {a.out!r} is a folder: give the result file's path (new runs are merged into it)")
+    bad_out = a.out is not None and out_path_error(a.out, give="the result file's path (new runs are merged into it)")
+    if bad_out:
+        raise ValueError(bad_out)
     try:
         cfg = sb.check_config({"modes": a.modes, "num_prompts": a.num_prompts, "input_min": a.input_min,
                                "input_max": a.input_max, "output_len": a.output_len,

@@ -46,6 +46,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from kvrepro import profile, sweep  # noqa: E402
+from kvrepro.fileio import out_path_error  # noqa: E402
 
 PROFILER_CONFIG = {"profiler": "torch", "torch_profiler_with_stack": False, "torch_profiler_use_gzip": True,
                    "torch_profiler_dump_cuda_time_total": False, "torch_profiler_record_shapes": False}
@@ -128,10 +129,8 @@ def check_args(a: argparse.Namespace) -> dict:
                          f"and margin) must be <= the bundled model's max_position_embeddings ({limit})")
     if a.trace_dir is not None and Path(a.trace_dir).exists() and not Path(a.trace_dir).is_dir():
         raise ValueError(f"--trace-dir {a.trace_dir!r} is a file: give a folder (created if missing)")
-    if a.out is not None and not Path(a.out).resolve().parent.is_dir():
-        raise ValueError(f"--out {a.out!r}: its folder does not exist")
-    if a.out is not None and Path(a.out).is_dir():
-        raise ValueError(f"--out {a.out!r} is a folder: give the result file's path")
+    if a.out is not None and out_path_error(a.out):
+        raise ValueError(out_path_error(a.out))
     return {"mode": a.mode, "users": users, "prompt_tokens": a.prompt_tokens, "gpu_memory_gb": a.gpu_memory_gb,
             "steps": a.steps, "settle_steps": a.settle_steps, "max_num_seqs": a.max_num_seqs,
             "cudagraph_mode": a.cudagraph_mode, "fa_max_splits": a.fa_max_splits, "seed": a.seed, "out": a.out,

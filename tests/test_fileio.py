@@ -56,3 +56,11 @@ def test_file_sha256_refuses_a_missing_file_and_a_bad_chunk(tmp_path):
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="chunk_bytes must be an int >= 1"):
             file_sha256(tmp_path / "a", chunk_bytes=bad)
+
+
+def test_out_path_error_names_the_flag_and_the_fault(tmp_path):
+    from kvrepro.fileio import out_path_error
+
+    assert out_path_error(str(tmp_path / "r.json")) is None                      # a new file in an existing folder
+    assert out_path_error(str(tmp_path / "no" / "r.json")) == f"--out {str(tmp_path / 'no' / 'r.json')!r}: its folder does not exist"
+    assert out_path_error(str(tmp_path), "--csv", "a CSV file path") == f"--csv {str(tmp_path)!r} is a folder: give a CSV file path"
